@@ -1,0 +1,1 @@
+"""Command-line tools: tiny bundle generator, golden parity checker."""

@@ -1,0 +1,53 @@
+"""``python -m cosyvoice.tools.parity --golden DIR``: per-component parity table, exit 1 on any FAIL."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+import traceback
+
+import torch
+
+from cosyvoice.tools.parity import COMPONENTS
+from cosyvoice.tools.parity.common import Golden, Result
+
+
+def run_component(name: str, golden: Golden) -> list[Result]:
+    """Run one component's checks; an exception is reported as a FAIL row, never swallowed silently."""
+    try:
+        module = importlib.import_module(f"cosyvoice.tools.parity.{name}")
+        return module.check(golden)
+    except Exception as exc:  # the tool reports every component, even one that crashes
+        detail = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        return [Result(name, "(error)", float("inf"), float("inf"), 0.0, False, detail[:300])]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--golden", required=True, help="golden fixture folder (layout of ../shared/golden)")
+    parser.add_argument("--only", nargs="*", choices=COMPONENTS, help="run only these components")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (the fixtures were made with 1)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    golden = Golden(args.golden)
+    print(f"golden: {golden.root}   torch {torch.__version__}   device cpu   float32   threads {args.threads}")
+    print(f"{'component':<10} {'check':<40} {'max_abs':>11} {'mean_abs':>11} {'tol':>9}  result")
+    failed = 0
+    total = 0
+    for name in args.only or COMPONENTS:
+        start = time.perf_counter()
+        results = run_component(name, golden)
+        for r in results:
+            print(r.row())
+        failed += sum(not r.passed for r in results)
+        total += len(results)
+        print(f"{'':<10} ({name}: {len(results)} checks, {time.perf_counter() - start:.1f} s)")
+    print(f"{total - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

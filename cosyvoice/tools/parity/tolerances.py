@@ -1,0 +1,15 @@
+"""Every parity tolerance in one place (max-abs unless noted).
+
+Values follow the golden README section 9 ("suggested test tolerances for an
+independent float32 implementation"); none is looser than the issue allows.
+"""
+
+FEATURE_ATOL = 1e-4  # wav resample, mel80, whisper log-mel, kaldi fbank, campplus embedding
+LLM_HIDDEN_ATOL = 1e-4
+LLM_LOGP_ATOL = 2e-4
+SAMPLING_PROB_ATOL = 1e-5  # candidate probabilities of the nucleus sampler
+FLOW_MEL_ATOL = 1e-3
+HIFT_F0_RTOL = 1e-6  # float64 F0 predictor
+HIFT_AUDIO_ATOL = 2e-4  # hift.safetensors: source, stft, speech
+T2W_PCM_ATOL = 1e-3  # t2w.safetensors: streamed token2wav chunks
+EXACT = 0.0  # integer outputs: token ids, text pieces, chunk bookkeeping
