@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# Before torch loads: MKL's FFT rounding is CPU-dependent unless this selects its reproducible path,
+# and the golden feature fixtures match that path (see tests/conftest.py).
+os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
+
 import argparse
 import importlib
 import sys
