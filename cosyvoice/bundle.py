@@ -25,6 +25,7 @@ from cosyvoice.errors import ConfigError, ModelBundleError, WeightsError
 from cosyvoice.flow import CausalMaskedDiffWithDiT
 from cosyvoice.hifigan import CausalHiFTGenerator, rename_hift_key
 from cosyvoice.llm import CosyVoice3LM
+from cosyvoice.rng import SineGenRecipe
 from cosyvoice.weights import load_weights
 
 DEFAULT_MODEL_ID = "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"
@@ -286,16 +287,17 @@ class ModelBundle:
         load_weights(module, self.flow_path)
         return module.to(device=device, dtype=dtype).eval()
 
-    def load_hift(self, device: torch.device | str = "cpu",
-                  dtype: torch.dtype = torch.float32) -> CausalHiFTGenerator:
-        """``CausalHiFTGenerator`` built from the yaml with hift.pt loaded strictly, in eval mode.
+    def load_hift(self, device: torch.device | str = "cpu") -> CausalHiFTGenerator:
+        """``CausalHiFTGenerator`` built from the yaml with hift.pt loaded strictly, in eval mode, float32.
 
         Keys are normalised first as the official loader allows: no ``generator.`` prefix (HiFiGan training
-        checkpoints) and legacy ``weight_g``/``weight_v`` weight-norm names.
+        checkpoints) and legacy ``weight_g``/``weight_v`` weight-norm names. The vocoder stays float32 (its
+        F0 predictor float64) whatever the other modules run in: half precision audibly moves its phases.
         """
-        module = CausalHiFTGenerator(self.config.hift)
+        # the official SineGen noise depends on draws made while the flow is built, so it needs the whole config
+        module = CausalHiFTGenerator(self.config.hift, SineGenRecipe.from_config(self.config))
         load_weights(module, self.hift_path, rename=rename_hift_key)
-        return module.to(device=device, dtype=dtype).eval()
+        return module.to(device=device).eval()
 
 
 def validate_model_dir(model_dir: str | Path) -> ModelBundle:
