@@ -1,0 +1,169 @@
+"""CosyVoice3's speech-token language model: text (+ prompt) ids in, speech tokens out.
+
+The Qwen2 stack reads one sequence of embeddings
+
+    [sos] + embed_tokens(prompt_text ++ text) + [task_id] + speech_embedding(prompt_speech_tokens)
+
+and then continues it one speech token at a time; ``sos`` and ``task_id`` are rows of the
+speech embedding table past the 6561 real speech tokens. The three request modes differ only in
+what they pass: zero-shot (prompt transcript + prompt speech tokens), cross-lingual (no prompt
+text, no prompt speech; the text itself carries ``<|endofprompt|>``) and instruct2 (the
+instruction as prompt text, no prompt speech). There is no speaker-embedding slot in CosyVoice3.
+
+:meth:`CosyVoice3LM.generate` validates the request eagerly and returns a lazy token iterator:
+one prefill pass over the prompt, then one cached decode step per token, each computed only when
+the consumer asks for the next token, so closing the iterator stops all work at once.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from cosyvoice.config import LLMConfig
+from cosyvoice.errors import InvalidInputError
+from cosyvoice.llm.qwen2 import KVCache, Qwen2Backbone
+from cosyvoice.llm.sampling import ras_sample
+
+TokenIds = Sequence[int] | torch.Tensor
+Sampler = Callable[[torch.Tensor, Sequence[int], torch.Generator], int]
+
+#: Id of ``<|endofprompt|>`` in the released tokenizer; the official model hard-codes it. Callers
+#: with a tokenizer should pass the id it resolves instead.
+ENDOFPROMPT_ID = 151646
+#: Speech tokens that are silence or breath in the released FSQ codebook (official ``llm_job``).
+SILENT_TOKENS = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
+#: Longest run of silent tokens passed on; later ones in the same run are dropped.
+MAX_SILENT_RUN = 5
+#: Speech-table rows past the real speech tokens: sos, eos, task_id, fill, then unused stop ids.
+N_EXTRA_TOKENS = 200
+
+
+class CosyVoice3LM(nn.Module):
+    """Qwen2 backbone + speech-token embedding and head; keys equal the official ``llm.pt``."""
+
+    def __init__(self, cfg: LLMConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        n = cfg.speech_token_size
+        self.speech_token_size = n
+        self.sos, self.eos, self.task_id, self.fill = n, n + 1, n + 2, n + 3
+        #: sampling any id past the real speech tokens ends the utterance
+        self.stop_token_ids = range(n, n + N_EXTRA_TOKENS)
+        self.llm = Qwen2Backbone(cfg.qwen)
+        self.llm_decoder = nn.Linear(cfg.llm_output_size, n + N_EXTRA_TOKENS, bias=False)
+        self.speech_embedding = nn.Embedding(n + N_EXTRA_TOKENS, cfg.llm_input_size)
+
+    # ------------------------------------------------------------------ building blocks
+
+    @staticmethod
+    def length_limits(n_text: int, min_ratio: float = 2.0, max_ratio: float = 20.0) -> tuple[int, int]:
+        """(min_len, max_len) of the speech tokens for ``n_text`` tts-text tokens (prompt text excluded)."""
+        n = torch.tensor(n_text, dtype=torch.int32)
+        # the reference multiplies an int32 tensor by the ratio (float32 arithmetic), then truncates
+        return int(n * min_ratio), int(n * max_ratio)
+
+    def build_lm_input(self, text: torch.Tensor, prompt_text: torch.Tensor,
+                       prompt_speech_token: torch.Tensor) -> torch.Tensor:
+        """The prompt sequence [1, L, H] from 1-D id tensors on this module's device."""
+        weight = self.speech_embedding.weight
+        return torch.cat([
+            weight[self.sos][None],
+            self.llm.embed_tokens(torch.cat([prompt_text, text])),
+            weight[self.task_id][None],
+            self.speech_embedding(prompt_speech_token),
+        ])[None]
+
+    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Speech-token log-probabilities (float32) of last hidden states [..., H]."""
+        return self.llm_decoder(hidden).float().log_softmax(dim=-1)
+
+    def decode_step(self, embeds: torch.Tensor, start: int, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed ``embeds`` [1, T, H] at positions ``start``.. ; return the last (hidden [1, H], log-probs [1, V])."""
+        t = embeds.shape[1]
+        positions = torch.arange(start, start + t, device=embeds.device)[None]
+        hidden = self.llm.forward_cached(embeds, positions, cache, kv_len=start + t)[:, -1]
+        return hidden, self.log_probs(hidden)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, text: TokenIds, prompt_text: TokenIds, prompt_speech_token: TokenIds,
+                 generator: torch.Generator, *, endofprompt_id: int = ENDOFPROMPT_ID,
+                 min_token_text_ratio: float = 2.0, max_token_text_ratio: float = 20.0,
+                 silent_tokens: frozenset[int] = SILENT_TOKENS, cache: KVCache | None = None,
+                 sampler: Sampler | None = None) -> Iterator[int]:
+        """Speech tokens for ``text`` in the voice of the prompt, one at a time.
+
+        Inputs are 1-D token ids (or [1, T]); see the module docstring for what each mode passes.
+        ``generator`` drives all randomness (draws happen on its device). Generation stops at a
+        stop id (not yielded) or after ``max_len`` tokens. ``silent_tokens`` applies the official
+        engine's rule: tokens of this set beyond ``MAX_SILENT_RUN`` in a row are still fed back to
+        the model but not yielded (pass ``frozenset()`` to yield every token). ``cache`` lets a
+        session reuse its KV cache (batch 1, at least prompt length + max_len - 1 slots);
+        ``sampler`` replaces ras sampling (e.g. to replay a recorded token sequence).
+        Raises :class:`InvalidInputError` at call time, before any model work.
+        """
+        device = self.speech_embedding.weight.device
+        text_ids = self._ids(text, "text", self.cfg.qwen.vocab_size, device)
+        prompt_ids = self._ids(prompt_text, "prompt_text", self.cfg.qwen.vocab_size, device)
+        speech_ids = self._ids(prompt_speech_token, "prompt_speech_token", self.speech_token_size, device)
+        if not bool((text_ids == endofprompt_id).any() or (prompt_ids == endofprompt_id).any()):
+            raise InvalidInputError(
+                f"CosyVoice3 needs the <|endofprompt|> token (id {endofprompt_id}) in the prompt text or the text: "
+                "end the prompt transcript (zero-shot), the instruction (instruct2) or a leading system prompt "
+                "(cross-lingual) with '<|endofprompt|>', e.g. 'You are a helpful assistant.<|endofprompt|>'")
+        min_len, max_len = self.length_limits(len(text_ids), min_token_text_ratio, max_token_text_ratio)
+        with torch.inference_mode():
+            lm_input = self.build_lm_input(text_ids, prompt_ids, speech_ids)
+        needed = lm_input.shape[1] + max(max_len - 1, 0)
+        if cache is None:
+            cache = self.llm.new_cache(1, needed)
+        elif cache.batch != 1 or cache.max_len < needed or cache.dtype != lm_input.dtype or cache.device != device:
+            raise InvalidInputError(
+                f"KV cache (batch {cache.batch}, {cache.max_len} slots, {cache.dtype}, {cache.device}) cannot hold "
+                f"this request: it needs batch 1, {needed} slots, {lm_input.dtype} on {device}")
+        sample = sampler or functools.partial(ras_sample, cfg=self.cfg.sampling)
+        return self._decode(lm_input, min_len, max_len, cache, generator, sample, silent_tokens)
+
+    @torch.inference_mode()
+    def _decode(self, lm_input: torch.Tensor, min_len: int, max_len: int, cache: KVCache,
+                generator: torch.Generator, sample: Sampler, silent_tokens: frozenset[int]) -> Iterator[int]:
+        decoded: list[int] = []
+        silent_run = 0
+        x, start = lm_input, 0
+        for step in range(max_len):
+            _, logp = self.decode_step(x, start, cache)
+            scores = logp[0]
+            if step < min_len:
+                # reference quirk: only index speech_token_size (sos, not eos) is banned before
+                # min_len, so the other stop ids can still end generation early
+                scores[self.sos] = -float("inf")
+            token = sample(scores, decoded, generator)
+            if token in self.stop_token_ids:
+                return
+            decoded.append(token)
+            start += x.shape[1]
+            x = self.speech_embedding.weight[token].view(1, 1, -1)
+            if token in silent_tokens:
+                silent_run += 1
+                if silent_run > MAX_SILENT_RUN:
+                    continue
+            else:
+                silent_run = 0
+            yield token
+
+    @staticmethod
+    def _ids(ids: TokenIds, name: str, limit: int, device: torch.device) -> torch.Tensor:
+        """1-D int64 ids on ``device``, each in [0, limit)."""
+        t = ids.detach() if isinstance(ids, torch.Tensor) else torch.tensor(list(ids), dtype=torch.long)
+        if t.dim() == 2 and t.shape[0] == 1:
+            t = t[0]
+        if t.dim() != 1 or t.is_floating_point() or t.is_complex():
+            raise InvalidInputError(f"{name} must be 1-D integer token ids (or shape [1, T]), "
+                                    f"got {t.dtype} of shape {tuple(t.shape)}")
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= limit):
+            raise InvalidInputError(f"{name} has ids outside [0, {limit}): min {int(t.min())}, max {int(t.max())}")
+        return t.to(device=device, dtype=torch.long)

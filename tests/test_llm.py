@@ -1,0 +1,198 @@
+"""CosyVoice3LM: parity with the official fixtures, KV-cache decoding, generation and sampling rules."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from cosyvoice.config import LLMConfig, QwenConfig, SamplingConfig
+from cosyvoice.errors import InvalidInputError
+from cosyvoice.llm import CosyVoice3LM, KVCache, nucleus_candidates, ras_sample
+from cosyvoice.llm.model import MAX_SILENT_RUN
+from cosyvoice.tools.parity.llm import check
+from cosyvoice.weights import read_checkpoint
+
+EOP = 290  # <|endofprompt|> of the toy vocabulary below
+SPEECH = 40
+
+
+@pytest.fixture(scope="module")
+def lm() -> CosyVoice3LM:
+    torch.manual_seed(0)
+    qwen = QwenConfig(vocab_size=300, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, rope_theta=10_000.0)
+    model = CosyVoice3LM(LLMConfig(llm_input_size=16, llm_output_size=16, speech_token_size=SPEECH, qwen=qwen))
+    with torch.no_grad():  # like the golden bundle: make speech tokens likelier than the 200 stop ids
+        model.llm_decoder.weight[:SPEECH] *= 10.0
+        model.llm_decoder.weight[SPEECH:] = 0.0
+    return model.eval()
+
+
+def _request(n_text: int = 3) -> tuple[list[int], list[int], list[int]]:
+    return list(range(10, 10 + n_text)), [5, 6, EOP], [3, 1, 4, 1, 5]
+
+
+def _replay(tokens: Sequence[int], seen: list[torch.Tensor] | None = None):
+    def sampler(scores: torch.Tensor, decoded: Sequence[int], generator: torch.Generator) -> int:
+        if seen is not None:
+            seen.append(scores.clone())
+        return tokens[len(decoded)]
+    return sampler
+
+
+def test_parity_with_official_fixtures(golden) -> None:
+    results = check(golden)
+    failed = [r.row() for r in results if not r.passed]
+    assert not failed, "\n".join(failed)
+
+
+def test_keys_equal_official_checkpoint_and_lm_head_wins(golden) -> None:
+    from cosyvoice.config import load_config
+
+    model = CosyVoice3LM(load_config(golden.bundle_dir).llm)
+    sd = read_checkpoint(golden.bundle_dir / "llm.pt")
+    assert list(model.state_dict()) == list(sd)
+    sd["llm.model.lm_head.weight"] = sd["llm.model.lm_head.weight"] + 1.0  # untie the file's copies
+    model.load_state_dict(sd, strict=True)
+    assert torch.equal(model.llm.embed_tokens.weight, sd["llm.model.lm_head.weight"])
+
+
+def test_kv_cache_decode_equals_full_forward(lm: CosyVoice3LM) -> None:
+    with torch.inference_mode():
+        seq = torch.randn(1, 12, 16)
+        full = lm.llm(seq)
+        cache = lm.llm.new_cache(1, 16)
+        steps = [lm.decode_step(seq[:, :7], 0, cache)[0]]
+        steps += [lm.decode_step(seq[:, i:i + 1], i, cache)[0] for i in range(7, 12)]
+        torch.testing.assert_close(torch.cat(steps), full[0, 6:], atol=1e-5, rtol=0)
+
+        # two sessions batched at different positions, reading every slot (the fixed-shape path):
+        # row 0 prefills 9 positions but only 7 are real; slots 7-8 are stale until overwritten
+        other = torch.randn(1, 12, 16)
+        full_other = lm.llm(other)
+        batch = KVCache(lm.cfg.qwen, batch=2, max_len=16)
+        lm.llm.forward_cached(torch.cat([seq[:, :9], other[:, :9]]), torch.arange(9).expand(2, 9), batch)
+        for a, b in ((7, 9), (8, 10)):
+            out = lm.llm.forward_cached(torch.cat([seq[:, a:a + 1], other[:, b:b + 1]]),
+                                        torch.tensor([[a], [b]]), batch)
+            torch.testing.assert_close(out[0, 0], full[0, a], atol=1e-5, rtol=0)
+            torch.testing.assert_close(out[1, 0], full_other[0, b], atol=1e-5, rtol=0)
+
+
+def test_generation_reproducible_per_generator_seed(lm: CosyVoice3LM) -> None:
+    def run(seed: int) -> list[int]:
+        return list(lm.generate(*_request(), torch.Generator().manual_seed(seed), endofprompt_id=EOP))
+
+    torch.manual_seed(123)
+    first = run(7)
+    torch.manual_seed(456)  # the global RNG must not matter
+    assert run(7) == first
+    others = [run(seed) for seed in (0, 1, 2, 3)]
+    assert first and all(other != first for other in others)
+    # with real sampling some runs end on a sampled stop id, some at max_len (3 text tokens * 20)
+    assert {len(o) == 60 for o in [first, *others]} == {True, False}
+
+
+def test_stops_on_any_stop_id_and_min_len_quirk(lm: CosyVoice3LM) -> None:
+    seen: list[torch.Tensor] = []
+    out = list(lm.generate(*_request(), torch.Generator(), endofprompt_id=EOP, sampler=_replay([7, 8, lm.eos], seen)))
+    assert out == [7, 8]
+    assert len(seen) == 3
+    # before min_len only index speech_token_size (sos) is banned; eos and the other stop ids are not
+    assert all(s[lm.sos] == -float("inf") and torch.isfinite(s[lm.eos:]).all() for s in seen)
+    late = list(lm.generate(*_request(), torch.Generator(), endofprompt_id=EOP,
+                            sampler=_replay([9] * 6 + [SPEECH + 150])))
+    assert late == [9] * 6
+    _, max_len = lm.length_limits(3)
+    seen.clear()
+    list(lm.generate(*_request(), torch.Generator(), endofprompt_id=EOP, sampler=_replay([9] * max_len, seen)))
+    min_len, _ = lm.length_limits(3)
+    assert torch.isinf(seen[min_len - 1][lm.sos]) and torch.isfinite(seen[min_len][lm.sos])
+
+
+def test_max_len_respected(lm: CosyVoice3LM) -> None:
+    stops = torch.tensor(list(lm.stop_token_ids))
+
+    def never_stop(scores: torch.Tensor, decoded: Sequence[int], generator: torch.Generator) -> int:
+        return ras_sample(scores.index_fill(0, stops, -float("inf")), decoded, generator, lm.cfg.sampling)
+
+    out = list(lm.generate(*_request(2), torch.Generator().manual_seed(0), endofprompt_id=EOP,
+                           silent_tokens=frozenset(), sampler=never_stop))
+    assert len(out) == lm.length_limits(2)[1] == 40
+
+
+def test_closing_the_iterator_stops_work(lm: CosyVoice3LM) -> None:
+    seen: list[torch.Tensor] = []
+    tokens = lm.generate(*_request(), torch.Generator(), endofprompt_id=EOP, sampler=_replay([7] * 60, seen))
+    assert seen == []  # nothing runs before the first next()
+    assert [next(tokens), next(tokens)] == [7, 7]
+    tokens.close()
+    assert len(seen) == 2
+    with pytest.raises(StopIteration):
+        next(tokens)
+
+
+def test_long_silence_is_dropped_but_fed_back(lm: CosyVoice3LM) -> None:
+    script = [1] * 8 + [7] + [2] * 3 + [lm.eos]
+    out = list(lm.generate(*_request(), torch.Generator(), endofprompt_id=EOP, sampler=_replay(script)))
+    assert out == [1] * MAX_SILENT_RUN + [7] + [2] * 3
+    everything = list(lm.generate(*_request(), torch.Generator(), endofprompt_id=EOP,
+                                  silent_tokens=frozenset(), sampler=_replay(script)))
+    assert everything == script[:-1]
+
+
+def test_invalid_requests_raise_at_call_time(lm: CosyVoice3LM) -> None:
+    text, prompt, speech = _request()
+    with pytest.raises(InvalidInputError, match="endofprompt"):
+        lm.generate(text, [5, 6], speech, torch.Generator(), endofprompt_id=EOP)
+    lm.generate([*text, EOP], [], [], torch.Generator(), endofprompt_id=EOP)  # cross-lingual: fine
+    with pytest.raises(InvalidInputError, match="prompt_speech_token"):
+        lm.generate(text, prompt, [SPEECH], torch.Generator(), endofprompt_id=EOP)
+    with pytest.raises(InvalidInputError, match="1-D"):
+        lm.generate(torch.zeros(2, 3, dtype=torch.long), prompt, speech, torch.Generator(), endofprompt_id=EOP)
+    with pytest.raises(InvalidInputError, match="KV cache"):
+        lm.generate(text, prompt, speech, torch.Generator(), endofprompt_id=EOP, cache=lm.llm.new_cache(1, 8))
+
+
+def test_reusing_a_session_cache_gives_the_same_tokens(lm: CosyVoice3LM) -> None:
+    cache = lm.llm.new_cache(1, 200)
+    runs = [list(lm.generate(*_request(), torch.Generator().manual_seed(3), endofprompt_id=EOP, cache=cache))
+            for _ in range(2)]
+    assert runs[0] == runs[1] == list(lm.generate(*_request(), torch.Generator().manual_seed(3), endofprompt_id=EOP))
+
+
+def test_bf16_generation_runs(lm: CosyVoice3LM) -> None:
+    half = CosyVoice3LM(lm.cfg).eval()
+    half.load_state_dict(lm.state_dict())
+    half.to(torch.bfloat16)
+    out = list(half.generate(*_request(), torch.Generator().manual_seed(0), endofprompt_id=EOP))
+    assert all(0 <= t < SPEECH for t in out)
+
+
+def test_nucleus_rule_includes_the_crossing_token() -> None:
+    scores = torch.tensor([0.5, 0.1, 0.25, 0.15]).log()
+    ids, probs = nucleus_candidates(scores, top_p=0.8, top_k=25)
+    assert ids.tolist() == [0, 2, 3]  # 0.5 + 0.25 < 0.8, so 0.15 (crossing) is still taken
+    torch.testing.assert_close(probs, torch.tensor([0.5, 0.25, 0.15]))
+    assert nucleus_candidates(scores, top_p=0.8, top_k=2)[0].tolist() == [0, 2]
+    ties = torch.zeros(6)  # equal scores keep index order (stable sort)
+    assert nucleus_candidates(ties, top_p=0.5, top_k=25)[0].tolist() == [0, 1, 2]
+
+
+def test_sampling_stays_in_candidate_set_and_ras_bans_repeats() -> None:
+    cfg = SamplingConfig(top_p=0.8, top_k=25, win_size=10, tau_r=0.1)
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        scores = (torch.randn(500, generator=gen) * (trial % 5 + 1)).log_softmax(0)
+        allowed = set(nucleus_candidates(scores, cfg.top_p, cfg.top_k)[0].tolist())
+        for seed in range(5):
+            token = ras_sample(scores, [], torch.Generator().manual_seed(seed), cfg)
+            assert token in allowed
+            # the same draw repeated in the window is banned: the fallback picks anything else
+            repeat = ras_sample(scores, [token], torch.Generator().manual_seed(seed), cfg)
+            assert repeat != token
+    peaky = torch.full((50,), -50.0)
+    peaky[3] = 0.0
+    assert ras_sample(peaky.log_softmax(0), [3] * 10, torch.Generator().manual_seed(0), cfg) != 3
