@@ -33,21 +33,30 @@ def tiny_bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_bundle(tmp_path_factory.mktemp("bundle") / "tiny", seed=7)
 
 
-@pytest.fixture(scope="session")
-def prompt_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """2.5 s of a voiced, vowel-like signal at 24 kHz (harmonics of a gliding F0 under a syllable envelope)."""
+def _voiced_wav(path: Path, seconds: float, sr: int = 24000) -> Path:
+    """A voiced, vowel-like signal: harmonics of a gliding F0 under a syllable envelope."""
     import numpy as np
     import soundfile as sf
 
-    sr = 24000
-    t = np.arange(int(2.5 * sr)) / sr
+    t = np.arange(int(seconds * sr)) / sr
     f0 = 120 + 30 * np.sin(2 * np.pi * 0.8 * t)
     phase = 2 * np.pi * np.cumsum(f0) / sr
     voice = sum(np.sin(k * phase) / k for k in range(1, 12))
     envelope = 0.5 * (1 - np.cos(2 * np.pi * 3 * t)) * np.clip(t * 8, 0, 1)
-    path = tmp_path_factory.mktemp("audio") / "prompt.wav"
     sf.write(path, (0.3 * voice * envelope).astype(np.float32), sr, subtype="PCM_16")
     return path
+
+
+@pytest.fixture(scope="session")
+def prompt_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2.5 s, 24 kHz prompt recording."""
+    return _voiced_wav(tmp_path_factory.mktemp("audio") / "prompt.wav", 2.5)
+
+
+@pytest.fixture(scope="session")
+def short_prompt_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 1.2 s, 16 kHz prompt: fewer prompt frames keep the many-request tests fast."""
+    return _voiced_wav(tmp_path_factory.mktemp("audio") / "short.wav", 1.2, 16000)
 
 
 @pytest.fixture(scope="session")

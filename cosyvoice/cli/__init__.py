@@ -1,0 +1,1 @@
+"""The official-compatible API: ``from cosyvoice.cli.cosyvoice import CosyVoice3, AutoModel``."""

@@ -1,0 +1,282 @@
+"""The synthesis engine: one object owns the networks and the device; each request is a session.
+
+Data flow of one session (see docs/architecture.md):
+
+    LLM producer thread ──tokens──▶ Session (condition variable) ──▶ consumer (the caller's generator)
+                                                                      ├─ flow (tokens → mel), per chunk policy
+                                                                      └─ HiFT (mel → waveform) → AudioChunk
+
+The producer wakes the consumer whenever a token arrives (no polling). Closing the consumer's
+generator (or an exception anywhere) cancels the producer within one decode step, joins it, and
+frees the session slot. Each session owns all of its state (tokens, chunk policy, mel cache), so
+concurrent requests never influence each other — the reference shares its growing hop length
+across requests (docs/differences.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from cosyvoice.config import CosyVoice3Config
+from cosyvoice.errors import CosyVoiceError, InvalidInputError, ResourceLimitError
+from cosyvoice.flow import CausalMaskedDiffWithDiT
+from cosyvoice.frontend.frontend import ModelInput
+from cosyvoice.hifigan import CausalHiFTGenerator
+from cosyvoice.llm import CosyVoice3LM
+from cosyvoice.settings import Limits
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    """One piece of streamed audio with the bookkeeping a client needs to place and time it."""
+
+    pcm: torch.Tensor  # float32 [N] on CPU, in [-audio_limit, audio_limit]
+    sample_rate: int
+    index: int  # 0, 1, ... within the request
+    sample_offset: int  # index of pcm[0] in the request's whole waveform
+    token_start: int  # speech tokens [token_start, token_end) this chunk finalises
+    token_end: int
+    final: bool  # last chunk of its text segment
+    seconds_to_produce: float  # wall time from the request start (chunk 0) or the previous chunk
+
+    @property
+    def duration(self) -> float:
+        return self.pcm.numel() / self.sample_rate
+
+    def int16(self) -> np.ndarray:
+        """PCM16 little-endian samples, as streamed by the servers."""
+        return (self.pcm.clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16).numpy()
+
+
+@dataclass
+class ChunkPolicy:
+    """CosyVoice3 streaming boundaries, owned by one session.
+
+    The first hop is padded so that prompt tokens + first hop fill whole flow chunks
+    (the DiT's chunk mask is aligned to frame 0 of the prompt); afterwards the hop grows
+    by ``scale`` up to ``max_hop``. A chunk needs ``hop + lookahead`` tokens beyond the offset.
+    """
+
+    prompt_len: int
+    hop: int = 25
+    max_hop: int = 100
+    scale: int = 2
+    lookahead: int = 3
+    offset: int = 0
+
+    def current_hop(self) -> int:
+        if self.offset == 0:
+            pad = -self.prompt_len % self.hop  # ceil(prompt/hop)*hop - prompt
+            return self.hop + pad
+        return self.hop
+
+    def ready(self, n_tokens: int) -> bool:
+        return n_tokens - self.offset >= self.current_hop() + self.lookahead
+
+    def advance(self) -> tuple[int, int]:
+        """Consume one hop; returns the (start, end) token range it finalised."""
+        start, end = self.offset, self.offset + self.current_hop()
+        self.offset = end
+        self.hop = min(self.max_hop, self.hop * self.scale)
+        return start, end
+
+
+@dataclass
+class Session:
+    """Per-request state. The producer thread appends tokens; the consumer reads them."""
+
+    id: int
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    llm_done: bool = False
+    error: BaseException | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    mel_cache: torch.Tensor | None = None
+    speech_offset: int = 0
+
+
+class Engine:
+    """Owns the three networks on one device and runs sessions on them."""
+
+    def __init__(self, config: CosyVoice3Config, llm: CosyVoice3LM, flow: CausalMaskedDiffWithDiT,
+                 hift: CausalHiFTGenerator, device: torch.device, limits: Limits | None = None,
+                 endofprompt_id: int = 151646) -> None:
+        self.config = config
+        self.llm, self.flow, self.hift = llm.eval(), flow.eval(), hift.eval()
+        self.device = device
+        self.limits = limits or Limits.from_env()
+        self.sample_rate = config.sample_rate
+        self.endofprompt_id = endofprompt_id  # the tokenizer's id of <|endofprompt|>, which the LLM requires
+        self._slots = threading.BoundedSemaphore(self.limits.max_sessions)
+        self._sessions: dict[int, Session] = {}
+        self._sessions_lock = threading.Lock()
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    @property
+    def active_sessions(self) -> int:
+        with self._sessions_lock:
+            return len(self._sessions)
+
+    def _open_session(self, seed: int | None) -> Session:
+        if not self._slots.acquire(timeout=self.limits.queue_timeout_seconds):
+            raise ResourceLimitError(
+                f"busy: {self.limits.max_sessions} requests are already synthesising and none finished within "
+                f"{self.limits.queue_timeout_seconds:g} s; retry later (COSYVOICE_MAX_SESSIONS raises the bound)")
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(secrets.randbits(63) if seed is None else int(seed))
+        session = Session(id=next(self._ids), generator=gen)
+        with self._sessions_lock:
+            self._sessions[session.id] = session
+        return session
+
+    def _close_session(self, session: Session, producer: threading.Thread | None) -> None:
+        session.cancelled.set()
+        if producer is not None:
+            producer.join()
+        with self._sessions_lock:
+            self._sessions.pop(session.id, None)
+        session.mel_cache = None
+        self._slots.release()
+
+    # ------------------------------------------------------------------ LLM producer
+
+    def _produce(self, session: Session, inp: ModelInput) -> None:
+        try:
+            with torch.inference_mode():
+                tokens = self.llm.generate(
+                    text=inp.text, prompt_text=inp.prompt_text, prompt_speech_token=inp.llm_prompt_speech_token,
+                    generator=session.generator, endofprompt_id=self.endofprompt_id)
+                with contextlib.closing(tokens):  # closing it ends the decode loop at once
+                    for token in tokens:
+                        with session.cond:
+                            session.tokens.append(token)
+                            session.cond.notify()
+                        if session.cancelled.is_set():
+                            break
+        except BaseException as exc:  # handed to the consumer, which re-raises it in the caller's thread
+            session.error = exc
+        finally:
+            with session.cond:
+                session.llm_done = True
+                session.cond.notify()
+
+    # ------------------------------------------------------------------ token → waveform
+
+    @torch.inference_mode()
+    def token2wav(self, session: Session, tokens: torch.Tensor, inp: ModelInput, token_offset: int,
+                  streaming: bool, finalize: bool, speed: float = 1.0) -> torch.Tensor:
+        """Flow + HiFT for one chunk, as the reference: new mel frames join the session's mel cache and the
+        vocoder re-runs over the whole cache; only samples after the previous chunk are returned."""
+        dev = self.device
+        prompt_token = inp.flow_prompt_speech_token.to(dev)
+        prompt_feat = inp.prompt_speech_feat.to(dev)
+        mel = self.flow.inference(
+            token=tokens.to(dev), token_len=torch.tensor([tokens.shape[1]], dtype=torch.int32, device=dev),
+            prompt_token=prompt_token,
+            prompt_token_len=torch.tensor([prompt_token.shape[1]], dtype=torch.int32, device=dev),
+            prompt_feat=prompt_feat,
+            prompt_feat_len=torch.tensor([prompt_feat.shape[1]], dtype=torch.int32, device=dev),
+            embedding=inp.flow_embedding.to(dev), streaming=streaming, finalize=finalize)
+        mel = mel[:, :, token_offset * self.config.flow.token_mel_ratio:]
+        session.mel_cache = mel if session.mel_cache is None else torch.cat([session.mel_cache, mel], dim=2)
+        full_mel = session.mel_cache
+        if speed != 1.0:
+            full_mel = F.interpolate(full_mel, size=int(full_mel.shape[2] / speed), mode="linear")
+        speech, _ = self.hift.inference(speech_feat=full_mel, finalize=finalize)
+        out = speech[0, session.speech_offset:]
+        session.speech_offset += out.shape[0]
+        return out.float().cpu()
+
+    # ------------------------------------------------------------------ sessions
+
+    def synthesize(self, inp: ModelInput, stream: bool = False, speed: float = 1.0, seed: int | None = None,
+                   sample_offset: int = 0, first_index: int = 0) -> Iterator[AudioChunk]:
+        """Speak one text segment. Streaming yields chunks as the policy allows; otherwise one chunk."""
+        self._check_speed(stream, speed)
+        session = self._open_session(seed)
+        producer = threading.Thread(target=self._produce, args=(session, inp), daemon=True,
+                                    name=f"cosyvoice-llm-{session.id}")
+        try:
+            producer.start()
+            yield from self._consume(session, inp, stream, speed, sample_offset, first_index)
+        finally:
+            self._close_session(session, producer)
+
+    def vocode(self, tokens: list[int] | torch.Tensor, inp: ModelInput, stream: bool = False,
+               speed: float = 1.0) -> Iterator[AudioChunk]:
+        """Speech tokens given by the caller (voice conversion, replay) through the same chunking as
+        :meth:`synthesize`; ``inp`` supplies the flow prompt and speaker embedding (its text is unused)."""
+        self._check_speed(stream, speed)
+        ids = torch.as_tensor(tokens).reshape(-1).tolist()
+        if any(not 0 <= t < self.config.flow.vocab_size for t in ids):
+            raise InvalidInputError(f"speech tokens must be in [0, {self.config.flow.vocab_size})")
+        session = self._open_session(0)
+        session.tokens, session.llm_done = ids, True
+        try:
+            yield from self._consume(session, inp, stream, speed, 0, 0)
+        finally:
+            self._close_session(session, None)
+
+    @staticmethod
+    def _check_speed(stream: bool, speed: float) -> None:
+        if not (0.5 <= speed <= 2.0):
+            raise InvalidInputError(f"speed must be between 0.5 and 2.0, got {speed}")
+        if stream and speed != 1.0:
+            raise InvalidInputError("speed other than 1.0 is only supported with stream=False "
+                                    "(the reference model cannot change speed mid-stream)")
+
+    def _wait_for(self, session: Session, predicate) -> None:
+        with session.cond:
+            session.cond.wait_for(lambda: predicate() or session.llm_done)
+        if session.error is not None:
+            err = session.error
+            raise err if isinstance(err, CosyVoiceError) else CosyVoiceError(f"speech token generation failed: {err}") \
+                from err
+
+    def _consume(self, session: Session, inp: ModelInput, stream: bool, speed: float, sample_offset: int,
+                 first_index: int) -> Iterator[AudioChunk]:
+        policy = ChunkPolicy(prompt_len=inp.flow_prompt_speech_token.shape[1],
+                             hop=self.config.chunk_size, lookahead=self.config.flow.pre_lookahead_len)
+        index = first_index
+        started = time.perf_counter()
+        if stream:
+            while True:
+                self._wait_for(session, lambda: policy.ready(len(session.tokens)))
+                with session.cond:
+                    n_tokens = len(session.tokens)
+                    if not policy.ready(n_tokens):
+                        break  # the LLM finished; what is left goes into the final chunk
+                    hop = policy.current_hop()
+                    tokens = torch.tensor([session.tokens[:policy.offset + hop + policy.lookahead]], dtype=torch.int64)
+                offset = policy.offset
+                pcm = self.token2wav(session, tokens, inp, offset, streaming=True, finalize=False)
+                start, end = policy.advance()
+                now = time.perf_counter()
+                yield AudioChunk(pcm, self.sample_rate, index, sample_offset, start, end, False, now - started)
+                sample_offset += pcm.numel()
+                index += 1
+                started = time.perf_counter()
+        else:
+            self._wait_for(session, lambda: False)
+        with session.cond:
+            all_tokens = list(session.tokens)
+        if all_tokens:
+            tokens = torch.tensor([all_tokens], dtype=torch.int64)
+            pcm = self.token2wav(session, tokens, inp, policy.offset, streaming=False, finalize=True, speed=speed)
+        else:
+            pcm = torch.zeros(0)  # the LLM stopped at once: nothing to say, but the request still completes
+        yield AudioChunk(pcm, self.sample_rate, index, sample_offset, policy.offset, len(all_tokens), True,
+                         time.perf_counter() - started)

@@ -1,0 +1,195 @@
+"""Engine sessions: chunk policy, isolation between concurrent requests, cancellation, cleanup, limits."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from cosyvoice.engine import ChunkPolicy, Engine
+from cosyvoice.errors import CosyVoiceError, ResourceLimitError
+from cosyvoice.frontend.prompts import cross_lingual_text, instruct_text, zero_shot_prompt_text
+from cosyvoice.settings import Limits
+
+PROMPT_TEXT = zero_shot_prompt_text("Hello, this is a short prompt for testing.")
+SHORT = "Hi."  # 3 text tokens: at most 60 speech tokens, still two chunks after a 1.2 s prompt
+
+
+def _producer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("cosyvoice-llm-")]
+
+
+def test_chunk_policy_matches_the_reference_schedule() -> None:
+    policy = ChunkPolicy(prompt_len=73, hop=25, lookahead=3)
+    assert policy.current_hop() == 27  # 25 + (ceil(73/25)*25 - 73)
+    assert not policy.ready(29) and policy.ready(30)
+    assert policy.advance() == (0, 27)
+    assert policy.current_hop() == 50 and policy.ready(80) and not policy.ready(79)
+    assert policy.advance() == (27, 77)
+    assert policy.advance() == (77, 177)  # grows to 100 and stays there
+    assert policy.advance() == (177, 277)
+    assert ChunkPolicy(prompt_len=75).current_hop() == 25  # already aligned: no pad
+    assert ChunkPolicy(prompt_len=0).current_hop() == 25
+
+
+def test_each_request_starts_with_its_own_hop(tts, prompt_wav: Path) -> None:
+    """The reference grows one hop length shared by all requests; ours restarts per session."""
+    def bounds() -> list[tuple[int, int]]:
+        chunks = tts.synthesize("zero_shot", "Hello there, my friend.", prompt_text=PROMPT_TEXT,
+                                prompt_wav=prompt_wav, stream=True, seed=1)
+        return [(c.token_start, c.token_end) for c in chunks]
+
+    first, second = bounds(), bounds()
+    assert first == second and len(first) >= 2
+
+
+def _request(tts, prompt_wav: Path, i: int) -> torch.Tensor:
+    mode = ("zero_shot", "cross_lingual", "instruct2")[i % 3]
+    text = ["Good day.", "Hi there.", "Hello, friend."][i % 3]
+    kwargs = {"prompt_wav": prompt_wav, "stream": i % 2 == 0, "seed": 100 + i}
+    if mode == "zero_shot":
+        kwargs["prompt_text"] = PROMPT_TEXT
+    elif mode == "cross_lingual":
+        text = cross_lingual_text(text)
+    else:
+        kwargs["instruct_text"] = instruct_text("Speak cheerfully.")
+    return torch.cat([c.pcm for c in tts.synthesize(mode, text, **kwargs)])
+
+
+def test_concurrent_requests_equal_sequential_ones(tts, short_prompt_wav: Path) -> None:
+    sequential = [_request(tts, short_prompt_wav, i) for i in range(8)]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        concurrent = list(pool.map(lambda i: _request(tts, short_prompt_wav, i), range(8)))
+    for i, (a, b) in enumerate(zip(sequential, concurrent, strict=True)):
+        assert a.shape == b.shape and torch.equal(a, b), f"request {i} differs when run concurrently"
+    assert tts.engine.active_sessions == 0
+
+
+class _CountingLLM:
+    """Wraps the real LLM's generate to count decode steps and to see when the consumer cancels."""
+
+    def __init__(self, llm) -> None:
+        self.llm, self.pulled, self.pulled_at_close = llm, 0, None
+
+    def generate(self, **kwargs) -> Iterator[int]:
+        for token in self.llm.generate(**kwargs):
+            self.pulled += 1
+            yield token
+
+    def eval(self):
+        return self
+
+
+def _engine_like(tts, llm=None, **limits) -> Engine:
+    e = tts.engine
+    return Engine(e.config, llm or e.llm, e.flow, e.hift, e.device, Limits(**limits),
+                  endofprompt_id=e.endofprompt_id)
+
+
+def _model_input(tts, prompt_wav: Path, text: str = "Hello there, my friend, how are you today?"):
+    voice = tts.frontend.voice(PROMPT_TEXT, prompt_wav, text_frontend=False)
+    return tts.frontend.model_input(text, voice)
+
+
+def test_closing_the_stream_stops_the_llm_within_one_step(tts, prompt_wav: Path) -> None:
+    counting = _CountingLLM(tts.engine.llm)
+    engine = _engine_like(tts, counting)
+    stream = engine.synthesize(_model_input(tts, prompt_wav), stream=True, seed=0)
+    next(stream)
+    at_close = counting.pulled
+    stream.close()
+    assert counting.pulled - at_close <= 1
+    assert engine.active_sessions == 0 and not _producer_threads()
+    assert at_close < 20 * 12  # it had not simply run to max_len before we closed
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _live_tensors() -> int:
+    with warnings.catch_warnings():  # isinstance() on some torch module attributes warns about deprecation
+        warnings.simplefilter("ignore")
+        return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+
+
+def test_fifty_requests_half_abandoned_leave_nothing_behind(tts, short_prompt_wav: Path) -> None:
+    engine = tts.engine
+    inp = _model_input(tts, short_prompt_wav, SHORT)
+
+    def run(i: int) -> None:
+        stream = engine.synthesize(inp, stream=True, seed=i)
+        if i % 2:
+            next(stream)
+            del stream  # abandoned mid-stream without close(): the generator's finaliser must clean up
+        else:
+            chunks = list(stream)
+            assert len(chunks) >= 2, "SHORT must stream in more than one chunk for this test to mean anything"
+
+    for i in range(4):  # warm caches (mel bases, noise prefixes) before measuring
+        run(i)
+    gc.collect()
+    tensors_before, objects_before, rss_before = _live_tensors(), len(gc.get_objects()), _rss_bytes()
+    for i in range(50):
+        run(i)
+    gc.collect()
+    assert engine.active_sessions == 0
+    assert not _producer_threads()
+    assert _live_tensors() <= tensors_before
+    objects_growth = len(gc.get_objects()) - objects_before
+    assert objects_growth < 500, f"{objects_growth} more live Python objects after 50 requests"
+    rss_growth = _rss_bytes() - rss_before
+    assert rss_growth < 64 * 2**20, f"resident memory grew by {rss_growth / 2**20:.1f} MiB over 50 requests"
+
+
+def test_session_limit_reports_busy(tts, prompt_wav: Path) -> None:
+    engine = _engine_like(tts, max_sessions=1, queue_timeout_seconds=0.05)
+    inp = _model_input(tts, prompt_wav)
+    first = engine.synthesize(inp, stream=True, seed=0)
+    next(first)
+    started = time.perf_counter()
+    with pytest.raises(ResourceLimitError, match="busy"):
+        next(engine.synthesize(inp, stream=True, seed=1))
+    assert time.perf_counter() - started < 5
+    first.close()
+    assert engine.active_sessions == 0
+    assert len(list(engine.synthesize(inp, stream=False, seed=2))) == 1  # the slot was given back
+
+
+class _FailingLLM:
+    def generate(self, **kwargs) -> Iterator[int]:
+        yield 5
+        raise RuntimeError("device lost")
+
+    def eval(self):
+        return self
+
+
+class _MuteLLM:
+    def generate(self, **kwargs) -> Iterator[int]:
+        yield from ()
+
+    def eval(self):
+        return self
+
+
+def test_llm_failure_reaches_the_caller_and_frees_the_session(tts, prompt_wav: Path) -> None:
+    engine = _engine_like(tts, _FailingLLM())
+    with pytest.raises(CosyVoiceError, match="device lost"):
+        list(engine.synthesize(_model_input(tts, prompt_wav), stream=True, seed=0))
+    assert engine.active_sessions == 0 and not _producer_threads()
+
+
+def test_no_speech_tokens_gives_an_empty_final_chunk(tts, prompt_wav: Path) -> None:
+    engine = _engine_like(tts, _MuteLLM())
+    chunks = list(engine.synthesize(_model_input(tts, prompt_wav), stream=True, seed=0))
+    assert len(chunks) == 1 and chunks[0].final and chunks[0].pcm.numel() == 0
