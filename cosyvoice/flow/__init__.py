@@ -1,0 +1,7 @@
+"""Flow matching: speech tokens + prompt mel + speaker vector -> mel spectrogram."""
+
+from cosyvoice.flow.cfm import CausalConditionalCFM
+from cosyvoice.flow.dit import DiT
+from cosyvoice.flow.model import CausalMaskedDiffWithDiT, FlowStream, PreLookaheadLayer
+
+__all__ = ["CausalConditionalCFM", "CausalMaskedDiffWithDiT", "DiT", "FlowStream", "PreLookaheadLayer"]

@@ -1,0 +1,309 @@
+"""The DiT velocity estimator of the CosyVoice3 flow-matching decoder.
+
+One call maps a noisy mel ``x`` plus its conditions (token features ``mu``, speaker
+vector ``spks``, prompt mel ``cond``) and the ODE time ``t`` to a velocity with the shape
+of ``x``. Layout, as in the released checkpoint (``decoder.estimator.*`` in flow.pt):
+
+    t    -> sinusoid(256) -> Linear -> SiLU -> Linear                      = time embedding
+    [x, cond, mu, spks] -> Linear -> + causal grouped-conv position signal  = frame features
+    depth x DiT block: AdaLN-Zero(t) -> self-attention (RoPE) -> gate -> AdaLN(t) -> tanh-GELU MLP -> gate
+    AdaLN(t) -> Linear                                                      = velocity
+
+Attention is either full (non-streaming) or chunk-causal: frame ``i`` sees every frame
+up to the end of its own chunk of ``static_chunk_size`` frames. Under the chunk mask a
+finished chunk never changes when later frames arrive, which :meth:`DiT.forward_cached`
+exploits to extend an utterance without recomputing its finished chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from cosyvoice.config import DiTConfig
+from cosyvoice.errors import InvalidInputError
+
+_LN_EPS = 1e-6
+_TIME_FREQ_DIM = 256  # width of the sinusoidal time features fed to the time MLP
+_POS_CONV_KERNEL = 31
+_POS_CONV_GROUPS = 16
+
+
+def sinusoidal_time_features(t: Tensor, dim: int = _TIME_FREQ_DIM, scale: float = 1000.0) -> Tensor:
+    """``[sin(s*t*f_i), cos(s*t*f_i)]`` with geometric frequencies from 1 down to 1/10000; t in [0, 1]."""
+    half = dim // 2
+    log_step = math.log(10000) / (half - 1)
+    freqs = torch.exp(torch.arange(half, device=t.device).float() * -log_step)
+    angles = scale * t.unsqueeze(1) * freqs.unsqueeze(0)
+    return torch.cat((angles.sin(), angles.cos()), dim=-1).to(t.dtype)
+
+
+class TimestepEmbedding(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.time_mlp = nn.Sequential(nn.Linear(_TIME_FREQ_DIM, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, t: Tensor) -> Tensor:
+        return self.time_mlp(sinusoidal_time_features(t))
+
+
+def conv1d(x: Tensor, conv: nn.Conv1d) -> Tensor:
+    """``conv(x)`` for an unpadded, stride-1 ``nn.Conv1d``; on CUDA computed as one batched matmul per kernel tap.
+
+    Why not cuDNN: for the kernel-31, 16-group position convs its heuristics choose an FFT
+    algorithm at common lengths (H100, dim 1024: 150-224 frames, ~55 ms and a 17 GiB workspace
+    per conv instead of ~1 ms), and by default it convolves in TF32, which alone moves the mel
+    by ~1e-3. Matmuls stay float32 unless ``torch.backends.cuda.matmul.allow_tf32`` is on (off by default).
+    """
+    if x.device.type != "cuda":
+        return conv(x)
+    batch, _, length = x.shape
+    groups, taps = conv.groups, conv.kernel_size[0]
+    n_out = length - taps + 1
+    weight = conv.weight.view(groups, conv.out_channels // groups, conv.in_channels // groups, taps)
+    x = x.reshape(batch, groups, conv.in_channels // groups, length)
+    out = weight[..., 0] @ x[..., :n_out]
+    for i in range(1, taps):
+        out = out + weight[..., i] @ x[..., i:i + n_out]
+    out = out.reshape(batch, conv.out_channels, n_out)
+    return out if conv.bias is None else out + conv.bias.unsqueeze(1)
+
+
+class CausalConvPositionEmbedding(nn.Module):
+    """Two grouped convolutions with Mish, zero-padded on the left only, so frame i sees frames <= i.
+
+    ``tails`` replaces the left zero padding with the real preceding inputs of each conv
+    (used when continuing an utterance). The padded conv inputs are returned so a caller
+    can cut the tails for the next continuation at any frame.
+    """
+
+    def __init__(self, dim: int, kernel_size: int = _POS_CONV_KERNEL, groups: int = _POS_CONV_GROUPS) -> None:
+        super().__init__()
+        self.context = kernel_size - 1
+        # Sequential only for the flow.pt key names (conv1.0.weight); forward applies conv then Mish itself.
+        self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
+        self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
+
+    def forward(self, x: Tensor, tails: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        h = x.transpose(1, 2)  # [B, D, N]
+        first_in = torch.cat((tails[0], h), dim=2) if tails is not None else F.pad(h, (self.context, 0))
+        h = self.conv1[1](conv1d(first_in, self.conv1[0]))
+        second_in = torch.cat((tails[1], h), dim=2) if tails is not None else F.pad(h, (self.context, 0))
+        h = self.conv2[1](conv1d(second_in, self.conv2[0]))
+        return h.transpose(1, 2), (first_in, second_in)
+
+
+class InputEmbedding(nn.Module):
+    """Fuse noisy mel, prompt mel, token features and speaker vector per frame, then add the conv position signal."""
+
+    def __init__(self, mel_dim: int, mu_dim: int, spk_dim: int, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(2 * mel_dim + mu_dim + spk_dim, dim)
+        self.conv_pos_embed = CausalConvPositionEmbedding(dim)
+
+    def forward(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor,
+                tails: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        spks = spks.unsqueeze(1).expand(-1, x.shape[1], -1)
+        h = self.proj(torch.cat((x, cond, mu, spks), dim=-1))
+        pos, conv_inputs = self.conv_pos_embed(h, tails)
+        return pos + h, conv_inputs
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary angles with base 10000; channel pairs (2i, 2i+1) share frequency i (interleaved layout)."""
+
+    def __init__(self, dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        # Persistent: flow.pt carries it, so a strict load needs the key.
+        self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim)))
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        # Angles in float32 whatever the model dtype: positions in bf16 would be rounded.
+        angles = positions.float().unsqueeze(1) * self.inv_freq.float().unsqueeze(0)
+        angles = angles.repeat_interleave(2, dim=-1)
+        return angles.cos(), angles.sin()
+
+
+def rotate_leading_channels(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Apply RoPE to the first ``cos.shape[-1]`` channels of ``x`` [B, N, C]; the remaining channels pass through."""
+    width = cos.shape[-1]
+    rot, rest = x[..., :width], x[..., width:]
+    pairs = rot.unflatten(-1, (-1, 2))
+    rot_half = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    return torch.cat((rot * cos + rot_half * sin, rest), dim=-1)
+
+
+def chunk_causal_mask(n_keys: int, chunk: int, first_query: int = 0, device: torch.device | None = None) -> Tensor:
+    """Boolean [n_queries, n_keys] mask: query frame i may attend key frame j iff j < (i // chunk + 1) * chunk.
+
+    Queries are frames ``first_query .. n_keys - 1``; keys are frames ``0 .. n_keys - 1``.
+    Every chunk sees itself and all chunks to its left (the reference always uses all left
+    chunks: its DiT passes -1 for the left-chunk count whatever the yaml says).
+    """
+    queries = torch.arange(first_query, n_keys, device=device)
+    chunk_end = (queries // chunk + 1) * chunk
+    return torch.arange(n_keys, device=device).unsqueeze(0) < chunk_end.unsqueeze(1)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, dim_head: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.dim_head = dim_head
+        inner = heads * dim_head
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(dim, inner)
+        self.to_v = nn.Linear(dim, inner)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])  # index 0 as in flow.pt (slot 1 was training dropout)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
+                past: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Returns the output and the keys/values of all frames attended to (past + these), per head."""
+        b, n, _ = x.shape
+        # Reference quirk: RoPE is applied to the projected q/k before the head split, so only
+        # the first dim_head channels (= head 0) are rotated; the other heads get no position signal.
+        q = rotate_leading_channels(self.to_q(x), cos, sin)
+        k = rotate_leading_channels(self.to_k(x), cos, sin)
+        v = self.to_v(x)
+        q, k, v = (y.view(b, n, self.heads, self.dim_head).transpose(1, 2) for y in (q, k, v))
+        if past is not None:
+            k = torch.cat((past[0], k), dim=2)
+            v = torch.cat((past[1], v), dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.to_out[0](out.transpose(1, 2).reshape(b, n, -1)), k, v
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, mult: int) -> None:
+        super().__init__()
+        # Nesting and indices reproduce the flow.pt keys ff.ff.0.0 / ff.ff.2 (slot 1 was training dropout).
+        self.ff = nn.Sequential(nn.Sequential(nn.Linear(dim, dim * mult), nn.GELU(approximate="tanh")),
+                                nn.Identity(), nn.Linear(dim * mult, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.ff(x)
+
+
+def _layer_norm(x: Tensor) -> Tensor:
+    return F.layer_norm(x, (x.shape[-1],), eps=_LN_EPS)
+
+
+class AdaLayerNormZero(nn.Module):
+    """Time-conditioned shift/scale for attention and MLP inputs, plus their residual gates."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim * 6)
+
+    def forward(self, x: Tensor, emb: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        shift, scale, gate, ff_shift, ff_scale, ff_gate = self.linear(F.silu(emb)).chunk(6, dim=1)
+        return _layer_norm(x) * (1 + scale[:, None]) + shift[:, None], gate, ff_shift, ff_scale, ff_gate
+
+
+class AdaLayerNormZeroFinal(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim * 2)
+
+    def forward(self, x: Tensor, emb: Tensor) -> Tensor:
+        scale, shift = self.linear(F.silu(emb)).chunk(2, dim=1)  # scale first, unlike the per-block norm
+        return _layer_norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, dim_head: int, ff_mult: int) -> None:
+        super().__init__()
+        self.attn_norm = AdaLayerNormZero(dim)
+        self.attn = Attention(dim, heads, dim_head)
+        self.ff = FeedForward(dim, ff_mult)
+
+    def forward(self, x: Tensor, t_emb: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
+                past: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        normed, gate, ff_shift, ff_scale, ff_gate = self.attn_norm(x, t_emb)
+        attn, k, v = self.attn(normed, cos, sin, mask, past)
+        x = x + gate.unsqueeze(1) * attn
+        ff_in = _layer_norm(x) * (1 + ff_scale[:, None]) + ff_shift[:, None]
+        x = x + ff_gate.unsqueeze(1) * self.ff(ff_in)
+        return x, k, v
+
+
+@dataclass
+class DiTCache:
+    """State of the finished frames ``0 .. length-1`` of one utterance at one ODE time.
+
+    ``length`` is a multiple of the chunk size: under the chunk mask these frames are final.
+    ``conv_tails`` are the last kernel-1 inputs of each position conv, ``kv`` each block's
+    keys/values [B, heads, length, dim_head] (after RoPE).
+    """
+
+    length: int
+    conv_tails: tuple[Tensor, Tensor]
+    kv: list[tuple[Tensor, Tensor]]
+
+
+class DiT(nn.Module):
+    """Velocity estimator: ``forward(x, mu, t, spks, cond)`` with mels as [B, C, N] -> velocity [B, mel_dim, N]."""
+
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__()
+        self.chunk_size = cfg.static_chunk_size
+        self.time_embed = TimestepEmbedding(cfg.dim)
+        self.input_embed = InputEmbedding(cfg.mel_dim, cfg.mu_dim, cfg.spk_dim, cfg.dim)
+        self.rotary_embed = RotaryEmbedding(cfg.dim_head)
+        self.transformer_blocks = nn.ModuleList(
+            [DiTBlock(cfg.dim, cfg.heads, cfg.dim_head, cfg.ff_mult) for _ in range(cfg.depth)])
+        self.norm_out = AdaLayerNormZeroFinal(cfg.dim)
+        self.proj_out = nn.Linear(cfg.dim, cfg.mel_dim)
+
+    def attention_mask(self, n_frames: int, streaming: bool, device: torch.device) -> Tensor:
+        """Chunk-causal when streaming, else all-True (an explicit mask, as the reference passes one)."""
+        if streaming:
+            return chunk_causal_mask(n_frames, self.chunk_size, device=device)
+        return torch.ones(n_frames, n_frames, dtype=torch.bool, device=device)
+
+    def forward(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
+                streaming: bool = False) -> Tensor:
+        mask = self.attention_mask(x.shape[2], streaming, x.device)
+        out, _, _ = self._trunk(x, mu, t, spks, cond, mask)
+        return out
+
+    def forward_cached(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
+                       past: DiTCache | None, keep: int) -> tuple[Tensor, DiTCache]:
+        """Chunk-causal velocity of the frames after ``past`` only; the first ``keep`` of them join the cache.
+
+        ``keep`` must end on a chunk boundary (so the cache holds whole, final chunks). The
+        result equals the matching frames of ``forward(..., streaming=True)`` over the whole
+        utterance, at O(new frames x all frames) attention cost instead of O(all frames^2).
+        """
+        start = 0 if past is None else past.length
+        n = x.shape[2]
+        if keep and (start + keep) % self.chunk_size:
+            raise InvalidInputError(
+                f"keep={keep} does not end on a chunk boundary (start {start}, chunk {self.chunk_size})")
+        mask = chunk_causal_mask(start + n, self.chunk_size, first_query=start, device=x.device)
+        out, conv_inputs, kv = self._trunk(x, mu, t, spks, cond, mask, past)
+        length = start + keep
+        tails = tuple(inp[..., keep:keep + self.input_embed.conv_pos_embed.context] for inp in conv_inputs)
+        cache = DiTCache(length, (tails[0], tails[1]), [(k[:, :, :length], v[:, :, :length]) for k, v in kv])
+        return out, cache
+
+    def _trunk(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor,
+               past: DiTCache | None = None) -> tuple[Tensor, tuple[Tensor, Tensor], list[tuple[Tensor, Tensor]]]:
+        start = 0 if past is None else past.length
+        x, mu, cond = x.transpose(1, 2), mu.transpose(1, 2), cond.transpose(1, 2)
+        if t.ndim == 0:
+            t = t.expand(x.shape[0])
+        t_emb = self.time_embed(t)
+        h, conv_inputs = self.input_embed(x, cond, mu, spks, None if past is None else past.conv_tails)
+        cos, sin = self.rotary_embed(torch.arange(start, start + x.shape[1], device=x.device))
+        cos, sin = cos.to(h.dtype), sin.to(h.dtype)
+        kv = []
+        for i, block in enumerate(self.transformer_blocks):
+            h, k, v = block(h, t_emb, cos, sin, mask, None if past is None else past.kv[i])
+            kv.append((k, v))
+        out = self.proj_out(self.norm_out(h, t_emb)).transpose(1, 2)
+        return out, conv_inputs, kv
