@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from cosyvoice.config import CosyVoice3Config
 from cosyvoice.errors import CosyVoiceError, InvalidInputError, ResourceLimitError
-from cosyvoice.flow import CausalMaskedDiffWithDiT
+from cosyvoice.flow import CausalMaskedDiffWithDiT, FlowStream
 from cosyvoice.frontend.frontend import ModelInput
 from cosyvoice.hifigan import CausalHiFTGenerator
 from cosyvoice.llm import CosyVoice3LM
@@ -102,6 +102,7 @@ class Session:
     error: BaseException | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     cond: threading.Condition = field(default_factory=threading.Condition)
+    flow_stream: FlowStream | None = None  # streaming requests: the flow's cache of finished chunks
     mel_cache: torch.Tensor | None = None
     speech_offset: int = 0
 
@@ -115,6 +116,9 @@ class Engine:
         self.config = config
         self.llm, self.flow, self.hift = llm.eval(), flow.eval(), hift.eval()
         self.device = device
+        if device.type == "cuda":
+            # TF32 convolutions move the vocoder's audio by ~1e-2 (golden README §12); docs/differences.md
+            torch.backends.cudnn.allow_tf32 = False
         self.limits = limits or Limits.from_env()
         self.sample_rate = config.sample_rate
         self.endofprompt_id = endofprompt_id  # the tokenizer's id of <|endofprompt|>, which the LLM requires
@@ -148,7 +152,7 @@ class Engine:
             producer.join()
         with self._sessions_lock:
             self._sessions.pop(session.id, None)
-        session.mel_cache = None
+        session.mel_cache = session.flow_stream = None
         self._slots.release()
 
     # ------------------------------------------------------------------ LLM producer
@@ -179,17 +183,23 @@ class Engine:
     def token2wav(self, session: Session, tokens: torch.Tensor, inp: ModelInput, token_offset: int,
                   streaming: bool, finalize: bool, speed: float = 1.0) -> torch.Tensor:
         """Flow + HiFT for one chunk, as the reference: new mel frames join the session's mel cache and the
-        vocoder re-runs over the whole cache; only samples after the previous chunk are returned."""
+        vocoder re-runs over the whole cache; only samples after the previous chunk are returned.
+
+        A streaming session's flow calls go through its :class:`FlowStream`, which reuses the finished
+        chunk-causal chunks instead of recomputing the utterance (equal within float rounding).
+        """
         dev = self.device
-        prompt_token = inp.flow_prompt_speech_token.to(dev)
-        prompt_feat = inp.prompt_speech_feat.to(dev)
-        mel = self.flow.inference(
-            token=tokens.to(dev), token_len=torch.tensor([tokens.shape[1]], dtype=torch.int32, device=dev),
-            prompt_token=prompt_token,
-            prompt_token_len=torch.tensor([prompt_token.shape[1]], dtype=torch.int32, device=dev),
-            prompt_feat=prompt_feat,
-            prompt_feat_len=torch.tensor([prompt_feat.shape[1]], dtype=torch.int32, device=dev),
-            embedding=inp.flow_embedding.to(dev), streaming=streaming, finalize=finalize)
+        if streaming or session.flow_stream is not None:
+            if session.flow_stream is None:
+                session.flow_stream = FlowStream(self.flow, inp.flow_prompt_speech_token.to(dev),
+                                                 inp.prompt_speech_feat.to(dev), inp.flow_embedding.to(dev))
+            mel = session.flow_stream.inference(tokens.to(dev), streaming=streaming, finalize=finalize)
+        else:
+            prompt_token, prompt_feat = inp.flow_prompt_speech_token.to(dev), inp.prompt_speech_feat.to(dev)
+            mel = self.flow.inference(
+                token=tokens.to(dev), token_len=tokens.shape[1], prompt_token=prompt_token,
+                prompt_token_len=prompt_token.shape[1], prompt_feat=prompt_feat, prompt_feat_len=prompt_feat.shape[1],
+                embedding=inp.flow_embedding.to(dev), streaming=False, finalize=finalize)
         mel = mel[:, :, token_offset * self.config.flow.token_mel_ratio:]
         session.mel_cache = mel if session.mel_cache is None else torch.cat([session.mel_cache, mel], dim=2)
         full_mel = session.mel_cache

@@ -8,11 +8,16 @@ import os
 # of the mel/fbank features (~5e-4). The golden fixtures match MKL's CPU-independent path to ~1e-6, so the
 # tests select it. It must be set before torch's first FFT, hence before any import of torch.
 os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
+
 from pathlib import Path
 
 import pytest
+import torch
 
 from cosyvoice.tools.parity.common import Golden
+
+# The fixtures were made with one intra-op thread; tiny models also run fastest that way on 2 cores.
+torch.set_num_threads(1)
 
 _DEFAULT_GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"  # ../shared/golden beside the clone
 GOLDEN_DIR = Path(os.environ.get("COSYVOICE_GOLDEN_DIR", _DEFAULT_GOLDEN))
