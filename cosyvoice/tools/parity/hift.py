@@ -22,7 +22,7 @@ from cosyvoice.rng import (
     tensor_sha256,
 )
 from cosyvoice.tools.parity.common import Golden, Result, compare, compare_exact
-from cosyvoice.tools.parity.tolerances import HIFT_AUDIO_ATOL, HIFT_F0_RTOL
+from cosyvoice.tools.parity.tolerances import HIFT_AUDIO_ATOL, HIFT_F0_CUDA_ATOL, HIFT_F0_RTOL
 from cosyvoice.weights import load_weights
 
 HIFT_FILE = "hift.safetensors"
@@ -86,10 +86,12 @@ def build_vocoder(golden: Golden) -> tuple[CausalHiFTGenerator, SineGenRecipe]:
     return model.eval(), recipe
 
 
-def check(golden: Golden) -> list[Result]:
+def check(golden: Golden, device: str | torch.device = "cpu") -> list[Result]:
     model, recipe = build_vocoder(golden)
+    model = model.to(device)
+    f0_atol = HIFT_F0_CUDA_ATOL if torch.device(device).type == "cuda" else 0.0
     arrays = golden.arrays(HIFT_FILE)
-    mel = torch.from_numpy(arrays["mel"])
+    mel = torch.from_numpy(arrays["mel"]).to(device)
     results = _buffer_checks(golden, recipe, mel.shape[-1] * model.upsample_scale)
 
     with torch.inference_mode():
@@ -98,7 +100,7 @@ def check(golden: Golden) -> list[Result]:
     s_re, s_im = model.source_stft(source.squeeze(1))
     head = arrays["full_stft_re_head"].shape[-1]
     results += [
-        compare("hift", "full_f0", f0, arrays["full_f0"], atol=0.0, rtol=HIFT_F0_RTOL),
+        compare("hift", "full_f0", f0, arrays["full_f0"], atol=f0_atol, rtol=HIFT_F0_RTOL),
         compare("hift", "full_source", source.transpose(1, 2), arrays["full_source"], HIFT_AUDIO_ATOL),
         compare_exact("hift", "full_stft_frames", s_re.shape[-1], golden.scalar(HIFT_FILE, "full_stft_frames")),
         compare("hift", "full_stft_re_head", s_re[..., :head], arrays["full_stft_re_head"], HIFT_AUDIO_ATOL),
@@ -112,7 +114,7 @@ def check(golden: Golden) -> list[Result]:
             f0 = model.f0_predictor(prefix, finalize=finalize)
         raw, _ = model.inference(prefix, finalize=finalize)
         results += [
-            compare("hift", f"stream{i}_f0", f0, arrays[f"stream{i}_f0"], atol=0.0, rtol=HIFT_F0_RTOL),
+            compare("hift", f"stream{i}_f0", f0, arrays[f"stream{i}_f0"], atol=f0_atol, rtol=HIFT_F0_RTOL),
             compare("hift", f"stream{i}_raw_speech", raw, arrays[f"stream{i}_raw_speech"], HIFT_AUDIO_ATOL),
             compare_exact("hift", f"stream{i}_raw_len", raw.shape[-1], call["raw_len"]),
         ]

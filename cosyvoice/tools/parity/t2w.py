@@ -14,22 +14,23 @@ from cosyvoice.engine import Engine
 from cosyvoice.frontend.frontend import ModelInput
 from cosyvoice.settings import Limits
 from cosyvoice.tools.parity.common import Golden, Result, compare, compare_exact
-from cosyvoice.tools.parity.tolerances import T2W_PCM_ATOL
+from cosyvoice.tools.parity.tolerances import T2W_PCM_ATOL, T2W_PCM_CUDA_ATOL
 
 FILE = "t2w.safetensors"
 
 
-def build_engine(golden: Golden) -> Engine:
+def build_engine(golden: Golden, device: str | torch.device = "cpu") -> Engine:
     bundle = validate_model_dir(golden.bundle_dir)
-    device = torch.device("cpu")
+    device = torch.device(device)
     return Engine(bundle.config, bundle.load_llm(device), bundle.load_flow(device), bundle.load_hift(device),
                   device, Limits())
 
 
-def check(golden: Golden) -> list[Result]:
+def check(golden: Golden, device: str | torch.device = "cpu") -> list[Result]:
     t2w = golden.arrays(FILE)
     flow = golden.arrays("flow.safetensors")
-    engine = build_engine(golden)
+    engine = build_engine(golden, device)
+    atol = T2W_PCM_CUDA_ATOL if engine.device.type == "cuda" else T2W_PCM_ATOL
     inp = ModelInput(
         text=torch.zeros(1, 0, dtype=torch.int32), prompt_text=torch.zeros(1, 0, dtype=torch.int32),
         llm_prompt_speech_token=torch.zeros(1, 0, dtype=torch.int32),
@@ -44,7 +45,7 @@ def check(golden: Golden) -> list[Result]:
         results.append(compare_exact("t2w", f"chunk{i} sample offset", ours.sample_offset,
                                      theirs["speech_offset_before"]))
         results.append(compare_exact("t2w", f"chunk{i} final", ours.final, bool(theirs["finalize"])))
-        results.append(compare("t2w", f"chunk{i}_pcm", ours.pcm, t2w[f"chunk{i}_pcm"].reshape(-1), T2W_PCM_ATOL))
+        results.append(compare("t2w", f"chunk{i}_pcm", ours.pcm, t2w[f"chunk{i}_pcm"].reshape(-1), atol))
     whole = list(engine.vocode(tokens, inp, stream=False))
     results.append(compare_exact("t2w", "non-stream samples", sum(c.pcm.numel() for c in whole),
                                  golden.scalar(FILE, "nonstream_pcm_len")))

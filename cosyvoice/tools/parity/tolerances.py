@@ -13,3 +13,10 @@ HIFT_F0_RTOL = 1e-6  # float64 F0 predictor
 HIFT_AUDIO_ATOL = 2e-4  # hift.safetensors: source, stft, speech
 T2W_PCM_ATOL = 1e-3  # t2w.safetensors: streamed token2wav chunks
 EXACT = 0.0  # integer outputs: token ids, text pieces, chunk bookkeeping
+
+# On CUDA (cuDNN TF32 off) the reference itself moves F0 by ~1.5e-5 Hz against its CPU run (golden README
+# §12), which an rtol of 1e-6 cannot absorb for low pitches; every other tolerance above holds there too.
+HIFT_F0_CUDA_ATOL = 5e-5
+# Streamed token2wav on CUDA: the README's suggested GPU tolerance (the reference's own GPU run, TF32 off,
+# reaches 9.6e-4 against its CPU output; ours measured 1.3e-3 on an H100, docs/perf.md).
+T2W_PCM_CUDA_ATOL = 3e-3
