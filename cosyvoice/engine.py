@@ -112,7 +112,7 @@ class Engine:
 
     def __init__(self, config: CosyVoice3Config, llm: CosyVoice3LM, flow: CausalMaskedDiffWithDiT,
                  hift: CausalHiFTGenerator, device: torch.device, limits: Limits | None = None,
-                 endofprompt_id: int = 151646) -> None:
+                 endofprompt_id: int = 151646, incremental_flow: bool = True) -> None:
         self.config = config
         self.llm, self.flow, self.hift = llm.eval(), flow.eval(), hift.eval()
         self.device = device
@@ -122,6 +122,8 @@ class Engine:
         self.limits = limits or Limits.from_env()
         self.sample_rate = config.sample_rate
         self.endofprompt_id = endofprompt_id  # the tokenizer's id of <|endofprompt|>, which the LLM requires
+        # False: recompute the flow over the whole utterance per chunk, as the reference (benchmark baseline)
+        self.incremental_flow = incremental_flow
         self._slots = threading.BoundedSemaphore(self.limits.max_sessions)
         self._sessions: dict[int, Session] = {}
         self._sessions_lock = threading.Lock()
@@ -189,7 +191,7 @@ class Engine:
         chunk-causal chunks instead of recomputing the utterance (equal within float rounding).
         """
         dev = self.device
-        if streaming or session.flow_stream is not None:
+        if self.incremental_flow and (streaming or session.flow_stream is not None):
             if session.flow_stream is None:
                 session.flow_stream = FlowStream(self.flow, inp.flow_prompt_speech_token.to(dev),
                                                  inp.prompt_speech_feat.to(dev), inp.flow_embedding.to(dev))
