@@ -52,8 +52,7 @@ class CosyVoice3:
             fp16 = False
         self.fp16 = fp16
         self.limits = limits or Limits.from_env()
-        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if self.device.type == "cuda" else None
-        self.frontend = CosyVoiceFrontend(bundle, self.limits, providers=providers)
+        self.frontend = CosyVoiceFrontend(bundle, self.limits)  # ONNX on CUDA where onnxruntime-gpu is installed
         dtype = torch.float16 if fp16 else torch.float32
         self.engine = Engine(bundle.config, bundle.load_llm(self.device, dtype), bundle.load_flow(self.device, dtype),
                              bundle.load_hift(self.device), self.device, self.limits,
@@ -106,22 +105,29 @@ class CosyVoice3:
     # ------------------------------------------------------------------ synthesis
 
     def synthesize(self, mode: Mode, tts_text: str, *, prompt_text: str = "", prompt_wav: AudioSource | None = None,
-                   instruct_text: str = "", zero_shot_spk_id: str = "", stream: bool = False, speed: float = 1.0,
-                   text_frontend: bool = True, seed: int | None = None) -> Iterator[AudioChunk]:
+                   instruct_text: str = "", zero_shot_spk_id: str = "", voice: Voice | None = None,
+                   stream: bool = False, speed: float = 1.0, text_frontend: bool = True,
+                   seed: int | None = None) -> Iterator[AudioChunk]:
         """All modes in one call, yielding :class:`AudioChunk` (index and sample offsets run across segments).
 
-        Inputs are validated before the first chunk is produced, so a bad request fails at once.
+        The voice is, in order of precedence: ``voice`` (e.g. from a voice library), the saved
+        ``zero_shot_spk_id``, or ``prompt_wav`` (+ ``prompt_text`` for zero-shot). Inputs are validated
+        before the first chunk is produced, so a bad request fails at once.
         """
         segments = self.frontend.segments(tts_text, text_frontend)
         make_input = self._input_builder(mode, prompt_text, prompt_wav, instruct_text, zero_shot_spk_id,
-                                         text_frontend)
+                                         text_frontend, voice)
         return self._run(segments, make_input, stream, speed, seed)
 
     def _input_builder(self, mode: Mode, prompt_text: str, prompt_wav: AudioSource | None, instruct_text: str,
-                       spk_id: str, text_frontend: bool) -> Callable[[str], ModelInput]:
+                       spk_id: str, text_frontend: bool, voice: Voice | None) -> Callable[[str], ModelInput]:
         if mode not in ("zero_shot", "cross_lingual", "instruct2"):
             raise InvalidInputError(f"unknown mode {mode!r}; use zero_shot, cross_lingual or instruct2")
-        if spk_id:
+        if voice is not None:
+            if mode == "zero_shot" and voice.prompt_text.numel() == 0:
+                raise InvalidInputError("this voice has no transcript, which zero-shot cloning needs; use "
+                                        "cross-lingual or instruct2 mode with it")
+        elif spk_id:
             voice = self._saved_voice(spk_id)
         elif prompt_wav is None or (isinstance(prompt_wav, str) and not prompt_wav):
             raise InvalidInputError(f"{mode} needs a prompt recording (prompt_wav) or a saved zero_shot_spk_id")
