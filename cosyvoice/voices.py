@@ -1,0 +1,257 @@
+"""A persistent library of prompt voices, so that a recording is featurised once and then reused.
+
+Featurising a prompt (speech tokenizer, speaker encoder, mel) is the slowest step of a zero-shot request
+before the model itself runs, and people upload the same recording again and again. Entries are
+content-addressed: the id hashes the decoded samples, their sample rate, the whitespace-normalised prompt
+text and the model's identity, so re-encoding a recording to another format still hits, and another model
+(other tokenizer or speaker encoder) never reuses features it did not make.
+
+On disk, one folder per model identity holds ``<id>.safetensors`` (the tensors) and ``<id>.json`` (name,
+transcript, creation time). The JSON is written last, so an entry exists once its JSON does; its mtime is
+the last use. Unnamed entries are a cache: the least recently used go when there are more than
+``max_entries`` of them or they take more than ``max_bytes``. Named entries (saved voices) stay until deleted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from cosyvoice.bundle import ONNX_INPUTS, TOKENIZER_FILES
+from cosyvoice.errors import InvalidInputError, ResourceLimitError
+from cosyvoice.frontend.audio import AudioSource, load_prompt_audio
+from cosyvoice.frontend.frontend import CosyVoiceFrontend, Voice
+from cosyvoice.frontend.prompt import PromptFeatures
+from cosyvoice.frontend.prompts import user_text
+
+logger = logging.getLogger(__name__)
+
+MAX_NAME_CHARS = 64
+# The files a voice's tensors depend on: the mel settings (yaml), the two ONNX models, the text tokenizer.
+IDENTITY_FILES = ("cosyvoice3.yaml", *ONNX_INPUTS, *TOKENIZER_FILES)
+
+
+def model_identity(model_dir: str | Path) -> str:
+    """A short hash of what a voice's tensors depend on. Each file adds its size and first MiB: cheap at
+    start-up for the 1 GB speech tokenizer, yet different for any other model release."""
+    digest = hashlib.sha256()
+    for name in IDENTITY_FILES:
+        path = Path(model_dir) / name
+        digest.update(name.encode() + b"\0")
+        if path.is_file():
+            with open(path, "rb") as f:
+                digest.update(f"{path.stat().st_size}\0".encode() + f.read(1 << 20))
+    return digest.hexdigest()[:16]
+
+
+@dataclass
+class VoiceInfo:
+    """What the library knows of an entry without reading its tensors."""
+
+    id: str
+    name: str | None  # None: an unnamed, evictable cache entry
+    transcript: str  # the user's words, without CosyVoice3's system prompt ('' for transcript-less voices)
+    created: float
+    last_used: float
+    nbytes: int
+
+
+class VoiceLibrary:
+    """Prompt voices of one model, persisted under ``root``; safe to share between threads."""
+
+    def __init__(self, root: str | Path, frontend: CosyVoiceFrontend, *, model_dir: str | Path,
+                 max_entries: int = 64, max_bytes: int = 256 << 20, max_named: int = 256) -> None:
+        self.model_id = model_identity(model_dir)
+        self.dir = Path(root) / self.model_id
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.frontend = frontend
+        self.max_entries, self.max_bytes, self.max_named = max_entries, max_bytes, max_named
+        self._lock = threading.RLock()  # guards _index and _computing; features and tensor files: outside it
+        self._computing: dict[str, threading.Lock] = {}  # voice id -> lock held while its features are made
+        self._index = self._scan()
+        with self._lock:
+            self._evict(keep=None)
+
+    # ------------------------------------------------------------------ public API
+
+    def get_or_create(self, prompt_wav: AudioSource, prompt_text: str = "") -> tuple[str, Voice]:
+        """The voice of a recording and its prompt text (already in CosyVoice3's form, or ``''``).
+
+        The audio is decoded and validated first (so bad uploads fail with the frontend's message); features
+        are computed only on a miss, and once even when several requests bring the same recording at once.
+        """
+        prompt_text = " ".join(prompt_text.split())  # the cached voice is a function of its id alone
+        limits = self.frontend.limits
+        wav, sample_rate = load_prompt_audio(prompt_wav, min_sample_rate=limits.min_prompt_sample_rate,
+                                             min_seconds=limits.min_prompt_seconds,
+                                             max_seconds=limits.max_prompt_seconds)
+        voice_id = self._voice_id(wav, sample_rate, prompt_text)
+        with self._lock:
+            computing = self._computing.setdefault(voice_id, threading.Lock())
+        try:
+            with computing:
+                voice = self._load(voice_id)
+                if voice is None:
+                    voice = self.frontend.voice(prompt_text, (wav[0].numpy(), sample_rate))
+                    self._store(voice_id, voice, prompt_text)
+        finally:
+            with self._lock:
+                if self._computing.get(voice_id) is computing:
+                    del self._computing[voice_id]
+        return voice_id, voice
+
+    def get(self, key: str) -> tuple[VoiceInfo, Voice]:
+        """A voice by id or by name; :class:`InvalidInputError` if unknown or unreadable."""
+        info = self.info(key)
+        voice = self._load(info.id)
+        if voice is None:
+            raise InvalidInputError(f"voice {key!r} could not be read from disk and was removed; upload it again")
+        return info, voice
+
+    def info(self, key: str) -> VoiceInfo:
+        with self._lock:
+            info = self._index.get(key) or next((i for i in self._index.values() if i.name == key), None)
+            if info is None:
+                names = sorted(i.name for i in self._index.values() if i.name)
+                raise InvalidInputError(f"unknown voice {key!r}; saved voices: {', '.join(names) or 'none'}")
+            return info
+
+    def list(self) -> list[VoiceInfo]:
+        """Named voices by name, then cached uploads, most recently used first."""
+        with self._lock:
+            infos = list(self._index.values())
+        named = sorted((i for i in infos if i.name), key=lambda i: i.name.casefold())
+        return named + sorted((i for i in infos if not i.name), key=lambda i: -i.last_used)
+
+    def save(self, name: str, voice_id: str) -> VoiceInfo:
+        """Keep ``voice_id`` under ``name`` (renaming it if it had one); named voices are never evicted."""
+        name = " ".join(str(name).split())
+        if not name or len(name) > MAX_NAME_CHARS:
+            raise InvalidInputError(f"a voice name must have 1 to {MAX_NAME_CHARS} characters, got {len(name)}")
+        with self._lock:
+            info = self.info(voice_id)
+            holder = next((i for i in self._index.values() if i.name == name), None)
+            if holder is not None and holder.id != info.id:
+                raise InvalidInputError(f"a voice named {name!r} exists already; delete it or choose another name")
+            if info.name is None and sum(i.name is not None for i in self._index.values()) >= self.max_named:
+                raise ResourceLimitError(f"{self.max_named} voices are saved already; delete one to save another")
+            self._write_meta(replace(info, name=name))  # disk first: a failed write leaves the entry as it was
+            info.name = name
+            return info
+
+    def delete(self, key: str) -> VoiceInfo:
+        """Forget a voice (by id or name) and remove its files."""
+        with self._lock:
+            info = self.info(key)
+            self._remove(info.id)
+            return info
+
+    # ------------------------------------------------------------------ storage
+
+    def _voice_id(self, wav: torch.Tensor, sample_rate: int, prompt_text: str) -> str:
+        text = prompt_text.encode()
+        digest = hashlib.sha256(f"{self.model_id}\0{sample_rate}\0{len(text)}\0".encode() + text)
+        digest.update(wav.contiguous().numpy().tobytes())
+        return digest.hexdigest()[:32]
+
+    def _paths(self, voice_id: str) -> tuple[Path, Path]:
+        return self.dir / f"{voice_id}.safetensors", self.dir / f"{voice_id}.json"
+
+    def _scan(self) -> dict[str, VoiceInfo]:
+        """Index the entries on disk; an unreadable one is skipped with a log line, never fatal."""
+        for leftover in [*self.dir.glob(".*.tmp"), *self.dir.glob("*.safetensors")]:
+            if leftover.suffix == ".tmp" or not leftover.with_suffix(".json").exists():
+                leftover.unlink(missing_ok=True)  # from a run that stopped while writing
+        index: dict[str, VoiceInfo] = {}
+        for meta_path in sorted(self.dir.glob("*.json")):
+            tensors_path = meta_path.with_suffix(".safetensors")
+            try:
+                meta = json.loads(meta_path.read_text(encoding="utf-8"))
+                stat = meta_path.stat()
+                index[meta_path.stem] = VoiceInfo(
+                    id=meta_path.stem, name=str(meta["name"]) if meta["name"] else None,
+                    transcript=str(meta["transcript"]), created=float(meta["created"]), last_used=stat.st_mtime,
+                    nbytes=stat.st_size + tensors_path.stat().st_size)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                logger.warning("voice library: skipping %s (%s: %s)", meta_path, type(exc).__name__, exc)
+        return index
+
+    def _load(self, voice_id: str) -> Voice | None:
+        """The stored voice (marking it used), or None if absent; an unreadable entry is dropped."""
+        with self._lock:
+            if voice_id not in self._index:
+                return None
+        tensors_path, meta_path = self._paths(voice_id)
+        try:
+            tensors = load_file(tensors_path)
+            voice = Voice(PromptFeatures.from_tensors(tensors), tensors["prompt_text"].to(torch.int32))
+            os.utime(meta_path)
+        except (OSError, SafetensorError, ValueError, KeyError) as exc:
+            logger.warning("voice library: dropping unreadable voice %s (%s: %s)", voice_id, type(exc).__name__, exc)
+            with self._lock:
+                self._remove(voice_id)
+            return None
+        with self._lock:
+            if voice_id in self._index:
+                self._index[voice_id].last_used = time.time()
+        return voice
+
+    def _store(self, voice_id: str, voice: Voice, prompt_text: str) -> None:
+        """Persist a new entry, then evict; a disk failure only costs the caching, not the request."""
+        tensors_path, _ = self._paths(voice_id)
+        tensors = {**voice.features.tensors(), "prompt_text": voice.prompt_text}
+        now = time.time()
+        info = VoiceInfo(voice_id, None, user_text(prompt_text), now, now, 0)
+        try:
+            _atomic_write(tensors_path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp))
+            info.nbytes = tensors_path.stat().st_size + self._write_meta(info)
+        except OSError as exc:
+            logger.warning("voice library: could not store voice %s in %s (%s)", voice_id, self.dir, exc)
+            return
+        with self._lock:
+            self._index[voice_id] = info
+            self._evict(keep=voice_id)
+
+    def _write_meta(self, info: VoiceInfo) -> int:
+        data = json.dumps({"name": info.name, "transcript": info.transcript, "created": info.created},
+                          ensure_ascii=False).encode()
+        _atomic_write(self._paths(info.id)[1], lambda tmp: Path(tmp).write_bytes(data))
+        return len(data)
+
+    def _evict(self, keep: str | None) -> None:
+        """Drop least recently used unnamed entries until both bounds hold (never ``keep``, the newest)."""
+        cached = sorted((i for i in self._index.values() if i.name is None and i.id != keep),
+                        key=lambda i: i.last_used)
+        count = len(cached) + (keep is not None)
+        size = sum(i.nbytes for i in cached) + (self._index[keep].nbytes if keep else 0)
+        for info in cached:
+            if count <= self.max_entries and size <= self.max_bytes:
+                break
+            self._remove(info.id)
+            count, size = count - 1, size - info.nbytes
+
+    def _remove(self, voice_id: str) -> None:
+        self._index.pop(voice_id, None)
+        for path in self._paths(voice_id)[::-1]:  # the JSON first: without it the entry no longer exists
+            path.unlink(missing_ok=True)
+
+
+def _atomic_write(path: Path, write: Callable[[str], object]) -> None:
+    """Write through a temporary file and rename, so a crash never leaves a half-written entry."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        write(str(tmp))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,147 @@
+"""The prompt-voice library on the tiny bundle: hits compute nothing, entries persist, stay bounded, and
+neither corrupt files nor concurrent callers break it."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from cosyvoice.errors import InvalidInputError, ResourceLimitError
+from cosyvoice.frontend.prompts import zero_shot_prompt_text
+from cosyvoice.voices import IDENTITY_FILES, VoiceLibrary, model_identity
+
+PROMPT = zero_shot_prompt_text("Hello, this is a short prompt for testing.")
+
+
+class CountingFrontend:
+    """The real frontend, counting how often the library asks it for features."""
+
+    def __init__(self, frontend) -> None:
+        self.inner, self.limits, self.calls = frontend, frontend.limits, 0
+        self._lock = threading.Lock()
+
+    def voice(self, *args, **kwargs):
+        with self._lock:
+            self.calls += 1
+        return self.inner.voice(*args, **kwargs)
+
+
+def _tone(hz: float, seconds: float = 1.1, sr: int = 16000) -> tuple[np.ndarray, int]:
+    t = np.arange(int(seconds * sr)) / sr
+    return (0.3 * np.sin(2 * np.pi * hz * t)).astype(np.float32), sr
+
+
+def _library(tts, root: Path, **bounds) -> tuple[VoiceLibrary, CountingFrontend]:
+    frontend = CountingFrontend(tts.frontend)
+    return VoiceLibrary(root, frontend, model_dir=tts.model_dir, **bounds), frontend
+
+
+def _same(a, b) -> bool:
+    fa, fb = a.features, b.features
+    return (torch.equal(fa.speech_feat, fb.speech_feat) and torch.equal(fa.speech_token, fb.speech_token)
+            and torch.equal(fa.embedding, fb.embedding) and torch.equal(a.prompt_text, b.prompt_text))
+
+
+def test_features_are_computed_once_per_recording_and_text(tts, prompt_wav: Path, tmp_path: Path) -> None:
+    library, frontend = _library(tts, tmp_path)
+    voice_id, voice = library.get_or_create(prompt_wav, PROMPT)
+    assert _same(voice, tts.frontend.voice(PROMPT, prompt_wav))  # exactly what the frontend makes
+    again_id, again = library.get_or_create(str(prompt_wav), PROMPT.replace(" ", "  ") + "\n")
+    flac = tmp_path / "prompt.flac"  # the same samples in another container
+    sf.write(flac, *sf.read(prompt_wav, dtype="int16"), subtype="PCM_16")
+    flac_id, _ = library.get_or_create(flac.read_bytes(), PROMPT)
+    assert again_id == flac_id == voice_id and _same(again, voice) and frontend.calls == 1
+    other_id, _ = library.get_or_create(prompt_wav, zero_shot_prompt_text("Another transcript."))
+    bare_id, bare = library.get_or_create(prompt_wav)
+    assert len({voice_id, other_id, bare_id}) == 3 and frontend.calls == 3
+    assert bare.prompt_text.shape == (1, 0)
+
+
+def test_entries_persist_across_instances(tts, prompt_wav: Path, tmp_path: Path) -> None:
+    first, _ = _library(tts, tmp_path)
+    voice_id, voice = first.get_or_create(prompt_wav, PROMPT)
+    first.save("  Alice  ", voice_id)
+    second, frontend = _library(tts, tmp_path)
+    [info] = second.list()
+    assert (info.id, info.name, info.transcript) == (voice_id, "Alice", "Hello, this is a short prompt for testing.")
+    for key in ("Alice", voice_id):
+        assert _same(second.get(key)[1], voice)
+    assert second.get_or_create(prompt_wav, PROMPT)[0] == voice_id and frontend.calls == 0
+
+
+def test_model_identity_follows_the_model_files(tiny_bundle_dir: Path, tmp_path: Path) -> None:
+    for name in IDENTITY_FILES:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(tiny_bundle_dir / name, tmp_path / name)
+    assert model_identity(tmp_path) == model_identity(tiny_bundle_dir)
+    (tmp_path / "cosyvoice3.yaml").write_text((tmp_path / "cosyvoice3.yaml").read_text() + "\n# edited\n")
+    assert model_identity(tmp_path) != model_identity(tiny_bundle_dir)
+
+
+def test_least_recently_used_uploads_are_evicted_and_named_voices_kept(tts, tmp_path: Path) -> None:
+    library, _ = _library(tts, tmp_path, max_entries=2)
+    a, b, c = (library.get_or_create(_tone(hz))[0] for hz in (110, 220, 330))
+    assert [i.id for i in library.list()] == [c, b] and not library.dir.joinpath(f"{a}.json").exists()
+    library.save("kept", b)
+    library.get_or_create(_tone(440))  # evicted below
+    library.get(c)  # used: now more recent than that upload
+    e = library.get_or_create(_tone(550))[0]
+    assert [i.id for i in library.list()] == [b, e, c]  # named first, then uploads by recency
+    assert {p.stem for p in library.dir.iterdir()} == {b, c, e}
+
+    tiny, _ = _library(tts, tmp_path / "bytes", max_bytes=1)  # every entry is over the bound: the newest stays
+    ids = [tiny.get_or_create(_tone(hz))[0] for hz in (110, 220)]
+    assert [i.id for i in tiny.list()] == ids[1:]
+
+
+def test_names_are_unique_bounded_and_deletable(tts, tmp_path: Path) -> None:
+    library, _ = _library(tts, tmp_path, max_named=1)
+    a, b = (library.get_or_create(_tone(hz))[0] for hz in (110, 220))
+    library.save("a", a)
+    with pytest.raises(InvalidInputError, match="exists already"):
+        library.save("a", b)
+    with pytest.raises(ResourceLimitError, match="delete one"):
+        library.save("b", b)
+    with pytest.raises(InvalidInputError, match="1 to 64 characters"):
+        library.save("   ", a)
+    with pytest.raises(InvalidInputError, match="unknown voice 'nobody'; saved voices: a"):
+        library.get("nobody")
+    library.save("renamed", a)
+    assert library.delete("renamed").id == a and not (library.dir / f"{a}.json").exists()
+    assert [i.id for i in library.list()] == [b]
+
+
+def test_corrupt_files_are_skipped_with_a_log_line(tts, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    library, _ = _library(tts, tmp_path)
+    good, broken_meta, broken_tensors = (library.get_or_create(_tone(hz))[0] for hz in (110, 220, 330))
+    (library.dir / f"{broken_meta}.json").write_text("{not json")
+    (library.dir / f"{broken_tensors}.safetensors").write_bytes(b"\x00" * 10)
+    (library.dir / "orphan.safetensors").write_bytes(b"left by a crash")
+    with caplog.at_level(logging.WARNING, logger="cosyvoice.voices"):
+        reopened, frontend = _library(tts, tmp_path)
+        assert {i.id for i in reopened.list()} == {good, broken_tensors}
+        with pytest.raises(InvalidInputError, match="could not be read"):
+            reopened.get(broken_tensors)
+        assert reopened.get_or_create(_tone(330))[0] == broken_tensors and frontend.calls == 1  # recomputed
+    assert f"skipping {library.dir / broken_meta}.json" in caplog.text
+    assert f"dropping unreadable voice {broken_tensors}" in caplog.text
+    assert not (library.dir / "orphan.safetensors").exists()
+
+
+def test_concurrent_callers_share_one_computation(tts, tmp_path: Path) -> None:
+    library, frontend = _library(tts, tmp_path, max_entries=3)
+    with ThreadPoolExecutor(8) as pool:
+        same = list(pool.map(lambda _: library.get_or_create(_tone(110))[0], range(8)))
+        assert len(set(same)) == 1 and frontend.calls == 1
+        distinct = list(pool.map(lambda hz: library.get_or_create(_tone(hz))[0], (220, 330, 440, 550, 660, 770)))
+    assert len(set(distinct)) == 6 and frontend.calls == 7
+    kept = {i.id for i in library.list()}
+    assert len(kept) == 3 and {p.stem for p in library.dir.iterdir()} == kept

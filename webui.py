@@ -1,0 +1,33 @@
+"""Start the CosyVoice3 Studio web UI.
+
+    python webui.py [--port 8000] [--host 127.0.0.1] [--model-dir DIR_OR_MODELSCOPE_ID] [--voice-dir DIR]
+
+Without --model-dir it serves pretrained_models/Fun-CosyVoice3-0.5B, or, when that folder is absent, a
+randomly initialised demo model (noise-like audio; the page says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from app.ui import DEFAULT_VOICE_DIR, DEMO_MODEL_DIR, launch, load_studio
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 serves other machines too (default: %(default)s)")
+    parser.add_argument("--model-dir", help="model folder or ModelScope id (default: pretrained_models/"
+                                            "Fun-CosyVoice3-0.5B, else a demo model)")
+    parser.add_argument("--voice-dir", default=str(DEFAULT_VOICE_DIR), help="where voices are kept (%(default)s)")
+    parser.add_argument("--demo-dir", default=str(DEMO_MODEL_DIR), help="where the demo model is written")
+    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    studio = load_studio(args.model_dir, voice_dir=args.voice_dir, demo_dir=args.demo_dir, device=args.device)
+    launch(studio, host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()
