@@ -68,7 +68,7 @@ class ChunkPolicy:
     """
 
     prompt_len: int
-    hop: int = 25
+    hop: int = 25  # fixed in the reference (CosyVoice3Model), whatever the yaml's chunk_size says
     max_hop: int = 100
     scale: int = 2
     lookahead: int = 3
@@ -261,7 +261,7 @@ class Engine:
     def _consume(self, session: Session, inp: ModelInput, stream: bool, speed: float, sample_offset: int,
                  first_index: int) -> Iterator[AudioChunk]:
         policy = ChunkPolicy(prompt_len=inp.flow_prompt_speech_token.shape[1],
-                             hop=self.config.chunk_size, lookahead=self.config.flow.pre_lookahead_len)
+                             lookahead=self.config.flow.pre_lookahead_len)
         index = first_index
         started = time.perf_counter()
         if stream:

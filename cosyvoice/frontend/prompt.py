@@ -74,8 +74,9 @@ def extract_prompt_features(wav: torch.Tensor | np.ndarray, sample_rate: int, to
     wav_16k = resample(wav, sample_rate, WHISPER_SAMPLE_RATE)
     speech_feat = prompt_mel(resample(wav, sample_rate, target_sr), mel_params).transpose(1, 2).cpu()
     speech_token = tokenizer(wav_16k)
-    # the reference trims like this when the model rate is 24 kHz, i.e. for every CosyVoice2/3 model
+    embedding = campplus(wav_16k)
+    if target_sr != 24000:  # the reference aligns mel and tokens only for 24 kHz models (all released CosyVoice3)
+        return PromptFeatures(speech_feat=speech_feat.contiguous(), speech_token=speech_token, embedding=embedding)
     n_tokens = min(speech_feat.shape[1] // token_mel_ratio, speech_token.shape[1])
     return PromptFeatures(speech_feat=speech_feat[:, :token_mel_ratio * n_tokens].contiguous(),
-                          speech_token=speech_token[:, :n_tokens].contiguous(),
-                          embedding=campplus(wav_16k))
+                          speech_token=speech_token[:, :n_tokens].contiguous(), embedding=embedding)
