@@ -179,3 +179,12 @@ def test_unknown_speaker_id(tts) -> None:
 def test_missing_prompt_audio(tts) -> None:
     with pytest.raises(InvalidInputError, match="prompt recording"):
         tts.inference_cross_lingual(TEXT, None)
+
+
+def test_precision_choice(tiny_bundle_dir: Path) -> None:
+    from cosyvoice.cli.cosyvoice import CosyVoice3
+
+    with pytest.raises(InvalidInputError, match="dtype must be one of"):
+        CosyVoice3(tiny_bundle_dir, device="cpu", dtype="int8")
+    cpu = CosyVoice3(tiny_bundle_dir, device="cpu", dtype="bf16")  # half precision is CUDA-only, as the reference
+    assert cpu.engine.llm.speech_embedding.weight.dtype == torch.float32 and not cpu.fp16

@@ -34,12 +34,14 @@ class CosyVoice3:
     """Fun-CosyVoice3 text-to-speech, API-compatible with the official ``CosyVoice3``.
 
     ``model_dir`` is a local model folder or a ModelScope id (downloaded into ``pretrained_models/``).
-    ``fp16`` runs the LLM and flow in float16 on CUDA (ignored on CPU, as the reference does).
-    ``load_trt``/``load_vllm`` are accepted for drop-in compatibility; this engine does not use them.
+    ``fp16`` runs the LLM and flow in float16 on CUDA (ignored on CPU, as the reference does); ``dtype``
+    ("fp32", "bf16", "fp16") chooses any of the three, also CUDA-only for half precision. The vocoder
+    always runs in float32. ``load_trt``/``load_vllm`` are accepted for drop-in compatibility; this
+    engine does not use them.
     """
 
     def __init__(self, model_dir: str | Path, load_trt: bool = False, load_vllm: bool = False, fp16: bool = False,
-                 trt_concurrent: int = 1, *, device: str | torch.device | None = None,
+                 trt_concurrent: int = 1, *, device: str | torch.device | None = None, dtype: str | None = None,
                  limits: Limits | None = None, download_root: str | Path = "pretrained_models") -> None:
         bundle = open_model_dir(model_dir, download_root)
         self.model_dir = str(bundle.root)
@@ -47,14 +49,15 @@ class CosyVoice3:
             "cuda" if torch.cuda.is_available() else "cpu")
         if (load_trt or load_vllm) and self.device.type == "cuda":
             logger.warning("load_trt/load_vllm are not used by this engine; running the PyTorch modules")
-        if fp16 and self.device.type != "cuda":
-            logger.warning("no CUDA device: fp16 ignored, running in float32")
-            fp16 = False
-        self.fp16 = fp16
+        precision = _precision(dtype or ("fp16" if fp16 else "fp32"))
+        if precision != torch.float32 and self.device.type != "cuda":
+            logger.warning("no CUDA device: half precision ignored, running in float32")
+            precision = torch.float32
+        self.fp16 = precision == torch.float16
         self.limits = limits or Limits.from_env()
         self.frontend = CosyVoiceFrontend(bundle, self.limits)  # ONNX on CUDA where onnxruntime-gpu is installed
-        dtype = torch.float16 if fp16 else torch.float32
-        self.engine = Engine(bundle.config, bundle.load_llm(self.device, dtype), bundle.load_flow(self.device, dtype),
+        self.engine = Engine(bundle.config, bundle.load_llm(self.device, precision),
+                             bundle.load_flow(self.device, precision),
                              bundle.load_hift(self.device), self.device, self.limits,
                              endofprompt_id=self.frontend.tokenizer.end_of_prompt_id)
         self.sample_rate = bundle.config.sample_rate
@@ -189,6 +192,15 @@ class CosyVoice3:
         return self._as_dicts(self.synthesize(
             "instruct2", tts_text, prompt_wav=prompt_wav, instruct_text=instruct_text,
             zero_shot_spk_id=zero_shot_spk_id, stream=stream, speed=speed, text_frontend=text_frontend, seed=seed))
+
+
+_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _precision(name: str) -> torch.dtype:
+    if name not in _PRECISIONS:
+        raise InvalidInputError(f"dtype must be one of {sorted(_PRECISIONS)}, got {name!r}")
+    return _PRECISIONS[name]
 
 
 def _voice_to_official(voice: Voice) -> dict[str, torch.Tensor]:
