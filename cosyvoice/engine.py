@@ -164,14 +164,13 @@ class Engine:
             with torch.inference_mode():
                 tokens = self.llm.generate(
                     text=inp.text, prompt_text=inp.prompt_text, prompt_speech_token=inp.llm_prompt_speech_token,
-                    generator=session.generator, endofprompt_id=self.endofprompt_id)
-                with contextlib.closing(tokens):  # closing it ends the decode loop at once
+                    generator=session.generator, endofprompt_id=self.endofprompt_id,
+                    should_stop=session.cancelled.is_set)  # polled before every decode step
+                with contextlib.closing(tokens):
                     for token in tokens:
                         with session.cond:
                             session.tokens.append(token)
                             session.cond.notify()
-                        if session.cancelled.is_set():
-                            break
         except BaseException as exc:  # handed to the consumer, which re-raises it in the caller's thread
             session.error = exc
         finally:

@@ -17,6 +17,7 @@ import torch
 from cosyvoice.engine import ChunkPolicy, Engine
 from cosyvoice.errors import CosyVoiceError, ResourceLimitError
 from cosyvoice.frontend.prompts import cross_lingual_text, instruct_text, zero_shot_prompt_text
+from cosyvoice.llm import ras_sample
 from cosyvoice.settings import Limits
 
 PROMPT_TEXT = zero_shot_prompt_text("Hello, this is a short prompt for testing.")
@@ -74,15 +75,17 @@ def test_concurrent_requests_equal_sequential_ones(tts, short_prompt_wav: Path) 
 
 
 class _CountingLLM:
-    """Wraps the real LLM's generate to count decode steps and to see when the consumer cancels."""
+    """Wraps the real LLM to count its decode steps (every step, yielded or withheld as silence)."""
 
     def __init__(self, llm) -> None:
-        self.llm, self.pulled, self.pulled_at_close = llm, 0, None
+        self.llm, self.pulled = llm, 0
 
     def generate(self, **kwargs) -> Iterator[int]:
-        for token in self.llm.generate(**kwargs):
+        def counting_sampler(scores, decoded, generator):
             self.pulled += 1
-            yield token
+            return ras_sample(scores, decoded, generator, self.llm.cfg.sampling)
+
+        return self.llm.generate(**kwargs, sampler=counting_sampler)
 
     def eval(self):
         return self

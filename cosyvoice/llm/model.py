@@ -94,7 +94,7 @@ class CosyVoice3LM(nn.Module):
                  generator: torch.Generator, *, endofprompt_id: int = ENDOFPROMPT_ID,
                  min_token_text_ratio: float = 2.0, max_token_text_ratio: float = 20.0,
                  silent_tokens: frozenset[int] = SILENT_TOKENS, cache: KVCache | None = None,
-                 sampler: Sampler | None = None) -> Iterator[int]:
+                 sampler: Sampler | None = None, should_stop: Callable[[], bool] | None = None) -> Iterator[int]:
         """Speech tokens for ``text`` in the voice of the prompt, one at a time.
 
         Inputs are 1-D token ids (or [1, T]); see the module docstring for what each mode passes.
@@ -103,7 +103,9 @@ class CosyVoice3LM(nn.Module):
         engine's rule: tokens of this set beyond ``MAX_SILENT_RUN`` in a row are still fed back to
         the model but not yielded (pass ``frozenset()`` to yield every token). ``cache`` lets a
         session reuse its KV cache (batch 1, at least prompt length + max_len - 1 slots);
-        ``sampler`` replaces ras sampling (e.g. to replay a recorded token sequence).
+        ``sampler`` replaces ras sampling (e.g. to replay a recorded token sequence). ``should_stop`` is
+        polled before every decode step, so a caller in another thread can end generation within one step
+        even while silent tokens are being withheld.
         Raises :class:`InvalidInputError` at call time, before any model work.
         """
         device = self.speech_embedding.weight.device
@@ -126,15 +128,18 @@ class CosyVoice3LM(nn.Module):
                 f"KV cache (batch {cache.batch}, {cache.max_len} slots, {cache.dtype}, {cache.device}) cannot hold "
                 f"this request: it needs batch 1, {needed} slots, {lm_input.dtype} on {device}")
         sample = sampler or functools.partial(ras_sample, cfg=self.cfg.sampling)
-        return self._decode(lm_input, min_len, max_len, cache, generator, sample, silent_tokens)
+        return self._decode(lm_input, min_len, max_len, cache, generator, sample, silent_tokens, should_stop)
 
     @torch.inference_mode()
     def _decode(self, lm_input: torch.Tensor, min_len: int, max_len: int, cache: KVCache,
-                generator: torch.Generator, sample: Sampler, silent_tokens: frozenset[int]) -> Iterator[int]:
+                generator: torch.Generator, sample: Sampler, silent_tokens: frozenset[int],
+                should_stop: Callable[[], bool] | None) -> Iterator[int]:
         decoded: list[int] = []
         silent_run = 0
         x, start = lm_input, 0
         for step in range(max_len):
+            if should_stop is not None and should_stop():
+                return
             _, logp = self.decode_step(x, start, cache)
             scores = logp[0]
             if step < min_len:
