@@ -15,7 +15,7 @@ from app.ui import DEFAULT_VOICE_DIR, DEMO_MODEL_DIR, launch, load_studio
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 serves other machines too (default: %(default)s)")
     parser.add_argument("--model-dir", help="model folder or ModelScope id (default: pretrained_models/"

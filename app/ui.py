@@ -28,6 +28,7 @@ from cosyvoice.cli.cosyvoice import CosyVoice3
 from cosyvoice.errors import CosyVoiceError, InvalidInputError, ModelBundleError, ResourceLimitError
 from cosyvoice.frontend.frontend import Voice
 from cosyvoice.frontend.prompts import cross_lingual_text, instruct_text, user_text, zero_shot_prompt_text
+from cosyvoice.settings import SPEED_RANGE
 from cosyvoice.voices import VoiceLibrary
 
 logger = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class Studio:
             except CosyVoiceError as exc:
                 warn(f"the voice was not saved: {exc}")
         chunks = self.tts.synthesize(mode, cross_lingual_text(text) if mode == "cross_lingual" else text,
-                                     voice=voice, instruct_text=instruction, stream=bool(stream),
+                                     voice=voice, instruct_text=instruction, split_prefixed=True, stream=bool(stream),
                                      speed=1.0 if stream else float(speed),
                                      seed=None if seed is None or seed < 0 else int(seed))
         pieces: list[np.ndarray] = []
@@ -147,11 +148,8 @@ class Studio:
                saved_voice: str | None) -> tuple[str, Voice, str]:
         """(voice id, voice, description): the saved voice if one is picked, else the recording (cached)."""
         if saved_voice:
-            info, voice = self.voices.get(saved_voice)
+            info, voice = self.voices.get(saved_voice)  # synthesize() refuses it for zero-shot if it lacks a transcript
             label = repr(info.name) if info.name else f"recent upload {info.id[:6]}"
-            if mode == "zero_shot" and voice.prompt_text.numel() == 0:
-                raise InvalidInputError(f"the voice {label} has no transcript, which zero-shot cloning needs; use it "
-                                        "in the cross-lingual or instruct tab, or upload it again with its transcript")
             return info.id, voice, f"saved voice {label}"
         if not prompt_audio:
             limits = self.tts.limits
@@ -228,7 +226,7 @@ def build_ui(studio: Studio) -> gr.Blocks:
                 save_as = gr.Textbox(label="Save this voice as", placeholder="optional name")
         with gr.Row():
             stream = gr.Checkbox(True, label="Stream")
-            speed = gr.Slider(0.5, 2.0, 1.0, step=0.05, label="Speed (without streaming)", interactive=False)
+            speed = gr.Slider(*SPEED_RANGE, 1.0, step=0.05, label="Speed (without streaming)", interactive=False)
             seed = gr.Number(-1, label="Seed (-1: random)", precision=0, minimum=-1)
         generate = gr.Button("Generate", variant="primary")
         player = gr.Audio(label="Playing", streaming=True, autoplay=True, interactive=False)
@@ -270,7 +268,10 @@ def load_studio(model_dir: str | Path | None = None, *, voice_dir: str | Path = 
             make_tiny_bundle(demo_dir, seed=0)
         model_dir = demo_dir
     tts = CosyVoice3(model_dir or DEFAULT_MODEL_DIR, device=device)
-    return Studio(tts, VoiceLibrary(voice_dir, tts.frontend, model_dir=tts.model_dir), demo=demo)
+    limits = tts.limits
+    library = VoiceLibrary(voice_dir, tts.frontend, model_dir=tts.model_dir, max_entries=limits.max_cached_voices,
+                           max_bytes=limits.max_cached_voice_bytes, max_named=limits.max_named_voices)
+    return Studio(tts, library, demo=demo)
 
 
 def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: bool = True) -> gr.Blocks:

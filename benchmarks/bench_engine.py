@@ -28,7 +28,7 @@ from cosyvoice.bundle import validate_model_dir
 from cosyvoice.engine import Engine
 from cosyvoice.frontend.frontend import CosyVoiceFrontend
 from cosyvoice.frontend.prompts import zero_shot_prompt_text
-from cosyvoice.settings import Limits
+from cosyvoice.settings import PRECISIONS, Limits, parse_precision
 from cosyvoice.tools.make_tiny_bundle import TinyDims, make_tiny_bundle
 
 RELEASED_DIMS = TinyDims(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, pre_lookahead_channels=1024,
@@ -88,7 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], nargs="+", default=["fp32"],
+    parser.add_argument("--dtype", choices=sorted(PRECISIONS), nargs="+", default=["fp32"],
                         help="LLM and flow precision (the vocoder always runs in float32)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--requests", type=int, default=2, help="requests per concurrent client")
@@ -112,7 +112,7 @@ def main() -> None:
           f"{'x realtime':>11} {'audio s':>8}")
     hift = bundle.load_hift(device)
     for dtype_name in args.dtype:
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+        dtype = parse_precision(dtype_name)
         llm, flow = bundle.load_llm(device, dtype), bundle.load_flow(device, dtype)
         for name, incremental in (("ours", True), ("baseline", False)):
             engine = Engine(bundle.config, llm, flow, hift, device, limits,

@@ -247,10 +247,6 @@ class ModelBundle:
     config: CosyVoice3Config
 
     @property
-    def yaml_path(self) -> Path:
-        return self.root / "cosyvoice3.yaml"
-
-    @property
     def llm_path(self) -> Path:
         return self.root / "llm.pt"
 

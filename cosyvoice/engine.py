@@ -33,7 +33,8 @@ from cosyvoice.flow import CausalMaskedDiffWithDiT, FlowStream
 from cosyvoice.frontend.frontend import ModelInput
 from cosyvoice.hifigan import CausalHiFTGenerator
 from cosyvoice.llm import CosyVoice3LM
-from cosyvoice.settings import Limits
+from cosyvoice.llm.model import ENDOFPROMPT_ID
+from cosyvoice.settings import SPEED_RANGE, Limits
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,6 @@ class AudioChunk:
     token_end: int
     final: bool  # last chunk of its text segment
     seconds_to_produce: float  # wall time from the request start (chunk 0) or the previous chunk
-
-    @property
-    def duration(self) -> float:
-        return self.pcm.numel() / self.sample_rate
 
     def int16(self) -> np.ndarray:
         """PCM16 little-endian samples, as streamed by the servers."""
@@ -112,7 +109,7 @@ class Engine:
 
     def __init__(self, config: CosyVoice3Config, llm: CosyVoice3LM, flow: CausalMaskedDiffWithDiT,
                  hift: CausalHiFTGenerator, device: torch.device, limits: Limits | None = None,
-                 endofprompt_id: int = 151646, incremental_flow: bool = True) -> None:
+                 endofprompt_id: int = ENDOFPROMPT_ID, incremental_flow: bool = True) -> None:
         self.config = config
         self.llm, self.flow, self.hift = llm.eval(), flow.eval(), hift.eval()
         self.device = device
@@ -216,13 +213,17 @@ class Engine:
     def synthesize(self, inp: ModelInput, stream: bool = False, speed: float = 1.0, seed: int | None = None,
                    sample_offset: int = 0, first_index: int = 0) -> Iterator[AudioChunk]:
         """Speak one text segment. Streaming yields chunks as the policy allows; otherwise one chunk."""
-        self._check_speed(stream, speed)
+        self.check_options(stream, speed, seed)
         session = self._open_session(seed)
         producer = threading.Thread(target=self._produce, args=(session, inp), daemon=True,
                                     name=f"cosyvoice-llm-{session.id}")
         try:
             producer.start()
             yield from self._consume(session, inp, stream, speed, sample_offset, first_index)
+        except CosyVoiceError:
+            raise
+        except Exception as exc:  # flow/vocoder failures reach the caller as our error type, with the cause
+            raise _as_cosyvoice_error(exc, "speech synthesis") from exc
         finally:
             self._close_session(session, producer)
 
@@ -230,7 +231,7 @@ class Engine:
                speed: float = 1.0) -> Iterator[AudioChunk]:
         """Speech tokens given by the caller (voice conversion, replay) through the same chunking as
         :meth:`synthesize`; ``inp`` supplies the flow prompt and speaker embedding (its text is unused)."""
-        self._check_speed(stream, speed)
+        self.check_options(stream, speed)
         ids = torch.as_tensor(tokens).reshape(-1).tolist()
         if any(not 0 <= t < self.config.flow.vocab_size for t in ids):
             raise InvalidInputError(f"speech tokens must be in [0, {self.config.flow.vocab_size})")
@@ -242,20 +243,25 @@ class Engine:
             self._close_session(session, None)
 
     @staticmethod
-    def _check_speed(stream: bool, speed: float) -> None:
-        if not (0.5 <= speed <= 2.0):
-            raise InvalidInputError(f"speed must be between 0.5 and 2.0, got {speed}")
+    def check_options(stream: bool, speed: float, seed: int | None = None) -> None:
+        """Raise :class:`InvalidInputError` for options no session can honour (callers check before any work)."""
+        lo, hi = SPEED_RANGE
+        if not isinstance(speed, (int, float)) or not lo <= speed <= hi:
+            raise InvalidInputError(f"speed must be between {lo:g} and {hi:g}, got {speed!r}")
         if stream and speed != 1.0:
             raise InvalidInputError("speed other than 1.0 is only supported with stream=False "
                                     "(the reference model cannot change speed mid-stream)")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
+            raise InvalidInputError(f"seed must be an integer in [0, 2**63), got {seed!r}")
 
     def _wait_for(self, session: Session, predicate) -> None:
         with session.cond:
             session.cond.wait_for(lambda: predicate() or session.llm_done)
-        if session.error is not None:
-            err = session.error
-            raise err if isinstance(err, CosyVoiceError) else CosyVoiceError(f"speech token generation failed: {err}") \
-                from err
+        err = session.error
+        if isinstance(err, CosyVoiceError):
+            raise err
+        if err is not None:
+            raise _as_cosyvoice_error(err, "speech token generation") from err
 
     def _consume(self, session: Session, inp: ModelInput, stream: bool, speed: float, sample_offset: int,
                  first_index: int) -> Iterator[AudioChunk]:
@@ -291,3 +297,11 @@ class Engine:
             pcm = torch.zeros(0)  # the LLM stopped at once: nothing to say, but the request still completes
         yield AudioChunk(pcm, self.sample_rate, index, sample_offset, policy.offset, len(all_tokens), True,
                          time.perf_counter() - started)
+
+
+def _as_cosyvoice_error(exc: BaseException, stage: str) -> CosyVoiceError:
+    """Our error type for an unexpected failure; running out of GPU memory is a resource limit, not a bug."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return ResourceLimitError(f"{stage} ran out of GPU memory; retry with fewer concurrent requests "
+                                  "(COSYVOICE_MAX_SESSIONS) or shorter text")
+    return CosyVoiceError(f"{stage} failed: {type(exc).__name__}: {exc}")

@@ -196,12 +196,15 @@ class VoiceLibrary:
         try:
             tensors = load_file(tensors_path)
             voice = Voice(PromptFeatures.from_tensors(tensors), tensors["prompt_text"].to(torch.int32))
-            os.utime(meta_path)
         except (OSError, SafetensorError, ValueError, KeyError) as exc:
             logger.warning("voice library: dropping unreadable voice %s (%s: %s)", voice_id, type(exc).__name__, exc)
             with self._lock:
                 self._remove(voice_id)
             return None
+        try:
+            os.utime(meta_path)  # persists the use for eviction order; a read-only library still serves
+        except OSError as exc:
+            logger.warning("voice library: cannot mark %s as used (%s)", voice_id, exc)
         with self._lock:
             if voice_id in self._index:
                 self._index[voice_id].last_used = time.time()

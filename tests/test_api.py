@@ -83,8 +83,10 @@ def test_non_stream_speed_changes_duration_and_stream_speed_is_refused(tts, prom
     normal = _speech(list(tts.inference_zero_shot(TEXT, PROMPT_TEXT, prompt_wav, seed=4)))
     fast = _speech(list(tts.inference_zero_shot(TEXT, PROMPT_TEXT, prompt_wav, seed=4, speed=1.5)))
     assert fast.shape[1] == pytest.approx(normal.shape[1] / 1.5, rel=0.02)
-    with pytest.raises(InvalidInputError, match="stream=False"):
-        list(tts.inference_zero_shot(TEXT, PROMPT_TEXT, prompt_wav, stream=True, speed=1.5))
+    with pytest.raises(InvalidInputError, match="stream=False"):  # at the call, before any work
+        tts.inference_zero_shot(TEXT, PROMPT_TEXT, prompt_wav, stream=True, speed=1.5)
+    with pytest.raises(InvalidInputError, match=r"between 0\.5 and 2"):
+        tts.inference_zero_shot(TEXT, PROMPT_TEXT, prompt_wav, speed=7)
 
 
 def test_saved_voice_matches_prompt_and_round_trips(tts, prompt_wav: Path, tmp_path: Path) -> None:
@@ -188,3 +190,27 @@ def test_precision_choice(tiny_bundle_dir: Path) -> None:
         CosyVoice3(tiny_bundle_dir, device="cpu", dtype="int8")
     cpu = CosyVoice3(tiny_bundle_dir, device="cpu", dtype="bf16")  # half precision is CUDA-only, as the reference
     assert cpu.engine.llm.speech_embedding.weight.dtype == torch.float32 and not cpu.fp16
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 1.5, "7"])
+def test_bad_seed(tts, prompt_wav: Path, seed) -> None:
+    with pytest.raises(InvalidInputError, match="seed must be an integer"):
+        tts.inference_zero_shot(TEXT, PROMPT_TEXT, prompt_wav, seed=seed)
+
+
+def test_missing_end_of_prompt_is_reported_at_the_call(tts, prompt_wav: Path) -> None:
+    with pytest.raises(InvalidInputError, match="endofprompt"):
+        tts.inference_cross_lingual(TEXT, prompt_wav)  # plain text: the official API takes text as given
+    with pytest.raises(InvalidInputError, match="endofprompt"):
+        tts.inference_instruct2(TEXT, "Speak slowly.", prompt_wav)
+    with pytest.raises(InvalidInputError, match="endofprompt"):
+        tts.inference_zero_shot(TEXT, "Hello, this is a short prompt for testing.", prompt_wav)
+
+
+def test_split_prefixed_speaks_long_cross_lingual_text_sentence_by_sentence(tts) -> None:
+    text = cross_lingual_text(" ".join(["This sentence is one of many in a long paragraph."] * 12))
+    assert len(tts.frontend.segments(text)) == 1  # the reference's rule: prefixed text is one segment
+    pieces = tts.frontend.segments(text, split_prefixed=True)
+    assert len(pieces) > 1
+    assert all(p.startswith("You are a helpful assistant.<|endofprompt|>") for p in pieces)
+    assert all(p.count("<|endofprompt|>") == 1 for p in pieces)

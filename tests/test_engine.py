@@ -196,3 +196,29 @@ def test_no_speech_tokens_gives_an_empty_final_chunk(tts, prompt_wav: Path) -> N
     engine = _engine_like(tts, _MuteLLM())
     chunks = list(engine.synthesize(_model_input(tts, prompt_wav), stream=True, seed=0))
     assert len(chunks) == 1 and chunks[0].final and chunks[0].pcm.numel() == 0
+
+
+class _BrokenFlow:
+    """A flow that fails like a device would, to see the failure reach the caller as our error type."""
+
+    def eval(self):
+        return self
+
+    def inference(self, **kwargs):
+        raise RuntimeError("illegal memory access")
+
+
+def test_vocoder_side_failure_is_a_cosyvoice_error_and_frees_the_session(tts, prompt_wav: Path) -> None:
+    e = tts.engine
+    engine = Engine(e.config, e.llm, _BrokenFlow(), e.hift, e.device, Limits(), incremental_flow=False)
+    with pytest.raises(CosyVoiceError, match="speech synthesis failed: RuntimeError: illegal memory access"):
+        list(engine.synthesize(_model_input(tts, prompt_wav), stream=False, seed=0))
+    assert engine.active_sessions == 0 and not _producer_threads()
+
+
+def test_limits_refuse_prompts_longer_than_the_tokenizer_accepts() -> None:
+    from cosyvoice.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="at most 30 s"):
+        Limits(max_prompt_seconds=45)
+    assert Limits.from_env({"COSYVOICE_MAX_SESSIONS": "3"}).max_sessions == 3

@@ -83,7 +83,7 @@ def test_saved_voice_serves_every_mode(studio: Studio, prompt_wav: Path, short_p
     ({"mode": "instruct2"}, "instruct mode needs an instruction"),
     ({"mode": "instruct2", "instruction": "Be calm.<|endofprompt|>more"}, "must end at &lt;|endofprompt|&gt;"),
     ({"saved": "nobody"}, "unknown voice &#x27;nobody&#x27;; saved voices: none"),
-    ({"stream": False, "speed": 3.0}, "speed must be between 0.5 and 2.0"),
+    ({"stream": False, "speed": 3.0}, "speed must be between 0.5 and 2,"),
 ])
 def test_errors_reach_the_page_with_their_message(studio: Studio, prompt_wav: Path, kwargs: dict,
                                                   message: str) -> None:
@@ -102,7 +102,7 @@ def test_bad_upload_and_voice_without_transcript(studio: Studio, prompt_wav: Pat
     studio.voices.save("Bob", voice_id)
     with pytest.raises(gr.Error) as caught:
         _run(studio, saved=voice_id)
-    assert "the voice &#x27;Bob&#x27; has no transcript" in caught.value.message
+    assert "this voice has no transcript, which zero-shot cloning needs" in caught.value.message
     assert studio.delete_voice(voice_id).choices == []
     with pytest.raises(gr.Error, match="pick a saved voice"):
         studio.delete_voice(None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -22,7 +22,7 @@ from cosyvoice.errors import InvalidInputError, ModelBundleError
 from cosyvoice.frontend.audio import AudioSource
 from cosyvoice.frontend.frontend import CosyVoiceFrontend, ModelInput, Voice
 from cosyvoice.frontend.prompt import PromptFeatures
-from cosyvoice.settings import Limits
+from cosyvoice.settings import Limits, parse_precision
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +36,8 @@ class CosyVoice3:
     ``model_dir`` is a local model folder or a ModelScope id (downloaded into ``pretrained_models/``).
     ``fp16`` runs the LLM and flow in float16 on CUDA (ignored on CPU, as the reference does); ``dtype``
     ("fp32", "bf16", "fp16") chooses any of the three, also CUDA-only for half precision. The vocoder
-    always runs in float32. ``load_trt``/``load_vllm`` are accepted for drop-in compatibility; this
-    engine does not use them.
+    always runs in float32. ``load_trt``, ``load_vllm`` and ``trt_concurrent`` are accepted for drop-in
+    compatibility; this engine does not use them.
     """
 
     def __init__(self, model_dir: str | Path, load_trt: bool = False, load_vllm: bool = False, fp16: bool = False,
@@ -49,13 +49,15 @@ class CosyVoice3:
             "cuda" if torch.cuda.is_available() else "cpu")
         if (load_trt or load_vllm) and self.device.type == "cuda":
             logger.warning("load_trt/load_vllm are not used by this engine; running the PyTorch modules")
-        precision = _precision(dtype or ("fp16" if fp16 else "fp32"))
+        precision = parse_precision(dtype or ("fp16" if fp16 else "fp32"))
         if precision != torch.float32 and self.device.type != "cuda":
             logger.warning("no CUDA device: half precision ignored, running in float32")
             precision = torch.float32
         self.fp16 = precision == torch.float16
         self.limits = limits or Limits.from_env()
-        self.frontend = CosyVoiceFrontend(bundle, self.limits)  # ONNX on CUDA where onnxruntime-gpu is installed
+        # the ONNX models follow the chosen device (CUDA only where onnxruntime-gpu is installed)
+        providers = ["CPUExecutionProvider"] if self.device.type == "cpu" else None
+        self.frontend = CosyVoiceFrontend(bundle, self.limits, providers=providers)
         self.engine = Engine(bundle.config, bundle.load_llm(self.device, precision),
                              bundle.load_flow(self.device, precision),
                              bundle.load_hift(self.device), self.device, self.limits,
@@ -109,27 +111,38 @@ class CosyVoice3:
 
     def synthesize(self, mode: Mode, tts_text: str, *, prompt_text: str = "", prompt_wav: AudioSource | None = None,
                    instruct_text: str = "", zero_shot_spk_id: str = "", voice: Voice | None = None,
-                   stream: bool = False, speed: float = 1.0, text_frontend: bool = True,
-                   seed: int | None = None) -> Iterator[AudioChunk]:
+                   stream: bool = False, speed: float = 1.0, text_frontend: bool = True, seed: int | None = None,
+                   split_prefixed: bool = False) -> Iterator[AudioChunk]:
         """All modes in one call, yielding :class:`AudioChunk` (index and sample offsets run across segments).
 
         The voice is, in order of precedence: ``voice`` (e.g. from a voice library), the saved
-        ``zero_shot_spk_id``, or ``prompt_wav`` (+ ``prompt_text`` for zero-shot). Inputs are validated
-        before the first chunk is produced, so a bad request fails at once.
+        ``zero_shot_spk_id``, or ``prompt_wav`` (+ ``prompt_text`` for zero-shot). ``split_prefixed``
+        splits text after its ``<|endofprompt|>`` into sentences (see ``CosyVoiceFrontend.segments``);
+        the official methods leave it off, as the reference does. Every input is validated here, before
+        any synthesis, so a bad request fails at the call, not at the first chunk.
         """
-        segments = self.frontend.segments(tts_text, text_frontend)
-        make_input = self._input_builder(mode, prompt_text, prompt_wav, instruct_text, zero_shot_spk_id,
-                                         text_frontend, voice)
-        return self._run(segments, make_input, stream, speed, seed)
+        Engine.check_options(stream, speed, seed)
+        segments = self.frontend.segments(tts_text, text_frontend, split_prefixed)
+        voice, prompt_ids, llm_prompt_speech = self._conditioning(mode, prompt_text, prompt_wav, instruct_text,
+                                                                  zero_shot_spk_id, text_frontend, voice)
+        if not self.frontend.has_end_of_prompt(tts_text, prompt_ids):
+            raise InvalidInputError(
+                "CosyVoice3 needs '<|endofprompt|>' in the prompt: end the zero-shot transcript with it "
+                "('You are a helpful assistant.<|endofprompt|>' + transcript), wrap the instruct2 instruction as "
+                "'You are a helpful assistant. <instruction><|endofprompt|>', or start cross-lingual text with "
+                "'You are a helpful assistant.<|endofprompt|>' (cosyvoice.frontend.prompts does this for you)")
+        inputs = (self.frontend.model_input(seg, voice, prompt_ids, llm_prompt_speech) for seg in segments)
+        return self._run(segments, inputs, stream, speed, seed)
 
-    def _input_builder(self, mode: Mode, prompt_text: str, prompt_wav: AudioSource | None, instruct_text: str,
-                       spk_id: str, text_frontend: bool, voice: Voice | None) -> Callable[[str], ModelInput]:
+    def _conditioning(self, mode: Mode, prompt_text: str, prompt_wav: AudioSource | None, instruct_text: str,
+                      spk_id: str, text_frontend: bool, voice: Voice | None) -> tuple[Voice, torch.Tensor, bool]:
+        """(voice, LLM prompt text ids, whether the LLM continues the voice's speech tokens) for ``mode``."""
         if mode not in ("zero_shot", "cross_lingual", "instruct2"):
             raise InvalidInputError(f"unknown mode {mode!r}; use zero_shot, cross_lingual or instruct2")
         if voice is not None:
             if mode == "zero_shot" and voice.prompt_text.numel() == 0:
                 raise InvalidInputError("this voice has no transcript, which zero-shot cloning needs; use "
-                                        "cross-lingual or instruct2 mode with it")
+                                        "cross-lingual or instruct2 mode with it, or add it again with its transcript")
         elif spk_id:
             voice = self._saved_voice(spk_id)
         elif prompt_wav is None or (isinstance(prompt_wav, str) and not prompt_wav):
@@ -142,24 +155,22 @@ class CosyVoice3:
             voice = self.frontend.voice(prompt_text, prompt_wav, text_frontend)
         else:
             voice = Voice(self.frontend.prompt_features(prompt_wav), torch.zeros(1, 0, dtype=torch.int32))
-        empty = torch.zeros(1, 0, dtype=torch.int32)
         if mode == "zero_shot":
-            return lambda seg: self.frontend.model_input(seg, voice)
+            return voice, voice.prompt_text, True
         if mode == "cross_lingual":
-            return lambda seg: self.frontend.model_input(seg, voice, prompt_text=empty, llm_prompt_speech=False)
+            return voice, torch.zeros(1, 0, dtype=torch.int32), False
         self.frontend.check_text(instruct_text, "instruct_text")
         # the instruction replaces the transcript; the reference keeps a saved voice's transcript here
         # instead, silently dropping the instruction (docs/differences.md)
-        instruction = self.frontend.encode(instruct_text)
-        return lambda seg: self.frontend.model_input(seg, voice, prompt_text=instruction, llm_prompt_speech=False)
+        return voice, self.frontend.encode(instruct_text), False
 
-    def _run(self, segments: list[str], make_input: Callable[[str], ModelInput], stream: bool, speed: float,
+    def _run(self, segments: list[str], inputs: Iterator[ModelInput], stream: bool, speed: float,
              seed: int | None) -> Iterator[AudioChunk]:
         index = offset = 0
-        for i, segment in enumerate(segments):
+        for i, (segment, inp) in enumerate(zip(segments, inputs, strict=True)):
             logger.info("synthesising segment %d/%d: %s", i + 1, len(segments), segment)
-            seg_seed = None if seed is None else seed + i
-            for chunk in self.engine.synthesize(make_input(segment), stream=stream, speed=speed, seed=seg_seed,
+            seg_seed = None if seed is None else (seed + i) % 2**63
+            for chunk in self.engine.synthesize(inp, stream=stream, speed=speed, seed=seg_seed,
                                                 sample_offset=offset, first_index=index):
                 index, offset = chunk.index + 1, chunk.sample_offset + chunk.pcm.numel()
                 yield chunk
@@ -192,15 +203,6 @@ class CosyVoice3:
         return self._as_dicts(self.synthesize(
             "instruct2", tts_text, prompt_wav=prompt_wav, instruct_text=instruct_text,
             zero_shot_spk_id=zero_shot_spk_id, stream=stream, speed=speed, text_frontend=text_frontend, seed=seed))
-
-
-_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _precision(name: str) -> torch.dtype:
-    if name not in _PRECISIONS:
-        raise InvalidInputError(f"dtype must be one of {sorted(_PRECISIONS)}, got {name!r}")
-    return _PRECISIONS[name]
 
 
 def _voice_to_official(voice: Voice) -> dict[str, torch.Tensor]:

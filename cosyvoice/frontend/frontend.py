@@ -18,7 +18,7 @@ from cosyvoice.frontend.features import MelParams
 from cosyvoice.frontend.onnx_models import CampPlus, SpeechTokenizer
 from cosyvoice.frontend.prompt import PromptFeatures, extract_prompt_features
 from cosyvoice.frontend.text import TextFrontend
-from cosyvoice.frontend.tokenizer import CosyVoice3Tokenizer
+from cosyvoice.frontend.tokenizer import END_OF_PROMPT, CosyVoice3Tokenizer
 from cosyvoice.settings import Limits
 
 
@@ -73,13 +73,29 @@ class CosyVoiceFrontend:
                 f"{what} has {len(text)} characters; at most {self.limits.max_text_chars} are allowed per request "
                 "(COSYVOICE_MAX_TEXT_CHARS); split it into several requests")
 
-    def segments(self, text: str, text_frontend: bool = True) -> list[str]:
-        """Normalised pieces of ``text`` to synthesise one after another (raises if nothing is speakable)."""
-        self.check_text(text)
-        pieces = self.text.split(text, text_frontend=text_frontend)
+    def segments(self, text: str, text_frontend: bool = True, split_prefixed: bool = False) -> list[str]:
+        """Normalised pieces of ``text`` to synthesise one after another (raises if nothing is speakable).
+
+        Text carrying ``<|endofprompt|>`` is one piece, unnormalised, as in the reference. With
+        ``split_prefixed`` the part after the marker is normalised and split like plain text and each
+        piece gets the part up to the marker again, so long cross-lingual text is spoken sentence by
+        sentence instead of as one very long segment.
+        """
+        head, marker, body = text.rpartition(END_OF_PROMPT)
+        if not (split_prefixed and marker):
+            self.check_text(text)
+            head, marker, body = "", "", text
+        else:
+            self.check_text(body)
+        pieces = self.text.split(body, text_frontend=text_frontend)
         if not pieces:
-            raise InvalidInputError(f"text {text.strip()[:80]!r} has nothing to speak (only punctuation?)")
-        return pieces
+            raise InvalidInputError(f"text {body.strip()[:80]!r} has nothing to speak (only punctuation?)")
+        return [head + marker + piece for piece in pieces]
+
+    def has_end_of_prompt(self, *texts: str | torch.Tensor) -> bool:
+        """Whether any text (string or token ids) carries ``<|endofprompt|>``, which the LLM requires."""
+        eop = self.tokenizer.end_of_prompt_id
+        return any(END_OF_PROMPT in t if isinstance(t, str) else bool((t == eop).any()) for t in texts)
 
     def encode(self, text: str) -> torch.Tensor:
         return _ids(self.tokenizer.encode(text, allowed_special="all"))
