@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from cosyvoice.bundle import ONNX_INPUTS, TOKENIZER_FILES
 from cosyvoice.errors import InvalidInputError, ResourceLimitError
-from cosyvoice.frontend.audio import AudioSource, load_prompt_audio
+from cosyvoice.frontend.audio import AudioSource
 from cosyvoice.frontend.frontend import CosyVoiceFrontend, Voice
 from cosyvoice.frontend.prompt import PromptFeatures
 from cosyvoice.frontend.prompts import user_text
@@ -92,10 +92,7 @@ class VoiceLibrary:
         are computed only on a miss, and once even when several requests bring the same recording at once.
         """
         prompt_text = " ".join(prompt_text.split())  # the cached voice is a function of its id alone
-        limits = self.frontend.limits
-        wav, sample_rate = load_prompt_audio(prompt_wav, min_sample_rate=limits.min_prompt_sample_rate,
-                                             min_seconds=limits.min_prompt_seconds,
-                                             max_seconds=limits.max_prompt_seconds)
+        wav, sample_rate = self.frontend.load_prompt(prompt_wav)
         voice_id = self._voice_id(wav, sample_rate, prompt_text)
         with self._lock:
             computing = self._computing.setdefault(voice_id, threading.Lock())
@@ -103,7 +100,7 @@ class VoiceLibrary:
             with computing:
                 voice = self._load(voice_id)
                 if voice is None:
-                    voice = self.frontend.voice(prompt_text, (wav[0].numpy(), sample_rate))
+                    voice = self.frontend.voice_from(self.frontend.features(wav, sample_rate), prompt_text)
                     self._store(voice_id, voice, prompt_text)
         finally:
             with self._lock:

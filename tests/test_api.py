@@ -214,3 +214,13 @@ def test_split_prefixed_speaks_long_cross_lingual_text_sentence_by_sentence(tts)
     assert len(pieces) > 1
     assert all(p.startswith("You are a helpful assistant.<|endofprompt|>") for p in pieces)
     assert all(p.count("<|endofprompt|>") == 1 for p in pieces)
+
+
+def test_oversized_upload_is_refused_before_decoding(prompt_wav: Path) -> None:
+    from cosyvoice.frontend.audio import load_prompt_audio
+
+    data = prompt_wav.read_bytes()
+    for source in (data, io.BytesIO(data), prompt_wav):
+        with pytest.raises(InvalidInputError, match="upload limit"):
+            load_prompt_audio(source, max_bytes=len(data) - 1)
+    assert load_prompt_audio(data, max_bytes=len(data))[1] == 24000

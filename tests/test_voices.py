@@ -28,10 +28,16 @@ class CountingFrontend:
         self.inner, self.limits, self.calls = frontend, frontend.limits, 0
         self._lock = threading.Lock()
 
-    def voice(self, *args, **kwargs):
+    def load_prompt(self, *args, **kwargs):
+        return self.inner.load_prompt(*args, **kwargs)
+
+    def voice_from(self, *args, **kwargs):
+        return self.inner.voice_from(*args, **kwargs)
+
+    def features(self, *args, **kwargs):
         with self._lock:
             self.calls += 1
-        return self.inner.voice(*args, **kwargs)
+        return self.inner.features(*args, **kwargs)
 
 
 def _tone(hz: float, seconds: float = 1.1, sr: int = 16000) -> tuple[np.ndarray, int]:

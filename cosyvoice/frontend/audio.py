@@ -57,10 +57,12 @@ def sniff_format(head: bytes) -> str | None:
 # ----------------------------------------------------------------------------- decoding
 
 
-def decode_audio(source: AudioSource, *, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
+def decode_audio(source: AudioSource, *, max_seconds: float | None = None,
+                 max_bytes: int | None = None) -> tuple[np.ndarray, int]:
     """Decode ``source`` to float32 samples [channels, frames] and its sample rate.
 
-    ``max_seconds`` refuses overlong files from their header, before reading them into memory.
+    ``max_seconds`` refuses overlong files from their header, before reading them into memory;
+    ``max_bytes`` refuses encoded input larger than that, before decoding it.
     Raises :class:`InvalidInputError` for anything that is not decodable audio.
     """
     if isinstance(source, tuple):
@@ -68,7 +70,7 @@ def decode_audio(source: AudioSource, *, max_seconds: float | None = None) -> tu
         if max_seconds is not None and samples.shape[1] > max_seconds * sample_rate:
             raise _too_long(samples.shape[1] / sample_rate, max_seconds)
         return samples, sample_rate
-    data, path, label, head = _read_source(source)
+    data, path, label, head = _read_source(source, max_bytes)
     if not head:
         raise InvalidInputError(f"{label} is empty (0 bytes): no audio to read")
     try:
@@ -87,21 +89,30 @@ def decode_audio(source: AudioSource, *, max_seconds: float | None = None) -> tu
         return _decode_with_ffmpeg(data, path, fmt, label, max_seconds)
 
 
-def _read_source(source: AudioSource) -> tuple[bytes | None, Path | None, str, bytes]:
-    """Return (bytes or None, path or None, label for messages, first bytes); file objects are read completely."""
+def _read_source(source: AudioSource, max_bytes: int | None) -> tuple[bytes | None, Path | None, str, bytes]:
+    """Return (bytes or None, path or None, label for messages, first bytes); file objects are read completely
+    (at most ``max_bytes`` + 1 bytes, so an oversized stream is refused without being held in memory)."""
+    def check_size(n: int, label: str) -> None:
+        if max_bytes is not None and n > max_bytes:
+            raise InvalidInputError(f"{label} is larger than {max_bytes / 2**20:.0f} MiB, the upload limit "
+                                    "(COSYVOICE_MAX_PROMPT_BYTES); a 30 s prompt needs far less")
+
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
+        check_size(len(data), "the uploaded audio")
         return data, None, "the uploaded audio", data[:64]
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():
             raise InvalidInputError(f"audio file '{path}' does not exist or is not a regular file")
+        check_size(path.stat().st_size, f"'{path.name}'")
         with open(path, "rb") as f:
             return None, path, f"'{path.name}'", f.read(64)
     if hasattr(source, "read"):
-        data = source.read()
+        data = source.read() if max_bytes is None else source.read(max_bytes + 1)
         if isinstance(data, str):
             raise InvalidInputError("the audio file object is open in text mode; open it in binary mode ('rb')")
+        check_size(len(data), "the uploaded audio")
         return bytes(data), None, "the uploaded audio", bytes(data[:64])
     raise InvalidInputError(
         f"unsupported audio input of type {type(source).__name__}: pass a path, bytes, a binary file object "
@@ -239,13 +250,14 @@ def resample(wav: torch.Tensor, orig_sr: int, new_sr: int, *, zero_crossings: in
 
 
 def load_prompt_audio(source: AudioSource, *, min_sample_rate: int = 16000, min_seconds: float = 1.0,
-                      max_seconds: float = 30.0, silence_peak: float = 1e-3) -> tuple[torch.Tensor, int]:
+                      max_seconds: float = 30.0, silence_peak: float = 1e-3,
+                      max_bytes: int | None = None) -> tuple[torch.Tensor, int]:
     """Decode and check a voice prompt; returns mono float32 [1, frames] at the file's own sample rate.
 
     Limits: the tokenizer and speaker encoder need >= 16 kHz input, the speech tokenizer refuses more than
     30 s, and under a second of speech gives the model too little of the voice to imitate.
     """
-    samples, sample_rate = decode_audio(source, max_seconds=max_seconds)
+    samples, sample_rate = decode_audio(source, max_seconds=max_seconds, max_bytes=max_bytes)
     wav = downmix(samples)
     validate_prompt(wav, sample_rate, min_sample_rate=min_sample_rate, min_seconds=min_seconds,
                     max_seconds=max_seconds, silence_peak=silence_peak)

@@ -104,15 +104,27 @@ class CosyVoiceFrontend:
 
     def prompt_features(self, prompt_wav: AudioSource) -> PromptFeatures:
         """Decode, validate and featurise a prompt recording (path, file-like, bytes or (array, rate))."""
-        wav, sample_rate = load_prompt_audio(
-            prompt_wav, min_sample_rate=self.limits.min_prompt_sample_rate,
-            min_seconds=self.limits.min_prompt_seconds, max_seconds=self.limits.max_prompt_seconds)
+        wav, sample_rate = self.load_prompt(prompt_wav)
+        return self.features(wav, sample_rate)
+
+    def load_prompt(self, prompt_wav: AudioSource) -> tuple[torch.Tensor, int]:
+        """Decode and validate a prompt recording against the limits: mono [1, N] at its own rate."""
+        limits = self.limits
+        return load_prompt_audio(prompt_wav, min_sample_rate=limits.min_prompt_sample_rate,
+                                 min_seconds=limits.min_prompt_seconds, max_seconds=limits.max_prompt_seconds,
+                                 max_bytes=limits.max_prompt_bytes)
+
+    def features(self, wav: torch.Tensor, sample_rate: int) -> PromptFeatures:
+        """Prompt features of audio that :meth:`load_prompt` accepted."""
         return extract_prompt_features(wav, sample_rate, self.speech_tokenizer, self.campplus, self.sample_rate,
                                        mel_params=self.mel_params, token_mel_ratio=self.token_mel_ratio)
 
     def voice(self, prompt_text: str, prompt_wav: AudioSource, text_frontend: bool = True) -> Voice:
         """A :class:`Voice` from a recording and its transcript (``''`` for modes that use no transcript)."""
-        features = self.prompt_features(prompt_wav)
+        return self.voice_from(self.prompt_features(prompt_wav), prompt_text, text_frontend)
+
+    def voice_from(self, features: PromptFeatures, prompt_text: str, text_frontend: bool = True) -> Voice:
+        """A :class:`Voice` from already computed features and the transcript."""
         text = self.text.normalize(prompt_text, text_frontend=text_frontend) if prompt_text else ""
         return Voice(features=features, prompt_text=self.encode(text))
 
