@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from cosyvoice.config import SamplingConfig, load_config
-from cosyvoice.llm import CosyVoice3LM, nucleus_candidates, ras_sample
+from cosyvoice.llm import CosyVoice3LM, nucleus_candidates
 from cosyvoice.tools.parity.common import Golden, Result, compare, compare_exact
 from cosyvoice.tools.parity.tolerances import LLM_HIDDEN_ATOL, LLM_LOGP_ATOL, SAMPLING_PROB_ATOL
 from cosyvoice.weights import load_weights
@@ -138,12 +138,9 @@ def _check_sampling(golden: Golden, model: CosyVoice3LM) -> list[Result]:
         draws = cases.get(name, {}).get("draws_seed0to4")
         if draws is not None:
             outside = sorted(set(draws) - set(ids.tolist()))
+            # the reference's seeded draws must lie in our candidate set; replaying them draw for draw is not a
+            # parity target (golden README 5: RNG-matched sampling is not expected to be reproducible)
             results.append(compare_exact(COMPONENT, f"nucleus_{name}_ref_draws_in_set", outside, []))
-            # stricter than the README asks: a CPU generator seeded like the reference's global RNG
-            # (torch.manual_seed(0..)) replays its draws, as long as torch's CPU multinomial is unchanged
-            ours = [ras_sample(torch.from_numpy(arrays[f"{name}_logp"]), [], torch.Generator().manual_seed(seed),
-                               sampling) for seed in range(len(draws))]
-            results.append(compare_exact(COMPONENT, f"nucleus_{name}_seeded_draws", np.array(ours), np.array(draws)))
     return results
 
 
