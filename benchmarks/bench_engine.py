@@ -7,8 +7,9 @@ Without ``--model-dir`` it writes a randomly initialised bundle with the release
 random weights never emit a stop token, so every request runs to its max length (20 x text tokens).
 The prompt voice is featurised once (as a saved voice), so the timings are the engine's alone.
 
-Rows: ``ours`` = incremental flow per session (FlowStream); ``baseline`` = the reference's strategy of
-re-running the flow over the whole utterance for every chunk (same engine, ``incremental_flow=False``).
+Rows: ``ours`` = incremental flow and vocoder per session (FlowStream, HiFTStream); ``baseline`` = the
+reference's strategy of re-running flow and vocoder over the whole utterance for every chunk (same engine,
+``incremental_flow=False, incremental_vocoder=False``).
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ def main() -> None:
         llm, flow = bundle.load_llm(device, dtype), bundle.load_flow(device, dtype)
         for name, incremental in (("ours", True), ("baseline", False)):
             engine = Engine(bundle.config, llm, flow, hift, device, limits,
-                            endofprompt_id=frontend.tokenizer.end_of_prompt_id, incremental_flow=incremental)
+                            endofprompt_id=frontend.tokenizer.end_of_prompt_id, incremental_flow=incremental,
+                            incremental_vocoder=incremental)
             run_once(engine, inp, seed=0)  # warm-up: allocator, kernels, noise buffers
             for c in args.concurrency:
                 r = bench(engine, inp, c, args.requests)

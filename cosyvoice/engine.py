@@ -31,7 +31,7 @@ from cosyvoice.config import CosyVoice3Config
 from cosyvoice.errors import CosyVoiceError, InvalidInputError, ResourceLimitError
 from cosyvoice.flow import CausalMaskedDiffWithDiT, FlowStream
 from cosyvoice.frontend.frontend import ModelInput
-from cosyvoice.hifigan import CausalHiFTGenerator
+from cosyvoice.hifigan import CausalHiFTGenerator, HiFTStream
 from cosyvoice.llm import CosyVoice3LM
 from cosyvoice.llm.model import ENDOFPROMPT_ID
 from cosyvoice.settings import SPEED_RANGE, Limits
@@ -100,6 +100,7 @@ class Session:
     cancelled: threading.Event = field(default_factory=threading.Event)
     cond: threading.Condition = field(default_factory=threading.Condition)
     flow_stream: FlowStream | None = None  # streaming requests: the flow's cache of finished chunks
+    hift_stream: HiFTStream | None = None  # streaming requests: the vocoder's window and phase carry
     mel_cache: torch.Tensor | None = None
     speech_offset: int = 0
 
@@ -109,7 +110,8 @@ class Engine:
 
     def __init__(self, config: CosyVoice3Config, llm: CosyVoice3LM, flow: CausalMaskedDiffWithDiT,
                  hift: CausalHiFTGenerator, device: torch.device, limits: Limits | None = None,
-                 endofprompt_id: int = ENDOFPROMPT_ID, incremental_flow: bool = True) -> None:
+                 endofprompt_id: int = ENDOFPROMPT_ID, incremental_flow: bool = True,
+                 incremental_vocoder: bool = True) -> None:
         self.config = config
         self.llm, self.flow, self.hift = llm.eval(), flow.eval(), hift.eval()
         self.device = device
@@ -121,6 +123,8 @@ class Engine:
         self.endofprompt_id = endofprompt_id  # the tokenizer's id of <|endofprompt|>, which the LLM requires
         # False: recompute the flow over the whole utterance per chunk, as the reference (benchmark baseline)
         self.incremental_flow = incremental_flow
+        # False: re-run the vocoder over the whole mel cache per chunk, as the reference (benchmark baseline)
+        self.incremental_vocoder = incremental_vocoder
         self._slots = threading.BoundedSemaphore(self.limits.max_sessions)
         self._sessions: dict[int, Session] = {}
         self._sessions_lock = threading.Lock()
@@ -151,7 +155,7 @@ class Engine:
             producer.join()
         with self._sessions_lock:
             self._sessions.pop(session.id, None)
-        session.mel_cache = session.flow_stream = None
+        session.mel_cache = session.flow_stream = session.hift_stream = None
         self._slots.release()
 
     # ------------------------------------------------------------------ LLM producer
@@ -184,7 +188,8 @@ class Engine:
         vocoder re-runs over the whole cache; only samples after the previous chunk are returned.
 
         A streaming session's flow calls go through its :class:`FlowStream`, which reuses the finished
-        chunk-causal chunks instead of recomputing the utterance (equal within float rounding).
+        chunk-causal chunks instead of recomputing the utterance (equal within float rounding), and its
+        vocoder calls through its :class:`HiFTStream`, which vocodes a bounded window (the same samples).
         """
         dev = self.device
         if self.incremental_flow and (streaming or session.flow_stream is not None):
@@ -199,6 +204,10 @@ class Engine:
                 prompt_token_len=prompt_token.shape[1], prompt_feat=prompt_feat, prompt_feat_len=prompt_feat.shape[1],
                 embedding=inp.flow_embedding.to(dev), streaming=False, finalize=finalize)
         mel = mel[:, :, token_offset * self.config.flow.token_mel_ratio:]
+        if self.incremental_vocoder and (streaming or session.hift_stream is not None):
+            if session.hift_stream is None:
+                session.hift_stream = HiFTStream(self.hift)
+            return session.hift_stream.inference(mel, finalize=finalize)[0].float().cpu()
         session.mel_cache = mel if session.mel_cache is None else torch.cat([session.mel_cache, mel], dim=2)
         full_mel = session.mel_cache
         if speed != 1.0:

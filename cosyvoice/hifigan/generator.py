@@ -245,6 +245,6 @@ class CausalHiFTGenerator(nn.Module):
                 f"got {speech_feat.shape[2]}")
         f0 = self.f0_predictor(speech_feat, finalize=finalize).to(speech_feat)
         f0_per_sample = F.interpolate(f0[:, None], scale_factor=self.upsample_scale, mode="nearest").transpose(1, 2)
-        source = self.m_source(f0_per_sample).transpose(1, 2)
+        source = self.m_source(f0_per_sample)[0].transpose(1, 2)
         mel = speech_feat if finalize else speech_feat[:, :, : speech_feat.shape[2] - f0p.LOOKAHEAD]
         return self.decode(mel, source, finalize), source

@@ -60,26 +60,40 @@ class CausalSineGen(nn.Module):
         self.rand_ini = rand_ini
         self._noise = sine_waves
 
-    def forward(self, f0: torch.Tensor) -> torch.Tensor:
+    def forward(self, f0: torch.Tensor, first_frame: int = 0,
+                phase_carry: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Harmonics + noise ``[B, N, H]`` for per-sample F0 ``[B, N, 1]``, and the running phase sums.
+
+        ``first_frame``/``phase_carry`` let a stream continue an utterance: the F0 starts at mel frame
+        ``first_frame`` and ``phase_carry [B, H]`` (float64) is the sum of per-frame cycles before it. The
+        second output ``[B, frames + 1, H]`` holds those sums at every frame boundary of this call (float64).
+        The reference accumulates in a float32 ``cumsum``, which torch computes in float64 on the CPU, so
+        a float64 sum rounded to float32 gives the same phases bit for bit there.
+        """
         if self.rand_ini is None or self._noise is None:
             raise RuntimeError("CausalSineGen has no noise buffers: call set_noise() first")
         harmonic_numbers = torch.arange(1, self.n_harmonics + 1, dtype=f0.dtype, device=f0.device)
         cycles = (f0 * harmonic_numbers / self.sampling_rate) % 1  # cycles per sample, integer part dropped
-        cycles[:, 0, :] = cycles[:, 0, :] + self.rand_ini.to(cycles)  # initial phase, added at the first sample
+        if first_frame == 0:
+            cycles[:, 0, :] = cycles[:, 0, :] + self.rand_ini.to(cycles)  # initial phase, at the first sample
 
         # Integrate per frame (linear down-sampling of a per-frame constant), then hold each frame's
         # phase for all of its samples: the reference's causal variant upsamples with 'nearest'.
         per_frame = F.interpolate(cycles.transpose(1, 2), scale_factor=1 / self.upsample_scale,
                                   mode="linear").transpose(1, 2)
-        phase = torch.cumsum(per_frame, dim=1) * 2 * math.pi
+        if phase_carry is None:
+            phase_carry = per_frame.new_zeros(per_frame.shape[0], per_frame.shape[2], dtype=torch.float64)
+        sums = torch.cat([phase_carry[:, None], per_frame.double()], dim=1).cumsum(dim=1)
+        phase = sums[:, 1:].to(per_frame.dtype) * 2 * math.pi
         phase = F.interpolate(phase.transpose(1, 2) * self.upsample_scale, scale_factor=self.upsample_scale,
                               mode="nearest").transpose(1, 2)
         sines = torch.sin(phase) * self.sine_amp
 
         voiced = (f0 > self.voiced_threshold).to(f0.dtype)
         noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3
-        noise = noise_amp * self._noise(f0.shape[1]).to(sines)
-        return sines * voiced + noise
+        first = first_frame * self.upsample_scale  # the noise buffer is indexed from the utterance's sample 0
+        noise = noise_amp * self._noise(first + f0.shape[1])[:, first:].to(sines)
+        return sines * voiced + noise, sums
 
 
 class SourceModuleHnNSF(nn.Module):
@@ -92,5 +106,8 @@ class SourceModuleHnNSF(nn.Module):
                                        voiced_threshold)
         self.l_linear = nn.Linear(nb_harmonics + 1, 1)
 
-    def forward(self, f0: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.l_linear(self.l_sin_gen(f0)))
+    def forward(self, f0: torch.Tensor, first_frame: int = 0,
+                phase_carry: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Excitation ``[B, N, 1]`` and the sine generator's running phase sums (see :class:`CausalSineGen`)."""
+        harmonics, sums = self.l_sin_gen(f0, first_frame, phase_carry)
+        return torch.tanh(self.l_linear(harmonics)), sums
