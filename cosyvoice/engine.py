@@ -202,7 +202,7 @@ class Engine:
             mel = self.flow.inference(
                 token=tokens.to(dev), token_len=tokens.shape[1], prompt_token=prompt_token,
                 prompt_token_len=prompt_token.shape[1], prompt_feat=prompt_feat, prompt_feat_len=prompt_feat.shape[1],
-                embedding=inp.flow_embedding.to(dev), streaming=False, finalize=finalize)
+                embedding=inp.flow_embedding.to(dev), streaming=streaming, finalize=finalize)
         mel = mel[:, :, token_offset * self.config.flow.token_mel_ratio:]
         if self.incremental_vocoder and (streaming or session.hift_stream is not None):
             if session.hift_stream is None:
