@@ -81,7 +81,9 @@ class _CountingLLM:
         self.llm, self.pulled = llm, 0
 
     def generate(self, **kwargs) -> Iterator[int]:
-        def counting_sampler(scores, decoded, generator):
+        generator = kwargs["generator"]
+
+        def counting_sampler(scores, decoded):
             self.pulled += 1
             return ras_sample(scores, decoded, generator, self.llm.cfg.sampling)
 

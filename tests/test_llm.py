@@ -35,7 +35,7 @@ def _request(n_text: int = 3) -> tuple[list[int], list[int], list[int]]:
 
 
 def _replay(tokens: Sequence[int], seen: list[torch.Tensor] | None = None):
-    def sampler(scores: torch.Tensor, decoded: Sequence[int], generator: torch.Generator) -> int:
+    def sampler(scores: torch.Tensor, decoded: Sequence[int]) -> int:
         if seen is not None:
             seen.append(scores.clone())
         return tokens[len(decoded)]
@@ -115,8 +115,10 @@ def test_stops_on_any_stop_id_and_min_len_quirk(lm: CosyVoice3LM) -> None:
 def test_max_len_respected(lm: CosyVoice3LM) -> None:
     stops = torch.tensor(list(lm.stop_token_ids))
 
-    def never_stop(scores: torch.Tensor, decoded: Sequence[int], generator: torch.Generator) -> int:
-        return ras_sample(scores.index_fill(0, stops, -float("inf")), decoded, generator, lm.cfg.sampling)
+    gen = torch.Generator().manual_seed(0)
+
+    def never_stop(scores: torch.Tensor, decoded: Sequence[int]) -> int:
+        return ras_sample(scores.index_fill(0, stops, -float("inf")), decoded, gen, lm.cfg.sampling)
 
     out = list(lm.generate(*_request(2), torch.Generator().manual_seed(0), endofprompt_id=EOP,
                            silent_tokens=frozenset(), sampler=never_stop))

@@ -25,11 +25,11 @@ from torch import nn
 
 from cosyvoice.config import LLMConfig
 from cosyvoice.errors import InvalidInputError
+from cosyvoice.llm.job import Job, Sampler, Step, run_eager
 from cosyvoice.llm.qwen2 import KVCache, Qwen2Backbone
 from cosyvoice.llm.sampling import ras_sample
 
 TokenIds = Sequence[int] | torch.Tensor
-Sampler = Callable[[torch.Tensor, Sequence[int], torch.Generator], int]
 
 #: Id of ``<|endofprompt|>`` in the released tokenizer; the official model hard-codes it. Callers
 #: with a tokenizer should pass the id it resolves instead.
@@ -127,38 +127,34 @@ class CosyVoice3LM(nn.Module):
             raise InvalidInputError(
                 f"KV cache (batch {cache.batch}, {cache.max_len} slots, {cache.dtype}, {cache.device}) cannot hold "
                 f"this request: it needs batch 1, {needed} slots, {lm_input.dtype} on {device}")
-        sample = sampler or functools.partial(ras_sample, cfg=self.cfg.sampling)
-        return self._decode(lm_input, min_len, max_len, cache, generator, sample, silent_tokens, should_stop)
+        sample = sampler or functools.partial(ras_sample, generator=generator, cfg=self.cfg.sampling)
+        job = self.generate_job(lm_input[0], min_len, max_len, silent_tokens)
+        return run_eager(self, job, cache, sample, should_stop=should_stop)
 
-    @torch.inference_mode()
-    def _decode(self, lm_input: torch.Tensor, min_len: int, max_len: int, cache: KVCache,
-                generator: torch.Generator, sample: Sampler, silent_tokens: frozenset[int],
-                should_stop: Callable[[], bool] | None) -> Iterator[int]:
+    def generate_job(self, lm_input: torch.Tensor, min_len: int, max_len: int,
+                     silent_tokens: frozenset[int] = SILENT_TOKENS) -> Job:
+        """The official decoding loop as a :mod:`job <cosyvoice.llm.job>`: prefill ``lm_input`` [L, H], then
+        one speech token per step until a stop id (not emitted) or ``max_len`` tokens."""
         decoded: list[int] = []
         silent_run = 0
-        x, start = lm_input, 0
+        x = lm_input
+        emit: tuple[int, ...] = ()
         for step in range(max_len):
-            if should_stop is not None and should_stop():
-                return
-            _, logp = self.decode_step(x, start, cache)
-            scores = logp[0]
-            if step < min_len:
-                # reference quirk: only index speech_token_size (sos, not eos) is banned before
-                # min_len, so the other stop ids can still end generation early
-                scores[self.sos] = -float("inf")
-            token = sample(scores, decoded, generator)
+            # reference quirk: only index speech_token_size (sos, not eos) is banned before min_len,
+            # so the other stop ids can still end generation early
+            token = yield Step(x, history=decoded, ban_sos=step < min_len, emit=emit)
             if token in self.stop_token_ids:
-                return
+                return ()
             decoded.append(token)
-            start += x.shape[1]
-            x = self.speech_embedding.weight[token].view(1, 1, -1)
+            x = self.speech_embedding.weight[token].view(1, -1)
+            emit = (token,)
             if token in silent_tokens:
                 silent_run += 1
                 if silent_run > MAX_SILENT_RUN:
-                    continue
+                    emit = ()  # fed back to the model, not passed on
             else:
                 silent_run = 0
-            yield token
+        return emit
 
     @staticmethod
     def _ids(ids: TokenIds, name: str, limit: int, device: torch.device) -> torch.Tensor:

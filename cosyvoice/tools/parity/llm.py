@@ -82,7 +82,7 @@ def _check_llm(golden: Golden, model: CosyVoice3LM) -> list[Result]:
         # 1. the sampler's view through generate(): a replaying sampler records the scores it gets
         seen: list[torch.Tensor] = []
 
-        def replay(scores: torch.Tensor, decoded: Sequence[int], generator: torch.Generator) -> int:
+        def replay(scores: torch.Tensor, decoded: Sequence[int]) -> int:
             seen.append(scores.detach().cpu().clone())
             return forced[min(len(seen), len(forced)) - 1]
 
