@@ -14,6 +14,7 @@ of all active jobs into a single decode call. Jobs are built by :class:`~cosyvoi
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -83,3 +84,61 @@ def run_eager(lm, job: Job, cache, sample: Sampler, *, wait: Callable[[], None] 
         yield from done.value or ()
     finally:
         job.close()
+
+
+class TokenStream:
+    """Token ids that arrive over time (a chat LLM's text, tokenised piece by piece), read by one job.
+
+    Writers ``put`` and finally ``close`` (with the writer's exception, if it failed); the job
+    ``take``s without blocking and yields :class:`Wait` while nothing new is there. Runners learn of
+    new input through ``wait`` (blocking, for a runner thread of its own) or a ``subscribe``d callback
+    (the scheduler, which must never block on one request).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._pending: list[int] = []
+        self._closed = False
+        self._error: BaseException | None = None
+        self._listeners: list[Callable[[], None]] = []
+
+    def put(self, ids: Sequence[int]) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("put() after close()")
+            self._pending.extend(int(i) for i in ids)
+            self._cond.notify_all()
+        self._notify()
+
+    def close(self, error: BaseException | None = None) -> None:
+        with self._cond:
+            self._closed, self._error = True, error
+            self._cond.notify_all()
+        self._notify()
+
+    def take(self) -> tuple[list[int], bool]:
+        """(ids that arrived since the last take, whether the stream has ended); re-raises a writer's error."""
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            ids, self._pending = self._pending, []
+            return ids, self._closed
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until there is something to take or the stream has ended."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending or self._closed, timeout)
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` (from the writer's thread) whenever input arrives or the stream ends."""
+        with self._cond:
+            self._listeners.append(listener)
+            pending = bool(self._pending) or self._closed
+        if pending:
+            listener()
+
+    def _notify(self) -> None:
+        with self._cond:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
