@@ -59,7 +59,8 @@ state() { "$VENV/bin/python" scripts/install_state.py "$1" "$VENV" "$EXTRAS"; }
 
 if [ -x "$VENV/bin/python" ] && state check; then
   [ "$CHECK_ONLY" = 1 ] && [ ${#missing_apt[@]} -gt 0 ] && exit 1
-  exit 0  # everything installed: no pip, no network
+  log "python packages up to date in $VENV (extras [$EXTRAS]): no pip call"
+  exit 0
 fi
 if [ "$CHECK_ONLY" = 1 ]; then
   log "python packages not installed (or pyproject.toml/python changed since): $VENV, extras [$EXTRAS]"
