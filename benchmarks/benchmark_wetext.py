@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -104,8 +105,8 @@ def per_call(fn: Callable[[str], object], sentences: list[str], repeats: int) ->
             fn(s)
             times.append(time.perf_counter() - start)
     times.sort()
-    return {"p50": times[len(times) // 2], "p90": times[int(0.9 * (len(times) - 1))], "mean": statistics.fmean(times),
-            "calls": len(times)}
+    return {"p50": times[len(times) // 2], "p90": times[int(0.9 * (len(times) - 1))], "min": times[0],
+            "mean": statistics.fmean(times), "calls": len(times)}
 
 
 def _tokenizer_dir(model_dir: Path | None) -> tuple[Path, str]:
@@ -140,7 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     frontend = TextFrontend(CosyVoice3Tokenizer.from_model_dir(tok_dir), WeTextNormalizer())
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": f"cpu: {platform.processor() or platform.machine()}, {_cpu_name()}",
+        "device": f"cpu: {_cpu_name()}, {os.cpu_count()} cores ({platform.machine()})",
+        # other processes inflate every number on a shared machine: the load says how much to trust them
+        "load_average_1min": {"before": os.getloadavg()[0]},
         "python": platform.python_version(),
         "versions": {d: _version(d) for d in ("wetext", "kaldifst", "inflect", "tokenizers")},
         "tokenizer": tok_name, "repeats": args.repeats, "starts": args.starts,
@@ -157,7 +160,10 @@ def main(argv: list[str] | None = None) -> None:
             "wetext Normalizer": per_call(baseline[lang].normalize, sentences, args.repeats),
         }
 
-    print(f"{env['date']} | {env['device']} | python {env['python']} | "
+    env["load_average_1min"]["after"] = os.getloadavg()[0]
+    load = env["load_average_1min"]
+    print(f"{env['date']} | {env['device']} | load {load['before']:.1f} -> {load['after']:.1f} | "
+          f"python {env['python']} | "
           + " ".join(f"{k} {v}" for k, v in env["versions"].items()) + f" | tokenizer: {tok_name}")
     print(f"\nstart-up (median of {args.starts} fresh interpreters), ms")
     print(f"{'':<10} {'torch':>7} {'import':>8} {'first en':>9} {'first zh':>9} {'total':>8} {'w/o torch':>10}")
@@ -166,10 +172,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:<10} {1e3 * r['torch']:>7.0f} {1e3 * r['import']:>8.0f} {1e3 * r['en']:>9.0f} "
               f"{1e3 * r['zh']:>9.0f} {1e3 * total:>8.0f} {1e3 * (total - r['torch']):>10.0f}")
     print(f"\nper sentence (warm, {args.repeats} passes over {len(SENTENCES['en'])} sentences each), ms")
-    print(f"{'lang':<5} {'path':<18} {'p50':>7} {'p90':>7} {'mean':>7}")
+    print(f"{'lang':<5} {'path':<18} {'p50':>7} {'p90':>7} {'min':>7} {'mean':>7}")
     for lang, rows in results["latency"].items():
         for name, r in rows.items():
-            print(f"{lang:<5} {name:<18} {1e3 * r['p50']:>7.3f} {1e3 * r['p90']:>7.3f} {1e3 * r['mean']:>7.3f}")
+            print(f"{lang:<5} {name:<18} {1e3 * r['p50']:>7.3f} {1e3 * r['p90']:>7.3f} {1e3 * r['min']:>7.3f} "
+                  f"{1e3 * r['mean']:>7.3f}")
     if args.json:
         args.json.write_text(json.dumps({"env": env, **results}, indent=2, ensure_ascii=False) + "\n")
 
