@@ -4,8 +4,9 @@
 #
 # Everything Python goes into the venv, never into the system interpreter: Debian's python3 is "externally
 # managed" (PEP 668) and refuses pip, and one environment per checkout gives every machine the same test
-# command (.venv/bin/python -m pytest -q). When all is installed (a stamp keyed on pyproject.toml, this
-# script, the extras and the venv's Python matches) it makes no pip call and no network access at all.
+# command (.venv/bin/python -m pytest -q). When all is installed (scripts/install_state.py: a stamp keyed on
+# pyproject.toml, this script and the venv's Python, listing the extras installed) it makes no pip call and
+# no network access at all.
 #
 # Environment: PYTHON (base interpreter, default python3), COSYVOICE_VENV (default .venv),
 # COSYVOICE_EXTRAS (default dev; scripts/webui.sh asks for ui). Used by scripts/test.sh, scripts/webui.sh,
@@ -54,8 +55,8 @@ if [ ${#missing_apt[@]} -gt 0 ]; then
       log "installing system packages (apt): ${missing_apt[*]}"
       # A failure (e.g. no network) is reported, not fatal: what is installed may still be enough to start.
       if ! { $SUDO apt-get update -qq &&
-             DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing_apt[@]}" \
-               >/dev/null; }; then
+             $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+               "${missing_apt[@]}" >/dev/null; }; then
         log "WARNING: apt-get could not install ${missing_apt[*]}"
       fi
     else
