@@ -24,7 +24,7 @@ export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1  # tests drive Debian's /usr/bin/chrom
 log() { echo "[setup] $*" >&2; }
 
 # ---- system packages (apt), each only where missing ------------------------------------------------
-# ffmpeg: decodes browser uploads (mp3/m4a/webm) and feeds the web UI's streamed player.
+# ffmpeg: decodes prompt uploads libsndfile cannot read (browser WebM/Opus, M4A/AAC: frontend/audio.py).
 # chromium + fonts-noto-cjk: the browser tests (Playwright drives /usr/bin/chromium; CJK text renders).
 # python3.X-venv: Debian ships venv's pip bootstrap (ensurepip) separately.
 py_mm=$("$BASE_PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
@@ -61,7 +61,7 @@ if [ ${#missing_apt[@]} -gt 0 ]; then
       fi
     else
       log "WARNING: missing ${missing_apt[*]} and no apt-get/root to install them: install them yourself" \
-          "(without ffmpeg, mp3/m4a/webm prompts are refused and the web UI cannot stream audio)"
+          "(without ffmpeg, WebM and M4A prompt recordings are refused)"
     fi
   fi
 fi
