@@ -411,3 +411,33 @@ def test_websocket_errors_and_disconnect(url: str, service: TTSService, saved_vo
         while json.loads(ws.recv(timeout=120))["bytes"] == 0:
             pass  # until MP3 bytes flow
     _wait_for(lambda: service.status().active_sessions == 0, timeout=20)  # the disconnect ended the session
+
+
+def test_command_line_serves_the_model_of_cosyvoice_model_dir(tiny_bundle_dir: Path, tmp_path: Path) -> None:
+    """``python -m cosyvoice.server.rest`` (the console script's entry point) honours COSYVOICE_MODEL_DIR."""
+    import os
+    import subprocess
+    import sys
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    env = {**os.environ, "COSYVOICE_MODEL_DIR": str(tiny_bundle_dir), "COSYVOICE_DEVICE": "cpu",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    process = subprocess.Popen([sys.executable, "-m", "cosyvoice.server.rest", "--port", str(port),
+                                "--voice-dir", str(tmp_path / "voices"), "--log-level", "warning"], env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def ready() -> bool:
+            assert process.poll() is None, "the server exited"
+            try:
+                return httpx.get(f"{url}/ready").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        _wait_for(ready, timeout=180)
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == tiny_bundle_dir.name
+    finally:
+        process.terminate()
+        process.wait(30)
