@@ -241,3 +241,23 @@ def test_run_eager_drives_the_job_with_a_real_model(lm: CosyVoice3LM) -> None:
 def test_golden_bistream_parity(golden) -> None:
     results = check(golden)
     assert all(r.passed for r in results), "\n".join(r.row() for r in results if not r.passed)
+
+
+def test_engine_mode_ends_at_any_stop_id_and_bounds_the_speech(lm: CosyVoice3LM) -> None:
+    # strict=False (the engine): where the reference raises, a stop id ends the utterance, as inference() does
+    stream = TokenStream()
+    job = bistream_job(lm, [EOP], [], stream, max_len=512, endofprompt_id=EOP, silent_tokens=frozenset(),
+                       strict=False)
+    _, sent, emitted = drive(job, [[100], [101]], lambda i, step: 7 if i < 20 else SPEECH + 50, stream)
+    assert sent[-1] == SPEECH + 50 and emitted == [7] * 20
+    # and at most max_token_text_ratio x the streamed text tokens are spoken (2 text tokens -> 4 at ratio 2)
+    stream = TokenStream()
+    job = bistream_job(lm, [EOP], [], stream, max_len=512, endofprompt_id=EOP, silent_tokens=frozenset(),
+                       strict=False, max_token_text_ratio=2.0)
+    _, _, emitted = drive(job, [[100], [101]], lambda i, step: 7, stream)
+    assert len(emitted) == 15  # the decoding before the text ended already spoke more: nothing is added
+    stream = TokenStream()
+    job = bistream_job(lm, [EOP], [], stream, max_len=512, endofprompt_id=EOP, silent_tokens=frozenset(),
+                       strict=False, max_token_text_ratio=5.0)
+    _, _, emitted = drive(job, [[t] for t in range(100, 112)], lambda i, step: 7, stream)
+    assert len(emitted) == 5 * 12  # 3 x 15 while the text streamed in, 15 more in the final phase

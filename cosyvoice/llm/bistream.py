@@ -18,6 +18,12 @@ The reference pulls one piece per loop iteration and resumes after a fill at mos
 frontend hands the LLM one text token per piece, so by default each id of the stream is one piece
 (``per_token=True``). ``per_token=False`` makes each batch the stream hands over one piece, as when
 ``inference_bistream`` is called with multi-token pieces (golden README §13).
+
+Stopping: the reference ends only at ``eos`` and raises ValueError for any other non-speech token, with
+no bound on the final phase (``strict=True``, our parity mode: :class:`BistreamError` and the cache
+bound). The engine runs ``strict=False``: in the final phase any stop id ends the utterance and at most
+``max_token_text_ratio`` x the text tokens are spoken, as the reference's non-streaming ``inference``
+does, instead of failing a request that has already streamed audio (docs/differences.md).
 """
 
 from __future__ import annotations
@@ -46,13 +52,15 @@ def first_fill_index(n_prompt_speech: int, mix_ratio: tuple[int, int] = MIX_RATI
 
 def bistream_job(lm: CosyVoice3LM, prompt_text: TokenIds, prompt_speech_token: TokenIds, stream: TokenStream, *,
                  max_len: int, endofprompt_id: int = ENDOFPROMPT_ID, mix_ratio: tuple[int, int] = MIX_RATIO,
-                 silent_tokens: frozenset[int] = SILENT_TOKENS, per_token: bool = True) -> Job:
+                 silent_tokens: frozenset[int] = SILENT_TOKENS, per_token: bool = True, strict: bool = True,
+                 max_token_text_ratio: float = 20.0) -> Job:
     """The bi-streaming decoding of one request, reading text ids from ``stream`` without blocking.
 
     ``prompt_text`` must hold ``<|endofprompt|>`` (zero-shot transcript or instruct2 instruction);
     ``prompt_speech_token`` may be empty (instruct2). ``max_len`` bounds the positions the job feeds
     (the KV cache it will run on): beyond it the job raises :class:`ResourceLimitError`. Emitted tokens
-    follow the official engine's silent-run rule (see ``CosyVoice3LM.generate``). Validation happens
+    follow the official engine's silent-run rule (see ``CosyVoice3LM.generate``); ``strict`` and
+    ``max_token_text_ratio``: see the module docstring. Validation happens
     here, at the call; the returned job raises :class:`BistreamError` where the reference raises ValueError,
     and re-raises the stream writer's error.
     """
@@ -72,7 +80,9 @@ def bistream_job(lm: CosyVoice3LM, prompt_text: TokenIds, prompt_speech_token: T
     if prefix.shape[0] >= max_len:
         raise ResourceLimitError(f"the prompt alone needs {prefix.shape[0]} LLM positions; at most {max_len} "
                                  "are allowed per text-stream request")
-    return _run(lm, prefix, prompt_ids[eop + 1:], speech_ids, stream, max_len, mix_ratio, silent_tokens, per_token)
+    limit_ratio = None if strict else max_token_text_ratio
+    return _run(lm, prefix, prompt_ids[eop + 1:], speech_ids, stream, max_len, mix_ratio, silent_tokens, per_token,
+                limit_ratio)
 
 
 @torch.no_grad()
@@ -86,7 +96,7 @@ def _speech_row(lm: CosyVoice3LM, token: int) -> torch.Tensor:
 
 def _run(lm: CosyVoice3LM, prefix: torch.Tensor, text_head: torch.Tensor, speech_ids: torch.Tensor,
          stream: TokenStream, max_len: int, mix_ratio: tuple[int, int], silent_tokens: frozenset[int],
-         per_token: bool) -> Job:
+         per_token: bool, limit_ratio: float | None) -> Job:
     n_text, n_speech = mix_ratio
     device = prefix.device
     with torch.no_grad():
@@ -98,6 +108,8 @@ def _run(lm: CosyVoice3LM, prefix: torch.Tensor, text_head: torch.Tensor, speech
     position = 0
     emit: list[int] = []
     silent_run = 0
+    n_streamed = 0  # text tokens of the stream (the length bound counts them alone, as inference() counts the text)
+    n_spoken = 0  # speech tokens decided (fills excluded)
     arrived: deque[list[int]] = deque()  # pieces taken from the stream, not yet processed
 
     def step(x: torch.Tensor, **kwargs) -> Step:
@@ -138,6 +150,7 @@ def _run(lm: CosyVoice3LM, prefix: torch.Tensor, text_head: torch.Tensor, speech
         if int(piece.min()) < 0 or int(piece.max()) >= lm.cfg.qwen.vocab_size:
             raise InvalidInputError(f"text-stream ids must be in [0, {lm.cfg.qwen.vocab_size})")
         text_cache = torch.cat([text_cache, _embed_text(lm, piece)])
+        n_streamed += piece.numel()
         while prompt_speech.shape[0] and text_cache.shape[0] >= n_text:
             lm_input = torch.cat([lm_input, text_cache[:n_text], prompt_speech[:n_speech]])
             text_cache, prompt_speech = text_cache[n_text:], prompt_speech[n_speech:]
@@ -164,6 +177,7 @@ def _run(lm: CosyVoice3LM, prefix: torch.Tensor, text_head: torch.Tensor, speech
                 raise BistreamError(
                     f"the model chose token {token} (not a speech token) while text was still streaming in; the "
                     "reference's bi-streaming algorithm stops with ValueError here. Retry with another seed")
+            n_spoken += 1
             keep(token)
             lm_input = _speech_row(lm, token)
 
@@ -171,15 +185,18 @@ def _run(lm: CosyVoice3LM, prefix: torch.Tensor, text_head: torch.Tensor, speech
     # prompt speech tokens still unused when the text ends (text shorter than the prompt's blocks) are dropped
     task_id = _speech_row(lm, lm.task_id)
     lm_input = torch.cat([lm_input, text_cache, task_id])
-    while True:
+    limit = None if limit_ratio is None else CosyVoice3LM.length_limits(n_streamed, max_ratio=limit_ratio)[1]
+    while limit is None or n_spoken < limit:
         token = yield step(lm_input)
         out_tokens.append(token)
-        if token == lm.eos:
+        if token == lm.eos or (limit is not None and token in lm.stop_token_ids):
             return tuple(emit)
         if token >= lm.speech_token_size:
             raise BistreamError(f"the model chose token {token} where only a speech token or eos can follow; "
                                 "the reference's bi-streaming algorithm stops with ValueError here. Retry with another "
                                 "seed")
+        n_spoken += 1
         keep(token)
         lm_input = _speech_row(lm, token)
+    return tuple(emit)
 
