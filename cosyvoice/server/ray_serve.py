@@ -68,7 +68,7 @@ class ServeArgs(BaseModel):
     num_replicas: int | None = None  # a fixed count; None: autoscale between min_replicas and max_replicas
     min_replicas: int = 1
     max_replicas: int | None = None  # None: one per GPU in the cluster (1 without GPUs)
-    limits: dict[str, float] = {}  # Limits overrides per replica, e.g. {"max_sessions": 8}
+    limits: dict[str, int | float] = {}  # Limits overrides per replica, e.g. {"max_sessions": 8}
     max_body_bytes: int | None = None  # one request body (base64 audio included)
 
 
@@ -154,7 +154,7 @@ class CosyVoiceDeployment:
     """One replica: the model on this replica's device (its GPU, else CPU) and the voice library."""
 
     def __init__(self, model_dir: str, voice_dir: str, device: str | None = None,
-                 limits: dict[str, float] | None = None, max_body_bytes: int | None = None) -> None:
+                 limits: dict[str, int | float] | None = None, max_body_bytes: int | None = None) -> None:
         settings = ServerSettings.from_env()
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")  # CPU fallback without a GPU
         self.limits = Limits.from_env(**(limits or {}))
