@@ -145,6 +145,12 @@ def failure_reason(exc: BaseException) -> str:
     return "internal"
 
 
+def mode_label(mode: object) -> str:
+    """The mode as metrics label it: a service mode (aliases resolved) or ``unknown``."""
+    mode = MODE_ALIASES.get(mode, mode) if isinstance(mode, str) else mode
+    return mode if mode in MODES else "unknown"
+
+
 def allowed_path(path: str, root: str | Path | None, field: str = "prompt_audio") -> Path:
     """``path`` if it names a file under ``root`` (symlinks resolved), for adapters that accept server paths;
     with no ``root`` configured, paths are refused."""
@@ -325,6 +331,8 @@ class AsyncSynthesisSession(AsyncIterator[AudioChunk]):
 
     async def aclose(self) -> None:
         """Cancel (if still running) without waiting for the worker: it stops at its next chunk boundary."""
+        if self._stopped.is_set():
+            return
         self._ended = True
         self._stopped.set()
         self.session.cancel()
@@ -387,12 +395,12 @@ class TTSService:
         """Validate, wait for a slot (or raise "busy"), and start: errors in the request raise here, before any
         audio. Iterate the returned session for chunks; close it to cancel."""
         started = time.perf_counter()
-        mode = request.mode if request.mode in MODES else MODE_ALIASES.get(str(request.mode), "unknown")
+        mode = mode_label(request.mode)
         try:
             checked = self._check(request)  # before taking a slot: a bad request never waits
             self._admission.acquire()
         except BaseException as exc:
-            self._report(Outcome(mode, failure_reason(exc), time.perf_counter() - started))
+            self.report_failure(mode, exc, started)
             raise
         try:
             prepared = self._resolve(request, checked)
@@ -401,9 +409,18 @@ class TTSService:
                                          speed=prepared.speed, seed=prepared.seed, split_prefixed=True)
         except BaseException as exc:
             self._admission.release()
-            self._report(Outcome(mode, failure_reason(exc), time.perf_counter() - started))
+            self.report_failure(mode, exc, started)
             raise
         return SynthesisSession(self, prepared, chunks, started)
+
+    def report_failure(self, mode: str, exc: BaseException, started: float | None = None) -> None:
+        """Count a synthesis request that failed before it had a session (adapters call this for errors of
+        their own, e.g. an unparsable body); an error the service counted already is not counted again."""
+        if getattr(exc, "_outcome_reported", False):
+            return
+        with contextlib.suppress(AttributeError):  # an exception type that takes no attributes
+            exc._outcome_reported = True
+        self._report(Outcome(mode, failure_reason(exc), 0.0 if started is None else time.perf_counter() - started))
 
     async def asynthesize(self, request: SynthesisRequest) -> AsyncSynthesisSession:
         """:meth:`synthesize` for asyncio servers: validation, admission and the first model work run in a
