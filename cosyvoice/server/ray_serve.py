@@ -26,18 +26,18 @@ import base64
 import binascii
 import json
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import asdict, fields
 
 import ray
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 from ray import serve
 
-from cosyvoice.encoding import AudioEncoder, audio_format, encode_audio
-from cosyvoice.errors import CosyVoiceError, InvalidInputError, NotFoundError, ResourceLimitError
+from cosyvoice.encoding import audio_format, encode_audio
+from cosyvoice.errors import CosyVoiceError, InvalidInputError
+from cosyvoice.server.rest import audio_stream, http_error, wire_fields
 from cosyvoice.service import SynthesisRequest, TTSService
 from cosyvoice.settings import Limits, ServerSettings
 
@@ -47,9 +47,7 @@ ROUTE_PREFIX = "/v1/model/cosyvoice"
 MP3 = audio_format("mp3")
 BODY_FIELDS = ("text", "voice_type", "reference_audio", "reference_text", "instruction", "speed", "seed", "stream")
 # service field -> body field, so that errors name what the client sent
-_BODY_FIELD = {"text": "text", "voice": "voice_type", "prompt_audio": "reference_audio",
-               "transcript": "reference_text", "instruction": "instruction", "speed": "speed", "seed": "seed",
-               "stream": "stream"}
+RAY_FIELDS = {"voice": "voice_type", "prompt_audio": "reference_audio", "transcript": "reference_text"}
 _ROUTE_MODES = {"zero_shot": "zero_shot", "cross_lingual": "cross_lingual", "instruct": "instruct"}
 
 api = FastAPI(title="CosyVoice3 on Ray Serve", docs_url=None, redoc_url=None)
@@ -72,25 +70,8 @@ class ServeArgs(BaseModel):
     max_body_bytes: int | None = None  # one request body (base64 audio included)
 
 
-def _error(exc: CosyVoiceError, retry_after: int, service_fields: bool = True) -> JSONResponse:
-    """One JSON error shape: ``{"error": {"message", "type", "field"}}``; busy is 503 with ``Retry-After``.
-    ``service_fields``: the error names a service field, reported as the body field it came from."""
-    field = getattr(exc, "field", None)
-    if service_fields and field is not None:
-        field = _BODY_FIELD.get(field, field)
-    if isinstance(exc, InvalidInputError):
-        status, headers = (404 if isinstance(exc, NotFoundError) else 400), None
-    elif isinstance(exc, ResourceLimitError):
-        status, headers = 503, {"Retry-After": str(retry_after)}
-    else:
-        status, headers = 500, None
-    body = {"error": {"message": str(exc), "type": type(exc).__name__, "field": field}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
 def synthesis_request(route: str, body: object) -> SynthesisRequest:
-    """A JSON body of ``route`` -> the service request (the service validates values and types). Errors
-    here name body fields."""
+    """A JSON body of ``route`` -> the service request (the service validates values and types)."""
     if not isinstance(body, dict):
         raise InvalidInputError("the body must be a JSON object", "body")
     unknown = sorted(set(body) - set(BODY_FIELDS))
@@ -132,21 +113,6 @@ async def _read_json(request: Request, max_bytes: int) -> object:
         raise InvalidInputError(f"the body is not valid JSON ({exc})", "body") from exc
 
 
-async def _mp3_stream(session) -> AsyncIterator[bytes]:
-    """MP3 frames as the chunks come; a client that goes away cancels the session (Starlette closes us)."""
-    with AudioEncoder(MP3, session.sample_rate) as encoder:
-        try:
-            async for chunk in session:
-                data = encoder.encode(chunk.pcm)
-                if data:
-                    yield data
-            yield encoder.finish()
-        except CosyVoiceError as exc:  # the status line is sent: end the stream early, say why in the log
-            logger.error("stream ended early: %s", exc)
-        finally:
-            await session.aclose()
-
-
 # Serve pickles the class when it is decorated: whatever its methods call must be defined above it.
 @serve.deployment(name="CosyVoice3", health_check_period_s=10, graceful_shutdown_timeout_s=30)
 @serve.ingress(api)
@@ -155,11 +121,10 @@ class CosyVoiceDeployment:
 
     def __init__(self, model_dir: str, voice_dir: str, device: str | None = None,
                  limits: dict[str, int | float] | None = None, max_body_bytes: int | None = None) -> None:
-        settings = ServerSettings.from_env()
+        self.settings = ServerSettings.from_env()
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")  # CPU fallback without a GPU
         self.limits = Limits.from_env(**(limits or {}))
-        self.max_body_bytes = max_body_bytes or settings.max_body_bytes
-        self.retry_after = settings.retry_after_seconds
+        self.max_body_bytes = max_body_bytes or self.settings.max_body_bytes
         self.service = TTSService.load(model_dir, voice_dir, device=self.device, limits=self.limits)
         logger.info("CosyVoice3 replica ready on %s (%s)", self.device, model_dir)
 
@@ -190,22 +155,23 @@ class CosyVoiceDeployment:
         return await self._speak("instruct", request)
 
     async def _speak(self, route: str, request: Request) -> Response:
+        """Errors answer as the REST server's do (one JSON shape, busy 503 with Retry-After); a streamed answer
+        is cancelled when the client goes away."""
         try:
             synthesis = synthesis_request(route, await _read_json(request, self.max_body_bytes))
+            with wire_fields(RAY_FIELDS):
+                session = await self.service.asynthesize(synthesis)  # validated and admitted, or raises
+                if session.prepared.stream:
+                    return audio_stream(session, MP3.name)
+                try:
+                    pcm = [chunk.pcm async for chunk in session]
+                finally:
+                    await session.aclose()
         except CosyVoiceError as exc:
-            return _error(exc, self.retry_after, service_fields=False)
-        try:
-            session = await self.service.asynthesize(synthesis)  # validated and admitted, or raises
-        except CosyVoiceError as exc:
-            return _error(exc, self.retry_after)
-        if session.prepared.stream:
-            return StreamingResponse(_mp3_stream(session), media_type=MP3.content_type)
-        try:
-            pcm = [chunk.pcm async for chunk in session]
-        except CosyVoiceError as exc:
-            return _error(exc, self.retry_after)
-        finally:
-            await session.aclose()
+            error = http_error(exc, self.settings)
+            if error.status >= 500:
+                logger.error("%s failed: %s", route, exc)
+            return error.response()
         audio = encode_audio(torch.cat(pcm) if pcm else torch.zeros(0), MP3, session.sample_rate)
         return Response(audio, media_type=MP3.content_type)
 
