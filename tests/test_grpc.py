@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 import soundfile as sf
@@ -222,3 +223,30 @@ def test_api_keys_are_required_when_configured(service: TTSService, saved_voice)
             assert _pcm(stub.Inference(request, metadata=[("authorization", "Bearer s3cret")]))
     finally:
         srv.stop(0)
+
+
+def _counter(text: str, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0 if want else float("nan")
+
+
+def test_metrics_count_success_and_failure(server: GrpcServer, stub, saved_voice) -> None:
+    port = server.serve_metrics("127.0.0.1", 0)
+
+    def scrape() -> str:
+        return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+
+    before = scrape()
+    assert _pcm(stub.Inference(pb.Request(sft_request=pb.sftRequest(spk_id=saved_voice.id, tts_text=TEXT))))
+    _error(stub, pb.Request(sft_request=pb.sftRequest(spk_id=saved_voice.id, tts_text="")))
+    _error(stub, pb.Request(cross_lingual_request=pb.crosslingualRequest(tts_text=TEXT, prompt_audio=b"\x01")))
+    after = scrape()
+    assert _counter(after, "tts_requests_success_total", mode="sft") == \
+        _counter(before, "tts_requests_success_total", mode="sft") + 1
+    assert _counter(after, "tts_requests_error_total", mode="sft", reason="invalid_input") == \
+        _counter(before, "tts_requests_error_total", mode="sft", reason="invalid_input") + 1
+    assert _counter(after, "tts_requests_error_total", mode="cross_lingual", reason="invalid_input") == \
+        _counter(before, "tts_requests_error_total", mode="cross_lingual", reason="invalid_input") + 1

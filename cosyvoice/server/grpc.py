@@ -36,11 +36,13 @@ from dataclasses import replace
 
 import grpc
 import numpy as np
+import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cosyvoice.encoding import to_pcm16
 from cosyvoice.errors import ConfigError, CosyVoiceError, InvalidInputError, NotFoundError, ResourceLimitError
+from cosyvoice.server.metrics import ServiceMetrics
 from cosyvoice.server.proto import cosyvoice_pb2 as pb
 from cosyvoice.server.proto import cosyvoice_pb2_grpc as pb_grpc
 from cosyvoice.service import SynthesisRequest, TTSService
@@ -76,6 +78,8 @@ _PROTO_FIELDS = {
                          "prompt_audio": "prompt_audio"},
 }
 PAYLOADS = tuple(_PROTO_FIELDS)
+_MODES = {"sft_request": "sft", "zero_shot_request": "zero_shot", "cross_lingual_request": "cross_lingual",
+          "instruct_request": "instruct"}  # the metrics label of each request type
 
 
 def synthesis_request(request: pb.Request) -> SynthesisRequest:
@@ -129,6 +133,7 @@ class CosyVoiceServicer(pb_grpc.CosyVoiceServicer):
         try:
             session = service.synthesize(synthesis_request(request))  # validated and admitted, or raises
         except CosyVoiceError as exc:
+            service.report_failure(_MODES.get(request.WhichOneof("RequestPayload"), "unknown"), exc)
             context.abort(*status_of(exc, request))
         # the client went away (cancel, deadline, dropped connection): stop at the next chunk boundary
         if not context.add_callback(session.cancel):
@@ -176,6 +181,7 @@ class GrpcServer:
         except RuntimeError as exc:
             raise ConfigError(f"cannot listen on {host}:{port} ({exc}); is another server using the port?") from exc
         self.address = f"{host}:{self.port}"
+        self._metrics_server = None
         self.server.start()
 
     def serve(self, service: TTSService) -> None:
@@ -187,6 +193,18 @@ class GrpcServer:
         """Health turns NOT_SERVING at once; running streams get ``grace`` seconds, then are cancelled."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+
+    def serve_metrics(self, host: str, port: int) -> int:
+        """Prometheus metrics of the service (the REST server's families) on ``http://host:port/metrics``;
+        call after :meth:`serve`. Returns the port."""
+        assert self.servicer.service is not None, "serve() first"
+        metrics = ServiceMetrics()
+        metrics.attach(self.servicer.service)
+        self._metrics_server, _ = prometheus_client.start_http_server(port, host, registry=metrics.registry)
+        return self._metrics_server.server_port
 
     def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -199,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max_conc", "--max-conc", type=int, default=None,
                         help=f"concurrent synthesis streams, the official server's flag (default {DEFAULT_MAX_CONC}; "
                              "overrides --max-sessions)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -224,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         server.stop(0)
         return 2
     logger.info("serving %s on %s (%d concurrent streams)", SERVICE_NAME, server.address, limits.max_sessions)
+    if args.metrics_port is not None:
+        port = server.serve_metrics(settings.host, args.metrics_port)
+        logger.info("metrics on http://%s:%d/metrics", settings.host, port)
     stopped.wait()
     logger.info("shutting down")
     server.stop()
