@@ -18,9 +18,11 @@ from cosyvoice.encoding import to_pcm16
 from cosyvoice.server.grpc import SERVICE_NAME, GrpcServer, synthesis_request
 from cosyvoice.server.proto import cosyvoice_pb2 as pb
 from cosyvoice.server.proto import cosyvoice_pb2_grpc as pb_grpc
+from cosyvoice.server.rest import create_app
 from cosyvoice.service import Outcome, TTSService
-from cosyvoice.settings import Limits
+from cosyvoice.settings import Limits, ServerSettings
 from cosyvoice.voices import VoiceLibrary
+from tests.test_rest import Server
 
 TEXT = "Hi there."
 LONG_TEXT = "Hello there, my friend, how are you today? I hope all is well."
@@ -250,3 +252,18 @@ def test_metrics_count_success_and_failure(server: GrpcServer, stub, saved_voice
         _counter(before, "tts_requests_error_total", mode="sft", reason="invalid_input") + 1
     assert _counter(after, "tts_requests_error_total", mode="cross_lingual", reason="invalid_input") == \
         _counter(before, "tts_requests_error_total", mode="cross_lingual", reason="invalid_input") + 1
+
+
+def test_voice_registered_over_rest_is_usable_over_grpc(service: TTSService, stub, short_prompt_wav: Path) -> None:
+    """One voice library behind both servers: POST /v1/voices, then speak it over gRPC by id and by name."""
+    rest = Server(create_app(ServerSettings(), service))
+    try:
+        created = httpx.post(f"{rest.url}/v1/voices", data={"name": "From Rest", "transcript": TRANSCRIPT},
+                             files={"audio": ("v.wav", short_prompt_wav.read_bytes(), "audio/wav")}, timeout=60)
+        assert created.status_code == 201, created.text
+        voice = created.json()
+    finally:
+        rest.stop()
+    by_id = pb.Request(sft_request=pb.sftRequest(spk_id=voice["id"], tts_text=TEXT), seed=5)
+    by_name = pb.Request(zero_shot_request=pb.zeroshotRequest(tts_text=TEXT, voice_id="From Rest"), seed=5)
+    assert _pcm(stub.Inference(by_id, timeout=60)) == _pcm(stub.Inference(by_name, timeout=60)) != b""
