@@ -34,6 +34,7 @@ from cosyvoice.frontend.audio import AudioSource
 from cosyvoice.frontend.frontend import CosyVoiceFrontend, Voice
 from cosyvoice.frontend.prompt import PromptFeatures
 from cosyvoice.frontend.prompts import user_text
+from cosyvoice.utils.fs import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,49 @@ class VoiceLibrary:
             self._remove(info.id)
             return info
 
+    # ------------------------------------------------------------------ the official API's saved voices
+
+    def put(self, name: str, voice: Voice, *, replace_name: bool = False) -> VoiceInfo:
+        """Keep a ready voice (e.g. an imported ``spk2info.pt`` entry) under ``name``.
+
+        Its id hashes its tensors, so the same voice is stored once however often it is imported. With
+        ``replace_name`` a name held by another voice moves to this one (that voice stays, unnamed), as the
+        official ``add_zero_shot_spk`` overwrites a speaker id; without it that is an error.
+        """
+        voice_id = self._features_id(voice)
+        with self._lock:
+            known = voice_id in self._index
+        if not known:
+            ids = voice.prompt_text.reshape(-1).tolist()
+            transcript = self.frontend.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
+            self._store(voice_id, voice, transcript)
+            with self._lock:
+                if voice_id not in self._index:
+                    raise OSError(f"voice library: could not write voice {name!r} to {self.dir}")
+        return self.assign(name, voice_id, replace_name=replace_name)
+
+    def assign(self, name: str, voice_id: str, *, replace_name: bool = False) -> VoiceInfo:
+        """:meth:`save`, and with ``replace_name`` the name is taken from the voice holding it (kept, unnamed)."""
+        key = " ".join(str(name).split())
+        with self._lock:
+            holder = next((i for i in self._index.values() if i.name == key), None)
+            if replace_name and holder is not None and holder.id != voice_id:
+                self._write_meta(replace(holder, name=None))
+                holder.name = None
+            return self.save(key, voice_id)
+
+    def named(self) -> list[VoiceInfo]:
+        """The saved (named) voices, by name."""
+        return [i for i in self.list() if i.name]
+
+    def _features_id(self, voice: Voice) -> str:
+        digest = hashlib.sha256(f"{self.model_id}\0features".encode())
+        for name, tensor in sorted({**voice.features.tensors(), "prompt_text": voice.prompt_text}.items()):
+            t = tensor.detach().cpu().contiguous()
+            digest.update(f"\0{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+            digest.update(t.numpy().tobytes())
+        return digest.hexdigest()[:32]
+
     # ------------------------------------------------------------------ storage
 
     def _voice_id(self, wav: torch.Tensor, sample_rate: int, prompt_text: str) -> str:
@@ -248,10 +292,5 @@ class VoiceLibrary:
 
 
 def _atomic_write(path: Path, write: Callable[[str], object]) -> None:
-    """Write through a temporary file and rename, so a crash never leaves a half-written entry."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        write(str(tmp))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write through a temporary file, fsync and rename, so a crash never leaves a half-written entry."""
+    atomic_write(path, write)
