@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from cosyvoice.encoding import to_pcm16
 from cosyvoice.server.grpc import SERVICE_NAME, GrpcServer, synthesis_request
@@ -126,6 +128,11 @@ def test_health_serving_and_reflection(channel: grpc.Channel) -> None:
     for name in ("", SERVICE_NAME):
         reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    # what grpcurl does without a .proto file: list the services, then fetch the request type by reflection
+    reflected = ProtoReflectionDescriptorDatabase(channel)
+    assert SERVICE_NAME in reflected.get_services()
+    request = DescriptorPool(reflected).FindMessageTypeByName("cosyvoice.Request")
+    assert request.fields_by_name["zero_shot_request"].number == 2 and request.fields_by_name["seed"].number == 5
 
 
 def test_not_serving_until_the_model_is_loaded() -> None:
