@@ -261,12 +261,12 @@ def test_metrics_count_success_and_failure(server: GrpcServer, stub, saved_voice
         _counter(before, "tts_requests_error_total", mode="cross_lingual", reason="invalid_input") + 1
 
 
-def test_voice_registered_over_rest_is_usable_over_grpc(service: TTSService, stub, short_prompt_wav: Path) -> None:
+def test_voice_registered_over_rest_is_usable_over_grpc(service: TTSService, stub, prompt_wav: Path) -> None:
     """One voice library behind both servers: POST /v1/voices, then speak it over gRPC by id and by name."""
     rest = Server(create_app(ServerSettings(), service))
     try:
         created = httpx.post(f"{rest.url}/v1/voices", data={"name": "From Rest", "transcript": TRANSCRIPT},
-                             files={"audio": ("v.wav", short_prompt_wav.read_bytes(), "audio/wav")}, timeout=60)
+                             files={"audio": ("v.wav", prompt_wav.read_bytes(), "audio/wav")}, timeout=60)
         assert created.status_code == 201, created.text
         voice = created.json()
     finally:
