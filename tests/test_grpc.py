@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -274,3 +279,38 @@ def test_voice_registered_over_rest_is_usable_over_grpc(service: TTSService, stu
     by_id = pb.Request(sft_request=pb.sftRequest(spk_id=voice["id"], tts_text=TEXT), seed=5)
     by_name = pb.Request(zero_shot_request=pb.zeroshotRequest(tts_text=TEXT, voice_id="From Rest"), seed=5)
     assert _pcm(stub.Inference(by_id, timeout=60)) == _pcm(stub.Inference(by_name, timeout=60)) != b""
+
+
+def test_command_line_serves_then_stops_on_sigterm(tiny_bundle_dir: Path, tmp_path: Path, prompt_pcm16: bytes) -> None:
+    """``python -m cosyvoice.server.grpc`` with the official flags: SERVING once loaded, a call, clean exit."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "COSYVOICE_DEVICE": "cpu"}
+    proc = subprocess.Popen([sys.executable, "-m", "cosyvoice.server.grpc", "--model_dir", str(tiny_bundle_dir),
+                             "--port", str(port), "--voice-dir", str(tmp_path / "voices"), "--max_conc", "2"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            deadline = time.monotonic() + 90
+            while True:
+                assert proc.poll() is None and time.monotonic() < deadline, "server did not become SERVING"
+                try:
+                    reply = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=2)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:  # not listening yet
+                    pass
+                time.sleep(0.2)
+            request = pb.Request(cross_lingual_request=pb.crosslingualRequest(tts_text=TEXT,
+                                                                              prompt_audio=prompt_pcm16))
+            assert len(_pcm(pb_grpc.CosyVoiceStub(ch).Inference(request, timeout=60))) > 0
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, output
+        assert "2 concurrent streams" in output and "Traceback" not in output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
