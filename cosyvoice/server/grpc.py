@@ -132,8 +132,11 @@ class CosyVoiceServicer(pb_grpc.CosyVoiceServicer):
                                                        "service reports SERVING")
         try:
             session = service.synthesize(synthesis_request(request))  # validated and admitted, or raises
-        except CosyVoiceError as exc:
+        except Exception as exc:
             service.report_failure(_MODES.get(request.WhichOneof("RequestPayload"), "unknown"), exc)
+            if not isinstance(exc, CosyVoiceError):
+                logger.exception("gRPC Inference failed")
+                context.abort(grpc.StatusCode.INTERNAL, f"synthesis failed: {type(exc).__name__}")
             context.abort(*status_of(exc, request))
         # the client went away (cancel, deadline, dropped connection): stop at the next chunk boundary
         if not context.add_callback(session.cancel):
