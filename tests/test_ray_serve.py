@@ -43,7 +43,7 @@ def app(tts, tiny_bundle_dir: Path, short_prompt_wav: Path, tmp_path_factory: py
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = ServeArgs(model_dir=str(tiny_bundle_dir), voice_dir=str(voice_dir), device="cpu", num_gpus=0,
-                         num_cpus=0.5, num_replicas=2, limits={"max_sessions": 4})
+                         num_cpus=0.5, num_replicas=2, limits={"max_sessions": 4}, max_body_bytes=500_000)
         serve.run(app_builder(args), name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}{ROUTE_PREFIX}", saved
     finally:
@@ -123,6 +123,8 @@ def test_healthcheck_and_errors_name_the_field(app, reference_b64: str) -> None:
         assert (response.status_code, response.json()["error"]["field"]) == (status, field), response.text
     bad_json = httpx.post(f"{url}/tts", content=b"{not json", timeout=30)
     assert bad_json.status_code == 400 and bad_json.json()["error"]["field"] == "body"
+    huge = httpx.post(f"{url}/tts", json={"text": "a" * 600_000, "voice_type": "Ray Voice"}, timeout=30)
+    assert huge.status_code == 413 and huge.json()["error"]["type"] == "payload_too_large"
 
 
 def test_replicas_follow_the_cluster_gpus() -> None:

@@ -37,7 +37,7 @@ from ray import serve
 
 from cosyvoice.encoding import audio_format, encode_audio
 from cosyvoice.errors import CosyVoiceError, InvalidInputError
-from cosyvoice.server.rest import audio_stream, http_error, wire_fields
+from cosyvoice.server.rest import HttpError, audio_stream, http_error, wire_fields
 from cosyvoice.service import SynthesisRequest, TTSService
 from cosyvoice.settings import Limits, ServerSettings
 
@@ -97,16 +97,21 @@ def synthesis_request(route: str, body: object) -> SynthesisRequest:
                             stream=body.get("stream", False), format=MP3.name)
 
 
+class BodyTooLarge(InvalidInputError):
+    """A request body over ``max_body_bytes``: 413, as from the REST server."""
+
+
 async def _read_json(request: Request, max_bytes: int) -> object:
     """The JSON body, refused once it grows past ``max_bytes`` (while reading, not after)."""
     declared = request.headers.get("content-length")
+    too_large = f"request body larger than {max_bytes} bytes (COSYVOICE_MAX_BODY_BYTES / max_body_bytes)"
     if declared and declared.isdigit() and int(declared) > max_bytes:
-        raise InvalidInputError(f"the body is {int(declared)} bytes; at most {max_bytes} are accepted", "body")
+        raise BodyTooLarge(too_large)
     data = bytearray()
     async for part in request.stream():
         data += part
         if len(data) > max_bytes:
-            raise InvalidInputError(f"the body exceeds {max_bytes} bytes", "body")
+            raise BodyTooLarge(too_large)
     try:
         return json.loads(data)
     except ValueError as exc:
@@ -159,6 +164,11 @@ class CosyVoiceDeployment:
         is cancelled when the client goes away."""
         try:
             synthesis = synthesis_request(route, await _read_json(request, self.max_body_bytes))
+        except BodyTooLarge as exc:
+            return HttpError(413, "payload_too_large", str(exc)).response()
+        except CosyVoiceError as exc:
+            return http_error(exc, self.settings).response()
+        try:
             with wire_fields(RAY_FIELDS):
                 session = await self.service.asynthesize(synthesis)  # validated and admitted, or raises
                 if session.prepared.stream:
