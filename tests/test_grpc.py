@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from cosyvoice.encoding import to_pcm16
-from cosyvoice.server.grpc import SERVICE_NAME, GrpcServer, synthesis_request
+from cosyvoice.server.grpc import MAX_AUDIO_MESSAGE_BYTES, SERVICE_NAME, GrpcServer, audio_messages, synthesis_request
 from cosyvoice.server.proto import cosyvoice_pb2 as pb
 from cosyvoice.server.proto import cosyvoice_pb2_grpc as pb_grpc
 from cosyvoice.server.rest import create_app
@@ -314,3 +314,12 @@ def test_command_line_serves_then_stops_on_sigterm(tiny_bundle_dir: Path, tmp_pa
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_long_chunks_are_split_below_the_message_limit() -> None:
+    """A 60 s non-streamed sentence becomes several messages, none near gRPC's default 4 MiB limit."""
+    pcm = torch.linspace(-1, 1, 60 * 24000)
+    messages = list(audio_messages(pcm))
+    assert len(messages) == 3 and all(len(m.tts_audio) <= MAX_AUDIO_MESSAGE_BYTES for m in messages)
+    assert b"".join(m.tts_audio for m in messages) == to_pcm16(pcm).tobytes()
+    assert list(audio_messages(torch.zeros(0))) == []

@@ -37,6 +37,7 @@ from dataclasses import replace
 import grpc
 import numpy as np
 import prometheus_client
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -55,6 +56,7 @@ PROMPT_SAMPLE_RATE = 16000  # the official client sends prompt audio resampled t
 DEFAULT_PORT = 50000
 DEFAULT_MAX_CONC = 4
 SPARE_THREADS = 4  # beyond --max_conc: health checks and "busy" answers never wait for a running stream
+MAX_AUDIO_MESSAGE_BYTES = 1 << 20  # ~22 s of audio; gRPC clients refuse messages over 4 MiB by default
 
 
 def prompt_audio(data: bytes) -> tuple[np.ndarray, int] | None:
@@ -104,6 +106,14 @@ def synthesis_request(request: pb.Request) -> SynthesisRequest:
                             instruction=p.instruct_text, **options)
 
 
+def audio_messages(pcm: torch.Tensor) -> Iterator[pb.Response]:
+    """One chunk's samples as PCM16LE ``Response`` messages (the official scaling); a long non-streamed
+    sentence is split so that no message reaches a client's default size limit."""
+    data = to_pcm16(pcm).tobytes()
+    for start in range(0, len(data), MAX_AUDIO_MESSAGE_BYTES):
+        yield pb.Response(tts_audio=data[start:start + MAX_AUDIO_MESSAGE_BYTES])
+
+
 def status_of(exc: CosyVoiceError, request: pb.Request) -> tuple[grpc.StatusCode, str]:
     """The status code and message for an error; an input error's message starts with the proto field."""
     if isinstance(exc, InvalidInputError):
@@ -144,8 +154,7 @@ class CosyVoiceServicer(pb_grpc.CosyVoiceServicer):
         try:
             with session:  # leaving it (also when grpc drops this generator) frees the engine session
                 for chunk in session:
-                    if chunk.pcm.numel():
-                        yield pb.Response(tts_audio=to_pcm16(chunk.pcm).tobytes())
+                    yield from audio_messages(chunk.pcm)
         except CosyVoiceError as exc:
             context.abort(*status_of(exc, request))
         except Exception as exc:
