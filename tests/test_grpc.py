@@ -307,7 +307,11 @@ def test_command_line_serves_then_stops_on_sigterm(tiny_bundle_dir: Path, tmp_pa
                                                                               prompt_audio=prompt_pcm16))
             assert len(_pcm(pb_grpc.CosyVoiceStub(ch).Inference(request, timeout=60))) > 0
         proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=30)
+        try:
+            output, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError(f"no exit 60 s after SIGTERM; output:\n{proc.communicate()[0]}") from None
         assert proc.returncode == 0, output
         assert "2 concurrent streams" in output and "Traceback" not in output
     finally:
