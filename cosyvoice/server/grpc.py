@@ -1,0 +1,269 @@
+"""gRPC server speaking the official CosyVoice wire format (``cosyvoice.proto``), over the service layer.
+
+``python -m cosyvoice.server.grpc --port 50000 --max_conc 4 --model-dir DIR`` (console script
+``cosyvoice-grpc``). The official ``runtime/python/grpc/client.py`` works unchanged: its four request
+types arrive with prompt audio as PCM16LE 16 kHz, and ``Response.tts_audio`` messages carry PCM16LE
+24 kHz chunks as the engine produces them. The proto's additions (saved voices, instruct2 prompt
+audio, seed, speed, stream) are documented in the .proto and docs/servers.md.
+
+This module only translates: proto messages into a :class:`~cosyvoice.service.SynthesisRequest`, and
+service errors into status codes (messages are one line, never a traceback):
+
+* ``INVALID_ARGUMENT`` bad input; the message starts with the proto field, e.g. ``sft_request.tts_text: ...``;
+* ``NOT_FOUND`` an unknown saved voice (``spk_id`` / ``voice_id``);
+* ``RESOURCE_EXHAUSTED`` busy: every synthesis slot is taken and the wait queue is full (retry later);
+* ``UNAVAILABLE`` the model is still loading; ``UNAUTHENTICATED`` API keys are configured and none was sent;
+* ``CANCELLED`` is what a client that went away sees; its session is cancelled and its slot freed;
+* ``INTERNAL`` the model failed.
+
+The standard health service (``grpc.health.v1.Health``) reports SERVING for ``""`` and
+``cosyvoice.CosyVoice`` once the model is loaded, NOT_SERVING while loading and while shutting down;
+server reflection lets ``grpcurl`` call it without the .proto file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import replace
+
+import grpc
+import numpy as np
+import prometheus_client
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cosyvoice.encoding import to_pcm16
+from cosyvoice.errors import ConfigError, CosyVoiceError, InvalidInputError, NotFoundError, ResourceLimitError
+from cosyvoice.server.metrics import ServiceMetrics
+from cosyvoice.server.proto import cosyvoice_pb2 as pb
+from cosyvoice.server.proto import cosyvoice_pb2_grpc as pb_grpc
+from cosyvoice.service import SynthesisRequest, TTSService
+from cosyvoice.settings import add_server_arguments, settings_from_args
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CosyVoice"].full_name  # "cosyvoice.CosyVoice"
+PROMPT_SAMPLE_RATE = 16000  # the official client sends prompt audio resampled to 16 kHz
+DEFAULT_PORT = 50000
+DEFAULT_MAX_CONC = 4
+SPARE_THREADS = 4  # beyond --max_conc: health checks and "busy" answers never wait for a running stream
+MAX_AUDIO_MESSAGE_BYTES = 1 << 20  # ~22 s of audio; gRPC clients refuse messages over 4 MiB by default
+
+
+def prompt_audio(data: bytes) -> tuple[np.ndarray, int] | None:
+    """Raw PCM16LE mono 16 kHz bytes (the official client's encoding) -> ``(float32 samples, 16000)``;
+    ``None`` when empty (the request names a saved voice instead)."""
+    if not data:
+        return None
+    if len(data) % 2:
+        raise InvalidInputError(f"must be raw PCM16LE mono {PROMPT_SAMPLE_RATE} Hz samples (an even number of "
+                                f"bytes), got {len(data)} bytes", "prompt_audio")
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 2**15, PROMPT_SAMPLE_RATE
+
+
+# service field -> proto field, per request type: errors name the field the client actually set
+_PROTO_FIELDS = {
+    "sft_request": {"text": "tts_text", "voice": "spk_id"},
+    "zero_shot_request": {"text": "tts_text", "transcript": "prompt_text", "prompt_audio": "prompt_audio",
+                          "voice": "voice_id"},
+    "cross_lingual_request": {"text": "tts_text", "prompt_audio": "prompt_audio", "voice": "voice_id"},
+    "instruct_request": {"text": "tts_text", "voice": "spk_id", "instruction": "instruct_text",
+                         "prompt_audio": "prompt_audio"},
+}
+PAYLOADS = tuple(_PROTO_FIELDS)
+_MODES = {"sft_request": "sft", "zero_shot_request": "zero_shot", "cross_lingual_request": "cross_lingual",
+          "instruct_request": "instruct"}  # the metrics label of each request type
+
+
+def synthesis_request(request: pb.Request) -> SynthesisRequest:
+    """The service request a proto ``Request`` states. Unset proto3 optionals keep the service defaults,
+    except ``stream``, on by default so that audio arrives while the rest is still being generated."""
+    kind = request.WhichOneof("RequestPayload")
+    if kind is None:
+        raise InvalidInputError(f"the request sets none of {', '.join(PAYLOADS)}", "RequestPayload")
+    options = {"seed": request.seed if request.HasField("seed") else None,
+               "speed": request.speed if request.HasField("speed") else 1.0,
+               "stream": request.stream if request.HasField("stream") else True}
+    p = getattr(request, kind)
+    if kind == "sft_request":
+        return SynthesisRequest(p.tts_text, "sft", voice=p.spk_id or None, **options)
+    if kind == "zero_shot_request":
+        return SynthesisRequest(p.tts_text, "zero_shot", voice=p.voice_id or None,
+                                prompt_audio=prompt_audio(p.prompt_audio), transcript=p.prompt_text, **options)
+    if kind == "cross_lingual_request":
+        return SynthesisRequest(p.tts_text, "cross_lingual", voice=p.voice_id or None,
+                                prompt_audio=prompt_audio(p.prompt_audio), **options)
+    return SynthesisRequest(p.tts_text, "instruct", voice=p.spk_id or None, prompt_audio=prompt_audio(p.prompt_audio),
+                            instruction=p.instruct_text, **options)
+
+
+def audio_messages(pcm: torch.Tensor) -> Iterator[pb.Response]:
+    """One chunk's samples as PCM16LE ``Response`` messages (the official scaling); a long non-streamed
+    sentence is split so that no message reaches a client's default size limit."""
+    data = to_pcm16(pcm).tobytes()
+    for start in range(0, len(data), MAX_AUDIO_MESSAGE_BYTES):
+        yield pb.Response(tts_audio=data[start:start + MAX_AUDIO_MESSAGE_BYTES])
+
+
+def status_of(exc: CosyVoiceError, request: pb.Request) -> tuple[grpc.StatusCode, str]:
+    """The status code and message for an error; an input error's message starts with the proto field."""
+    if isinstance(exc, InvalidInputError):
+        code = grpc.StatusCode.NOT_FOUND if isinstance(exc, NotFoundError) else grpc.StatusCode.INVALID_ARGUMENT
+        kind = request.WhichOneof("RequestPayload")
+        name = _PROTO_FIELDS.get(kind, {}).get(exc.field)
+        path = f"{kind}.{name}" if name else exc.field
+        return code, f"{path}: {exc}" if path else str(exc)
+    if isinstance(exc, ResourceLimitError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    return grpc.StatusCode.INTERNAL, str(exc)
+
+
+class CosyVoiceServicer(pb_grpc.CosyVoiceServicer):
+    """``Inference`` over a :class:`TTSService`, which :meth:`GrpcServer.serve` hands over once loaded."""
+
+    def __init__(self, api_keys: tuple[str, ...] = ()) -> None:
+        self.service: TTSService | None = None
+        self._api_keys = tuple(key.encode() for key in api_keys)
+
+    def Inference(self, request: pb.Request, context: grpc.ServicerContext) -> Iterator[pb.Response]:
+        self._authorize(context)
+        service = self.service
+        if service is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry once the health "
+                                                       "service reports SERVING")
+        try:
+            session = service.synthesize(synthesis_request(request))  # validated and admitted, or raises
+        except Exception as exc:
+            service.report_failure(_MODES.get(request.WhichOneof("RequestPayload"), "unknown"), exc)
+            if not isinstance(exc, CosyVoiceError):
+                logger.exception("gRPC Inference failed")
+                context.abort(grpc.StatusCode.INTERNAL, f"synthesis failed: {type(exc).__name__}")
+            context.abort(*status_of(exc, request))
+        # the client went away (cancel, deadline, dropped connection): stop at the next chunk boundary
+        if not context.add_callback(session.cancel):
+            session.cancel()
+        try:
+            with session:  # leaving it (also when grpc drops this generator) frees the engine session
+                for chunk in session:
+                    yield from audio_messages(chunk.pcm)
+        except CosyVoiceError as exc:
+            context.abort(*status_of(exc, request))
+        except Exception as exc:
+            logger.exception("gRPC Inference failed")
+            context.abort(grpc.StatusCode.INTERNAL, f"synthesis failed: {type(exc).__name__}")
+
+    def _authorize(self, context: grpc.ServicerContext) -> None:
+        """With API keys configured, ``authorization: Bearer <key>`` metadata must carry one of them."""
+        if not self._api_keys:
+            return
+        given = dict(context.invocation_metadata()).get("authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(key.encode(), k) for k in self._api_keys):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key: send metadata "
+                                                           "'authorization: Bearer <key>'")
+
+
+class GrpcServer:
+    """A started gRPC server: ``CosyVoice`` + health (NOT_SERVING until :meth:`serve` gets the service) +
+    reflection (so ``grpcurl`` needs no .proto file)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_streams: int = DEFAULT_MAX_CONC,
+                 api_keys: tuple[str, ...] = ()) -> None:
+        # every admitted or queued stream holds a thread; beyond them gRPC refuses at once (RESOURCE_EXHAUSTED)
+        workers = max_streams + SPARE_THREADS
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cosyvoice-grpc"),
+                                  maximum_concurrent_rpcs=workers)
+        self.servicer = CosyVoiceServicer(api_keys)
+        pb_grpc.add_CosyVoiceServicer_to_server(self.servicer, self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        try:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as exc:
+            raise ConfigError(f"cannot listen on {host}:{port} ({exc}); is another server using the port?") from exc
+        self.address = f"{host}:{self.port}"
+        self._metrics_server = None
+        self.server.start()
+
+    def serve(self, service: TTSService) -> None:
+        """Start answering with ``service``; health turns SERVING."""
+        self.servicer.service = service
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self, grace: float | None = 10.0) -> None:
+        """Health turns NOT_SERVING at once; running streams get ``grace`` seconds, then are cancelled."""
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+
+    def serve_metrics(self, host: str, port: int) -> int:
+        """Prometheus metrics of the service (the REST server's families) on ``http://host:port/metrics``;
+        call after :meth:`serve`. Returns the port."""
+        assert self.servicer.service is not None, "serve() first"
+        metrics = ServiceMetrics()
+        metrics.attach(self.servicer.service)
+        self._metrics_server, _ = prometheus_client.start_http_server(port, host, registry=metrics.registry)
+        return self._metrics_server.server_port
+
+    def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cosyvoice-grpc", description=__doc__.splitlines()[0])
+    add_server_arguments(parser)
+    parser.add_argument("--max_conc", "--max-conc", type=int, default=None,
+                        help=f"concurrent synthesis streams, the official server's flag (default {DEFAULT_MAX_CONC}; "
+                             "overrides --max-sessions)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings, limits = settings_from_args(args)
+        max_conc = args.max_conc
+        if max_conc is None and args.limits_max_sessions is None and "COSYVOICE_MAX_SESSIONS" not in os.environ:
+            max_conc = DEFAULT_MAX_CONC
+        if max_conc is not None:
+            limits = replace(limits, max_sessions=max_conc)
+        server = GrpcServer(settings.host, settings.port, max_streams=limits.max_sessions + limits.max_queued_requests,
+                            api_keys=settings.api_keys)
+    except CosyVoiceError as exc:
+        logger.error("%s", exc)
+        return 2
+    stopped = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopped.set())
+    logger.info("gRPC listening on %s; loading %s", server.address, settings.model_dir)
+    try:
+        server.serve(TTSService.load(settings.model_dir, settings.voice_dir, device=settings.device, limits=limits))
+    except CosyVoiceError as exc:
+        logger.error("cannot load the model: %s", exc)
+        server.stop(0)
+        return 2
+    logger.info("serving %s on %s (%d concurrent streams)", SERVICE_NAME, server.address, limits.max_sessions)
+    if args.metrics_port is not None:
+        port = server.serve_metrics(settings.host, args.metrics_port)
+        logger.info("metrics on http://%s:%d/metrics", settings.host, port)
+    stopped.wait()
+    logger.info("shutting down")
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The gRPC wire format: ``cosyvoice.proto`` and the stubs grpcio-tools generates from it (never edited by hand)."""
