@@ -18,6 +18,7 @@ from cosyvoice.utils.common import set_all_random_seed
 from cosyvoice.utils.file_utils import load_wav
 
 TEXT = "Hello there, my friend, how are you today?"
+SHORT = "Hi there."  # the tiny random model speaks up to 20 tokens per text token: short text keeps tests fast
 PIECES = ["Hello there, ", "my friend, ", "how are you?"]
 PROMPT_TEXT = zero_shot_prompt_text("Hello, this is a short prompt for testing.")
 INSTRUCTION = instruct_text("Speak slowly and calmly.")
@@ -122,7 +123,7 @@ def test_bad_speeds_are_refused_at_the_call(tts, short_prompt_wav: Path, speed) 
 
 def test_global_seed_makes_unseeded_calls_repeatable(tts, short_prompt_wav: Path) -> None:
     def run() -> torch.Tensor:
-        return _cat(tts.inference_zero_shot(TEXT, PROMPT_TEXT, str(short_prompt_wav)))
+        return _cat(tts.inference_zero_shot(SHORT, PROMPT_TEXT, str(short_prompt_wav)))
 
     torch.manual_seed(7)
     a = run()
@@ -135,8 +136,8 @@ def test_global_seed_makes_unseeded_calls_repeatable(tts, short_prompt_wav: Path
     assert torch.equal(a, b) and torch.equal(a, c)
     assert a.shape != d.shape or not torch.equal(a, d)
     torch.manual_seed(7)  # an explicit seed is used as is, whatever the global generator says
-    assert torch.equal(_cat(tts.inference_zero_shot(TEXT, PROMPT_TEXT, str(short_prompt_wav), seed=5)),
-                       _cat(tts.inference_zero_shot(TEXT, PROMPT_TEXT, str(short_prompt_wav), seed=5)))
+    assert torch.equal(_cat(tts.inference_zero_shot(SHORT, PROMPT_TEXT, str(short_prompt_wav), seed=5)),
+                       _cat(tts.inference_zero_shot(SHORT, PROMPT_TEXT, str(short_prompt_wav), seed=5)))
 
 
 def test_set_all_random_seed_seeds_every_generator() -> None:
@@ -171,7 +172,7 @@ def test_prompt_tensors_and_pairs_are_16khz_audio(tts, short_prompt_wav: Path) -
     speech_16k = load_wav(str(short_prompt_wav), 16000)  # [1, N], what both official servers pass
 
     def run(prompt) -> torch.Tensor:
-        return _cat(tts.inference_cross_lingual("You are a helpful assistant.<|endofprompt|>Hi.", prompt, seed=4))
+        return _cat(tts.inference_zero_shot(SHORT, PROMPT_TEXT, prompt, seed=4))
 
     as_2d = run(speech_16k)
     assert torch.equal(as_2d, run(speech_16k[0]))
@@ -184,16 +185,16 @@ def test_prompt_tensors_and_pairs_are_16khz_audio(tts, short_prompt_wav: Path) -
 
 def test_sft_instruct_and_vc(tts, prompt_wav: Path, short_prompt_wav: Path) -> None:
     assert tts.add_zero_shot_spk(PROMPT_TEXT, str(short_prompt_wav), "speaker-a")
-    sft = _cat(tts.inference_sft(TEXT, "speaker-a", seed=2))
-    assert torch.equal(sft, _cat(tts.inference_zero_shot(TEXT, "", "", zero_shot_spk_id="speaker-a", seed=2)))
-    instructed = _cat(tts.inference_instruct(TEXT, "speaker-a", "Speak slowly and calmly.", seed=2))
-    same = _cat(tts.inference_instruct2(TEXT, INSTRUCTION, None, zero_shot_spk_id="speaker-a", seed=2))
+    sft = _cat(tts.inference_sft(SHORT, "speaker-a", seed=2))
+    assert torch.equal(sft, _cat(tts.inference_zero_shot(SHORT, "", "", zero_shot_spk_id="speaker-a", seed=2)))
+    instructed = _cat(tts.inference_instruct(SHORT, "speaker-a", "Speak slowly and calmly.", seed=2))
+    same = _cat(tts.inference_instruct2(SHORT, INSTRUCTION, None, zero_shot_spk_id="speaker-a", seed=2))
     assert torch.equal(instructed, same)
-    vc = list(tts.inference_vc(str(prompt_wav), str(short_prompt_wav)))
-    vc_stream = list(tts.inference_vc(load_wav(str(prompt_wav), 16000), str(short_prompt_wav), stream=True))
+    vc = list(tts.inference_vc(str(short_prompt_wav), str(prompt_wav)))
+    vc_stream = list(tts.inference_vc(load_wav(str(short_prompt_wav), 16000), str(prompt_wav), stream=True))
     assert len(vc) == 1 and len(vc_stream) >= 1
-    n_tokens = tts.frontend.speech_tokenizer(load_wav(str(prompt_wav), 16000)).shape[1]
+    n_tokens = tts.frontend.speech_tokenizer(load_wav(str(short_prompt_wav), 16000)).shape[1]
     assert _cat(vc).shape[1] == n_tokens * 2 * 480  # the source's speech tokens, 2 mel frames each
     assert _cat(vc_stream).shape == _cat(vc).shape
     with pytest.raises(InvalidInputError, match="unknown speaker id 'nobody'"):
-        tts.inference_sft(TEXT, "nobody")
+        tts.inference_sft(SHORT, "nobody")

@@ -124,7 +124,7 @@ def test_kill_9_during_a_save_leaves_the_old_or_the_new_file(tmp_path: Path) -> 
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
     interrupted = 0
-    for _ in range(6):
+    for _ in range(4):
         proc = subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True,
                                 cwd=repo, env=env)
         try:
