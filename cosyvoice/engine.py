@@ -190,7 +190,7 @@ class Engine:
                 session.llm_done = True
                 session.cond.notify()
 
-    def _text_stream_tokens(self, session: Session, inp: ModelInput, text_stream: TokenStream):
+    def _text_stream_tokens(self, session: Session, inp: ModelInput, text_stream: TokenStream) -> Iterator[int]:
         """Speech tokens of the bi-streaming job over ``text_stream``, run alone on this session's own cache."""
         n = self.limits.max_stream_positions
         # strict=False: a stop id other than eos ends the utterance instead of failing it (docs/differences.md)
