@@ -217,3 +217,21 @@ def test_sft_instruct_and_vc(tts, prompt_wav: Path, short_prompt_wav: Path) -> N
     assert _cat(vc_stream).shape == _cat(vc).shape
     with pytest.raises(InvalidInputError, match="unknown speaker id 'nobody'"):
         tts.inference_sft(SHORT, "nobody")
+
+
+def test_text_stream_writer_tokenises_pieces_and_enforces_the_text_limit(tts) -> None:
+    from cosyvoice.cli.cosyvoice import TextStreamWriter
+    from cosyvoice.llm.job import TokenStream
+
+    stream = TokenStream()
+    writer = TextStreamWriter(tts.frontend.tokenizer, stream, max_chars=20)
+    writer.write("Hello there, ")
+    writer.write("")  # nothing to say yet: no ids
+    assert stream.take() == (tts.frontend.tokenizer.encode("Hello there, "), False)
+    with pytest.raises(InvalidInputError, match="exceeds 20 characters"):
+        writer.write("and a lot more text")
+    assert writer.closed
+    with pytest.raises(InvalidInputError, match="exceeds 20 characters"):
+        stream.take()  # the LLM side fails with the same error
+    with pytest.raises(TextStreamClosedError):
+        writer.write("more")
