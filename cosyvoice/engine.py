@@ -190,7 +190,7 @@ class Engine:
                 session.llm_done = True
                 session.cond.notify()
 
-    def _text_stream_tokens(self, session: Session, inp: ModelInput, text_stream: TokenStream):
+    def _text_stream_tokens(self, session: Session, inp: ModelInput, text_stream: TokenStream) -> Iterator[int]:
         """Speech tokens of the bi-streaming job over ``text_stream``, run alone on this session's own cache."""
         n = self.limits.max_stream_positions
         # strict=False: a stop id other than eos ends the utterance instead of failing it (docs/differences.md)
@@ -294,7 +294,7 @@ class Engine:
         if isinstance(value, np.ndarray) and value.size == 1:
             value = value.item()
         if not isinstance(value, numbers.Real) or isinstance(value, bool) or not lo <= float(value) <= hi:
-            raise InvalidInputError(f"speed must be a number between {lo:g} and {hi:g}, got {speed!r}")
+            raise InvalidInputError(f"speed must be between {lo:g} and {hi:g}, got {speed!r}")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
             raise InvalidInputError(f"seed must be an integer in [0, 2**63), got {seed!r}")
         return float(value)

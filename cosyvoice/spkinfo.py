@@ -26,7 +26,7 @@ import torch
 
 from cosyvoice.frontend.frontend import Voice
 from cosyvoice.frontend.prompt import PromptFeatures
-from cosyvoice.utils.fs import atomic_write, temp_path
+from cosyvoice.utils.fs import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +135,3 @@ def write_spkinfo(path: str | Path, entries: dict[Any, Any], unreadable: bool = 
     atomic_write(path, lambda tmp: torch.save(entries, tmp))
     return backup
 
-
-__all__ = ["SPKINFO_FILE", "SpkInfo", "read_spkinfo", "temp_path", "voice_from_official", "voice_to_official",
-           "write_spkinfo"]

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 # MKL picks its FFT code path by CPU, and on near-silent frames the rounding difference survives the log
 # of the mel/fbank features (~5e-4). The golden fixtures match MKL's CPU-independent path to ~1e-6, so the
 # tests select it. It must be set before torch's first FFT, hence before any import of torch.
 os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
+# CosyVoice3 instances the tests build without voice_dir= keep their voice library out of the working tree
+os.environ.setdefault("COSYVOICE_VOICE_DIR", tempfile.mkdtemp(prefix="cosyvoice-test-voices-"))
 
 from pathlib import Path
 

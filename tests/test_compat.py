@@ -3,6 +3,7 @@ module paths, inference_sft / instruct / vc, tensor prompts (issue 7)."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from pathlib import Path
 
@@ -14,10 +15,12 @@ import torch
 from cosyvoice.cli.cosyvoice import TextStreamClosedError
 from cosyvoice.errors import CosyVoiceError, InvalidInputError
 from cosyvoice.frontend.prompts import instruct_text, zero_shot_prompt_text
+from cosyvoice.hifigan.speed import MelTimeScale
 from cosyvoice.utils.common import set_all_random_seed
 from cosyvoice.utils.file_utils import load_wav
 
 TEXT = "Hello there, my friend, how are you today?"
+SHORT = "Hi there."  # the tiny random model speaks up to 20 tokens per text token: short text keeps tests fast
 PIECES = ["Hello there, ", "my friend, ", "how are you?"]
 PROMPT_TEXT = zero_shot_prompt_text("Hello, this is a short prompt for testing.")
 INSTRUCTION = instruct_text("Speak slowly and calmly.")
@@ -88,6 +91,23 @@ def test_text_stream_input_errors(tts, short_prompt_wav: Path) -> None:
 # ----------------------------------------------------------------------------- speed
 
 
+@pytest.mark.parametrize("speed", [0.5, 0.8, 1.5, 2.0])
+def test_mel_time_scale_streams_the_whole_stretch(speed: float) -> None:
+    t = torch.arange(173, dtype=torch.float32)
+    mel = torch.stack([torch.sin(t * k / 200) for k in range(1, 81)])[None]  # smooth over frames, like a mel
+    whole = torch.nn.functional.interpolate(mel, size=int(173 / speed), mode="linear")
+    scale = MelTimeScale(speed)
+    cuts = [0, 1, 50, 51, 100, 150, 173]
+    streamed = torch.cat([scale(mel[:, :, a:b], finalize=b == 173) for a, b in itertools.pairwise(cuts)], dim=2)
+    assert streamed.shape == whole.shape  # exactly the non-streamed frame count
+    assert torch.equal(streamed, MelTimeScale(speed)(mel, finalize=True))  # chunk boundaries leave no seam
+    # the non-streamed stretch up to the rate's rounding (int(T / speed) frames): its read positions drift by at
+    # most `speed` input frames at the very end, times the steepest channel's slope (0.4 per frame)
+    assert float((streamed - whole).abs().max()) <= speed * 0.4 + 1e-4
+    with pytest.raises(RuntimeError, match="finalised"):
+        scale(mel, finalize=True)
+
+
 @pytest.mark.parametrize("speed", [1.5, 0.5])
 def test_streamed_speed_gives_the_non_streamed_length(tts, short_prompt_wav: Path, speed: float) -> None:
     def run(stream: bool) -> list:
@@ -113,7 +133,7 @@ def test_numeric_scalars_are_speeds(tts, short_prompt_wav: Path, speed) -> None:
 
 @pytest.mark.parametrize("speed", [3.0, True, "1.0", torch.tensor([1.0, 2.0]), float("nan")])
 def test_bad_speeds_are_refused_at_the_call(tts, short_prompt_wav: Path, speed) -> None:
-    with pytest.raises(InvalidInputError, match=r"speed must be a number between 0\.5 and 2"):
+    with pytest.raises(InvalidInputError, match=r"speed must be between 0\.5 and 2"):
         tts.inference_zero_shot(TEXT, PROMPT_TEXT, str(short_prompt_wav), speed=speed)
 
 
@@ -122,7 +142,7 @@ def test_bad_speeds_are_refused_at_the_call(tts, short_prompt_wav: Path, speed) 
 
 def test_global_seed_makes_unseeded_calls_repeatable(tts, short_prompt_wav: Path) -> None:
     def run() -> torch.Tensor:
-        return _cat(tts.inference_zero_shot(TEXT, PROMPT_TEXT, str(short_prompt_wav)))
+        return _cat(tts.inference_zero_shot(SHORT, PROMPT_TEXT, str(short_prompt_wav)))
 
     torch.manual_seed(7)
     a = run()
@@ -135,8 +155,8 @@ def test_global_seed_makes_unseeded_calls_repeatable(tts, short_prompt_wav: Path
     assert torch.equal(a, b) and torch.equal(a, c)
     assert a.shape != d.shape or not torch.equal(a, d)
     torch.manual_seed(7)  # an explicit seed is used as is, whatever the global generator says
-    assert torch.equal(_cat(tts.inference_zero_shot(TEXT, PROMPT_TEXT, str(short_prompt_wav), seed=5)),
-                       _cat(tts.inference_zero_shot(TEXT, PROMPT_TEXT, str(short_prompt_wav), seed=5)))
+    assert torch.equal(_cat(tts.inference_zero_shot(SHORT, PROMPT_TEXT, str(short_prompt_wav), seed=5)),
+                       _cat(tts.inference_zero_shot(SHORT, PROMPT_TEXT, str(short_prompt_wav), seed=5)))
 
 
 def test_set_all_random_seed_seeds_every_generator() -> None:
@@ -171,7 +191,7 @@ def test_prompt_tensors_and_pairs_are_16khz_audio(tts, short_prompt_wav: Path) -
     speech_16k = load_wav(str(short_prompt_wav), 16000)  # [1, N], what both official servers pass
 
     def run(prompt) -> torch.Tensor:
-        return _cat(tts.inference_cross_lingual("You are a helpful assistant.<|endofprompt|>Hi.", prompt, seed=4))
+        return _cat(tts.inference_zero_shot(SHORT, PROMPT_TEXT, prompt, seed=4))
 
     as_2d = run(speech_16k)
     assert torch.equal(as_2d, run(speech_16k[0]))
@@ -184,16 +204,34 @@ def test_prompt_tensors_and_pairs_are_16khz_audio(tts, short_prompt_wav: Path) -
 
 def test_sft_instruct_and_vc(tts, prompt_wav: Path, short_prompt_wav: Path) -> None:
     assert tts.add_zero_shot_spk(PROMPT_TEXT, str(short_prompt_wav), "speaker-a")
-    sft = _cat(tts.inference_sft(TEXT, "speaker-a", seed=2))
-    assert torch.equal(sft, _cat(tts.inference_zero_shot(TEXT, "", "", zero_shot_spk_id="speaker-a", seed=2)))
-    instructed = _cat(tts.inference_instruct(TEXT, "speaker-a", "Speak slowly and calmly.", seed=2))
-    same = _cat(tts.inference_instruct2(TEXT, INSTRUCTION, None, zero_shot_spk_id="speaker-a", seed=2))
+    sft = _cat(tts.inference_sft(SHORT, "speaker-a", seed=2))
+    assert torch.equal(sft, _cat(tts.inference_zero_shot(SHORT, "", "", zero_shot_spk_id="speaker-a", seed=2)))
+    instructed = _cat(tts.inference_instruct(SHORT, "speaker-a", "Speak slowly and calmly.", seed=2))
+    same = _cat(tts.inference_instruct2(SHORT, INSTRUCTION, None, zero_shot_spk_id="speaker-a", seed=2))
     assert torch.equal(instructed, same)
-    vc = list(tts.inference_vc(str(prompt_wav), str(short_prompt_wav)))
-    vc_stream = list(tts.inference_vc(load_wav(str(prompt_wav), 16000), str(short_prompt_wav), stream=True))
+    vc = list(tts.inference_vc(str(short_prompt_wav), str(prompt_wav)))
+    vc_stream = list(tts.inference_vc(load_wav(str(short_prompt_wav), 16000), str(prompt_wav), stream=True))
     assert len(vc) == 1 and len(vc_stream) >= 1
-    n_tokens = tts.frontend.speech_tokenizer(load_wav(str(prompt_wav), 16000)).shape[1]
+    n_tokens = tts.frontend.speech_tokenizer(load_wav(str(short_prompt_wav), 16000)).shape[1]
     assert _cat(vc).shape[1] == n_tokens * 2 * 480  # the source's speech tokens, 2 mel frames each
     assert _cat(vc_stream).shape == _cat(vc).shape
     with pytest.raises(InvalidInputError, match="unknown speaker id 'nobody'"):
-        tts.inference_sft(TEXT, "nobody")
+        tts.inference_sft(SHORT, "nobody")
+
+
+def test_text_stream_writer_tokenises_pieces_and_enforces_the_text_limit(tts) -> None:
+    from cosyvoice.cli.cosyvoice import TextStreamWriter
+    from cosyvoice.llm.job import TokenStream
+
+    stream = TokenStream()
+    writer = TextStreamWriter(tts.frontend.tokenizer, stream, max_chars=20)
+    writer.write("Hello there, ")
+    writer.write("")  # nothing to say yet: no ids
+    assert stream.take() == (tts.frontend.tokenizer.encode("Hello there, "), False)
+    with pytest.raises(InvalidInputError, match="exceeds 20 characters"):
+        writer.write("and a lot more text")
+    assert writer.closed
+    with pytest.raises(InvalidInputError, match="exceeds 20 characters"):
+        stream.take()  # the LLM side fails with the same error
+    with pytest.raises(TextStreamClosedError):
+        writer.write("more")

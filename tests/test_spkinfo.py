@@ -124,7 +124,7 @@ def test_kill_9_during_a_save_leaves_the_old_or_the_new_file(tmp_path: Path) -> 
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
     interrupted = 0
-    for _ in range(6):
+    for _ in range(4):
         proc = subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True,
                                 cwd=repo, env=env)
         try:
@@ -143,3 +143,11 @@ def test_kill_9_during_a_save_leaves_the_old_or_the_new_file(tmp_path: Path) -> 
         assert torch.equal(entry["payload"], torch.full((4_000_000,), float(n)))
         assert not list(tmp_path.glob(f".{SPKINFO_FILE}.*.tmp"))
     assert interrupted >= 2, "the kills should land inside writes"
+
+
+def test_an_unusable_voice_folder_does_not_stop_the_model(model_dir: Path, tmp_path: Path,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the voice folder should be")
+    api = _open(model_dir, blocked / "voices")
+    assert "cannot use the voice folder" in caplog.text and api.list_available_spks() == []

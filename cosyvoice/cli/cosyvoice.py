@@ -14,6 +14,7 @@ written by ``save_spkinfo`` without ever dropping an entry (:mod:`cosyvoice.spki
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -190,14 +191,28 @@ class CosyVoice3:
                              bundle.load_hift(self.device), self.device, self.limits,
                              endofprompt_id=self.frontend.tokenizer.end_of_prompt_id)
         self.sample_rate = bundle.config.sample_rate
-        limits = self.limits
-        self.voices = VoiceLibrary(voice_dir if voice_dir is not None else default_voice_dir(), self.frontend,
-                                   model_dir=self.model_dir, max_entries=limits.max_cached_voices,
-                                   max_bytes=limits.max_cached_voice_bytes, max_named=limits.max_named_voices)
+        self.voices = self._open_voices(Path(voice_dir) if voice_dir is not None else default_voice_dir())
         self._spk_lock = threading.Lock()
         self._import_spkinfo()
 
     # ------------------------------------------------------------------ saved voices (official spk2info)
+
+    def _open_voices(self, root: Path) -> VoiceLibrary:
+        """The voice library under ``root``; where it cannot be created (a read-only folder) the model still
+        starts, with a library in a temporary folder, and says so (``save_spkinfo`` still persists voices)."""
+        limits = self.limits
+
+        def library(path: Path) -> VoiceLibrary:
+            return VoiceLibrary(path, self.frontend, model_dir=self.model_dir, max_entries=limits.max_cached_voices,
+                                max_bytes=limits.max_cached_voice_bytes, max_named=limits.max_named_voices)
+
+        try:
+            return library(root)
+        except OSError as exc:
+            fallback = Path(tempfile.mkdtemp(prefix="cosyvoice-voices-"))
+            logger.error("cannot use the voice folder %s (%s); saved voices are kept in %s for this run only "
+                         "(pass voice_dir= or set COSYVOICE_VOICE_DIR)", root, exc, fallback)
+            return library(fallback)
 
     @property
     def spk2info(self) -> Mapping[str, Voice]:
