@@ -1,0 +1,177 @@
+"""Audio encoding for every adapter: PCM16, WAV, MP3, Opus, FLAC and AAC, whole or as a stream.
+
+One table (:data:`FORMATS`) names each format's content type and file extension; one encoder class turns
+float32 chunks into bytes as they arrive, so a server can send the first MP3 frames while the model is still
+speaking. Compressed formats go through PyAV (FFmpeg's libraries, in process): never an ``ffmpeg`` subprocess
+per request. Containers are chosen so that a file streamed from its first byte is playable: MP3 frames, Ogg
+(Opus), native FLAC, AAC in ADTS frames (what OpenAI's ``aac`` responses are), and WAV with the
+"unknown length" sizes that players read to the end of the stream.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+import av
+import numpy as np
+import torch
+
+from cosyvoice.errors import InvalidInputError
+
+PCM_SCALE = 2 ** 15  # the reference's servers scale float speech by 2**15 before the int16 cast
+
+
+@dataclass(frozen=True)
+class AudioFormat:
+    """How one ``response_format`` is produced and labelled."""
+
+    name: str
+    content_type: str
+    extension: str
+    container: str | None = None  # PyAV muxer; None: raw PCM16 or WAV, written here
+    codec: str | None = None
+    bit_rate: int | None = None
+    options: dict[str, str] = field(default_factory=dict)  # muxer options
+    pcm16_input: bool = False  # feed the codec our PCM16 samples (lossless formats then equal the PCM bytes)
+
+
+FORMATS: dict[str, AudioFormat] = {f.name: f for f in (
+    AudioFormat("pcm", "audio/pcm", "pcm"),  # raw PCM16LE mono, no header
+    AudioFormat("wav", "audio/wav", "wav"),
+    AudioFormat("mp3", "audio/mpeg", "mp3", "mp3", "libmp3lame", 64_000),
+    # Ogg pages are flushed every 20 ms instead of the muxer's default 1 s, so streamed Opus is not held back
+    AudioFormat("opus", "audio/ogg", "opus", "ogg", "libopus", 32_000, {"page_duration": "20000"}),
+    AudioFormat("flac", "audio/flac", "flac", "flac", "flac", pcm16_input=True),
+    AudioFormat("aac", "audio/aac", "aac", "adts", "aac", 64_000),
+)}
+
+
+def audio_format(name: str) -> AudioFormat:
+    """The format called ``name`` (case-insensitive); :class:`InvalidInputError` naming the choices otherwise."""
+    fmt = FORMATS.get(name.lower()) if isinstance(name, str) else None
+    if fmt is None:
+        raise InvalidInputError(f"unknown audio format {name!r}; use one of {', '.join(FORMATS)}")
+    return fmt
+
+
+def to_pcm16(samples: np.ndarray | torch.Tensor) -> np.ndarray:
+    """float samples -> int16 with the reference servers' scaling (``x * 2**15`` cast to int16, which truncates
+    toward zero). Clipped to the int16 range first: the reference's cast wraps a full-scale 1.0 to -32768."""
+    x = _float32(samples) * PCM_SCALE
+    return np.clip(x, -32768, 32767).astype(np.int16)
+
+
+def wav_header(sample_rate: int, num_samples: int | None, channels: int = 1) -> bytes:
+    """A 44-byte PCM16 WAV header; ``num_samples=None`` writes the "unknown length" sizes used for streaming."""
+    block = 2 * channels
+    data = 0xFFFFFFFF if num_samples is None else num_samples * block
+    riff = 0xFFFFFFFF if num_samples is None else 36 + data
+    return (b"RIFF" + struct.pack("<I", riff) + b"WAVEfmt " + struct.pack("<IHHIIHH", 16, 1, channels, sample_rate,
+                                                                          sample_rate * block, block, 16)
+            + b"data" + struct.pack("<I", data))
+
+
+class AudioEncoder:
+    """A streaming encoder for one response: ``encode(chunk)`` returns the bytes ready so far, ``finish()``
+    the rest. ``close()`` (or leaving a ``with`` block) releases an encoder that will not be finished."""
+
+    def __init__(self, fmt: str | AudioFormat, sample_rate: int) -> None:
+        self.format = fmt if isinstance(fmt, AudioFormat) else audio_format(fmt)
+        self.sample_rate = sample_rate
+        self.samples = 0  # samples fed so far
+        self._header_sent = False
+        self._finished = False
+        self._sink = _Sink()
+        self._container: av.container.OutputContainer | None = None
+        self._stream = None
+        if self.format.container is not None:
+            self._container = av.open(self._sink, mode="w", format=self.format.container,
+                                      options=dict(self.format.options))
+            self._stream = self._container.add_stream(self.format.codec, rate=sample_rate, layout="mono")
+            if self.format.bit_rate:
+                self._stream.bit_rate = self.format.bit_rate
+
+    def encode(self, samples: np.ndarray | torch.Tensor) -> bytes:
+        """Encode float samples in [-1, 1]; returns whatever bytes the format can emit now (may be empty)."""
+        if self._finished:
+            raise RuntimeError("encoder already finished")
+        x = _float32(samples)
+        self.samples += x.size
+        if self._container is None:
+            return self._raw(x)
+        if x.size:
+            if self.format.pcm16_input:
+                frame = av.AudioFrame.from_ndarray(to_pcm16(x).reshape(1, -1), format="s16", layout="mono")
+            else:
+                frame = av.AudioFrame.from_ndarray(x.reshape(1, -1), format="flt", layout="mono")
+            frame.sample_rate = self.sample_rate
+            for packet in self._stream.encode(frame):
+                self._container.mux(packet)
+        return self._sink.take()
+
+    def finish(self) -> bytes:
+        """Flush the codec and close the container; the returned bytes complete the file."""
+        if self._finished:
+            return b""
+        self._finished = True
+        if self._container is None:
+            return self._raw(np.zeros(0, np.float32))
+        for packet in self._stream.encode(None):
+            self._container.mux(packet)
+        self._container.close()
+        self._container = None
+        return self._sink.take()
+
+    def close(self) -> None:
+        """Drop the encoder without completing the file (a cancelled stream)."""
+        self._finished = True
+        if self._container is not None:
+            self._container.close()
+            self._container = None
+        self._sink.take()
+
+    def __enter__(self) -> AudioEncoder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _raw(self, x: np.ndarray) -> bytes:
+        head = b""
+        if self.format.name == "wav" and not self._header_sent:
+            head = wav_header(self.sample_rate, None)
+        self._header_sent = True
+        return head + to_pcm16(x).tobytes()
+
+
+def encode_audio(samples: np.ndarray | torch.Tensor, fmt: str | AudioFormat, sample_rate: int) -> bytes:
+    """A whole waveform as one file; a WAV gets its exact sizes in the header."""
+    fmt = fmt if isinstance(fmt, AudioFormat) else audio_format(fmt)
+    x = _float32(samples)
+    if fmt.name == "wav":
+        return wav_header(sample_rate, x.size) + to_pcm16(x).tobytes()
+    with AudioEncoder(fmt, sample_rate) as encoder:
+        return encoder.encode(x) + encoder.finish()
+
+
+def _float32(samples: np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(samples, torch.Tensor):
+        samples = samples.detach().cpu().numpy()
+    return np.ascontiguousarray(np.asarray(samples, dtype=np.float32).reshape(-1))
+
+
+class _Sink:
+    """A write-only, non-seekable file for PyAV: what the muxer writes is collected until taken."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+
+    def write(self, data: bytes) -> int:
+        self._parts.append(bytes(data))
+        return len(data)
+
+    def take(self) -> bytes:
+        out = b"".join(self._parts)
+        self._parts.clear()
+        return out
