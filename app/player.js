@@ -3,6 +3,7 @@
 // gaps unless the audio arrives later than it plays. window.cvStudio.takes keeps each take's timings
 // (epoch milliseconds) for the page's status line and the browser tests.
 window.cvStudio = (() => {
+  const ZH = (navigator.language || "").startsWith("zh");
   const LEAD_S = 0.02; // scheduling margin for the first piece and after a stall
   let ctx = null;
   let current = null;
@@ -49,7 +50,7 @@ window.cvStudio = (() => {
     if (take.firstSoundAt === null) {
       const latency = ctx.outputLatency || ctx.baseLatency || 0;
       take.firstSoundAt = now() + (take.next - t + latency) * 1000;
-      show("playing", "▶");
+      show("playing", ZH ? "正在播放" : "playing");
     }
     take.next += buffer.duration;
     take.samples += samples.length;
@@ -63,7 +64,8 @@ window.cvStudio = (() => {
     if (take.endAt !== null) return;
     take.endAt = now();
     take.state = state;
-    if (current === take) show(state === "done" ? "idle" : state, "");
+    const words = { done: ["", ""], stopped: ["stopped", "已停止"], failed: ["playback failed", "播放失败"] };
+    if (current === take) show(state === "done" ? "idle" : state, (words[state] || ["", ""])[ZH ? 1 : 0]);
   }
 
   async function run(take) {
@@ -88,7 +90,7 @@ window.cvStudio = (() => {
         if (even) schedule(take, new Int16Array(bytes.buffer.slice(bytes.byteOffset, bytes.byteOffset + even)));
       }
       take.streamDone = true;
-      if (!take.sources.length) finish(take, "done");
+      if (!take.sources.length || ctx.currentTime >= take.next) finish(take, "done");
     } catch (err) {
       finish(take, take.stopped ? "stopped" : "failed");
     }
@@ -108,7 +110,7 @@ window.cvStudio = (() => {
       takes[id] = take;
       current = take;
       context(rate);
-      show("waiting", "…");
+      show("waiting", ZH ? "生成中…" : "generating…");
       run(take);
       return id;
     },

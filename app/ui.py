@@ -391,7 +391,7 @@ class Studio:
         status = (f"Take {take.number}: {take.seconds:.1f} s of audio in {wall:.1f} s"
                   + (f", first audio after {first_audio:.2f} s" if first_audio is not None else "")
                   + f" · seed {used_seed} · voice: {voice}" + (" · stopped" if take.stopped else ""))
-        yield status, take.file, [asdict(take), *history], *idle
+        yield status, gr.update(value=take.file, visible=True), [asdict(take), *history], *idle
 
     def _keep(self, number: int, samples: np.ndarray, fmt: str, **meta: Any) -> Take:
         """Encode a take in its download format under a name that says what it is."""
@@ -408,13 +408,20 @@ class Studio:
 
     # ------------------------------------------------------------------ the named API
 
-    def api_synthesize(self, text: str, mode: str, voice: str, prompt_audio: str | None, prompt_text: str,
-                       instruction: str, seed: float | None, speed: float, format: str) -> str:
-        """One whole take as a file (``format``: wav, mp3, flac or opus); plain-text errors."""
+    def api_synthesize(self, text: str, mode: str | None = None, voice: str | None = None,
+                       prompt_audio: str | None = None, prompt_text: str | None = None,
+                       instruction: str | None = None, seed: float | None = None, speed: float | None = None,
+                       format: str | None = None) -> str:
+        """One whole take as a file (``format``: wav, mp3, flac or opus); plain-text errors.
+
+        ``mode``: zero_shot (default), cross_lingual or instruct2; ``voice``: a voice's name or id, looked up at
+        call time, else ``prompt_audio`` (+ ``prompt_text``, its transcript, for zero_shot); ``seed`` -1 or
+        None: random."""
         try:
             chunks, _, used_seed = self._request(mode or "zero_shot", text, prompt_audio, prompt_text or "",
                                                  instruction or "", voice or None,
-                                                 None if seed is None else int(seed), float(speed), False)
+                                                 None if seed is None else int(seed),
+                                                 1.0 if speed is None else float(speed), False)
             audio = audio_format(format or "wav")
             if audio.name not in DOWNLOAD_FORMATS:
                 raise InvalidInputError(f"format must be one of {', '.join(DOWNLOAD_FORMATS)}, got {format!r}")
@@ -432,7 +439,7 @@ class Studio:
         return [{"id": i.id, "name": i.name, "transcript": i.transcript, "builtin": i.builtin}
                 for i in self.voices.list()]
 
-    def api_save_voice(self, name: str, prompt_audio: str | None, prompt_text: str) -> dict:
+    def api_save_voice(self, name: str, prompt_audio: str, prompt_text: str | None = None) -> dict:
         """Featurise a recording (with its transcript, for zero-shot) and keep it under ``name``."""
         try:
             if not prompt_audio:
@@ -462,7 +469,8 @@ CSS = """
 #live-player[data-state=playing] .live-dot { background:#16a34a; }
 #live-player[data-state=waiting] .live-dot { background:#f59e0b; }
 #char-counter { font-size:13px; color:#6b7280; margin-top:-8px; }
-#char-counter.over { color:#b91c1c; font-weight:600; }
+#char-counter-text.over { color:#b91c1c; font-weight:600; }
+.toast-wrap { top:auto !important; bottom:16px !important; }  /* toasts never cover the voice controls */
 body, .gradio-container { font-family: ui-sans-serif, system-ui, "Noto Sans", "Noto Sans CJK SC",
                           "Noto Sans CJK JP", sans-serif; }
 """
@@ -526,7 +534,7 @@ def build_ui(studio: Studio) -> gr.Blocks:
                 gr.HTML('<div id="live-player" data-state="idle"><span class="live-dot"></span>'
                         '<span class="live-text"></span></div>')
                 status = gr.Markdown(elem_id="status")
-                download = gr.File(label=t("download"), interactive=False, elem_id="download")
+                download = gr.File(label=t("download"), interactive=False, visible=False, elem_id="download")
             with gr.Column(scale=2):
                 voice = gr.Dropdown(label=t("voice"), choices=studio.voice_choices(), value=None, info=t("voice_info"),
                                     elem_id="voice")
@@ -562,7 +570,8 @@ def build_ui(studio: Studio) -> gr.Blocks:
                              elem_classes="take-audio")
                     gr.Markdown(_history_markdown(take), elem_classes="take-meta")
 
-        # -------- wiring: the page's events are private; the API is the named endpoints below
+        _api(studio, limits.max_sessions)  # first, so that the endpoints get their names unsuffixed
+        # -------- wiring: the page's events are private; the API is the named endpoints of _api
         private = {"api_visibility": "private"}
         for tab, name in ((zero_shot_tab, "zero_shot"), (cross_lingual_tab, "cross_lingual"),
                           (instruct_tab, "instruct2")):
@@ -595,8 +604,6 @@ def build_ui(studio: Studio) -> gr.Blocks:
         confirm.click(studio.delete_voice, voice, [voice, confirm_row, preview], show_progress="hidden", **private)
         cancel.click(lambda: gr.update(visible=False), None, confirm_row, queue=False, **private)
         page.load(studio.voice_dropdown, voice, voice, queue=False, show_progress="hidden", **private)
-
-        _api(studio, limits.max_sessions)
     return page
 
 

@@ -168,7 +168,8 @@ class CosyVoice3:
              seed: int | None) -> Iterator[AudioChunk]:
         index = offset = 0
         for i, (segment, inp) in enumerate(zip(segments, inputs, strict=True)):
-            logger.info("synthesising segment %d/%d: %s", i + 1, len(segments), segment)
+            # users' text stays out of INFO logs (privacy); DEBUG shows it when diagnosing
+            logger.debug("synthesising segment %d/%d: %s", i + 1, len(segments), segment)
             seg_seed = None if seed is None else (seed + i) % 2**63
             for chunk in self.engine.synthesize(inp, stream=stream, speed=speed, seed=seg_seed,
                                                 sample_offset=offset, first_index=index):
