@@ -50,6 +50,7 @@ window.cvStudio = (() => {
     if (take.firstSoundAt === null) {
       const latency = ctx.outputLatency || ctx.baseLatency || 0;
       take.firstSoundAt = now() + (take.next - t + latency) * 1000;
+      take.state = "playing";
       show("playing", ZH ? "正在播放" : "playing");
     }
     take.next += buffer.duration;

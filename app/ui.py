@@ -123,7 +123,8 @@ class Studio:
     demo: bool = False
     live: LiveHub = field(default_factory=LiveHub)
     times: dict[str, TakeTimes] = field(default_factory=dict)
-    _cancelled: dict[str, threading.Event] = field(default_factory=dict)
+    _running: dict[str, tuple[threading.Event, queue.Queue]] = field(default_factory=dict)
+    _stopped_early: set[str] = field(default_factory=set)  # Stop clicked while the take was still queued
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _files: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cosyvoice-takes-")))
 
@@ -310,14 +311,13 @@ class Studio:
             times.finished = time.time()
             self.live.finish(take_id)
             with self._lock:
-                self._cancelled.pop(take_id, None)
+                self._running.pop(take_id, None)
 
     def _run(self, take_id: str, chunks: Iterator[AudioChunk]) -> Iterator[tuple[str, Any]]:
         """Events of one take: ("chunk", float samples) ..., then ("done" | "stopped" | "error", detail)."""
-        cancel = threading.Event()
+        cancel, events = threading.Event(), queue.Queue()
         with self._lock:
-            self._cancelled[take_id] = cancel
-        events: queue.Queue = queue.Queue()
+            self._running[take_id] = (cancel, events)
         threading.Thread(target=self._pump, args=(chunks, take_id, cancel, events), daemon=True,
                          name=f"take-{take_id[:8]}").start()
         finished = False
@@ -331,15 +331,21 @@ class Studio:
                     finished = True
                     return
         finally:
-            if not finished:  # Gradio dropped the handler (Stop, a closed tab): stop the work too
-                cancel.set()
+            cancel.set()  # a no-op after the end; else Gradio dropped the handler (a closed tab): stop the work
+            if not finished:
+                logger.info("take %s: the page went away; stopping it", take_id[:8])
 
     def stop(self, take_id: str) -> None:
-        """Stop a running take (a no-op for one that has ended)."""
+        """Stop a take: its handler ends at once (keeping what was made) and the engine's work at its next
+        chunk; a take still waiting in the queue will not start."""
         with self._lock:
-            cancel = self._cancelled.get(take_id)
-        if cancel is not None:
-            cancel.set()
+            running = self._running.get(take_id)
+            if running is None:
+                self._stopped_early.add(take_id)
+                return
+        cancel, events = running
+        cancel.set()
+        events.put(("stopped", None))
 
     def begin(self, take_id: str) -> tuple:
         """The Generate click: lock Generate, unlock Stop (the take id came from the page's player)."""
@@ -352,6 +358,13 @@ class Studio:
         take_id = take_id or secrets.token_hex(8)
         self.times[take_id] = TakeTimes(start=time.time())
         idle = (gr.update(interactive=True), gr.update(interactive=False))
+        with self._lock:
+            stopped_early = take_id in self._stopped_early
+            self._stopped_early.discard(take_id)
+        if stopped_early:
+            self.live.finish(take_id)
+            yield "Stopped before it started.", gr.skip(), gr.skip(), *idle
+            return
         try:
             chunks, voice, used_seed = self._request(mode, text, prompt, transcript, instruction, voice_key,
                                                      None if seed is None else int(seed), speed, stream)
@@ -582,25 +595,26 @@ def build_ui(studio: Studio) -> gr.Blocks:
 
         started = generate.click(studio.begin, take_id, [take_id, generate, stop], queue=False,
                                  js=f"() => [window.cvStudio.begin({rate})]", **private)
-        running = started.then(gpu(studio.generate),
+        started.then(gpu(studio.generate),
                                [take_id, mode, text, prompt, transcript, instruction, voice, seed, speed, stream, fmt,
                                 history],
                                [status, download, history, generate, stop], concurrency_limit=limits.max_sessions,
                                concurrency_id="synthesis", show_progress="full", show_progress_on=[status], **private)
-        stop.click(studio.stop_clicked, take_id, [generate, stop], cancels=[running], queue=False,
+        stop.click(studio.stop_clicked, take_id, [generate, stop], queue=False,
                    js="(take) => { window.cvStudio.stop(); return [take]; }", **private)
 
-        prompt.upload(studio.check_upload, prompt, prompt, queue=False, **private)
-        prompt.stop_recording(studio.check_upload, prompt, prompt, queue=False, **private)
+        # toasts travel on the queue's stream: handlers that may warn are queued (the default)
+        prompt.upload(studio.check_upload, prompt, prompt, show_progress="hidden", **private)
+        prompt.stop_recording(studio.check_upload, prompt, prompt, show_progress="hidden", **private)
         prompt.upload(lambda: (None, None), None, [voice, preview], queue=False, **private)
-        voice.input(lambda: None, None, prompt, queue=False, **private)  # a picked voice replaces the recording
-        voice.change(studio.preview, voice, preview, queue=False, show_progress="hidden", **private)
+        voice.select(lambda: None, None, prompt, queue=False, **private)  # a picked voice replaces the recording
+        voice.change(studio.preview, voice, preview, show_progress="hidden", **private)
         save.click(studio.save_voice, [save_as, mode, prompt, transcript, voice], voice, show_progress="hidden",
                    **private)
         rename.click(studio.rename_voice, [voice, new_name], voice, show_progress="hidden", **private)
         export.click(studio.export_voice, voice, exported, show_progress="hidden", **private)
         imported.upload(studio.import_voice, imported, [voice, imported], show_progress="hidden", **private)
-        delete.click(studio.ask_delete, voice, [confirm_row, confirm_text], queue=False, **private)
+        delete.click(studio.ask_delete, voice, [confirm_row, confirm_text], show_progress="hidden", **private)
         confirm.click(studio.delete_voice, voice, [voice, confirm_row, preview], show_progress="hidden", **private)
         cancel.click(lambda: gr.update(visible=False), None, confirm_row, queue=False, **private)
         page.load(studio.voice_dropdown, voice, voice, queue=False, show_progress="hidden", **private)
