@@ -22,7 +22,26 @@ class WeightsError(ModelBundleError):
 
 
 class InvalidInputError(CosyVoiceError, ValueError):
-    """A request's text, audio or options are unusable; the message says why."""
+    """A request's text, audio or options are unusable; the message says why.
+
+    ``field`` names the request field at fault (``"text"``, ``"voice"``, ...) where it is known, so adapters
+    can point at it (a JSON ``field``, a form control); the service layer sets it.
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self) -> tuple:  # keeps ``field`` across processes (Ray Serve replicas)
+        return type(self), (str(self), self.field)
+
+
+class NotFoundError(InvalidInputError):
+    """A named thing (a saved voice) does not exist."""
+
+
+class AlreadyExistsError(InvalidInputError):
+    """A name is taken (a saved voice); delete the holder or choose another name."""
 
 
 class ResourceLimitError(CosyVoiceError):

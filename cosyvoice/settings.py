@@ -6,6 +6,7 @@ in one place (``COSYVOICE_MAX_TEXT_CHARS=20000``) rather than in each entry poin
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass, fields, replace
 
@@ -35,6 +36,7 @@ class Limits:
     min_prompt_sample_rate: int = 16000
     max_prompt_bytes: int = 50 * 1024 * 1024  # an encoded upload, before decoding
     max_sessions: int = 8  # concurrently synthesising requests on one engine
+    max_queued_requests: int = 32  # requests waiting for a session slot; beyond this a request is "busy" at once
     queue_timeout_seconds: float = 30.0  # wait this long for a free session slot, then "busy"
     max_cached_voices: int = 64  # unnamed prompt voices kept by the voice library (named ones stay)
     max_cached_voice_bytes: int = 256 * 1024 * 1024
@@ -43,7 +45,7 @@ class Limits:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if value < 0 or (value == 0 and f.name not in ("queue_timeout_seconds",)):
+            if value < 0 or (value == 0 and f.name not in ("queue_timeout_seconds", "max_queued_requests")):
                 raise ConfigError(f"limit {f.name} must be positive, got {value}")
         if self.min_prompt_seconds > self.max_prompt_seconds:
             raise ConfigError("min_prompt_seconds must not exceed max_prompt_seconds")
@@ -54,15 +56,88 @@ class Limits:
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: float) -> Limits:
         """Defaults, then ``COSYVOICE_*`` environment variables, then explicit keyword overrides."""
-        env = os.environ if environ is None else environ
-        values: dict[str, float] = {}
-        for f in fields(cls):
-            raw = env.get(f"COSYVOICE_{f.name.upper()}")
-            if raw is None:
-                continue
-            kind = int if f.type in ("int", int) else float
-            try:
-                values[f.name] = kind(raw)
-            except ValueError as exc:
-                raise ConfigError(f"COSYVOICE_{f.name.upper()}={raw!r} is not a valid {kind.__name__}") from exc
-        return replace(cls(**values), **overrides)
+        return replace(cls(**_env_values(cls, environ)), **overrides)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How a server is deployed (REST, gRPC, Ray Serve); request bounds stay in :class:`Limits`.
+
+    ``from_env`` reads ``COSYVOICE_<FIELD>`` (``COSYVOICE_MODEL_DIR``, ``COSYVOICE_API_KEYS=k1,k2``,
+    ``COSYVOICE_CORS_ORIGINS=https://a.example,https://b.example``, ...); :func:`add_server_arguments` adds the
+    same as command-line flags, which win over the environment.
+    """
+
+    model_dir: str = "pretrained_models/Fun-CosyVoice3-0.5B"  # a folder or a ModelScope id
+    host: str = "127.0.0.1"  # 0.0.0.0 serves other machines too
+    port: int = 50000
+    device: str | None = None  # cpu, cuda, cuda:1; None: CUDA when available
+    voice_dir: str = "pretrained_models/.voices"  # the voice library, shared with the web UI
+    api_keys: tuple[str, ...] = ()  # Bearer tokens accepted; empty: no authentication
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call; empty: none (CORS closed)
+    max_body_bytes: int = 72 * 1024 * 1024  # one request body: a max-size prompt upload, base64-encoded, fits
+    allowed_audio_dir: str | None = None  # prompt audio given as a server path must lie under it; None: refused
+    retry_after_seconds: int = 5  # the Retry-After of a "busy" answer
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port must be in 1..65535, got {self.port}")
+        if self.max_body_bytes <= 0 or self.retry_after_seconds < 0:
+            raise ConfigError("max_body_bytes must be positive and retry_after_seconds not negative")
+        if "*" in self.cors_origins and self.api_keys:
+            raise ConfigError("CORS origin '*' with API keys would let any web page use a visitor's key; "
+                              "list the allowed origins instead")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> ServerSettings:
+        """Defaults, then ``COSYVOICE_*`` environment variables, then explicit keyword overrides."""
+        return replace(cls(**_env_values(cls, environ)), **overrides)
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags for every :class:`ServerSettings` and :class:`Limits` field (``--model-dir``, ``--api-key`` (repeat
+    it), ``--cors-origin``, ``--max-sessions``, ...); unset flags keep the environment's value."""
+    for f in fields(ServerSettings):
+        many = f.type == "tuple[str, ...]"
+        flag = "--" + (f.name[:-1] if many else f.name).replace("_", "-")
+        aliases = ["--model_dir"] if f.name == "model_dir" else []  # the official servers' spelling
+        parser.add_argument(flag, *aliases, dest=f"server_{f.name}", action="append" if many else "store",
+                            type=None if many else _KINDS.get(f.type, str), default=None,
+                            help=f"(env COSYVOICE_{f.name.upper()}; default {f.default!r})")
+    for f in fields(Limits):
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f"limits_{f.name}", type=_KINDS[f.type],
+                            default=None, help=f"(env COSYVOICE_{f.name.upper()}; default {f.default!r})")
+
+
+def settings_from_args(args: argparse.Namespace,
+                       environ: dict[str, str] | None = None) -> tuple[ServerSettings, Limits]:
+    """The settings and limits of :func:`add_server_arguments`' flags over the environment's."""
+    def given(prefix: str, cls: type) -> dict[str, object]:
+        values = {f.name: getattr(args, prefix + f.name, None) for f in fields(cls)}
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if v is not None}
+
+    return (ServerSettings.from_env(environ, **given("server_", ServerSettings)),
+            Limits.from_env(environ, **given("limits_", Limits)))
+
+
+_KINDS: dict[str, type] = {"int": int, "float": float, "str": str, "str | None": str}
+
+
+def _env_values(cls: type, environ: dict[str, str] | None) -> dict[str, object]:
+    """The ``COSYVOICE_<FIELD>`` values set for ``cls``'s fields, parsed by their type (lists comma-separated)."""
+    env = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    for f in fields(cls):
+        name = f"COSYVOICE_{f.name.upper()}"
+        raw = env.get(name)
+        if raw is None:
+            continue
+        if f.type == "tuple[str, ...]":
+            values[f.name] = tuple(part.strip() for part in raw.split(",") if part.strip())
+            continue
+        kind = _KINDS[f.type]
+        try:
+            values[f.name] = kind(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{name}={raw!r} is not a valid {kind.__name__}") from exc
+    return values

@@ -1,0 +1,1 @@
+"""Network adapters over :class:`cosyvoice.service.TTSService`: REST (``rest``), gRPC, Ray Serve, metrics."""

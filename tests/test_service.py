@@ -1,0 +1,220 @@
+"""The service layer on the tiny bundle: one request type, field-named errors, voices, admission, async."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+import soundfile as sf
+import torch
+
+from cosyvoice.errors import AlreadyExistsError, InvalidInputError, NotFoundError, ResourceLimitError
+from cosyvoice.frontend.prompts import cross_lingual_text, instruct_text, zero_shot_prompt_text
+from cosyvoice.service import Outcome, SynthesisRequest, TTSService, allowed_path
+from cosyvoice.settings import Limits
+from cosyvoice.voices import VoiceLibrary
+
+TEXT = "Hello there, my friend."
+TRANSCRIPT = "Hello, this is a short prompt for testing."
+
+
+@pytest.fixture(scope="module")
+def library(tts, tmp_path_factory: pytest.TempPathFactory) -> VoiceLibrary:
+    return VoiceLibrary(tmp_path_factory.mktemp("voices"), tts.frontend, model_dir=tts.model_dir)
+
+
+@pytest.fixture(scope="module")
+def service(tts, library: VoiceLibrary) -> TTSService:
+    return TTSService(tts, library, Limits(max_sessions=4, max_queued_requests=2, queue_timeout_seconds=30))
+
+
+@pytest.fixture()
+def outcomes(service: TTSService) -> list[Outcome]:
+    seen: list[Outcome] = []
+    service.add_listener(seen.append)
+    yield seen
+    service._listeners.remove(seen.append)
+
+
+def _pcm(chunks) -> torch.Tensor:
+    return torch.cat([c.pcm for c in chunks])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_modes_follow_the_prompt_conventions(service: TTSService, tts, short_prompt_wav: Path, stream: bool) -> None:
+    """Plain transcript / instruction / text in; the same audio as the official API given the prefixed forms."""
+    audio = short_prompt_wav.read_bytes()
+    cases = [
+        (SynthesisRequest(TEXT, "zero_shot", prompt_audio=audio, transcript=TRANSCRIPT, seed=4, stream=stream),
+         tts.synthesize("zero_shot", TEXT, prompt_text=zero_shot_prompt_text(TRANSCRIPT), prompt_wav=short_prompt_wav,
+                        stream=stream, seed=4, split_prefixed=True)),
+        (SynthesisRequest(TEXT, "cross_lingual", prompt_audio=audio, seed=4, stream=stream),
+         tts.synthesize("cross_lingual", cross_lingual_text(TEXT), prompt_wav=short_prompt_wav, stream=stream, seed=4,
+                        split_prefixed=True)),
+        (SynthesisRequest(TEXT, "instruct2", prompt_audio=audio, instruction="Speak slowly.", seed=4, stream=stream),
+         tts.synthesize("instruct2", TEXT, instruct_text=instruct_text("Speak slowly."), prompt_wav=short_prompt_wav,
+                        stream=stream, seed=4, split_prefixed=True)),
+    ]
+    for request, reference in cases:
+        with service.synthesize(request) as session:
+            ours = list(session)
+        assert session.prepared.mode in ("zero_shot", "cross_lingual", "instruct")
+        assert torch.equal(_pcm(ours), _pcm(reference)), request.mode
+        assert (len(ours) > 1) == stream
+        assert ours[-1].final and ours[0].sample_rate == 24000
+
+
+@pytest.mark.parametrize(("request_kwargs", "field"), [
+    ({"text": ""}, "text"),
+    ({"text": 5}, "text"),
+    ({"text": "x" * 6000}, "text"),
+    ({"mode": "sing"}, "mode"),
+    ({"speed": 9.0}, "speed"),
+    ({"speed": "fast"}, "speed"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 1.5}, "seed"),
+    ({"stream": "yes"}, "stream"),
+    ({"format": "ogg"}, "format"),
+    ({"mode": "instruct", "instruction": "  "}, "instruction"),
+    ({"transcript": ""}, "transcript"),
+    ({"prompt_audio": b"not audio at all"}, "prompt_audio"),
+    ({"prompt_audio": None}, "voice"),
+    ({"voice": "nobody"}, "voice"),
+    ({"voice": "nobody", "mode": "sft", "prompt_audio": None}, "voice"),
+    ({"mode": "sft"}, "voice"),
+])
+def test_bad_input_names_its_field(service: TTSService, short_prompt_wav: Path, outcomes: list[Outcome],
+                                   request_kwargs: dict, field: str) -> None:
+    kwargs = {"text": TEXT, "mode": "zero_shot", "prompt_audio": short_prompt_wav.read_bytes(),
+              "transcript": TRANSCRIPT} | request_kwargs
+    with pytest.raises(InvalidInputError) as info:
+        service.synthesize(SynthesisRequest(**kwargs))
+    assert info.value.field == field, str(info.value)
+    assert service.status().active_sessions == 0
+    assert outcomes[-1].reason in ("invalid_input", "not_found")
+
+
+def test_saved_voice_by_id_and_name_created_after_start(service: TTSService, short_prompt_wav: Path) -> None:
+    info = service.create_voice("Ada", short_prompt_wav.read_bytes(), TRANSCRIPT)
+    assert info.name == "Ada" and info.transcript == TRANSCRIPT
+    assert [v.name for v in service.list_voices()] == ["Ada"]
+    by_name = _pcm(service.synthesize(SynthesisRequest(TEXT, "zero_shot", voice="Ada", seed=1, stream=False)))
+    by_id = _pcm(service.synthesize(SynthesisRequest(TEXT, "zero_shot", voice=info.id, seed=1, stream=False)))
+    sft = _pcm(service.synthesize(SynthesisRequest(TEXT, "sft", voice="Ada", seed=1, stream=False)))
+    assert by_name.numel() > 0 and torch.equal(by_name, by_id) and torch.equal(by_name, sft)
+    with pytest.raises(AlreadyExistsError) as taken:
+        service.create_voice(" Ada ", short_prompt_wav.read_bytes())
+    assert taken.value.field == "name"
+    with pytest.raises(AlreadyExistsError) as same:
+        service.create_voice("Bob", short_prompt_wav.read_bytes(), TRANSCRIPT)
+    assert same.value.field == "audio" and "'Ada'" in str(same.value)
+    assert service.delete_voice("Ada").id == info.id
+    with pytest.raises(NotFoundError) as gone:
+        service.delete_voice("Ada")
+    assert gone.value.field == "voice"
+
+
+def test_voice_without_transcript_speaks_cross_lingual_but_not_zero_shot(service: TTSService,
+                                                                         short_prompt_wav: Path) -> None:
+    samples, rate = sf.read(short_prompt_wav, dtype="float32")
+    service.create_voice("Quiet", (samples, rate))  # no transcript
+    try:
+        with pytest.raises(InvalidInputError, match="no transcript") as info:
+            service.synthesize(SynthesisRequest(TEXT, "zero_shot", voice="Quiet"))
+        assert info.value.field == "voice"
+        session = service.synthesize(SynthesisRequest(TEXT, "sft", voice="Quiet", seed=2, stream=False))
+        assert session.prepared.engine_mode == "cross_lingual"
+        assert _pcm(session).numel() > 0
+    finally:
+        service.delete_voice("Quiet")
+
+
+def test_busy_is_refused_at_once_and_slots_come_back(tts, library: VoiceLibrary, short_prompt_wav: Path) -> None:
+    service = TTSService(tts, library, Limits(max_sessions=1, max_queued_requests=0, queue_timeout_seconds=30))
+    seen: list[Outcome] = []
+    service.add_listener(seen.append)
+    request = SynthesisRequest(TEXT, "cross_lingual", prompt_audio=short_prompt_wav.read_bytes(), seed=3)
+    first = service.synthesize(request)
+    assert service.status().active_sessions == 1
+    with pytest.raises(ResourceLimitError, match="busy"):
+        service.synthesize(request)
+    assert seen[-1].reason == "busy"
+    next(first)  # mid-stream
+    first.close()
+    assert seen[-1].reason == "cancelled" and service.status().active_sessions == 0
+    assert _pcm(service.synthesize(request)).numel() > 0
+    assert seen[-1].reason is None and seen[-1].audio_seconds > 0 and seen[-1].first_chunk_seconds is not None
+
+
+def test_a_waiting_request_gets_the_next_free_slot(tts, library: VoiceLibrary, short_prompt_wav: Path) -> None:
+    service = TTSService(tts, library, Limits(max_sessions=1, max_queued_requests=1, queue_timeout_seconds=30))
+    request = SynthesisRequest(TEXT, "cross_lingual", prompt_audio=short_prompt_wav.read_bytes(), seed=3)
+    first = service.synthesize(request)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(service.synthesize(request)))
+    waiter.start()
+    while service.status().queued_requests == 0:
+        waiter.join(0.01)
+    with pytest.raises(ResourceLimitError):  # the queue (1) is full
+        service.synthesize(request)
+    first.close()
+    waiter.join(30)
+    assert got and _pcm(got[0]).numel() > 0
+    assert service.status().active_sessions == 0 and service.status().queued_requests == 0
+
+
+def test_async_sessions_match_sync_and_cancel(service: TTSService, short_prompt_wav: Path,
+                                              outcomes: list[Outcome]) -> None:
+    request = SynthesisRequest(TEXT * 2, "cross_lingual", prompt_audio=short_prompt_wav.read_bytes(), seed=8)
+    expected = _pcm(service.synthesize(request))
+
+    async def run() -> tuple[torch.Tensor, int]:
+        whole = [chunk async for chunk in await service.asynthesize(request)]
+        session = await service.asynthesize(request)
+        await session.__anext__()
+        await session.aclose()
+        await session.wait_closed()
+        with pytest.raises(InvalidInputError) as info:
+            await service.asynthesize(SynthesisRequest("", "cross_lingual", prompt_audio=b"x"))
+        assert info.value.field == "text"
+        return _pcm(whole), service.status().active_sessions
+
+    pcm, active = asyncio.run(run())
+    assert torch.equal(pcm, expected) and active == 0
+    assert [o.reason for o in outcomes[-3:]] == [None, "cancelled", "invalid_input"]
+
+
+def test_allowed_path(tmp_path: Path) -> None:
+    (tmp_path / "a.wav").write_bytes(b"x")
+    assert allowed_path("a.wav", tmp_path) == (tmp_path / "a.wav").resolve()
+    for bad, root in (("../etc/passwd", tmp_path), ("/etc/passwd", tmp_path), ("missing.wav", tmp_path),
+                      ("a.wav", None)):
+        with pytest.raises(InvalidInputError) as info:
+            allowed_path(bad, root)
+        assert info.value.field == "prompt_audio"
+
+
+def test_server_settings_from_env_and_flags() -> None:
+    import argparse
+
+    from cosyvoice.errors import ConfigError
+    from cosyvoice.settings import ServerSettings, add_server_arguments, settings_from_args
+
+    env = {"COSYVOICE_MODEL_DIR": "/models/cv3", "COSYVOICE_API_KEYS": "k1, k2", "COSYVOICE_PORT": "8080",
+           "COSYVOICE_MAX_SESSIONS": "3"}
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    settings, limits = settings_from_args(parser.parse_args([]), env)
+    assert settings.model_dir == "/models/cv3" and settings.api_keys == ("k1", "k2") and settings.port == 8080
+    assert settings.cors_origins == () and limits.max_sessions == 3  # CORS closed unless configured
+    args = parser.parse_args(["--model_dir", "m", "--port", "9", "--cors-origin", "https://a.example",
+                              "--max-sessions", "2", "--max-queued-requests", "0"])
+    settings, limits = settings_from_args(args, env)
+    assert (settings.model_dir, settings.port, settings.cors_origins) == ("m", 9, ("https://a.example",))
+    assert (limits.max_sessions, limits.max_queued_requests) == (2, 0)
+    with pytest.raises(ConfigError, match="COSYVOICE_PORT"):
+        ServerSettings.from_env({"COSYVOICE_PORT": "http"})
+    with pytest.raises(ConfigError, match="CORS"):
+        ServerSettings(api_keys=("k",), cors_origins=("*",))
