@@ -1,32 +1,98 @@
 #!/usr/bin/env bash
-# Installs whatever is missing for CosyVoice3 Studio on a bare Debian + Python 3.10+ machine.
-# Safe to re-run (installed packages are kept; the editable install is refreshed). Used by scripts/test.sh, scripts/webui.sh and .ci/run.
+# Installs whatever is missing for CosyVoice3 Studio into the project's virtual environment (.venv/ in the
+# repository), on a bare Debian machine with only python3, and on any machine after that.
+#
+# Everything Python goes into the venv, never into the system interpreter: Debian's python3 is "externally
+# managed" (PEP 668) and refuses pip, and one environment per checkout gives every machine the same test
+# command (.venv/bin/python -m pytest -q). When all is installed (a stamp keyed on pyproject.toml, this
+# script, the extras and the venv's Python matches) it makes no pip call and no network access at all.
+#
+# Environment: PYTHON (base interpreter, default python3), COSYVOICE_VENV (default .venv),
+# COSYVOICE_EXTRAS (default dev; scripts/webui.sh asks for ui). Used by scripts/test.sh, scripts/webui.sh,
+# .ci/run. `bash scripts/setup.sh --check` only reports what is missing (exit 1 when anything is).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY=${PYTHON:-python3}
-SUDO=""
-if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1; then SUDO=sudo; fi
+BASE_PY=${PYTHON:-python3}
+VENV=${COSYVOICE_VENV:-.venv}
+EXTRAS=${COSYVOICE_EXTRAS:-dev}
+CHECK_ONLY=0
+[ "${1:-}" = "--check" ] && CHECK_ONLY=1
+export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1  # tests drive Debian's /usr/bin/chromium; never fetch browsers
 
-# System packages: ffmpeg decodes browser uploads (mp3/m4a/webm) that libsndfile cannot.
-if ! command -v ffmpeg >/dev/null 2>&1; then
-  if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = 0 ] || [ -n "$SUDO" ]; }; then
-    echo "[setup] installing ffmpeg (apt)"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends ffmpeg >/dev/null
+log() { echo "[setup] $*" >&2; }
+
+# ---- system packages (apt), each only where missing ------------------------------------------------
+# ffmpeg: decodes browser uploads (mp3/m4a/webm) and feeds the web UI's streamed player.
+# chromium + fonts-noto-cjk: the browser tests (Playwright drives /usr/bin/chromium; CJK text renders).
+# python3.X-venv: Debian ships venv's pip bootstrap (ensurepip) separately.
+py_mm=$("$BASE_PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+missing_apt=()
+command -v ffmpeg >/dev/null 2>&1 || missing_apt+=(ffmpeg)
+if [[ ",$EXTRAS," == *",dev,"* ]]; then
+  [ -x /usr/bin/chromium ] || missing_apt+=(chromium)
+  dpkg-query -W -f='${Status}' fonts-noto-cjk 2>/dev/null | grep -q 'ok installed' || missing_apt+=(fonts-noto-cjk)
+fi
+if [ ! -x "$VENV/bin/python" ] && ! "$BASE_PY" -c 'import ensurepip' >/dev/null 2>&1; then
+  missing_apt+=("python${py_mm}-venv")
+fi
+
+if [ ${#missing_apt[@]} -gt 0 ]; then
+  if [ "$CHECK_ONLY" = 1 ]; then
+    log "missing system packages: ${missing_apt[*]}"
   else
-    echo "[setup] WARNING: ffmpeg not found and cannot be installed here (no apt-get or no root);" \
-         "mp3/m4a/webm prompts will be refused and the web UI cannot stream audio" >&2
+    SUDO=""
+    if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1; then SUDO=sudo; fi
+    if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = 0 ] || [ -n "$SUDO" ]; }; then
+      log "installing system packages (apt): ${missing_apt[*]}"
+      $SUDO apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing_apt[@]}" >/dev/null
+    else
+      log "WARNING: missing ${missing_apt[*]} and no apt-get/root to install them: install them yourself" \
+          "(without ffmpeg, mp3/m4a/webm prompts are refused and the web UI cannot stream audio)"
+    fi
   fi
 fi
 
-# torch first and pinned: 2.13.0 is the CPU build on local disk here; any other request pulls a
-# multi-GB CUDA build. A machine that already has a torch satisfying our range keeps it (GPU boxes).
-if ! "$PY" -c "import torch" >/dev/null 2>&1; then
-  echo "[setup] installing torch==2.13.0"
-  "$PY" -m pip install -q torch==2.13.0
+# ---- the virtual environment ------------------------------------------------------------------------
+state() { "$VENV/bin/python" scripts/install_state.py "$1" "$VENV" "$EXTRAS"; }
+
+if [ -x "$VENV/bin/python" ] && state check; then
+  [ "$CHECK_ONLY" = 1 ] && [ ${#missing_apt[@]} -gt 0 ] && exit 1
+  log "python packages up to date in $VENV (extras [$EXTRAS]): no pip call"
+  exit 0
+fi
+if [ "$CHECK_ONLY" = 1 ]; then
+  log "python packages not installed (or pyproject.toml/python changed since): $VENV, extras [$EXTRAS]"
+  exit 1
 fi
 
-extras=${COSYVOICE_EXTRAS:-dev}
-echo "[setup] installing the project (editable, extras: $extras)"
-"$PY" -m pip install -q -e ".[${extras}]"
+if [ ! -x "$VENV/bin/python" ]; then
+  # A machine whose own python3 already has a torch in our range (e.g. a CUDA build on a GPU box) keeps
+  # it: the venv sees the system's packages, and pip installs only what is missing or too old.
+  venv_args=()
+  if "$BASE_PY" -c 'import torch, sys; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]);
+sys.exit(not ((2, 4) <= v < (2, 15)))' >/dev/null 2>&1; then
+    venv_args+=(--system-site-packages)
+  fi
+  log "creating the virtual environment $VENV (${venv_args[*]:-isolated}) with $("$BASE_PY" -c 'import sys; print(sys.executable)')"
+  rm -rf "$VENV"  # a half-made venv (e.g. an earlier failed ensurepip) would be reused otherwise
+  "$BASE_PY" -m venv "${venv_args[@]}" "$VENV"
+fi
+PY="$VENV/bin/python"
+
+# torch first and pinned: 2.13.0 is the CPU build on local disk here; any other request pulls a
+# multi-GB CUDA build. A torch already in our range is kept (GPU boxes).
+if ! "$PY" -c 'import torch, sys; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]);
+sys.exit(not ((2, 4) <= v < (2, 15)))' >/dev/null 2>&1; then
+  log "installing torch==2.13.0"
+  "$PY" -m pip install -q torch==2.13.0
+fi
+# No other package may move torch (a CUDA wheel is several GB): pin the installed version for the rest.
+torch_pin="$VENV/torch-constraint.txt"
+"$PY" -c 'import importlib.metadata as m; print("torch==" + m.version("torch").split("+")[0])' > "$torch_pin"
+
+log "installing the project (editable, extras: $EXTRAS; pip skips what is already satisfied)"
+"$PY" -m pip install -q -c "$torch_pin" -e ".[${EXTRAS}]"
+state mark
+log "done: $VENV is up to date (the next start makes no pip call)"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs what is missing (with the web UI's extra), then starts the web UI on http://localhost:8000.
-# Arguments go to webui.py, e.g. `bash scripts/webui.sh --model-dir DIR --host 0.0.0.0 --port 8000`.
+# Installs what is missing (scripts/setup.sh, the web UI's extra), then starts the web UI on
+# http://localhost:8000 from the project's virtual environment. Once installed, it starts with no pip call
+# and no network. Arguments go to webui.py, e.g. `bash scripts/webui.sh --model-dir DIR --host 0.0.0.0`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-COSYVOICE_EXTRAS="ui${COSYVOICE_EXTRAS:+,$COSYVOICE_EXTRAS}" bash scripts/setup.sh
-exec "${PYTHON:-python3}" webui.py "$@"
+COSYVOICE_EXTRAS=${COSYVOICE_EXTRAS:-ui} bash scripts/setup.sh
+exec "${COSYVOICE_VENV:-.venv}/bin/python" webui.py "$@"
