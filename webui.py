@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from app.ui import BUILTIN_VOICE_DIR, DEFAULT_VOICE_DIR, DEMO_MODEL_DIR, launch, load_studio
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 serves other machines too (default: %(default)s)")
+    # a Hugging Face Space assigns the address and port through Gradio's own variables
+    parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 8000)))
+    parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
+                        help="0.0.0.0 serves other machines too (default: %(default)s)")
     parser.add_argument("--model-dir", help="model folder or ModelScope id (default: pretrained_models/"
                                             "Fun-CosyVoice3-0.5B, else a demo model)")
     parser.add_argument("--voice-dir", default=str(DEFAULT_VOICE_DIR), help="where voices are kept (%(default)s)")

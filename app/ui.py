@@ -29,12 +29,10 @@ from app.live import LiveHub, head_html, mount
 from cosyvoice.bundle import DEFAULT_MODEL_ID, validate_model_dir
 from cosyvoice.cli.cosyvoice import CosyVoice3
 from cosyvoice.encoding import audio_format, encode_audio, to_pcm16
-from cosyvoice.engine import AudioChunk, Engine
 from cosyvoice.errors import CosyVoiceError, InvalidInputError, ModelBundleError, ResourceLimitError
-from cosyvoice.frontend.frontend import Voice
-from cosyvoice.frontend.prompts import cross_lingual_text, instruct_text, user_text, zero_shot_prompt_text
+from cosyvoice.service import SynthesisRequest, SynthesisSession, TTSService
 from cosyvoice.settings import SPEED_RANGE
-from cosyvoice.voices import EXPORT_SUFFIX, VoiceLibrary
+from cosyvoice.voices import BUILTIN_VOICE_DIR, EXPORT_SUFFIX, VoiceLibrary
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +40,6 @@ REPO = Path(__file__).resolve().parents[1]  # paths resolve from the repository,
 DEFAULT_MODEL_DIR = REPO / "pretrained_models" / "Fun-CosyVoice3-0.5B"
 DEMO_MODEL_DIR = REPO / "pretrained_models" / ".tiny-demo"
 DEFAULT_VOICE_DIR = REPO / "pretrained_models" / ".voices"
-BUILTIN_VOICE_DIR = REPO / "assets" / "voices"
 DEMO_WARNING = (
     f"DEMO MODE: no model was found at {DEFAULT_MODEL_DIR}, so this UI runs a tiny RANDOMLY INITIALISED model "
     "that produces noise-like audio, not speech. For real speech, download the model with "
@@ -94,10 +91,6 @@ class TakeTimes:
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, samples) per chunk
 
 
-class Stopped(Exception):
-    """The take was stopped by the user; what was made so far is kept."""
-
-
 def _page_message(exc: CosyVoiceError) -> str:
     if isinstance(exc, ResourceLimitError):
         return f"The server is busy: {exc}"
@@ -116,17 +109,24 @@ def warn(message: str) -> None:
 
 @dataclass
 class Studio:
-    """What all browser sessions share: one engine, one voice library, one live-audio hub."""
+    """What all browser sessions share: the service (engine + voice library) and one live-audio hub."""
 
-    tts: CosyVoice3
-    voices: VoiceLibrary
+    service: TTSService
     demo: bool = False
     live: LiveHub = field(default_factory=LiveHub)
     times: dict[str, TakeTimes] = field(default_factory=dict)
-    _running: dict[str, tuple[threading.Event, queue.Queue]] = field(default_factory=dict)
+    _running: dict[str, tuple[SynthesisSession, queue.Queue]] = field(default_factory=dict)
     _stopped_early: set[str] = field(default_factory=set)  # Stop clicked while the take was still queued
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _files: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cosyvoice-takes-")))
+
+    @property
+    def tts(self) -> CosyVoice3:
+        return self.service.tts
+
+    @property
+    def voices(self) -> VoiceLibrary:
+        return self.service.voices
 
     # ------------------------------------------------------------------ voices
 
@@ -165,11 +165,7 @@ class Studio:
                 raise InvalidInputError("upload or record a prompt voice first, then save it under a name")
             if not (name or "").strip():
                 raise InvalidInputError("type a name for the voice")
-            prompt_text = zero_shot_prompt_text(transcript) if user_text(transcript or "") else ""
-            if prompt_text:
-                self.tts.frontend.check_text(transcript, "the transcript")
-            voice_id, _ = self.voices.get_or_create(prompt, prompt_text)
-            info = self.voices.save(name, voice_id)
+            info = self.service.create_voice(name, prompt, transcript or "")
         except CosyVoiceError as exc:
             warn(_page_message(exc))
             return gr.skip()
@@ -229,7 +225,7 @@ class Studio:
         try:
             if not key:
                 raise InvalidInputError("pick a saved voice to delete")
-            info = self.voices.delete(key)
+            info = self.service.delete_voice(key)
         except CosyVoiceError as exc:
             warn(_page_message(exc))
             return gr.skip(), gr.update(visible=False), None
@@ -238,67 +234,38 @@ class Studio:
 
     # ------------------------------------------------------------------ synthesis
 
-    def _request(self, mode: str, text: str, prompt: str | None, transcript: str, instruction: str,
-                 voice_key: str | None, seed: int | None, speed: float, stream: bool
-                 ) -> tuple[Iterator[AudioChunk], str, int]:
-        """Validate a request and start it: (audio chunks, voice description, the seed used)."""
-        if mode not in MODES:
-            raise InvalidInputError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
-        if not isinstance(text, str):
-            raise InvalidInputError("text must be a string")
-        self.tts.frontend.check_text(text)
-        instruction = self._instruction(mode, instruction or "")
-        seed = secrets.randbelow(MAX_SEED) if seed is None or seed < 0 else int(seed)
-        Engine.check_options(False, float(speed), seed)
-        if stream and speed != 1.0 and not _streams_with_speed():
+    def _start(self, mode: str, text: str, prompt: str | None, transcript: str, instruction: str,
+               voice_key: str | None, seed: int | None, speed: float, stream: bool,
+               fmt: str = "wav") -> tuple[SynthesisSession, str, int]:
+        """Validate and start a request through the service: (session, voice description, the seed used).
+
+        A random seed is drawn here, so that every take can show (and reproduce) the seed it used."""
+        used_seed = secrets.randbelow(MAX_SEED) if seed is None or seed < 0 else int(seed)
+        try:
+            session = self.service.synthesize(SynthesisRequest(
+                text=text, mode=mode, voice=voice_key or None, prompt_audio=None if voice_key else (prompt or None),
+                transcript=transcript or "", instruction=instruction or "", speed=float(speed), seed=used_seed,
+                stream=bool(stream), format=fmt))
+        except InvalidInputError as exc:
+            if exc.field == "voice" and not voice_key and not prompt:  # say it in the page's words
+                limits = self.tts.limits
+                message = (f"upload or record a prompt voice ({limits.min_prompt_seconds:g} to "
+                           f"{limits.max_prompt_seconds:g} s of speech), or pick a voice")
+                raise InvalidInputError(message, "voice") from exc
+            raise
+        if stream and not session.prepared.stream:
             warn("this engine applies speed only without streaming: the take plays when it is complete")
-            stream = False
-        voice, description = self._voice(mode, prompt, transcript or "", voice_key)
-        chunks = self.tts.synthesize(mode, cross_lingual_text(text) if mode == "cross_lingual" else text,
-                                     voice=voice, instruct_text=instruction, split_prefixed=True, stream=bool(stream),
-                                     speed=float(speed), seed=seed)
-        return chunks, description, seed
+        voice = self.voices.info(session.prepared.voice_id).label if voice_key else "uploaded recording"
+        return session, voice, used_seed
 
-    def _voice(self, mode: str, prompt: str | None, transcript: str, voice_key: str | None) -> tuple[Voice, str]:
-        """(voice, description): the library voice if one is named, else the recording (cached)."""
-        if voice_key:
-            info, voice = self.voices.get(voice_key)  # synthesize() refuses it for zero-shot if it lacks a transcript
-            return voice, info.label
-        if not prompt:
-            limits = self.tts.limits
-            raise InvalidInputError(f"upload or record a prompt voice ({limits.min_prompt_seconds:g} to "
-                                    f"{limits.max_prompt_seconds:g} s of speech), or pick a voice")
-        prompt_text = ""
-        if mode == "zero_shot":
-            if not user_text(transcript):
-                raise InvalidInputError("zero-shot cloning needs the transcript of the prompt recording: type what "
-                                        "is said in it, or use the cross-lingual tab, which needs none")
-            self.tts.frontend.check_text(transcript, "the transcript")
-            prompt_text = zero_shot_prompt_text(transcript)
-        _, voice = self.voices.get_or_create(prompt, prompt_text)
-        return voice, "uploaded recording"
-
-    @staticmethod
-    def _instruction(mode: str, instruction: str) -> str:
-        if mode != "instruct2":
-            return ""
-        if not user_text(instruction):
-            raise InvalidInputError("instruct mode needs an instruction, e.g. 'Speak slowly and calmly.'")
-        return instruct_text(instruction)
-
-    def _pump(self, chunks: Iterator[AudioChunk], take_id: str, cancel: threading.Event,
-              events: queue.Queue) -> None:
-        """Run one take in its own thread: chunks to the live channel and to the Gradio handler.
-
-        Stopping sets ``cancel``; the iterator is closed at the next chunk (which cancels the engine's work),
-        whether or not Gradio still reads ``events``.
-        """
+    def _pump(self, session: SynthesisSession, take_id: str, events: queue.Queue) -> None:
+        """Run one take in its own thread: chunks to the live channel and to the Gradio handler. A cancelled
+        session ends at its next chunk boundary (and closing it cancels the engine's work), whether or not
+        Gradio still reads ``events``."""
         times = self.times[take_id]
         try:
-            with contextlib.closing(chunks):
-                for chunk in chunks:
-                    if cancel.is_set():
-                        raise Stopped
+            with contextlib.closing(session):
+                for chunk in session:
                     now = time.time()
                     times.first_chunk = times.first_chunk or now
                     times.chunks.append((now, chunk.pcm.numel()))
@@ -313,27 +280,25 @@ class Studio:
             with self._lock:
                 self._running.pop(take_id, None)
 
-    def _run(self, take_id: str, chunks: Iterator[AudioChunk]) -> Iterator[tuple[str, Any]]:
+    def _run(self, take_id: str, session: SynthesisSession) -> Iterator[tuple[str, Any]]:
         """Events of one take: ("chunk", float samples) ..., then ("done" | "stopped" | "error", detail)."""
-        cancel, events = threading.Event(), queue.Queue()
+        events: queue.Queue = queue.Queue()
         with self._lock:
-            self._running[take_id] = (cancel, events)
-        threading.Thread(target=self._pump, args=(chunks, take_id, cancel, events), daemon=True,
+            self._running[take_id] = (session, events)
+        threading.Thread(target=self._pump, args=(session, take_id, events), daemon=True,
                          name=f"take-{take_id[:8]}").start()
         finished = False
         try:
             while True:
                 kind, detail = events.get()
-                if kind == "error" and isinstance(detail, Stopped):
-                    kind = "stopped"
                 yield kind, detail
                 if kind != "chunk":
                     finished = True
                     return
         finally:
-            cancel.set()  # a no-op after the end; else Gradio dropped the handler (a closed tab): stop the work
-            if not finished:
+            if not finished:  # Gradio dropped the handler (a closed tab): stop the work too
                 logger.info("take %s: the page went away; stopping it", take_id[:8])
+                session.cancel()
 
     def stop(self, take_id: str) -> None:
         """Stop a take: its handler ends at once (keeping what was made) and the engine's work at its next
@@ -343,8 +308,8 @@ class Studio:
             if running is None:
                 self._stopped_early.add(take_id)
                 return
-        cancel, events = running
-        cancel.set()
+        session, events = running
+        session.cancel()
         events.put(("stopped", None))
 
     def begin(self, take_id: str) -> tuple:
@@ -366,8 +331,8 @@ class Studio:
             yield "Stopped before it started.", gr.skip(), gr.skip(), *idle
             return
         try:
-            chunks, voice, used_seed = self._request(mode, text, prompt, transcript, instruction, voice_key,
-                                                     None if seed is None else int(seed), speed, stream)
+            session, voice, used_seed = self._start(mode, text, prompt, transcript, instruction, voice_key,
+                                                    None if seed is None else int(seed), speed, stream)
         except CosyVoiceError as exc:
             self.live.finish(take_id)
             warn(_page_message(exc))
@@ -377,7 +342,7 @@ class Studio:
         start = time.perf_counter()
         first_audio = None
         outcome, detail = "done", None
-        for outcome, detail in self._run(take_id, chunks):
+        for outcome, detail in self._run(take_id, session):
             if outcome != "chunk":
                 break
             first_audio = first_audio if first_audio is not None else time.perf_counter() - start
@@ -431,15 +396,14 @@ class Studio:
         call time, else ``prompt_audio`` (+ ``prompt_text``, its transcript, for zero_shot); ``seed`` -1 or
         None: random."""
         try:
-            chunks, _, used_seed = self._request(mode or "zero_shot", text, prompt_audio, prompt_text or "",
-                                                 instruction or "", voice or None,
-                                                 None if seed is None else int(seed),
-                                                 1.0 if speed is None else float(speed), False)
-            audio = audio_format(format or "wav")
-            if audio.name not in DOWNLOAD_FORMATS:
+            if (format or "wav") not in DOWNLOAD_FORMATS:
                 raise InvalidInputError(f"format must be one of {', '.join(DOWNLOAD_FORMATS)}, got {format!r}")
-            with contextlib.closing(chunks):
-                pieces = [c.pcm.numpy() for c in chunks]
+            session, _, used_seed = self._start(mode or "zero_shot", text, prompt_audio, prompt_text or "",
+                                                instruction or "", voice or None, None if seed is None else int(seed),
+                                                1.0 if speed is None else float(speed), False, format or "wav")
+            audio = session.prepared.format
+            with contextlib.closing(session):
+                pieces = [c.pcm.numpy() for c in session]
         except CosyVoiceError as exc:
             raise gr.Error(_page_message(exc), print_exception=False) from exc
         path = Path(tempfile.mkdtemp(dir=self._files)) / f"cosyvoice-seed{used_seed}.{audio.extension}"
@@ -448,30 +412,19 @@ class Studio:
         return str(path)
 
     def api_voices(self) -> list[dict]:
-        """Every voice: id, name, transcript, built-in."""
+        """Every saved voice (built-ins first): id, name, transcript, built-in."""
         return [{"id": i.id, "name": i.name, "transcript": i.transcript, "builtin": i.builtin}
-                for i in self.voices.list()]
+                for i in self.service.list_voices()]
 
     def api_save_voice(self, name: str, prompt_audio: str, prompt_text: str | None = None) -> dict:
         """Featurise a recording (with its transcript, for zero-shot) and keep it under ``name``."""
         try:
             if not prompt_audio:
                 raise InvalidInputError("prompt_audio is required")
-            text = zero_shot_prompt_text(prompt_text) if user_text(prompt_text or "") else ""
-            voice_id, _ = self.voices.get_or_create(prompt_audio, text)
-            info = self.voices.save(name or "", voice_id)
+            info = self.service.create_voice(name or "", prompt_audio, prompt_text or "")
         except CosyVoiceError as exc:
             raise gr.Error(_page_message(exc), print_exception=False) from exc
         return {"id": info.id, "name": info.name, "transcript": info.transcript}
-
-
-def _streams_with_speed() -> bool:
-    """Whether the engine accepts a speed other than 1.0 while streaming."""
-    try:
-        Engine.check_options(True, 1.5)
-    except InvalidInputError:
-        return False
-    return True
 
 
 # ----------------------------------------------------------------------------- page
@@ -672,7 +625,7 @@ def load_studio(model_dir: str | Path | None = None, *, voice_dir: str | Path = 
     library = VoiceLibrary(voice_dir, tts.frontend, model_dir=tts.model_dir, max_entries=limits.max_cached_voices,
                            max_bytes=limits.max_cached_voice_bytes, max_named=limits.max_named_voices,
                            builtin_dir=builtin_dir)
-    return Studio(tts, library, demo=demo)
+    return Studio(TTSService(tts, library), demo=demo)
 
 
 def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: bool = True) -> gr.Blocks:

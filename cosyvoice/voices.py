@@ -46,6 +46,8 @@ from cosyvoice.frontend.prompts import user_text, zero_shot_prompt_text
 logger = logging.getLogger(__name__)
 
 MAX_NAME_CHARS = 64
+# the repository's built-in voices (a clone's assets/voices; absent from an installed wheel, then none)
+BUILTIN_VOICE_DIR = Path(__file__).resolve().parents[1] / "assets" / "voices"
 EXPORT_FORMAT = "cosyvoice3-voice/1"  # the metadata tag of an exported voice file
 EXPORT_SUFFIX = ".voice.safetensors"
 # The files a voice's tensors depend on: the mel settings (yaml), the two ONNX models, the text tokenizer.

@@ -19,6 +19,7 @@ gr = pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra: pip 
 from app import ui  # noqa: E402
 from app.ui import Studio, build_ui, launch, load_studio  # noqa: E402
 from cosyvoice.frontend.prompts import zero_shot_prompt_text  # noqa: E402
+from cosyvoice.service import TTSService  # noqa: E402
 from cosyvoice.voices import VoiceLibrary  # noqa: E402
 
 TEXT = "Hi there."  # short: the random tiny model speaks until its length limit, which grows with the text
@@ -34,7 +35,7 @@ def make_studio(tts, root: Path, builtin_prompt: Path | None = None) -> Studio:
         shutil.copyfile(builtin_prompt, builtin / "Narrator.wav")
         (builtin / "Narrator.txt").write_text(TRANSCRIPT + "\n")
     library = VoiceLibrary(root / "voices", tts.frontend, model_dir=tts.model_dir, builtin_dir=builtin)
-    return Studio(tts, library, demo=True)
+    return Studio(TTSService(tts, library), demo=True)
 
 
 @contextlib.contextmanager
