@@ -16,7 +16,7 @@ import secrets
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from app.live import LiveHub, head_html, mount
 from cosyvoice.bundle import DEFAULT_MODEL_ID, validate_model_dir
 from cosyvoice.cli.cosyvoice import CosyVoice3
 from cosyvoice.encoding import audio_format, encode_audio, to_pcm16
+from cosyvoice.engine import AudioChunk
 from cosyvoice.errors import CosyVoiceError, InvalidInputError, ModelBundleError, ResourceLimitError
 from cosyvoice.service import SynthesisRequest, SynthesisSession, TTSService
 from cosyvoice.settings import SPEED_RANGE
@@ -52,11 +53,40 @@ MAX_SEED = 2**31 - 1
 
 try:  # a Hugging Face ZeroGPU Space: the GPU is attached per call to the functions wrapped by spaces.GPU
     import spaces
-
-    gpu: Callable[[Callable], Callable] = spaces.GPU(duration=120)
 except ImportError:
-    def gpu(fn: Callable) -> Callable:
-        return fn
+    spaces = None
+
+
+@dataclass
+class GpuSession:
+    """A synthesis session on ZeroGPU: the chunks are made inside a ``spaces.GPU`` generator (a process that
+    holds the GPU) and come back here, where they are published as usual. Same surface as the service's
+    session: iterate, ``cancel()`` (ends at the next chunk), ``close()``."""
+
+    prepared: Any
+    chunks: Iterator[AudioChunk]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def __iter__(self) -> Iterator[AudioChunk]:
+        for chunk in self.chunks:
+            if self.cancelled.is_set():
+                return
+            yield chunk
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def close(self) -> None:
+        self.chunks.close()
+
+
+def _gpu_chunks(service: TTSService, request: SynthesisRequest) -> Iterator[AudioChunk]:
+    with contextlib.closing(service.synthesize(request)) as session:
+        yield from session
+
+
+if spaces is not None:
+    _gpu_chunks = spaces.GPU(duration=120)(_gpu_chunks)
 
 
 # ----------------------------------------------------------------------------- takes
@@ -115,7 +145,7 @@ class Studio:
     demo: bool = False
     live: LiveHub = field(default_factory=LiveHub)
     times: dict[str, TakeTimes] = field(default_factory=dict)
-    _running: dict[str, tuple[SynthesisSession, queue.Queue]] = field(default_factory=dict)
+    _running: dict[str, tuple[SynthesisSession | GpuSession, queue.Queue]] = field(default_factory=dict)
     _stopped_early: set[str] = field(default_factory=set)  # Stop clicked while the take was still queued
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _files: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cosyvoice-takes-")))
@@ -236,16 +266,20 @@ class Studio:
 
     def _start(self, mode: str, text: str, prompt: str | None, transcript: str, instruction: str,
                voice_key: str | None, seed: int | None, speed: float, stream: bool,
-               fmt: str = "wav") -> tuple[SynthesisSession, str, int]:
+               fmt: str = "wav") -> tuple[SynthesisSession | GpuSession, str, int]:
         """Validate and start a request through the service: (session, voice description, the seed used).
 
         A random seed is drawn here, so that every take can show (and reproduce) the seed it used."""
         used_seed = secrets.randbelow(MAX_SEED) if seed is None or seed < 0 else int(seed)
+        request = SynthesisRequest(
+            text=text, mode=mode, voice=voice_key or None, prompt_audio=None if voice_key else (prompt or None),
+            transcript=transcript or "", instruction=instruction or "", speed=float(speed), seed=used_seed,
+            stream=bool(stream), format=fmt)
         try:
-            session = self.service.synthesize(SynthesisRequest(
-                text=text, mode=mode, voice=voice_key or None, prompt_audio=None if voice_key else (prompt or None),
-                transcript=transcript or "", instruction=instruction or "", speed=float(speed), seed=used_seed,
-                stream=bool(stream), format=fmt))
+            if spaces is None:
+                session = self.service.synthesize(request)
+            else:  # errors before any GPU time; the GPU process then finds the voice in the library's cache
+                session = GpuSession(self.service.prepare(request), _gpu_chunks(self.service, request))
         except InvalidInputError as exc:
             if exc.field == "voice" and not voice_key and not prompt:  # say it in the page's words
                 limits = self.tts.limits
@@ -258,7 +292,7 @@ class Studio:
         voice = self.voices.info(session.prepared.voice_id).label if voice_key else "uploaded recording"
         return session, voice, used_seed
 
-    def _pump(self, session: SynthesisSession, take_id: str, events: queue.Queue) -> None:
+    def _pump(self, session: SynthesisSession | GpuSession, take_id: str, events: queue.Queue) -> None:
         """Run one take in its own thread: chunks to the live channel and to the Gradio handler. A cancelled
         session ends at its next chunk boundary (and closing it cancels the engine's work), whether or not
         Gradio still reads ``events``."""
@@ -280,7 +314,7 @@ class Studio:
             with self._lock:
                 self._running.pop(take_id, None)
 
-    def _run(self, take_id: str, session: SynthesisSession) -> Iterator[tuple[str, Any]]:
+    def _run(self, take_id: str, session: SynthesisSession | GpuSession) -> Iterator[tuple[str, Any]]:
         """Events of one take: ("chunk", float samples) ..., then ("done" | "stopped" | "error", detail)."""
         events: queue.Queue = queue.Queue()
         with self._lock:
@@ -548,7 +582,7 @@ def build_ui(studio: Studio) -> gr.Blocks:
 
         started = generate.click(studio.begin, take_id, [take_id, generate, stop], queue=False,
                                  js=f"() => [window.cvStudio.begin({rate})]", **private)
-        started.then(gpu(studio.generate),
+        started.then(studio.generate,
                                [take_id, mode, text, prompt, transcript, instruction, voice, seed, speed, stream, fmt,
                                 history],
                                [status, download, history, generate, stop], concurrency_limit=limits.max_sessions,
@@ -591,7 +625,7 @@ def _api(studio: Studio, max_sessions: int) -> None:
         voices = gr.JSON(label="voices")
         saved = gr.JSON(label="voice")
         run, list_voices, save = gr.Button(), gr.Button(), gr.Button()
-    run.click(gpu(studio.api_synthesize), [text, mode, voice, prompt_audio, prompt_text, instruction, seed, speed, fmt],
+    run.click(studio.api_synthesize, [text, mode, voice, prompt_audio, prompt_text, instruction, seed, speed, fmt],
               result, api_name="synthesize", concurrency_limit=max_sessions, concurrency_id="synthesis")
     list_voices.click(studio.api_voices, None, voices, api_name="voices", queue=False)
     save.click(studio.api_save_voice, [name, prompt_audio, prompt_text], saved, api_name="save_voice")
