@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import html
+import json
 import logging
 import queue
 import secrets
 import tempfile
 import threading
 import time
+import zipfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -414,6 +416,18 @@ class Studio:
         return Take(number=number, file=str(path), format=audio.name, seconds=samples.size / self.tts.sample_rate,
                     **meta)
 
+    def history_zip(self, history: list[dict]) -> dict:
+        """The session's takes as one ZIP: every audio file plus takes.json (text, voice, mode, seed, settings)."""
+        if not history:
+            return gr.update(visible=False)
+        path = Path(tempfile.mkdtemp(dir=self._files)) / f"cosyvoice-takes-{len(history)}.zip"
+        with zipfile.ZipFile(path, "w") as archive:
+            for take in history:
+                archive.write(take["file"], Path(take["file"]).name)
+            archive.writestr("takes.json", json.dumps([{**take, "file": Path(take["file"]).name} for take in history],
+                                                      ensure_ascii=False, indent=2))
+        return gr.update(value=str(path), visible=True)
+
     def stop_clicked(self, take_id: str) -> tuple:
         self.stop(take_id)
         return gr.update(interactive=True), gr.update(interactive=False)
@@ -556,9 +570,12 @@ def build_ui(studio: Studio) -> gr.Blocks:
                         confirm_text = gr.Markdown()
                         confirm = gr.Button(t("confirm_delete"), size="sm", variant="stop", elem_id="confirm-delete")
                         cancel = gr.Button(t("cancel"), size="sm", elem_id="cancel-delete")
-                    exported = gr.File(label=t("export_file"), interactive=False, elem_id="exported")
-                    imported = gr.File(label=t("import"), file_count="single", type="filepath", elem_id="import")
-        gr.Markdown(t("history"), elem_id="history-heading")
+                    exported = gr.File(label=t("export_file"), interactive=False, visible=False, elem_id="exported")
+                    imported = gr.File(label=t("import"), file_count="single", type="filepath", height=120,
+                                       elem_id="import")
+        with gr.Row():
+            gr.Markdown(t("history"), elem_id="history-heading")
+            takes_zip = gr.DownloadButton(t("download_all"), visible=False, size="sm", elem_id="download-all")
 
         @gr.render(inputs=history)
         def show_history(takes: list[dict]) -> None:
@@ -573,6 +590,7 @@ def build_ui(studio: Studio) -> gr.Blocks:
         _api(studio, limits.max_sessions)  # first, so that the endpoints get their names unsuffixed
         # -------- wiring: the page's events are private; the API is the named endpoints of _api
         private = {"api_visibility": "private"}
+        history.change(studio.history_zip, history, takes_zip, show_progress="hidden", **private)
         for tab, name in ((zero_shot_tab, "zero_shot"), (cross_lingual_tab, "cross_lingual"),
                           (instruct_tab, "instruct2")):
             tab.select(lambda name=name: name, None, mode, queue=False, **private)
@@ -600,6 +618,7 @@ def build_ui(studio: Studio) -> gr.Blocks:
                    **private)
         rename.click(studio.rename_voice, [voice, new_name], voice, show_progress="hidden", **private)
         export.click(studio.export_voice, voice, exported, show_progress="hidden", **private)
+        exported.change(lambda path: gr.update(visible=bool(path)), exported, exported, queue=False, **private)
         imported.upload(studio.import_voice, imported, [voice, imported], show_progress="hidden", **private)
         delete.click(studio.ask_delete, voice, [confirm_row, confirm_text], show_progress="hidden", **private)
         confirm.click(studio.delete_voice, voice, [voice, confirm_row, preview], show_progress="hidden", **private)

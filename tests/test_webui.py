@@ -204,3 +204,19 @@ def test_a_voice_saved_after_connecting_is_usable_by_name_and_errors_are_plain(a
     with pytest.raises(AppError) as caught:
         client.predict(text=TEXT, mode="instruct2", voice="Late Voice", api_name="/synthesize")
     assert "instruct mode needs an instruction, e.g. 'Speak slowly and calmly.'" in str(caught.value)
+
+
+def test_the_session_history_downloads_as_one_zip(studio: Studio, short_prompt_wav: Path) -> None:
+    import json
+    import zipfile
+
+    *_, (_, _, history, _, _) = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), stream=False,
+                                          fmt="mp3")
+    history = [*list(studio.generate("take-0002", "cross_lingual", TEXT, str(short_prompt_wav), "", "", None, 9, 1.0,
+                                     False, "flac", history))[-1][2]]
+    assert studio.history_zip([])["visible"] is False
+    with zipfile.ZipFile(studio.history_zip(history)["value"]) as archive:
+        takes = json.loads(archive.read("takes.json"))
+        assert sorted(archive.namelist()) == sorted(["takes.json", "take-1-seed5.mp3", "take-2-seed9.flac"])
+    assert [(t["number"], t["seed"], t["mode"], t["text"], t["format"]) for t in takes] == [
+        (2, 9, "cross_lingual", TEXT, "flac"), (1, 5, "cross_lingual", TEXT, "mp3")]
