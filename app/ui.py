@@ -482,6 +482,7 @@ CSS = """
 #live-player .live-dot { width:10px; height:10px; border-radius:50%; background:#9ca3af; }
 #live-player[data-state=playing] .live-dot { background:#16a34a; }
 #live-player[data-state=waiting] .live-dot { background:#f59e0b; }
+#status { min-height:40px; }  /* room for the queue position while a take waits */
 #char-counter { font-size:13px; color:#6b7280; margin-top:-8px; }
 #char-counter-text.over { color:#b91c1c; font-weight:600; }
 .toast-wrap { top:auto !important; bottom:16px !important; }  /* toasts never cover the voice controls */
