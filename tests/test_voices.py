@@ -173,6 +173,12 @@ def test_rename_preview_export_import(tts, prompt_wav: Path, tmp_path: Path) -> 
     assert (info.name, info.transcript) == ("Alice B", "Hello, this is a short prompt for testing.")
     assert _same(same_model.get("Alice B")[1], voice) and frontend.calls == 0  # features travelled with the file
     assert same_model.import_voice(data, name="Copy").name == "Copy"
+    other_model, frontend = _library(tts, tmp_path / "c")
+    other_model.model_id = "another-release"  # a library of another model: features are made anew
+    assert other_model.import_voice(data).name == "Alice B" and frontend.calls == 1
+    imported = other_model.get("Alice B")[1]  # from the 16-bit recording in the file, with the same transcript
+    assert torch.equal(imported.prompt_text, voice.prompt_text)
+    assert imported.features.speech_feat.shape == voice.features.speech_feat.shape
     with pytest.raises(InvalidInputError, match="not a voice file"):
         same_model.import_voice(b"RIFF....WAVEfmt " + bytes(64))
 
