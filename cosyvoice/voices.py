@@ -221,9 +221,12 @@ class VoiceLibrary:
     def export(self, key: str) -> tuple[str, bytes]:
         """(file name, bytes): one portable file with the voice's features, transcript and recording."""
         info, voice = self.get(key)
-        sample_rate, pcm = self.recording(info.id)
-        tensors = {**voice.features.tensors(), "prompt_text": voice.prompt_text,
-                   "prompt_audio": torch.from_numpy(pcm), "prompt_audio_rate": torch.tensor(sample_rate)}
+        tensors = {**voice.features.tensors(), "prompt_text": voice.prompt_text}
+        try:
+            sample_rate, pcm = self.recording(info.id)
+            tensors.update(prompt_audio=torch.from_numpy(pcm), prompt_audio_rate=torch.tensor(sample_rate))
+        except InvalidInputError:  # e.g. a voice imported from spk2info.pt: features only (this model's)
+            pass
         meta = {"format": EXPORT_FORMAT, "name": info.name or "", "transcript": info.transcript,
                 "model": self.model_id}
         stem = "".join(c if c.isalnum() or c in "-_" else "_" for c in (info.name or info.id[:8]))
@@ -237,7 +240,7 @@ class VoiceLibrary:
             tensors = load(data)
             if meta.get("format") != EXPORT_FORMAT:
                 raise ValueError(f"format {meta.get('format')!r}")
-            audio, sample_rate = tensors["prompt_audio"], int(tensors["prompt_audio_rate"])
+            has_audio = "prompt_audio" in tensors
             transcript = str(meta.get("transcript", ""))
         except (SafetensorError, ValueError, KeyError, TypeError) as exc:
             raise InvalidInputError(f"this is not a voice file exported by CosyVoice3 Studio ({exc})") from exc
@@ -248,20 +251,27 @@ class VoiceLibrary:
             if any(i.name == name for i in self.list()):
                 raise InvalidInputError(f"a voice named {name!r} exists already; choose another name")
         prompt_text = zero_shot_prompt_text(transcript) if transcript else ""
-        wav = (audio.to(torch.float32) / 32768.0).reshape(1, -1)
+        audio = None
+        if has_audio:
+            wav = (tensors["prompt_audio"].to(torch.float32) / 32768.0).reshape(1, -1)
+            audio = (wav, int(tensors["prompt_audio_rate"]))
+            self.frontend.load_prompt((wav.numpy()[0], audio[1]))  # the same checks an upload gets
         if meta.get("model") == self.model_id:  # same model: the stored features are exactly ours
-            self.frontend.load_prompt((wav.numpy()[0], sample_rate))  # the same checks an upload gets
-            voice_id = self._voice_id(wav, sample_rate, " ".join(prompt_text.split()))
             try:
                 voice = Voice(PromptFeatures.from_tensors(tensors), tensors["prompt_text"].to(torch.int32))
             except KeyError as exc:
                 raise InvalidInputError(f"the voice file lacks {exc}") from exc
+            voice_id = self._voice_id(audio[0], audio[1], " ".join(prompt_text.split())) if audio else \
+                hashlib.sha256(data).hexdigest()[:32]
             with self._lock:
                 known = voice_id in self._index
             if not known:
-                self._store(voice_id, voice, prompt_text, (wav, sample_rate))
+                self._store(voice_id, voice, prompt_text, audio)
+        elif audio is not None:  # another model: featurise the recording anew
+            voice_id, _ = self.get_or_create((audio[0].numpy()[0], audio[1]), prompt_text)
         else:
-            voice_id, _ = self.get_or_create((wav.numpy()[0], sample_rate), prompt_text)
+            raise InvalidInputError("this voice file was made by another model and holds no recording to "
+                                    "featurise again; export it from a library of this model")
         return self.save(name, voice_id)
 
     # ------------------------------------------------------------------ storage
@@ -342,11 +352,14 @@ class VoiceLibrary:
                 self._index[voice_id].last_used = time.time()
         return voice
 
-    def _store(self, voice_id: str, voice: Voice, prompt_text: str, audio: tuple[torch.Tensor, int]) -> None:
-        """Persist a new entry, then evict; a disk failure only costs the caching, not the request."""
+    def _store(self, voice_id: str, voice: Voice, prompt_text: str,
+               audio: tuple[torch.Tensor, int] | None = None) -> None:
+        """Persist a new entry (with its recording, where there is one), then evict; a disk failure only costs
+        the caching, not the request."""
         tensors_path, _ = self._paths(voice_id)
-        tensors = {**voice.features.tensors(), "prompt_text": voice.prompt_text,
-                   "prompt_audio": torch.from_numpy(_int16(audio[0])), "prompt_audio_rate": torch.tensor(audio[1])}
+        tensors = {**voice.features.tensors(), "prompt_text": voice.prompt_text}
+        if audio is not None:
+            tensors.update(prompt_audio=torch.from_numpy(_int16(audio[0])), prompt_audio_rate=torch.tensor(audio[1]))
         now = time.time()
         info = VoiceInfo(voice_id, None, user_text(prompt_text), now, now, 0)
         try:
