@@ -170,12 +170,20 @@ class Studio:
         choices = self.voice_choices()
         return gr.update(choices=choices, value=selected if selected in {v for _, v in choices} else None)
 
+    @staticmethod
+    def _upload(path: str | None) -> str | None:
+        """A recording Gradio stored for this page; a vanished file gets a message without its server path."""
+        if path and not Path(path).is_file():
+            raise InvalidInputError("the uploaded recording is no longer on the server (uploads expire); "
+                                    "upload it again")
+        return path or None
+
     def check_upload(self, path: str | None) -> Any:
         """Validate a prompt as soon as it is uploaded or recorded: a bad one is removed with a message."""
         if not path:
             return gr.skip()
         try:
-            self.tts.frontend.load_prompt(path)
+            self.tts.frontend.load_prompt(self._upload(path))
         except CosyVoiceError as exc:
             warn(f"This recording cannot be used: {_page_message(exc)}")
             return None
@@ -197,7 +205,7 @@ class Studio:
                 raise InvalidInputError("upload or record a prompt voice first, then save it under a name")
             if not (name or "").strip():
                 raise InvalidInputError("type a name for the voice")
-            info = self.service.create_voice(name, prompt, transcript or "")
+            info = self.service.create_voice(name, self._upload(prompt), transcript or "")
         except CosyVoiceError as exc:
             warn(_page_message(exc))
             return gr.skip()
@@ -273,8 +281,9 @@ class Studio:
 
         A random seed is drawn here, so that every take can show (and reproduce) the seed it used."""
         used_seed = secrets.randbelow(MAX_SEED) if seed is None or seed < 0 else int(seed)
+        prompt = None if voice_key else self._upload(prompt)
         request = SynthesisRequest(
-            text=text, mode=mode, voice=voice_key or None, prompt_audio=None if voice_key else (prompt or None),
+            text=text, mode=mode, voice=voice_key or None, prompt_audio=prompt,
             transcript=transcript or "", instruction=instruction or "", speed=float(speed), seed=used_seed,
             stream=bool(stream), format=fmt)
         try:
@@ -469,7 +478,7 @@ class Studio:
         try:
             if not prompt_audio:
                 raise InvalidInputError("prompt_audio is required")
-            info = self.service.create_voice(name or "", prompt_audio, prompt_text or "")
+            info = self.service.create_voice(name or "", self._upload(prompt_audio), prompt_text or "")
         except CosyVoiceError as exc:
             raise gr.Error(_page_message(exc), print_exception=False) from exc
         return {"id": info.id, "name": info.name, "transcript": info.transcript}

@@ -90,12 +90,20 @@ def test_a_take_streams_live_pcm_and_is_kept_in_the_history(studio: Studio, shor
 
 
 def test_random_seed_is_shown_and_formats_are_named(studio: Studio, short_prompt_wav: Path) -> None:
-    for fmt in ui.DOWNLOAD_FORMATS:
-        *_, (_, _, [take], _, _) = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), seed=-1,
-                                             stream=False, fmt=fmt)
-        assert 0 <= take["seed"] < 2**31 and Path(take["file"]).name == f"take-1-seed{take['seed']}.{fmt}"
-        info = sf.info(take["file"]) if fmt != "opus" else None
-        assert info is None or info.samplerate == 24000
+    *_, (status, _, [take], _, _) = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), seed=-1,
+                                              stream=False, fmt="opus")
+    assert 0 <= take["seed"] < 2**31 and f"seed {take['seed']}" in status
+    assert Path(take["file"]).name == f"take-1-seed{take['seed']}.opus"
+    import av
+
+    with av.open(take["file"]) as container:
+        assert container.streams.audio[0].codec_context.name == "opus"
+    for n, fmt in enumerate(ui.DOWNLOAD_FORMATS, start=2):
+        kept = studio._keep(n, np.zeros(24000, np.float32), fmt, text=TEXT, voice="v", mode="zero_shot", seed=7,
+                            speed=1.0, stream=True, first_audio=None, wall=0.0, stopped=False)
+        assert Path(kept.file).name == f"take-{n}-seed7.{fmt}" and kept.seconds == 1.0
+        if fmt != "opus":
+            assert sf.info(kept.file).samplerate == 24000
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -107,12 +115,14 @@ def test_random_seed_is_shown_and_formats_are_named(studio: Studio, short_prompt
     ({"mode": "instruct2", "instruction": "Be calm.<|endofprompt|>more"}, "must end at &lt;|endofprompt|&gt;"),
     ({"voice": "nobody"}, "unknown voice &#x27;nobody&#x27;"),
     ({"stream": False, "speed": 3.0}, "speed must be between 0.5 and 2,"),
+    ({"prompt": "/tmp/gradio/0123/expired.wav"}, "the uploaded recording is no longer on the server"),
 ])
 def test_invalid_input_is_a_warning_that_leaves_the_page_usable(studio: Studio, prompt_wav: Path, kwargs: dict,
                                                                 message: str) -> None:
     with pytest.warns(UserWarning) as warned:
         [(_, download, _, generate, stop)] = _generate(studio, **{"prompt": str(prompt_wav), **kwargs})
     assert any(message in str(w.message) for w in warned), [str(w.message) for w in warned]
+    assert not any("/tmp/" in str(w.message) for w in warned)  # never a server path
     assert generate["interactive"] is True and stop["interactive"] is False  # never left locked
     assert download is gr.skip() or download == gr.skip()
 
