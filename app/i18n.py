@@ -43,6 +43,7 @@ EN = {
     "download": "Download",
     "history": "Takes in this session",
     "no_takes": "No takes yet: the takes you generate stay here, each replayable and downloadable.",
+    "reuse_seed": "Use this seed",
     "download_all": "Download all takes (ZIP with text, voice, mode, seed, settings)",
 }
 
@@ -83,6 +84,7 @@ ZH = {
     "download": "下载",
     "history": "本次会话的录音",
     "no_takes": "还没有录音：生成的每一条都会保留在这里，可重播和下载。",
+    "reuse_seed": "使用此种子",
     "download_all": "下载全部录音（ZIP，含文本、声音、模式、种子与设置）",
 }
 

@@ -595,7 +595,11 @@ def build_ui(studio: Studio) -> gr.Blocks:
                 with gr.Row(elem_classes="take"):
                     gr.Audio(take["file"], label=f"#{take['number']}", interactive=False, scale=1,
                              elem_classes="take-audio")
-                    gr.Markdown(_history_markdown(take), elem_classes="take-meta")
+                    with gr.Column(scale=1):
+                        gr.Markdown(_history_markdown(take), elem_classes="take-meta")
+                        reuse = gr.Button(t("reuse_seed"), size="sm", elem_classes="reuse-seed")
+                        reuse.click(lambda used=take["seed"]: used, None, seed, queue=False,
+                                    api_visibility="private")
 
         _api(studio, limits.max_sessions)  # first, so that the endpoints get their names unsuffixed
         # -------- wiring: the page's events are private; the API is the named endpoints of _api

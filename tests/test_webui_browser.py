@@ -130,8 +130,10 @@ def test_each_tab_plays_while_generating(context, app: tuple, mode: str, short_p
     assert t["clickAt"] < t["server_first_chunk"] <= t["firstSoundAt"] < t["server_finished"], t
     sync_api.expect(page.locator("#status")).to_contain_text("Take 1:")
     sync_api.expect(page.locator(".take-meta").first).to_contain_text(f"mode {mode}")
-    seed = studio.times and page.locator(".take-meta").first.inner_text()
-    assert "seed" in seed
+    sync_api.expect(page.locator(".take-meta").first).to_contain_text("seed 2")
+    page.fill("#seed input", "-1")
+    page.locator(".reuse-seed").first.click()  # a good take is reproducible: its seed goes back in the form
+    sync_api.expect(page.locator("#seed input")).to_have_value("2")
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"webui-{mode}.png"), full_page=True)
     page.evaluate("() => window.cvStudio.stop()")  # the rest of the take would play for many seconds
@@ -158,9 +160,13 @@ def test_stop_ends_a_long_take_and_frees_the_session(context, app: tuple, short_
     sync_api.expect(page.locator("#stop")).to_be_disabled()
     sync_api.expect(page.locator("#status")).to_contain_text("stopped")  # what was made is kept, marked stopped
     deadline = time.time() + 10
-    while (studio.tts.engine.active_sessions or studio.times[take_id].finished is None) and time.time() < deadline:
+    def busy() -> bool:
+        return bool(studio.tts.engine.active_sessions or studio.service.status().active_sessions
+                    or studio.times[take_id].finished is None)
+
+    while busy() and time.time() < deadline:
         time.sleep(0.05)
-    assert studio.tts.engine.active_sessions == 0 and studio.times[take_id].finished is not None
+    assert not busy()  # the engine session and the service's slot are free
     TIMINGS["stop"] = {"stop_click_to_server_finished_ms": round((studio.times[take_id].finished - stopped_at) * 1000)}
     page.fill("#text textarea", TEXT)  # the session is free: the next take runs to the end
     page.click("#generate")
