@@ -43,11 +43,12 @@ REPO = Path(__file__).resolve().parents[1]  # paths resolve from the repository,
 DEFAULT_MODEL_DIR = REPO / "pretrained_models" / "Fun-CosyVoice3-0.5B"
 DEMO_MODEL_DIR = REPO / "pretrained_models" / ".tiny-demo"
 DEFAULT_VOICE_DIR = REPO / "pretrained_models" / ".voices"
+_MODEL_IN_REPO = DEFAULT_MODEL_DIR.relative_to(REPO)  # the page names repository paths, never the server's
 DEMO_WARNING = (
-    f"DEMO MODE: no model was found at {DEFAULT_MODEL_DIR}, so this UI runs a tiny RANDOMLY INITIALISED model "
+    f"DEMO MODE: no model was found at {_MODEL_IN_REPO}, so this UI runs a tiny RANDOMLY INITIALISED model "
     "that produces noise-like audio, not speech. For real speech, download the model with "
-    f"`modelscope download --model {DEFAULT_MODEL_ID} --local_dir {DEFAULT_MODEL_DIR}` "
-    "(pip install -e '.[download]') and restart, or start with --model-dir DIR."
+    f"`modelscope download --model {DEFAULT_MODEL_ID} --local_dir {_MODEL_IN_REPO}` "
+    "(pip install -e '.[download]') in the repository and restart, or start with --model-dir DIR."
 )
 MODES = ("zero_shot", "cross_lingual", "instruct2")
 DOWNLOAD_FORMATS = ("wav", "mp3", "flac", "opus")

@@ -99,6 +99,7 @@ def record(studio, name: str, summary: dict) -> dict:
         "click_to_sound_ms": round(ms["firstSoundAt"] - ms["clickAt"], 1),
         "server_first_chunk_to_sound_ms": round(ms["firstSoundAt"] - server["first_chunk"], 1),
         "click_to_server_first_chunk_ms": round(server["first_chunk"] - ms["clickAt"], 1),
+        "click_to_server_start_ms": round(server["start"] - ms["clickAt"], 1),
         "sound_before_generation_finished_ms": round(server["finished"] - ms["firstSoundAt"], 1),
         "stalls": summary["stalls"], "gaps_ms": summary["gapsMs"], "chunks": len(times.chunks),
         "audio_seconds": summary["samples"] / summary["rate"],
