@@ -14,6 +14,7 @@ import json
 import logging
 import queue
 import secrets
+import shutil
 import tempfile
 import threading
 import time
@@ -53,6 +54,8 @@ DEMO_WARNING = (
 MODES = ("zero_shot", "cross_lingual", "instruct2")
 DOWNLOAD_FORMATS = ("wav", "mp3", "flac", "opus")
 MAX_SEED = 2**31 - 1
+FILE_LIFETIME_SECONDS = 86400  # takes, exports and ZIPs stay downloadable this long (also Gradio's cache)
+KEEP_TAKE_TIMES = 1024  # server times of recent takes, for measurements
 
 try:  # a Hugging Face ZeroGPU Space: the GPU is attached per call to the functions wrapped by spaces.GPU
     import spaces
@@ -153,6 +156,14 @@ class Studio:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _files: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cosyvoice-takes-")))
 
+    def _folder(self) -> Path:
+        """A new folder for files handed to the page; those older than a day go (as Gradio's own cache)."""
+        cutoff = time.time() - FILE_LIFETIME_SECONDS
+        for old in self._files.iterdir():
+            if old.stat().st_mtime < cutoff:
+                shutil.rmtree(old, ignore_errors=True)
+        return Path(tempfile.mkdtemp(dir=self._files))
+
     @property
     def tts(self) -> CosyVoice3:
         return self.service.tts
@@ -232,7 +243,7 @@ class Studio:
         except CosyVoiceError as exc:
             warn(_page_message(exc))
             return gr.skip()
-        path = Path(tempfile.mkdtemp(dir=self._files)) / name
+        path = Path(self._folder()) / name
         path.write_bytes(data)
         return str(path)
 
@@ -367,7 +378,10 @@ class Studio:
                  history: list[dict]) -> Iterator[tuple]:
         """The page's Generate: yields (status, download, history, generate button, stop button)."""
         take_id = take_id or secrets.token_hex(8)
-        self.times[take_id] = TakeTimes(start=time.time())
+        with self._lock:
+            self.times[take_id] = TakeTimes(start=time.time())
+            while len(self.times) > KEEP_TAKE_TIMES:  # the oldest go first (dicts keep insertion order)
+                del self.times[next(iter(self.times))]
         idle = (gr.update(interactive=True), gr.update(interactive=False))
         with self._lock:
             stopped_early = take_id in self._stopped_early
@@ -420,7 +434,7 @@ class Studio:
     def _keep(self, number: int, samples: np.ndarray, fmt: str, **meta: Any) -> Take:
         """Encode a take in its download format under a name that says what it is."""
         audio = audio_format(fmt if fmt in DOWNLOAD_FORMATS else "wav")
-        folder = Path(tempfile.mkdtemp(dir=self._files))
+        folder = Path(self._folder())
         path = folder / f"take-{number}-seed{meta['seed']}.{audio.extension}"
         path.write_bytes(encode_audio(samples, audio, self.tts.sample_rate))
         return Take(number=number, file=str(path), format=audio.name, seconds=samples.size / self.tts.sample_rate,
@@ -430,7 +444,7 @@ class Studio:
         """The session's takes as one ZIP: every audio file plus takes.json (text, voice, mode, seed, settings)."""
         if not history:
             return gr.update(visible=False)
-        path = Path(tempfile.mkdtemp(dir=self._files)) / f"cosyvoice-takes-{len(history)}.zip"
+        path = Path(self._folder()) / f"cosyvoice-takes-{len(history)}.zip"
         with zipfile.ZipFile(path, "w") as archive:
             for take in history:
                 archive.write(take["file"], Path(take["file"]).name)
@@ -464,7 +478,7 @@ class Studio:
                 pieces = [c.pcm.numpy() for c in session]
         except CosyVoiceError as exc:
             raise gr.Error(_page_message(exc), print_exception=False) from exc
-        path = Path(tempfile.mkdtemp(dir=self._files)) / f"cosyvoice-seed{used_seed}.{audio.extension}"
+        path = Path(self._folder()) / f"cosyvoice-seed{used_seed}.{audio.extension}"
         path.write_bytes(encode_audio(np.concatenate(pieces) if pieces else np.zeros(0, np.float32), audio,
                                       self.tts.sample_rate))
         return str(path)
@@ -523,7 +537,8 @@ def _history_markdown(take: dict) -> str:
 def build_ui(studio: Studio) -> gr.Blocks:
     limits = studio.tts.limits
     rate = studio.tts.sample_rate
-    with gr.Blocks(title="CosyVoice3 Studio", analytics_enabled=False, delete_cache=(3600, 86400)) as page:
+    with gr.Blocks(title="CosyVoice3 Studio", analytics_enabled=False,
+                   delete_cache=(3600, FILE_LIFETIME_SECONDS)) as page:
         if studio.demo:
             gr.HTML(f'<div id="demo-banner" style="background:#b91c1c;color:#fff;padding:12px 16px;'
                     f'border-radius:8px;font-weight:600">{html.escape(DEMO_WARNING)}</div>')
