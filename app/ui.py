@@ -363,7 +363,8 @@ class Studio:
         with self._lock:
             running = self._running.get(take_id)
             if running is None:
-                self._stopped_early.add(take_id)
+                if take_id and take_id not in self.times:  # still queued (a finished take needs nothing)
+                    self._stopped_early.add(take_id)
                 return
         session, events = running
         session.cancel()
