@@ -341,7 +341,16 @@ class Studio:
         """Events of one take: ("chunk", float samples) ..., then ("done" | "stopped" | "error", detail)."""
         events: queue.Queue = queue.Queue()
         with self._lock:
-            self._running[take_id] = (session, events)
+            stopped = take_id in self._stopped_early  # Stop came while the request was being prepared
+            self._stopped_early.discard(take_id)
+            if not stopped:
+                self._running[take_id] = (session, events)
+        if stopped:
+            session.close()
+            self.times[take_id].finished = time.time()
+            self.live.finish(take_id)
+            yield "stopped", None
+            return
         threading.Thread(target=self._pump, args=(session, take_id, events), daemon=True,
                          name=f"take-{take_id[:8]}").start()
         finished = False
@@ -363,7 +372,8 @@ class Studio:
         with self._lock:
             running = self._running.get(take_id)
             if running is None:
-                if take_id and take_id not in self.times:  # still queued (a finished take needs nothing)
+                times = self.times.get(take_id)
+                if take_id and (times is None or times.finished is None):  # queued or being prepared
                     self._stopped_early.add(take_id)
                 return
         session, events = running
@@ -388,6 +398,7 @@ class Studio:
             stopped_early = take_id in self._stopped_early
             self._stopped_early.discard(take_id)
         if stopped_early:
+            self.times[take_id].finished = time.time()
             self.live.finish(take_id)
             yield "Stopped before it started.", gr.skip(), gr.skip(), *idle
             return
@@ -395,6 +406,9 @@ class Studio:
             session, voice, used_seed = self._start(mode, text, prompt, transcript, instruction, voice_key,
                                                     None if seed is None else int(seed), speed, stream)
         except CosyVoiceError as exc:
+            self.times[take_id].finished = time.time()
+            with self._lock:
+                self._stopped_early.discard(take_id)
             self.live.finish(take_id)
             warn(_page_message(exc))
             yield "", gr.skip(), gr.skip(), *idle
@@ -421,7 +435,7 @@ class Studio:
                 yield "", gr.skip(), gr.skip(), *idle
                 return
         if not pieces:
-            yield "The model produced no audio.", gr.skip(), gr.skip(), *idle
+            yield "Stopped." if outcome == "stopped" else "The model produced no audio.", gr.skip(), gr.skip(), *idle
             return
         samples = np.concatenate(pieces)
         take = self._keep(len(history) + 1, samples, fmt, text=text, voice=voice, mode=mode, seed=used_seed,

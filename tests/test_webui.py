@@ -7,6 +7,7 @@ import contextlib
 import logging
 import shutil
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -230,3 +231,19 @@ def test_the_session_history_downloads_as_one_zip(studio: Studio, short_prompt_w
         assert sorted(archive.namelist()) == sorted(["takes.json", "take-1-seed5.mp3", "take-2-seed9.flac"])
     assert [(t["number"], t["seed"], t["mode"], t["text"], t["format"]) for t in takes] == [
         (2, 9, "cross_lingual", TEXT, "flac"), (1, 5, "cross_lingual", TEXT, "mp3")]
+
+
+def test_stop_before_the_first_chunk_and_while_queued(studio: Studio, short_prompt_wav: Path) -> None:
+    studio.stop("take-queued")  # Stop clicked while the take still waited in Gradio's queue
+    [(status, _, history, generate, _)] = _generate(studio, prompt=str(short_prompt_wav), take_id="take-queued")
+    assert status == "Stopped before it started." and history == gr.skip() and generate["interactive"] is True
+    takes = studio.generate("take-running", "cross_lingual", TEXT * 4, str(short_prompt_wav), "", "", None, 5, 1.0,
+                            True, "wav", [])
+    assert next(takes)[0].startswith("Generating… ")  # the first chunk is out
+    studio.stop("take-running")
+    *_, (status, _, [take], generate, _) = list(takes)  # the handler ends at once, keeping what was made
+    assert take["stopped"] and "stopped" in status and generate["interactive"] is True
+    deadline = time.time() + 10
+    while (studio.service.status().active_sessions or studio._running) and time.time() < deadline:
+        time.sleep(0.02)  # the engine's work ends at its next chunk
+    assert studio.service.status().active_sessions == 0 and not studio._stopped_early and not studio._running
