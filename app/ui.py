@@ -469,6 +469,11 @@ class Studio:
 
     def stop_clicked(self, take_id: str) -> tuple:
         self.stop(take_id)
+        return self.idle()
+
+    @staticmethod
+    def idle() -> tuple:
+        """Generate unlocked, Stop locked: after every take, however it ended (even by a bug)."""
         return gr.update(interactive=True), gr.update(interactive=False)
 
     # ------------------------------------------------------------------ the named API
@@ -644,13 +649,15 @@ def build_ui(studio: Studio) -> gr.Blocks:
         dice.click(lambda: secrets.randbelow(MAX_SEED), None, seed, queue=False, **private)
 
         started = generate.click(studio.begin, take_id, [take_id, generate, stop], queue=False,
-                                 js=f"() => [window.cvStudio.begin({rate})]", **private)
-        started.then(studio.generate,
+                                 show_progress="hidden", js=f"() => [window.cvStudio.begin({rate})]", **private)
+        # the progress (queue position) shows on the status line only, never over the other controls
+        running = started.then(studio.generate,
                                [take_id, mode, text, prompt, transcript, instruction, voice, seed, speed, stream, fmt,
                                 history],
                                [status, download, history, generate, stop], concurrency_limit=limits.max_sessions,
                                concurrency_id="synthesis", show_progress="full", show_progress_on=[status], **private)
-        stop.click(studio.stop_clicked, take_id, [generate, stop], queue=False,
+        running.then(studio.idle, None, [generate, stop], queue=False, show_progress="hidden", **private)
+        stop.click(studio.stop_clicked, take_id, [generate, stop], queue=False, show_progress="hidden",
                    js="(take) => { window.cvStudio.stop(); return [take]; }", **private)
 
         # toasts travel on the queue's stream: handlers that may warn are queued (the default)
