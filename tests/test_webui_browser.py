@@ -249,6 +249,28 @@ def test_a_saved_voice_survives_a_restart(tts, browser, tmp_path: Path, short_pr
             page.fill("#text textarea", TEXT)
             page.click("#generate")
             sync_api.expect(page.locator("#status")).to_contain_text("voice: Survivor", timeout=60000)
+            # the rest of the library: rename, export, delete (after confirming), import the export again
+            page.click("#manage")
+            page.fill("#new-name textarea, #new-name input", "Survivor Two")
+            page.click("#rename")
+            sync_api.expect(page.locator("#voice input")).to_have_value("Survivor Two")
+            page.click("#export")
+            sync_api.expect(page.locator("#exported")).to_contain_text("Survivor_Two.voice")
+            with page.expect_download() as download:
+                page.locator("#exported a").first.click()
+            exported = tmp_path / "exported.voice.safetensors"
+            download.value.save_as(exported)
+            page.click("#delete")
+            sync_api.expect(page.locator("#confirm-row")).to_contain_text("Delete the voice Survivor Two?")
+            page.click("#cancel-delete")  # nothing happens without the confirmation
+            sync_api.expect(page.locator("#confirm-row")).to_be_hidden()
+            page.click("#delete")
+            page.click("#confirm-delete")
+            toast(page, "Deleted voice 'Survivor Two'")
+            sync_api.expect(page.locator("#voice input")).to_have_value("")
+            page.set_input_files("#import input[type=file]", str(exported))
+            toast(page, "Imported voice 'Survivor Two'")
+            sync_api.expect(page.locator("#voice input")).to_have_value("Survivor Two")
             page.close()
     finally:
         ctx.close()
