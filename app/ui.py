@@ -725,12 +725,10 @@ def load_studio(model_dir: str | Path | None = None, *, voice_dir: str | Path = 
             logger.info("writing the demo model to %s", demo_dir)
             make_tiny_bundle(demo_dir, seed=0)
         model_dir = demo_dir
-    tts = CosyVoice3(model_dir or DEFAULT_MODEL_DIR, device=device)
-    limits = tts.limits
-    library = VoiceLibrary(voice_dir, tts.frontend, model_dir=tts.model_dir, max_entries=limits.max_cached_voices,
-                           max_bytes=limits.max_cached_voice_bytes, max_named=limits.max_named_voices,
-                           builtin_dir=builtin_dir)
-    return Studio(TTSService(tts, library), demo=demo)
+    tts = CosyVoice3(model_dir or DEFAULT_MODEL_DIR, device=device, voice_dir=voice_dir)
+    if builtin_dir is not None:
+        tts.voices.add_builtins(builtin_dir)
+    return Studio(TTSService(tts, tts.voices), demo=demo)  # one library: the page, the API and spk2info
 
 
 def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: bool = True) -> gr.Blocks:

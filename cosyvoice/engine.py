@@ -16,7 +16,9 @@ across requests (docs/differences.md).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import numbers
 import secrets
 import threading
 import time
@@ -32,9 +34,14 @@ from cosyvoice.errors import CosyVoiceError, InvalidInputError, ResourceLimitErr
 from cosyvoice.flow import CausalMaskedDiffWithDiT, FlowStream
 from cosyvoice.frontend.frontend import ModelInput
 from cosyvoice.hifigan import CausalHiFTGenerator, HiFTStream
-from cosyvoice.llm import CosyVoice3LM
+from cosyvoice.hifigan.speed import MelTimeScale
+from cosyvoice.llm import CosyVoice3LM, ras_sample
+from cosyvoice.llm.bistream import bistream_job
+from cosyvoice.llm.job import TokenStream, run_eager
 from cosyvoice.llm.model import ENDOFPROMPT_ID
 from cosyvoice.settings import SPEED_RANGE, Limits
+
+TEXT_WAIT_SECONDS = 0.1  # a text-stream producer re-checks cancellation this often while it waits for text
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,7 @@ class Session:
     cond: threading.Condition = field(default_factory=threading.Condition)
     flow_stream: FlowStream | None = None  # streaming requests: the flow's cache of finished chunks
     hift_stream: HiFTStream | None = None  # streaming requests: the vocoder's window and phase carry
+    time_scale: MelTimeScale | None = None  # streaming requests at speed != 1: the mel stretch carried across chunks
     mel_cache: torch.Tensor | None = None
     speech_offset: int = 0
 
@@ -155,18 +163,21 @@ class Engine:
             producer.join()
         with self._sessions_lock:
             self._sessions.pop(session.id, None)
-        session.mel_cache = session.flow_stream = session.hift_stream = None
+        session.mel_cache = session.flow_stream = session.hift_stream = session.time_scale = None
         self._slots.release()
 
     # ------------------------------------------------------------------ LLM producer
 
-    def _produce(self, session: Session, inp: ModelInput) -> None:
+    def _produce(self, session: Session, inp: ModelInput, text_stream: TokenStream | None = None) -> None:
         try:
             with torch.inference_mode():
-                tokens = self.llm.generate(
-                    text=inp.text, prompt_text=inp.prompt_text, prompt_speech_token=inp.llm_prompt_speech_token,
-                    generator=session.generator, endofprompt_id=self.endofprompt_id,
-                    should_stop=session.cancelled.is_set)  # polled before every decode step
+                if text_stream is not None:
+                    tokens = self._text_stream_tokens(session, inp, text_stream)
+                else:
+                    tokens = self.llm.generate(
+                        text=inp.text, prompt_text=inp.prompt_text, prompt_speech_token=inp.llm_prompt_speech_token,
+                        generator=session.generator, endofprompt_id=self.endofprompt_id,
+                        should_stop=session.cancelled.is_set)  # polled before every decode step
                 with contextlib.closing(tokens):
                     for token in tokens:
                         with session.cond:
@@ -178,6 +189,18 @@ class Engine:
             with session.cond:
                 session.llm_done = True
                 session.cond.notify()
+
+    def _text_stream_tokens(self, session: Session, inp: ModelInput, text_stream: TokenStream):
+        """Speech tokens of the bi-streaming job over ``text_stream``, run alone on this session's own cache."""
+        n = self.limits.max_stream_positions
+        # strict=False: a stop id other than eos ends the utterance instead of failing it (docs/differences.md)
+        job = bistream_job(self.llm, inp.prompt_text, inp.llm_prompt_speech_token, text_stream, max_len=n,
+                           endofprompt_id=self.endofprompt_id, strict=False)
+        sample = functools.partial(ras_sample, generator=session.generator, cfg=self.llm.cfg.sampling)
+        # a bounded wait, so that a cancelled session is noticed while it waits for text
+        return run_eager(self.llm, job, self.llm.llm.new_cache(1, n), sample,
+                         wait=functools.partial(text_stream.wait, TEXT_WAIT_SECONDS),
+                         should_stop=session.cancelled.is_set)
 
     # ------------------------------------------------------------------ token → waveform
 
@@ -204,13 +227,17 @@ class Engine:
                 prompt_token_len=prompt_token.shape[1], prompt_feat=prompt_feat, prompt_feat_len=prompt_feat.shape[1],
                 embedding=inp.flow_embedding.to(dev), streaming=streaming, finalize=finalize)
         mel = mel[:, :, token_offset * self.config.flow.token_mel_ratio:]
+        if streaming and speed != 1.0 and session.time_scale is None:
+            session.time_scale = MelTimeScale(speed)  # streamed speed: each chunk's mel stretched, continuity kept
+        if session.time_scale is not None:
+            mel = session.time_scale(mel, finalize=finalize)
         if self.incremental_vocoder and (streaming or session.hift_stream is not None):
             if session.hift_stream is None:
                 session.hift_stream = HiFTStream(self.hift)
             return session.hift_stream.inference(mel, finalize=finalize)[0].float().cpu()
         session.mel_cache = mel if session.mel_cache is None else torch.cat([session.mel_cache, mel], dim=2)
         full_mel = session.mel_cache
-        if speed != 1.0:
+        if speed != 1.0 and session.time_scale is None:
             full_mel = F.interpolate(full_mel, size=int(full_mel.shape[2] / speed), mode="linear")
         speech, _ = self.hift.inference(speech_feat=full_mel, finalize=finalize)
         out = speech[0, session.speech_offset:]
@@ -220,11 +247,16 @@ class Engine:
     # ------------------------------------------------------------------ sessions
 
     def synthesize(self, inp: ModelInput, stream: bool = False, speed: float = 1.0, seed: int | None = None,
-                   sample_offset: int = 0, first_index: int = 0) -> Iterator[AudioChunk]:
-        """Speak one text segment. Streaming yields chunks as the policy allows; otherwise one chunk."""
-        self.check_options(stream, speed, seed)
+                   sample_offset: int = 0, first_index: int = 0,
+                   text_stream: TokenStream | None = None) -> Iterator[AudioChunk]:
+        """Speak one text segment. Streaming yields chunks as the policy allows; otherwise one chunk.
+
+        With ``text_stream`` the text arrives over time (``inp.text`` is unused): the LLM runs the
+        bi-streaming algorithm (:func:`~cosyvoice.llm.bistream.bistream_job`) on the ids written to it.
+        """
+        speed = self.check_options(stream, speed, seed)
         session = self._open_session(seed)
-        producer = threading.Thread(target=self._produce, args=(session, inp), daemon=True,
+        producer = threading.Thread(target=self._produce, args=(session, inp, text_stream), daemon=True,
                                     name=f"cosyvoice-llm-{session.id}")
         try:
             producer.start()
@@ -240,7 +272,7 @@ class Engine:
                speed: float = 1.0) -> Iterator[AudioChunk]:
         """Speech tokens given by the caller (voice conversion, replay) through the same chunking as
         :meth:`synthesize`; ``inp`` supplies the flow prompt and speaker embedding (its text is unused)."""
-        self.check_options(stream, speed)
+        speed = self.check_options(stream, speed)
         ids = torch.as_tensor(tokens).reshape(-1).tolist()
         if any(not 0 <= t < self.config.flow.vocab_size for t in ids):
             raise InvalidInputError(f"speech tokens must be in [0, {self.config.flow.vocab_size})")
@@ -252,16 +284,20 @@ class Engine:
             self._close_session(session, None)
 
     @staticmethod
-    def check_options(stream: bool, speed: float, seed: int | None = None) -> None:
-        """Raise :class:`InvalidInputError` for options no session can honour (callers check before any work)."""
+    def check_options(stream: bool, speed: float, seed: int | None = None) -> float:
+        """Raise :class:`InvalidInputError` for options no session can honour (callers check before any work);
+        returns ``speed`` as a float. Any real scalar is a speed: int, float, numpy or one-element torch."""
         lo, hi = SPEED_RANGE
-        if not isinstance(speed, (int, float)) or not lo <= speed <= hi:
-            raise InvalidInputError(f"speed must be between {lo:g} and {hi:g}, got {speed!r}")
-        if stream and speed != 1.0:
-            raise InvalidInputError("speed other than 1.0 is only supported with stream=False "
-                                    "(the reference model cannot change speed mid-stream)")
+        value = speed
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+            value = value.item()
+        if isinstance(value, np.ndarray) and value.size == 1:
+            value = value.item()
+        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not lo <= float(value) <= hi:
+            raise InvalidInputError(f"speed must be a number between {lo:g} and {hi:g}, got {speed!r}")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
             raise InvalidInputError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+        return float(value)
 
     def _wait_for(self, session: Session, predicate) -> None:
         with session.cond:
@@ -288,7 +324,7 @@ class Engine:
                     hop = policy.current_hop()
                     tokens = torch.tensor([session.tokens[:policy.offset + hop + policy.lookahead]], dtype=torch.int64)
                 offset = policy.offset
-                pcm = self.token2wav(session, tokens, inp, offset, streaming=True, finalize=False)
+                pcm = self.token2wav(session, tokens, inp, offset, streaming=True, finalize=False, speed=speed)
                 start, end = policy.advance()
                 now = time.perf_counter()
                 yield AudioChunk(pcm, self.sample_rate, index, sample_offset, start, end, False, now - started)

@@ -25,10 +25,12 @@ import contextlib
 import logging
 import math
 import numbers
+import queue
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -166,6 +168,58 @@ def allowed_path(path: str, root: str | Path | None, field: str = "prompt_audio"
     return target
 
 
+# a sentence ends at .!?;… (then closing quotes/brackets) followed by white space, or at CJK end marks or a
+# new line; a trailing "." waits for the next piece, since "3." may continue as "3.14"
+_SENTENCE_END = re.compile(r"[.!?;…]+[\"'”’)\]]*\s+|[。！？；]+[”’」』）]*|\n+")
+
+
+def complete_sentences(pieces: Iterable[str]) -> Iterator[str]:
+    """Sentences of text arriving in ``pieces``, each yielded as soon as it is complete (the rest at the end)."""
+    buffer = ""
+    for piece in pieces:
+        if not isinstance(piece, str):
+            raise InvalidInputError(f"text pieces must be strings, got {type(piece).__name__}", "text")
+        buffer += piece
+        while (end := _SENTENCE_END.search(buffer)) is not None:
+            sentence, buffer = buffer[:end.end()].strip(), buffer[end.end():]
+            if sentence:
+                yield sentence
+    if buffer.strip():
+        yield buffer.strip()
+
+
+class TextPieces(Iterator[str]):
+    """Text pieces handed from one thread (a server's event loop) to the synthesis thread that reads them:
+    ``put`` each piece, then ``end()``; ``abort()`` (a cancelled session) ends the reader at once."""
+
+    _END = object()
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = False
+        self.aborted = False
+
+    def put(self, piece: str) -> None:
+        self._queue.put(piece)
+
+    def end(self) -> None:
+        self._queue.put(self._END)
+
+    def abort(self) -> None:
+        """Stop the reader now; pieces not yet read are dropped."""
+        self.aborted = True
+        self._queue.put(self._END)
+
+    def __next__(self) -> str:
+        if self._done or self.aborted:
+            raise StopIteration
+        piece = self._queue.get()
+        if piece is self._END:
+            self._done = True
+            raise StopIteration
+        return piece
+
+
 @contextlib.contextmanager
 def _field(name: str) -> Iterator[None]:
     """Name ``name`` as the field of an :class:`InvalidInputError` raised inside, unless it names one."""
@@ -215,8 +269,9 @@ class SynthesisSession(Iterator[AudioChunk]):
     may be called from any thread: the session stops at its next chunk boundary."""
 
     def __init__(self, service: TTSService, prepared: PreparedRequest, chunks: Iterator[AudioChunk],
-                 started: float) -> None:
+                 started: float, on_cancel: Callable[[], None] | None = None) -> None:
         self.service, self.prepared = service, prepared
+        self._on_cancel = on_cancel
         self.sample_rate = service.sample_rate
         self._chunks = chunks
         self._started = started
@@ -239,10 +294,12 @@ class SynthesisSession(Iterator[AudioChunk]):
         try:
             chunk = next(self._chunks)
         except StopIteration:
-            self._finish(None)
+            self._finish("cancelled" if self._cancelled.is_set() else None)
             raise
         except BaseException as exc:
             self._finish(failure_reason(exc))
+            with contextlib.suppress(AttributeError):
+                exc._outcome_reported = True  # adapters that report errors they catch skip this one
             raise
         if chunk.pcm.numel() and self._first is None:
             self._first = time.perf_counter() - self._started
@@ -253,9 +310,9 @@ class SynthesisSession(Iterator[AudioChunk]):
         """Thread-safe: stop at the next chunk boundary (the reader then closes the engine session), or at
         once where the engine's chunk iterator has a thread-safe ``cancel()`` of its own."""
         self._cancelled.set()
-        cancel = getattr(self._chunks, "cancel", None)
-        if cancel is not None:
-            cancel()
+        for cancel in (getattr(self._chunks, "cancel", None), self._on_cancel):
+            if cancel is not None:
+                cancel()
 
     def close(self) -> None:
         self._finish("cancelled")
@@ -428,9 +485,55 @@ class TTSService:
         return AsyncSynthesisSession(await _in_thread(self.synthesize, request))
 
     def synthesize_text_stream(self, request: SynthesisRequest, pieces: Iterable[str]) -> SynthesisSession:
-        """Speak text that arrives in ``pieces`` (a chat LLM's output): ``request.text`` is ignored and may
-        be empty. Audio starts before the last piece arrives."""
-        raise NotImplementedError("text-stream synthesis lands with the engine's text-stream input")
+        """Speak text that arrives in ``pieces`` (e.g. a chat LLM's output, or a :class:`TextPieces` fed by a
+        server); ``request.text`` is ignored. Each sentence is synthesised as soon as it is complete, so audio
+        starts before the last piece arrives; chunk indices and sample offsets run across sentences.
+
+        The whole stream holds one slot; its total text is bounded by ``Limits.max_text_chars``. Voice and
+        options are validated here, before any audio; a bad piece ends the stream with
+        :class:`InvalidInputError` (field ``text``).
+        """
+        started = time.perf_counter()
+        mode = mode_label(request.mode)
+        try:
+            checked = self._check(request, has_text=False)
+            self._admission.acquire()
+        except BaseException as exc:
+            self.report_failure(mode, exc, started)
+            raise
+        try:
+            prepared = self._resolve(replace(request, text=""), checked)
+        except BaseException as exc:
+            self._admission.release()
+            self.report_failure(mode, exc, started)
+            raise
+        return SynthesisSession(self, prepared, self._sentence_chunks(prepared, pieces), started,
+                                on_cancel=getattr(pieces, "abort", None))
+
+    async def asynthesize_text_stream(self, request: SynthesisRequest, pieces: TextPieces) -> AsyncSynthesisSession:
+        """:meth:`synthesize_text_stream` for asyncio servers; feed ``pieces`` from the event loop."""
+        return AsyncSynthesisSession(await _in_thread(self.synthesize_text_stream, request, pieces))
+
+    def _sentence_chunks(self, prepared: PreparedRequest, pieces: Iterable[str]) -> Iterator[AudioChunk]:
+        index = offset = total = 0
+        for i, sentence in enumerate(complete_sentences(pieces)):
+            total += len(sentence)
+            if total > self.limits.max_text_chars:
+                raise InvalidInputError(f"the text stream passed {self.limits.max_text_chars} characters "
+                                        "(COSYVOICE_MAX_TEXT_CHARS); start a new stream", "text")
+            if getattr(pieces, "aborted", False):
+                return  # cancelled: the text left over is not spoken
+            if not any(ch.isalnum() for ch in sentence):
+                continue  # punctuation or symbols alone: nothing to speak, and no reason to end the stream
+            text = cross_lingual_text(sentence) if prepared.engine_mode == "cross_lingual" else sentence
+            seed = None if prepared.seed is None else (prepared.seed + i) % 2**63
+            chunks = self.tts.synthesize(prepared.engine_mode, text, voice=prepared.voice,
+                                         instruct_text=prepared.instruct_text, stream=prepared.stream,
+                                         speed=prepared.speed, seed=seed, split_prefixed=True)
+            with contextlib.closing(chunks):
+                for chunk in chunks:
+                    yield replace(chunk, index=index, sample_offset=offset)
+                    index, offset = index + 1, offset + chunk.pcm.numel()
 
     # ------------------------------------------------------------------ voices
 
@@ -482,13 +585,14 @@ class TTSService:
 
     # ------------------------------------------------------------------ validation
 
-    def _check(self, request: SynthesisRequest) -> _Checked:
-        """Every check that needs no audio work."""
+    def _check(self, request: SynthesisRequest, has_text: bool = True) -> _Checked:
+        """Every check that needs no audio work (``has_text=False``: the text arrives later, as a stream)."""
         mode = self._mode(request.mode)
         with _field("text"):
-            if not isinstance(request.text, str):
+            if has_text and not isinstance(request.text, str):
                 raise InvalidInputError(f"text must be a string, got {type(request.text).__name__}")
-            self.tts.frontend.check_text(request.text)
+            if has_text:
+                self.tts.frontend.check_text(request.text)
         stream, speed, seed = self._options(request)
         with _field("format"):
             fmt = audio_format(request.format)

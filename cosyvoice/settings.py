@@ -9,14 +9,22 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 import torch
 
 from cosyvoice.errors import ConfigError, InvalidInputError
 
-SPEED_RANGE = (0.5, 2.0)  # non-streaming speed factors: the mel is stretched linearly before the vocoder
+DEFAULT_VOICE_DIR = "pretrained_models/.voices"  # the voice library's folder (COSYVOICE_VOICE_DIR overrides it)
+SPEED_RANGE = (0.5, 2.0)  # speed factors: the mel is stretched linearly before the vocoder (streamed: per chunk)
 TOKENIZER_MAX_SECONDS = 30.0  # speech_tokenizer_v3 refuses longer audio
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def default_voice_dir(environ: dict[str, str] | None = None) -> Path:
+    """Where saved voices live unless a caller says otherwise: ``COSYVOICE_VOICE_DIR`` or ``DEFAULT_VOICE_DIR``."""
+    env = os.environ if environ is None else environ
+    return Path(env.get("COSYVOICE_VOICE_DIR") or DEFAULT_VOICE_DIR)
 
 
 def parse_precision(name: str) -> torch.dtype:
@@ -41,6 +49,7 @@ class Limits:
     max_cached_voices: int = 64  # unnamed prompt voices kept by the voice library (named ones stay)
     max_cached_voice_bytes: int = 256 * 1024 * 1024
     max_named_voices: int = 256
+    max_stream_positions: int = 8192  # LLM positions (prompt + text + speech) of one text-stream request
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -42,6 +42,7 @@ from cosyvoice.frontend.audio import AudioSource
 from cosyvoice.frontend.frontend import CosyVoiceFrontend, Voice
 from cosyvoice.frontend.prompt import PromptFeatures
 from cosyvoice.frontend.prompts import user_text, zero_shot_prompt_text
+from cosyvoice.utils.fs import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,9 @@ class VoiceLibrary:
         self._lock = threading.RLock()  # guards _index and _computing; features and tensor files: outside it
         self._computing: dict[str, threading.Lock] = {}  # voice id -> lock held while its features are made
         self._index = self._scan()
-        self._builtins = self._scan_builtins(Path(builtin_dir)) if builtin_dir else {}
+        self._builtins: dict[str, _Builtin] = {}
+        if builtin_dir is not None:
+            self.add_builtins(builtin_dir)
         with self._lock:
             self._evict(keep=None)
 
@@ -261,8 +264,10 @@ class VoiceLibrary:
                 voice = Voice(PromptFeatures.from_tensors(tensors), tensors["prompt_text"].to(torch.int32))
             except KeyError as exc:
                 raise InvalidInputError(f"the voice file lacks {exc}") from exc
-            voice_id = self._voice_id(audio[0], audio[1], " ".join(prompt_text.split())) if audio else \
-                hashlib.sha256(data).hexdigest()[:32]
+            if audio is not None:
+                voice_id = self._voice_id(audio[0], audio[1], " ".join(prompt_text.split()))
+            else:
+                voice_id = self._features_id(voice)
             with self._lock:
                 known = voice_id in self._index
             if not known:
@@ -273,6 +278,49 @@ class VoiceLibrary:
             raise InvalidInputError("this voice file was made by another model and holds no recording to "
                                     "featurise again; export it from a library of this model")
         return self.save(name, voice_id)
+
+    # ------------------------------------------------------------------ the official API's saved voices
+
+    def put(self, name: str, voice: Voice, *, replace_name: bool = False) -> VoiceInfo:
+        """Keep a ready voice (e.g. an imported ``spk2info.pt`` entry) under ``name``.
+
+        Its id hashes its tensors, so the same voice is stored once however often it is imported. With
+        ``replace_name`` a name held by another voice moves to this one (that voice stays, unnamed), as the
+        official ``add_zero_shot_spk`` overwrites a speaker id; without it that is an error.
+        """
+        voice_id = self._features_id(voice)
+        with self._lock:
+            known = voice_id in self._index
+        if not known:
+            ids = voice.prompt_text.reshape(-1).tolist()
+            transcript = self.frontend.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
+            self._store(voice_id, voice, transcript)
+            with self._lock:
+                if voice_id not in self._index:
+                    raise OSError(f"voice library: could not write voice {name!r} to {self.dir}")
+        return self.assign(name, voice_id, replace_name=replace_name)
+
+    def assign(self, name: str, voice_id: str, *, replace_name: bool = False) -> VoiceInfo:
+        """:meth:`save`, and with ``replace_name`` the name is taken from the voice holding it (kept, unnamed)."""
+        key = " ".join(str(name).split())
+        with self._lock:
+            holder = next((i for i in self._index.values() if i.name == key), None)
+            if replace_name and holder is not None and holder.id != voice_id:
+                self._write_meta(replace(holder, name=None))
+                holder.name = None
+            return self.save(key, voice_id)
+
+    def named(self) -> list[VoiceInfo]:
+        """The saved (named) voices, by name (built-ins are not saved voices: spk2info.pt never holds them)."""
+        return [i for i in self.list() if i.name and not i.builtin]
+
+    def _features_id(self, voice: Voice) -> str:
+        digest = hashlib.sha256(f"{self.model_id}\0features".encode())
+        for name, tensor in sorted({**voice.features.tensors(), "prompt_text": voice.prompt_text}.items()):
+            t = tensor.detach().cpu().contiguous()
+            digest.update(f"\0{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+            digest.update(t.numpy().tobytes())
+        return digest.hexdigest()[:32]
 
     # ------------------------------------------------------------------ storage
 
@@ -304,8 +352,10 @@ class VoiceLibrary:
                 logger.warning("voice library: skipping %s (%s: %s)", meta_path, type(exc).__name__, exc)
         return index
 
-    def _scan_builtins(self, folder: Path) -> dict[str, _Builtin]:
-        """``<name>.wav`` + ``<name>.txt`` pairs; a recording without a transcript is skipped with a log line."""
+    def add_builtins(self, folder: str | Path) -> None:
+        """Offer the ``<name>.wav`` + ``<name>.txt`` pairs of ``folder`` as built-in voices (featurised on first
+        use); a recording without a transcript is skipped with a log line, a missing folder adds none."""
+        folder = Path(folder)
         builtins: dict[str, _Builtin] = {}
         for wav in sorted(folder.glob("*.wav")) if folder.is_dir() else []:
             transcript_path = wav.with_suffix(".txt")
@@ -316,7 +366,8 @@ class VoiceLibrary:
             info = VoiceInfo(id=f"builtin-{wav.stem}", name=wav.stem, transcript=transcript, created=0.0,
                              last_used=0.0, nbytes=0, builtin=True)
             builtins[info.id] = _Builtin(info, wav, zero_shot_prompt_text(transcript))
-        return builtins
+        with self._lock:
+            self._builtins.update(builtins)
 
     def _builtin_voice(self, voice_id: str) -> Voice:
         """A built-in's voice, featurised once per process (the shared per-id lock keeps that to one)."""
@@ -412,10 +463,5 @@ def _metadata(data: bytes) -> dict[str, str]:
 
 
 def _atomic_write(path: Path, write: Callable[[str], object]) -> None:
-    """Write through a temporary file and rename, so a crash never leaves a half-written entry."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        write(str(tmp))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write through a temporary file, fsync and rename, so a crash never leaves a half-written entry."""
+    atomic_write(path, write)

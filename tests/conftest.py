@@ -65,9 +65,10 @@ def short_prompt_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tts(tiny_bundle_dir: Path):
+def tts(tiny_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """One CosyVoice3 on the generated tiny bundle, shared by the API and engine tests (like a server)."""
     from cosyvoice.cli.cosyvoice import CosyVoice3
     from cosyvoice.settings import Limits
 
-    return CosyVoice3(tiny_bundle_dir, device="cpu", limits=Limits(max_sessions=16, queue_timeout_seconds=60))
+    return CosyVoice3(tiny_bundle_dir, device="cpu", limits=Limits(max_sessions=16, queue_timeout_seconds=60),
+                      voice_dir=tmp_path_factory.mktemp("voices"))

@@ -348,3 +348,96 @@ def test_api_keys_cors_and_body_limit(service: TTSService, short_prompt_wav: Pat
     finally:
         closed.stop()
         keyed.stop()
+
+
+# ----------------------------------------------------------------------------- WebSocket
+
+
+def _ws_url(url: str) -> str:
+    return url.replace("http://", "ws://") + "/v1/audio/stream"
+
+
+def test_websocket_speaks_before_the_last_piece_is_sent(url: str, saved_voice: dict) -> None:
+    import json
+
+    from websockets.sync.client import connect
+
+    with connect(_ws_url(url), open_timeout=30) as ws:
+        ws.send(json.dumps({"type": "start", "voice": "Ada", "seed": 3}))
+        started = json.loads(ws.recv(timeout=60))
+        assert started["type"] == "started" and started["sample_rate"] == SR and started["format"] == "pcm"
+        ws.send(json.dumps({"type": "text", "text": "Hello there, my friend. How"}))
+        ws.send(json.dumps({"type": "text", "text": " are you? "}))
+        meta = json.loads(ws.recv(timeout=120))  # audio of the first sentence, before the last piece is sent
+        assert meta["type"] == "audio" and meta["chunk"]["index"] == 0 and meta["chunk"]["sample_offset"] == 0
+        received = [ws.recv(timeout=60)]
+        assert len(received[0]) == meta["bytes"] == 2 * meta["chunk"]["samples"]
+        ws.send(json.dumps({"type": "text", "text": "Goodbye."}))
+        ws.send(json.dumps({"type": "end"}))
+        metas = [meta]
+        while True:
+            message = json.loads(ws.recv(timeout=120))
+            if message["type"] == "done":
+                break
+            metas.append(message)
+            received.append(ws.recv(timeout=60))
+    assert [m["chunk"]["index"] for m in metas] == list(range(len(metas)))
+    offsets = [m["chunk"]["sample_offset"] for m in metas]
+    assert offsets == [sum(m["chunk"]["samples"] for m in metas[:i]) for i in range(len(metas))]
+    total = sum(len(r) for r in received)
+    assert total == 2 * round(message["audio_seconds"] * SR) and message["chunks"] == len(metas)
+    assert sum(m["chunk"]["final"] for m in metas) == 3  # three sentences, each ending in a final chunk
+
+
+def test_websocket_errors_and_disconnect(url: str, service: TTSService, saved_voice: dict) -> None:
+    import json
+
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    for start, field in (({"type": "start", "voice": "nobody"}, "voice"), ({"type": "hello"}, "type"),
+                         ({"type": "start", "voice": "Ada", "format": "ogg"}, "format")):
+        with connect(_ws_url(url)) as ws:
+            ws.send(json.dumps(start))
+            error = json.loads(ws.recv(timeout=60))
+            assert error["type"] == "error" and error["error"]["field"] == field
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(timeout=10)
+            assert closed.value.rcvd.code == 1008
+    with connect(_ws_url(url)) as ws:
+        ws.send(json.dumps({"type": "start", "voice": "Ada", "format": "mp3"}))
+        assert json.loads(ws.recv(timeout=60))["content_type"] == "audio/mpeg"
+        ws.send(json.dumps({"type": "text", "text": TEXT * 3 + " "}))
+        while json.loads(ws.recv(timeout=120))["bytes"] == 0:
+            pass  # until MP3 bytes flow
+    _wait_for(lambda: service.status().active_sessions == 0, timeout=20)  # the disconnect ended the session
+
+
+def test_command_line_serves_the_model_of_cosyvoice_model_dir(tiny_bundle_dir: Path, tmp_path: Path) -> None:
+    """``python -m cosyvoice.server.rest`` (the console script's entry point) honours COSYVOICE_MODEL_DIR."""
+    import os
+    import subprocess
+    import sys
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    env = {**os.environ, "COSYVOICE_MODEL_DIR": str(tiny_bundle_dir), "COSYVOICE_DEVICE": "cpu",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    process = subprocess.Popen([sys.executable, "-m", "cosyvoice.server.rest", "--port", str(port),
+                                "--voice-dir", str(tmp_path / "voices"), "--log-level", "warning"], env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def ready() -> bool:
+            assert process.poll() is None, "the server exited"
+            try:
+                return httpx.get(f"{url}/ready").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        _wait_for(ready, timeout=180)
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == tiny_bundle_dir.name
+    finally:
+        process.terminate()
+        process.wait(30)

@@ -30,7 +30,7 @@ from typing import Annotated, Any
 from urllib.parse import parse_qs
 
 import torch
-from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi import FastAPI, File, Form, Request, UploadFile, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
@@ -39,6 +39,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cosyvoice.encoding import AudioEncoder, audio_format, encode_audio
+from cosyvoice.engine import AudioChunk
 from cosyvoice.errors import (
     AlreadyExistsError,
     CosyVoiceError,
@@ -47,7 +48,7 @@ from cosyvoice.errors import (
     ResourceLimitError,
 )
 from cosyvoice.server.metrics import ServiceMetrics
-from cosyvoice.service import AsyncSynthesisSession, SynthesisRequest, TTSService, allowed_path
+from cosyvoice.service import AsyncSynthesisSession, SynthesisRequest, TextPieces, TTSService, allowed_path
 from cosyvoice.settings import Limits, ServerSettings, add_server_arguments, settings_from_args
 from cosyvoice.voices import VoiceInfo
 
@@ -289,6 +290,81 @@ def bridge_audio(value: str, settings: ServerSettings) -> bytes | Path:
         raise InvalidInputError(f"prompt_audio is neither base64 audio nor {where}", "prompt_audio") from exc
 
 
+def socket_request(start: Any) -> SynthesisRequest:
+    """The WebSocket's start message as a request: ``voice`` (saved) or ``prompt_audio`` (base64) with
+    ``transcript``; ``instructions``; ``mode`` (default: instruct with instructions, else sft for a saved voice,
+    zero_shot with a transcript, cross_lingual without); ``format`` (default pcm); ``speed``; ``seed``."""
+    if not isinstance(start, dict) or start.get("type") != "start":
+        raise InvalidInputError('the first message must be {"type": "start", "voice": ...}', "type")
+    voice = start.get("voice")
+    voice = voice.get("id") if isinstance(voice, dict) else voice
+    audio = start.get("prompt_audio")
+    if audio is not None:
+        if not isinstance(audio, str):
+            raise InvalidInputError("prompt_audio must be base64 audio", "prompt_audio")
+        try:
+            audio = base64.b64decode(audio.split(",", 1)[1] if audio.startswith("data:") else audio, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise InvalidInputError("prompt_audio is not valid base64", "prompt_audio") from exc
+    instructions = start.get("instructions") or ""
+    transcript = start.get("transcript") or ""
+    default_mode = ("instruct" if isinstance(instructions, str) and instructions.strip() else
+                    "sft" if voice is not None else "zero_shot" if transcript else "cross_lingual")
+    return SynthesisRequest("", start.get("mode", default_mode), voice=voice, prompt_audio=audio,
+                            transcript=transcript, instruction=instructions, speed=start.get("speed", 1.0),
+                            seed=start.get("seed"), stream=start.get("stream", True), format=start.get("format", "pcm"))
+
+
+async def read_pieces(ws: WebSocket, pieces: TextPieces, session: AsyncSynthesisSession,
+                      problems: list[BaseException]) -> None:
+    """Feed ``{"type": "text", "text": ...}`` messages to the session until ``{"type": "end"}``; a disconnect or a
+    bad message cancels it (the bad message is reported once the audio loop ends)."""
+    try:
+        while True:
+            message = await ws.receive_json()
+            kind = message.get("type") if isinstance(message, dict) else None
+            if kind == "text" and isinstance(message.get("text"), str):
+                pieces.put(message["text"])
+            elif kind == "end":
+                pieces.end()
+                return
+            else:
+                raise InvalidInputError('expected {"type": "text", "text": "..."} or {"type": "end"}', "type")
+    except WebSocketDisconnect:
+        pass
+    except (ValueError, KeyError, TypeError) as exc:  # not JSON, or a wrong message
+        problems.append(exc if isinstance(exc, InvalidInputError) else
+                        InvalidInputError("messages must be JSON text frames", "type"))
+    pieces.abort()
+    await session.aclose()
+
+
+async def send_audio(ws: WebSocket, data: bytes, chunk: AudioChunk | None) -> None:
+    """One audio message: JSON metadata (``chunk`` null for the encoder's tail), then the bytes as a binary frame."""
+    if not data and chunk is None:
+        return
+    meta = None if chunk is None else {
+        "index": chunk.index, "sample_offset": chunk.sample_offset, "samples": chunk.pcm.numel(),
+        "final": chunk.final, "seconds_to_produce": round(chunk.seconds_to_produce, 4)}
+    await ws.send_json({"type": "audio", "bytes": len(data), "chunk": meta})
+    if data:
+        await ws.send_bytes(data)
+
+
+async def socket_error(ws: WebSocket, exc: BaseException, settings: ServerSettings) -> None:
+    """Report an error on the socket, then close it (1008 bad input, 1013 busy/loading, 1011 otherwise)."""
+    error = http_error(exc, settings)
+    if isinstance(exc, ModelNotReady):
+        error = HttpError(503, "loading", str(exc))
+    if error.status >= 500 and error.status != 503:
+        logger.error("WebSocket synthesis failed", exc_info=exc)
+    code = 1008 if error.status < 500 else 1013 if error.status == 503 else 1011
+    with contextlib.suppress(Exception):  # the client may be gone already
+        await ws.send_json({"type": "error", "error": {"message": error.message, "type": error.type,
+                                                       "field": error.field}})
+        await ws.close(code)
+
+
 # ----------------------------------------------------------------------------- the app
 
 
@@ -505,6 +581,57 @@ def create_app(settings: ServerSettings | None = None, service: TTSService | Non
     async def delete_voice(voice: str) -> JSONResponse:
         info = await asyncio.to_thread(svc().delete_voice, voice)
         return JSONResponse({**voice_json(info), "deleted": True})
+
+    # -------------------------------------------------------------- WebSocket: text in, audio out
+
+    @app.websocket("/v1/audio/stream")
+    async def audio_stream_socket(ws: WebSocket) -> None:
+        """Text pieces in, audio chunks out as soon as they exist (protocol in docs/servers.md)."""
+        await ws.accept()
+        pieces = TextPieces()
+        session: AsyncSynthesisSession | None = None
+        encoder: AudioEncoder | None = None
+        reader: asyncio.Task | None = None
+        problems: list[BaseException] = []
+        try:
+            with wire_fields(WEBSOCKET_FIELDS):
+                try:
+                    request = socket_request(await ws.receive_json())
+                except (ValueError, KeyError, TypeError) as exc:  # not JSON, or not the start message
+                    if isinstance(exc, InvalidInputError):
+                        raise
+                    raise InvalidInputError('the first message must be JSON: {"type": "start", "voice": ...}',
+                                            "type") from exc
+                session = await svc().asynthesize_text_stream(request, pieces)
+            fmt = session.prepared.format
+            encoder = AudioEncoder(fmt, session.sample_rate)
+            await ws.send_json({"type": "started", "voice": session.prepared.voice_id, "mode": session.prepared.mode,
+                                "sample_rate": session.sample_rate, "format": fmt.name,
+                                "content_type": fmt.content_type})
+            reader = asyncio.create_task(read_pieces(ws, pieces, session, problems))
+            chunks = 0
+            async for chunk in session:
+                await send_audio(ws, encoder.encode(chunk.pcm), chunk)
+                chunks += 1
+            await send_audio(ws, encoder.finish(), None)
+            if problems:
+                raise problems[0]
+            await ws.send_json({"type": "done", "chunks": chunks, "audio_seconds": session.session.audio_seconds})
+            await ws.close(1000)
+        except WebSocketDisconnect:
+            pass
+        except Exception as exc:
+            if session is None and state["service"] is not None:  # a session counts its own ending
+                state["service"].report_failure("unknown", exc)
+            await socket_error(ws, exc, settings)
+        finally:
+            pieces.abort()
+            if reader is not None:
+                reader.cancel()
+            if session is not None:
+                await session.aclose()
+            if encoder is not None:
+                encoder.close()
 
     # -------------------------------------------------------------- middleware (outermost last)
 

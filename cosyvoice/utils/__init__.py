@@ -1,0 +1,1 @@
+"""Helpers under the official module paths (``cosyvoice.utils.*``), so official scripts import unchanged."""

@@ -1,0 +1,38 @@
+"""Durable file replacement: a reader sees the old file or the new one, never a torn write, even after a crash."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+
+def temp_path(path: Path) -> Path:
+    """The temporary sibling :func:`atomic_write` writes through (a hidden ``.tmp`` file, unique per thread)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+
+
+def atomic_write(path: str | Path, write: Callable[[str], object]) -> None:
+    """``write(tmp)`` a temporary sibling, fsync it, rename it over ``path``, fsync the folder.
+
+    A crash (even ``kill -9``) at any point leaves ``path`` as it was or complete; at worst a stale
+    ``.<name>.*.tmp`` remains, which readers ignore.
+    """
+    path = Path(path)
+    tmp = temp_path(path)
+    try:
+        write(str(tmp))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    try:
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:  # some platforms cannot open folders; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

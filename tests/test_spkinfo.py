@@ -1,0 +1,145 @@
+"""Saved voices are never lost: spk2info.pt on top of the voice library (issue 7)."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cosyvoice.cli.cosyvoice import CosyVoice3
+from cosyvoice.errors import InvalidInputError
+from cosyvoice.frontend.prompts import zero_shot_prompt_text
+from cosyvoice.settings import Limits
+from cosyvoice.spkinfo import SPKINFO_FILE, read_spkinfo, voice_to_official
+
+PROMPT_TEXT = zero_shot_prompt_text("Hello, this is a short prompt for testing.")
+TEXT = "Good morning to you."
+
+
+@pytest.fixture
+def model_dir(tiny_bundle_dir: Path, tmp_path: Path) -> Path:
+    """A private copy of the tiny bundle: these tests write its spk2info.pt."""
+    return Path(shutil.copytree(tiny_bundle_dir, tmp_path / "model", ignore=shutil.ignore_patterns(SPKINFO_FILE)))
+
+
+def _open(model_dir: Path, voice_dir: Path) -> CosyVoice3:
+    return CosyVoice3(model_dir, device="cpu", limits=Limits(max_sessions=2), voice_dir=voice_dir)
+
+
+def _same(a, b) -> bool:
+    """Equal nested dicts of tensors (what torch.load gives back)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def test_mixed_spk2info_loses_nothing(tts, model_dir: Path, short_prompt_wav: Path, prompt_wav: Path,
+                                      tmp_path: Path) -> None:
+    zero_shot = voice_to_official(tts.frontend.voice(PROMPT_TEXT, str(short_prompt_wav)))
+    corrupt = {**zero_shot, "prompt_speech_feat": torch.zeros(3)}  # a damaged copy of it
+    sft = {"embedding": torch.randn(1, 192)}  # a CosyVoice 1 SFT speaker
+    original = {"sft": sft, "mine": zero_shot, "mine (copy)": corrupt}
+    torch.save(original, model_dir / SPKINFO_FILE)
+
+    api = _open(model_dir, tmp_path / "voices")
+    assert api.list_available_spks() == ["mine"]
+    assert set(api.unusable_spks()) == {"sft", "mine (copy)"}
+    assert "lacks ['prompt_speech_feat'" in api.unusable_spks()["sft"]
+    with pytest.raises(InvalidInputError, match=r"'sft' of spk2info\.pt cannot be used"):
+        api.inference_sft(TEXT, "sft")
+    from_file = torch.cat([o["tts_speech"] for o in api.inference_sft(TEXT, "mine", seed=3)], dim=1)
+    direct = torch.cat([o["tts_speech"] for o in tts.inference_zero_shot(TEXT, PROMPT_TEXT, str(short_prompt_wav),
+                                                                         seed=3)], dim=1)
+    assert torch.equal(from_file, direct)
+
+    assert api.add_zero_shot_spk(PROMPT_TEXT, str(prompt_wav), "new")
+    api.save_spkinfo()
+    written = torch.load(model_dir / SPKINFO_FILE, weights_only=True)
+    assert set(written) == {"sft", "mine", "mine (copy)", "new"}
+    assert _same(written["sft"], sft) and _same(written["mine (copy)"], corrupt)  # written back as they were
+    assert all(_same(written["mine"][k], v) for k, v in zero_shot.items())
+
+    # the file alone (a fresh voice library) brings every voice back
+    again = _open(model_dir, tmp_path / "other-voices")
+    assert again.list_available_spks() == ["mine", "new"] and set(again.unusable_spks()) == {"sft", "mine (copy)"}
+    again.save_spkinfo()
+    assert _same(torch.load(model_dir / SPKINFO_FILE, weights_only=True), written)
+
+
+def test_a_name_taken_in_the_library_keeps_both_voices(tts, model_dir: Path, short_prompt_wav: Path,
+                                                       prompt_wav: Path, tmp_path: Path) -> None:
+    api = _open(model_dir, tmp_path / "voices")
+    api.add_zero_shot_spk(PROMPT_TEXT, str(prompt_wav), "alice")
+    torch.save({"alice": voice_to_official(tts.frontend.voice(PROMPT_TEXT, str(short_prompt_wav)))},
+               model_dir / SPKINFO_FILE)  # another alice, e.g. from another machine
+    reopened = _open(model_dir, tmp_path / "voices")
+    assert reopened.list_available_spks() == ["alice", "alice (spk2info.pt)"]
+    assert reopened.spk2info["alice"].features.speech_feat.shape != \
+        reopened.spk2info["alice (spk2info.pt)"].features.speech_feat.shape
+
+
+def test_unreadable_spk2info_is_kept_and_backed_up(model_dir: Path, short_prompt_wav: Path, tmp_path: Path) -> None:
+    garbage = b"PK\x03\x04 this is not a torch file" * 10
+    (model_dir / SPKINFO_FILE).write_bytes(garbage)
+    api = _open(model_dir, tmp_path / "voices")  # starts anyway, and says why its voices are missing
+    assert "could not be read" in api.unusable_spks()[SPKINFO_FILE]
+    assert (model_dir / SPKINFO_FILE).read_bytes() == garbage  # loading never touches it
+    api.add_zero_shot_spk(PROMPT_TEXT, str(short_prompt_wav), "fresh")
+    api.save_spkinfo()
+    [backup] = model_dir.glob(f"{SPKINFO_FILE}.unreadable-*")
+    assert backup.read_bytes() == garbage
+    assert list(torch.load(model_dir / SPKINFO_FILE, weights_only=True)) == ["fresh"]
+    api.save_spkinfo()  # the new file is ours: no second backup
+    assert len(list(model_dir.glob(f"{SPKINFO_FILE}.unreadable-*"))) == 1
+
+
+WRITER = textwrap.dedent("""
+    import sys, torch
+    from cosyvoice.spkinfo import write_spkinfo
+    path, n = sys.argv[1], 0
+    while True:  # alternate two versions; each is ~16 MB so a write takes a while
+        n += 1
+        print(n, flush=True)
+        payload = torch.full((4_000_000,), float(n % 2))
+        write_spkinfo(path, {"version": {"n": torch.tensor([n % 2]), "payload": payload}})
+""")
+
+
+def test_kill_9_during_a_save_leaves_the_old_or_the_new_file(tmp_path: Path) -> None:
+    path = tmp_path / SPKINFO_FILE
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    rng = random.Random(0)
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    interrupted = 0
+    for _ in range(6):
+        proc = subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True,
+                                cwd=repo, env=env)
+        try:
+            for _ in range(rng.randrange(2, 5)):
+                assert proc.stdout.readline(), "the writer died"
+            time.sleep(rng.uniform(0.0, 0.08))  # somewhere inside a write
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            proc.stdout.close()
+        interrupted += bool(list(tmp_path.glob(f".{SPKINFO_FILE}.*.tmp")))  # killed inside a write
+        found = read_spkinfo(path)  # also removes the interrupted write's temporary file
+        assert found.error is None, found.error
+        entry = found.unusable["version"]
+        n = int(entry["n"])
+        assert torch.equal(entry["payload"], torch.full((4_000_000,), float(n)))
+        assert not list(tmp_path.glob(f".{SPKINFO_FILE}.*.tmp"))
+    assert interrupted >= 2, "the kills should land inside writes"
