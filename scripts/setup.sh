@@ -4,8 +4,9 @@
 #
 # Everything Python goes into the venv, never into the system interpreter: Debian's python3 is "externally
 # managed" (PEP 668) and refuses pip, and one environment per checkout gives every machine the same test
-# command (.venv/bin/python -m pytest -q). When all is installed (a stamp keyed on pyproject.toml, this
-# script, the extras and the venv's Python matches) it makes no pip call and no network access at all.
+# command (.venv/bin/python -m pytest -q). When all is installed (scripts/install_state.py: a stamp keyed on
+# pyproject.toml, this script and the venv's Python, listing the extras installed) it makes no pip call and
+# no network access at all.
 #
 # Environment: PYTHON (base interpreter, default python3), COSYVOICE_VENV (default .venv),
 # COSYVOICE_EXTRAS (default dev; scripts/webui.sh asks for ui). Used by scripts/test.sh, scripts/webui.sh,
@@ -31,9 +32,16 @@ missing_apt=()
 command -v ffmpeg >/dev/null 2>&1 || missing_apt+=(ffmpeg)
 if [[ ",$EXTRAS," == *",dev,"* ]]; then
   [ -x /usr/bin/chromium ] || missing_apt+=(chromium)
-  dpkg-query -W -f='${Status}' fonts-noto-cjk 2>/dev/null | grep -q 'ok installed' || missing_apt+=(fonts-noto-cjk)
+  if command -v dpkg-query >/dev/null 2>&1; then
+    dpkg-query -W -f='${Status}' fonts-noto-cjk 2>/dev/null | grep -q 'ok installed' || missing_apt+=(fonts-noto-cjk)
+  fi
 fi
-if [ ! -x "$VENV/bin/python" ] && ! "$BASE_PY" -c 'import ensurepip' >/dev/null 2>&1; then
+state() { "$VENV/bin/python" scripts/install_state.py "$1" "$VENV" "$EXTRAS"; }
+up_to_date() { [ -x "$VENV/bin/python" ] && state check; }
+# A venv whose pip cannot be imported (e.g. made by python3 -m venv before python3-venv was installed)
+# is made again.
+venv_usable() { [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import pip' >/dev/null 2>&1; }
+if ! up_to_date && ! venv_usable && ! "$BASE_PY" -c 'import ensurepip' >/dev/null 2>&1; then
   missing_apt+=("python${py_mm}-venv")
 fi
 
@@ -45,8 +53,12 @@ if [ ${#missing_apt[@]} -gt 0 ]; then
     if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1; then SUDO=sudo; fi
     if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = 0 ] || [ -n "$SUDO" ]; }; then
       log "installing system packages (apt): ${missing_apt[*]}"
-      $SUDO apt-get update -qq
-      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing_apt[@]}" >/dev/null
+      # A failure (e.g. no network) is reported, not fatal: what is installed may still be enough to start.
+      if ! { $SUDO apt-get update -qq &&
+             $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+               "${missing_apt[@]}" >/dev/null; }; then
+        log "WARNING: apt-get could not install ${missing_apt[*]}"
+      fi
     else
       log "WARNING: missing ${missing_apt[*]} and no apt-get/root to install them: install them yourself" \
           "(without ffmpeg, mp3/m4a/webm prompts are refused and the web UI cannot stream audio)"
@@ -55,9 +67,12 @@ if [ ${#missing_apt[@]} -gt 0 ]; then
 fi
 
 # ---- the virtual environment ------------------------------------------------------------------------
-state() { "$VENV/bin/python" scripts/install_state.py "$1" "$VENV" "$EXTRAS"; }
-
-if [ -x "$VENV/bin/python" ] && state check; then
+# torch>=2.4,<2.15, as pyproject.toml says
+torch_in_range() {
+  "$1" -c 'import torch, sys; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+sys.exit(not (2, 4) <= v < (2, 15))' >/dev/null 2>&1
+}
+if up_to_date; then
   [ "$CHECK_ONLY" = 1 ] && [ ${#missing_apt[@]} -gt 0 ] && exit 1
   log "python packages up to date in $VENV (extras [$EXTRAS]): no pip call"
   exit 0
@@ -67,24 +82,26 @@ if [ "$CHECK_ONLY" = 1 ]; then
   exit 1
 fi
 
-if [ ! -x "$VENV/bin/python" ]; then
+if ! venv_usable; then
   # A machine whose own python3 already has a torch in our range (e.g. a CUDA build on a GPU box) keeps
   # it: the venv sees the system's packages, and pip installs only what is missing or too old.
   venv_args=()
-  if "$BASE_PY" -c 'import torch, sys; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]);
-sys.exit(not ((2, 4) <= v < (2, 15)))' >/dev/null 2>&1; then
+  if torch_in_range "$BASE_PY"; then
     venv_args+=(--system-site-packages)
   fi
   log "creating the virtual environment $VENV (${venv_args[*]:-isolated}) with $("$BASE_PY" -c 'import sys; print(sys.executable)')"
-  rm -rf "$VENV"  # a half-made venv (e.g. an earlier failed ensurepip) would be reused otherwise
+  if [ -e "$VENV" ]; then
+    # a half-made venv (e.g. from a failed ensurepip) is replaced; anything else there is left alone
+    [ -f "$VENV/pyvenv.cfg" ] || { log "ERROR: $VENV exists and is not a virtual environment"; exit 1; }
+    rm -rf "$VENV"
+  fi
   "$BASE_PY" -m venv "${venv_args[@]}" "$VENV"
 fi
 PY="$VENV/bin/python"
 
 # torch first and pinned: 2.13.0 is the CPU build on local disk here; any other request pulls a
 # multi-GB CUDA build. A torch already in our range is kept (GPU boxes).
-if ! "$PY" -c 'import torch, sys; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]);
-sys.exit(not ((2, 4) <= v < (2, 15)))' >/dev/null 2>&1; then
+if ! torch_in_range "$PY"; then
   log "installing torch==2.13.0"
   "$PY" -m pip install -q torch==2.13.0
 fi

@@ -45,8 +45,9 @@ def test_stamp_follows_pyproject_and_extras(tmp_path: Path) -> None:
 
 def _setup(env_dir: Path, extras: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COSYVOICE_VENV": str(env_dir), "COSYVOICE_EXTRAS": extras,
-           # no index and no local wheels: any pip download would fail
-           "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "", "PIP_CONFIG_FILE": os.devnull}
+           # no package index and no pip configuration: a pip install would fail here
+           "PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": os.devnull}
+    env.pop("PIP_FIND_LINKS", None)
     return subprocess.run(["bash", "scripts/setup.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
 
@@ -68,9 +69,6 @@ def test_a_current_stamp_means_no_pip_call(tmp_path: Path) -> None:
     (env_dir / install_state.STAMP).write_text("stale\nui\n")  # e.g. pyproject.toml changed since
     check = _setup(env_dir, "ui", "--check")
     assert check.returncode == 1 and "python packages not installed" in check.stderr
-    stale = _setup(env_dir, "ui")
-    assert stale.returncode != 0
-    assert "installing torch==2.13.0" in stale.stderr and "No module named pip" in stale.stderr
 
 
 def _names(requirements: list[str]) -> set[str]:
