@@ -247,3 +247,13 @@ def test_stop_before_the_first_chunk_and_while_queued(studio: Studio, short_prom
     while (studio.service.status().active_sessions or studio._running) and time.time() < deadline:
         time.sleep(0.02)  # the engine's work ends at its next chunk
     assert studio.service.status().active_sessions == 0 and not studio._stopped_early and not studio._running
+
+
+def test_speed_applies_while_streaming(studio: Studio, short_prompt_wav: Path) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "plays when it is complete" fallback: the engine streams at speed
+        outs = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), speed=1.5, stream=True)
+    *progress, (_, _, [take], _, _) = outs
+    assert len(progress) >= 2 and take["speed"] == 1.5 and take["stream"] is True
