@@ -2,30 +2,37 @@
 
     python webui.py [--port 8000] [--host 127.0.0.1] [--model-dir DIR_OR_MODELSCOPE_ID] [--voice-dir DIR]
 
-Without --model-dir it serves pretrained_models/Fun-CosyVoice3-0.5B, or, when that folder is absent, a
-randomly initialised demo model (noise-like audio; the page says so).
+Without --model-dir it serves pretrained_models/Fun-CosyVoice3-0.5B of this repository (wherever it is
+started from), or, when that folder is absent, a randomly initialised demo model (noise-like audio; the
+page and the log say so). Built-in voices come from assets/voices (<name>.wav + <name>.txt).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 
-from app.ui import DEFAULT_VOICE_DIR, DEMO_MODEL_DIR, launch, load_studio
+from app.ui import BUILTIN_VOICE_DIR, DEFAULT_VOICE_DIR, DEMO_MODEL_DIR, launch, load_studio
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 serves other machines too (default: %(default)s)")
+    # a Hugging Face Space assigns the address and port through Gradio's own variables
+    parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 8000)))
+    parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
+                        help="0.0.0.0 serves other machines too (default: %(default)s)")
     parser.add_argument("--model-dir", help="model folder or ModelScope id (default: pretrained_models/"
                                             "Fun-CosyVoice3-0.5B, else a demo model)")
     parser.add_argument("--voice-dir", default=str(DEFAULT_VOICE_DIR), help="where voices are kept (%(default)s)")
     parser.add_argument("--demo-dir", default=str(DEMO_MODEL_DIR), help="where the demo model is written")
+    parser.add_argument("--builtin-voice-dir", default=str(BUILTIN_VOICE_DIR),
+                        help="built-in voices, <name>.wav + <name>.txt (%(default)s)")
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    studio = load_studio(args.model_dir, voice_dir=args.voice_dir, demo_dir=args.demo_dir, device=args.device)
+    studio = load_studio(args.model_dir, voice_dir=args.voice_dir, demo_dir=args.demo_dir,
+                         builtin_dir=args.builtin_voice_dir, device=args.device)
     launch(studio, host=args.host, port=args.port)
 
 

@@ -1,87 +1,143 @@
-"""The Gradio web UI: forms in, engine calls out, audio streamed back to the browser. No model logic here.
+"""The Gradio web UI: forms in, service calls out, audio to the browser. No model logic here.
 
-One :class:`Studio` (the shared CosyVoice3 engine and the prompt-voice library) serves every browser
-session. People type plain text; the CosyVoice3 prompt conventions (``cosyvoice.frontend.prompts``) are
-applied here. Errors the package raises on purpose reach the page through :func:`user_errors`.
+One :class:`Studio` (the engine, the voice library, the live-audio hub) serves every browser session. A
+take runs as a Gradio event (so the queue, Stop and the status line are Gradio's), while its audio goes to
+the page's Web Audio player over ``app.live`` as it is made. Invalid input becomes a warning toast on the
+page (never an error badge over other controls); the named API endpoints raise plain-text errors instead.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import html
-import inspect
-import io
+import json
 import logging
+import queue
+import secrets
+import shutil
+import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import zipfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import gradio as gr
 import numpy as np
-import soundfile as sf
 
+from app.i18n import I18N, t
+from app.live import LiveHub, head_html, mount
 from cosyvoice.bundle import DEFAULT_MODEL_ID, validate_model_dir
 from cosyvoice.cli.cosyvoice import CosyVoice3
+from cosyvoice.encoding import audio_format, encode_audio, to_pcm16
+from cosyvoice.engine import AudioChunk
 from cosyvoice.errors import CosyVoiceError, InvalidInputError, ModelBundleError, ResourceLimitError
-from cosyvoice.frontend.frontend import Voice
-from cosyvoice.frontend.prompts import cross_lingual_text, instruct_text, user_text, zero_shot_prompt_text
+from cosyvoice.service import SynthesisRequest, SynthesisSession, TTSService
 from cosyvoice.settings import SPEED_RANGE
-from cosyvoice.voices import VoiceLibrary
+from cosyvoice.voices import BUILTIN_VOICE_DIR, EXPORT_SUFFIX, VoiceLibrary
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_DIR = Path("pretrained_models/Fun-CosyVoice3-0.5B")
-DEMO_MODEL_DIR = Path("pretrained_models/.tiny-demo")
-DEFAULT_VOICE_DIR = Path("pretrained_models/.voices")
+REPO = Path(__file__).resolve().parents[1]  # paths resolve from the repository, not the working directory
+DEFAULT_MODEL_DIR = REPO / "pretrained_models" / "Fun-CosyVoice3-0.5B"
+DEMO_MODEL_DIR = REPO / "pretrained_models" / ".tiny-demo"
+DEFAULT_VOICE_DIR = REPO / "pretrained_models" / ".voices"
+_MODEL_IN_REPO = DEFAULT_MODEL_DIR.relative_to(REPO)  # the page names repository paths, never the server's
 DEMO_WARNING = (
-    f"DEMO MODE: no model was found at {DEFAULT_MODEL_DIR}, so this UI runs a tiny RANDOMLY INITIALISED model "
+    f"DEMO MODE: no model was found at {_MODEL_IN_REPO}, so this UI runs a tiny RANDOMLY INITIALISED model "
     "that produces noise-like audio, not speech. For real speech, download the model with "
-    f"`modelscope download --model {DEFAULT_MODEL_ID} --local_dir {DEFAULT_MODEL_DIR}` "
-    "(pip install -e '.[download]') and restart, or start with --model-dir DIR."
+    f"`modelscope download --model {DEFAULT_MODEL_ID} --local_dir {_MODEL_IN_REPO}` "
+    "(pip install -e '.[download]') in the repository and restart, or start with --model-dir DIR."
 )
-MODES = {"zero_shot": "Zero-shot clone", "cross_lingual": "Cross-lingual", "instruct2": "Instruct"}
+MODES = ("zero_shot", "cross_lingual", "instruct2")
+DOWNLOAD_FORMATS = ("wav", "mp3", "flac", "opus")
+MAX_SEED = 2**31 - 1
+FILE_LIFETIME_SECONDS = 86400  # takes, exports and ZIPs stay downloadable this long (also Gradio's cache)
+KEEP_TAKE_TIMES = 1024  # server times of recent takes, for measurements
+
+try:  # a Hugging Face ZeroGPU Space: the GPU is attached per call to the functions wrapped by spaces.GPU
+    import spaces
+except ImportError:
+    spaces = None
 
 
-# ----------------------------------------------------------------------------- errors: the one mapping
+@dataclass
+class GpuSession:
+    """A synthesis session on ZeroGPU: the chunks are made inside a ``spaces.GPU`` generator (a process that
+    holds the GPU) and come back here, where they are published as usual. Same surface as the service's
+    session: iterate, ``cancel()`` (ends at the next chunk), ``close()``."""
+
+    prepared: Any
+    chunks: Iterator[AudioChunk]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def __iter__(self) -> Iterator[AudioChunk]:
+        for chunk in self.chunks:
+            if self.cancelled.is_set():
+                return
+            yield chunk
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def close(self) -> None:
+        self.chunks.close()
 
 
-def as_gr_error(exc: CosyVoiceError) -> gr.Error:
-    """Our message, escaped (the page renders HTML and messages may quote ``<|endofprompt|>``), under a title."""
+def _gpu_chunks(service: TTSService, request: SynthesisRequest) -> Iterator[AudioChunk]:
+    with contextlib.closing(service.synthesize(request)) as session:
+        yield from session
+
+
+if spaces is not None:
+    _gpu_chunks = spaces.GPU(duration=120)(_gpu_chunks)
+
+
+# ----------------------------------------------------------------------------- takes
+
+
+@dataclass
+class Take:
+    """One finished generation, as the session history keeps it."""
+
+    number: int
+    file: str  # the encoded audio in the chosen download format
+    text: str
+    voice: str
+    mode: str
+    seed: int
+    speed: float
+    stream: bool
+    format: str
+    seconds: float
+    first_audio: float | None  # server: request start -> first chunk
+    wall: float
+    stopped: bool = False
+
+
+@dataclass
+class TakeTimes:
+    """Server-side wall-clock times of a take (epoch seconds), kept for measurements and the tests."""
+
+    start: float
+    first_chunk: float | None = None
+    finished: float | None = None
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, samples) per chunk
+
+
+def _page_message(exc: CosyVoiceError) -> str:
+    if isinstance(exc, ResourceLimitError):
+        return f"The server is busy: {exc}"
     if isinstance(exc, InvalidInputError):
-        title = "Please check your input"
-    elif isinstance(exc, ResourceLimitError):
-        title = "The server is busy"
-    else:
-        title = "Model problem"
-    return gr.Error(html.escape(str(exc)), title=title, print_exception=not isinstance(exc, InvalidInputError))
+        return str(exc)
+    return f"Model problem: {exc}"
 
 
 def warn(message: str) -> None:
-    """A non-fatal problem: the request goes on and the page shows a warning."""
+    """A warning toast on the page (HTML-escaped: messages may quote ``<|endofprompt|>``)."""
     gr.Warning(html.escape(message))
-
-
-def user_errors(handler: Callable) -> Callable:
-    """Wrap a (generator) handler so that every :class:`CosyVoiceError` becomes a ``gr.Error`` on the page."""
-    if inspect.isgeneratorfunction(handler):
-        @functools.wraps(handler)
-        def streaming(*args: Any, **kwargs: Any) -> Iterator:
-            try:
-                yield from handler(*args, **kwargs)
-            except CosyVoiceError as exc:
-                raise as_gr_error(exc) from exc
-        return streaming
-
-    @functools.wraps(handler)
-    def plain(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return handler(*args, **kwargs)
-        except CosyVoiceError as exc:
-            raise as_gr_error(exc) from exc
-    return plain
 
 
 # ----------------------------------------------------------------------------- the shared state and handlers
@@ -89,172 +145,574 @@ def user_errors(handler: Callable) -> Callable:
 
 @dataclass
 class Studio:
-    """What all browser sessions share: one engine, one voice library."""
+    """What all browser sessions share: the service (engine + voice library) and one live-audio hub."""
 
-    tts: CosyVoice3
-    voices: VoiceLibrary
+    service: TTSService
     demo: bool = False
+    live: LiveHub = field(default_factory=LiveHub)
+    times: dict[str, TakeTimes] = field(default_factory=dict)
+    _running: dict[str, tuple[SynthesisSession | GpuSession, queue.Queue]] = field(default_factory=dict)
+    _stopped_early: set[str] = field(default_factory=set)  # Stop clicked while the take was still queued
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _files: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cosyvoice-takes-")))
+
+    def _folder(self) -> Path:
+        """A new folder for files handed to the page; those older than a day go (as Gradio's own cache)."""
+        cutoff = time.time() - FILE_LIFETIME_SECONDS
+        for old in self._files.iterdir():
+            if old.stat().st_mtime < cutoff:
+                shutil.rmtree(old, ignore_errors=True)
+        return Path(tempfile.mkdtemp(dir=self._files))
+
+    @property
+    def tts(self) -> CosyVoice3:
+        return self.service.tts
+
+    @property
+    def voices(self) -> VoiceLibrary:
+        return self.service.voices
+
+    # ------------------------------------------------------------------ voices
 
     def voice_choices(self) -> list[tuple[str, str]]:
-        """Dropdown (label, voice id) pairs: saved voices by name, then recent uploads."""
-        def label(name: str | None, transcript: str, voice_id: str) -> str:
-            words = transcript if len(transcript) <= 40 else transcript[:39] + "…"
-            return name or f"recent upload {voice_id[:6]}: {words or '(no transcript)'}"
-        return [(label(i.name, i.transcript, i.id), i.id) for i in self.voices.list()]
+        """Dropdown (label, voice id) pairs: built-ins, saved voices by name, then recent uploads."""
+        return [(f"{i.label} (built-in)" if i.builtin else i.label, i.id) for i in self.voices.list()]
 
-    def refresh_voices(self, selected: str | None = None) -> gr.Dropdown:
+    def voice_dropdown(self, selected: str | None = None) -> dict:
         choices = self.voice_choices()
-        return gr.Dropdown(choices=choices, value=selected if selected in {v for _, v in choices} else None)
-
-    @user_errors
-    def generate(self, mode: str, text: str, prompt_audio: str | None, transcript: str, instruction: str,
-                 saved_voice: str | None, save_as: str, seed: float | None, speed: float,
-                 stream: bool) -> Iterator[tuple]:
-        """Yield (player chunk, full WAV, voice dropdown, status): WAV chunks while synthesising, then the rest."""
-        self.tts.frontend.check_text(text)
-        instruction = self._instruction(mode, instruction or "")  # checked before any audio work
-        if stream and speed != 1.0:
-            warn("speed applies only without streaming; streaming at normal speed")
-        voice_id, voice, source = self._voice(mode, prompt_audio, transcript or "", saved_voice)
-        if save_as and save_as.strip():
-            try:
-                self.voices.save(save_as, voice_id)
-            except CosyVoiceError as exc:
-                warn(f"the voice was not saved: {exc}")
-        chunks = self.tts.synthesize(mode, cross_lingual_text(text) if mode == "cross_lingual" else text,
-                                     voice=voice, instruct_text=instruction, split_prefixed=True, stream=bool(stream),
-                                     speed=1.0 if stream else float(speed),
-                                     seed=None if seed is None or seed < 0 else int(seed))
-        pieces: list[np.ndarray] = []
-        start = time.perf_counter()
-        first_audio = 0.0
-        with contextlib.closing(chunks):
-            for chunk in chunks:
-                pcm = chunk.int16()
-                if not pcm.size:
-                    continue
-                first_audio = first_audio or time.perf_counter() - start
-                yield _wav_bytes(pcm, chunk.sample_rate), None if not pieces else gr.skip(), gr.skip(), gr.skip()
-                pieces.append(pcm)
-        wall = time.perf_counter() - start
-        full = np.concatenate(pieces) if pieces else np.zeros(0, np.int16)
-        seconds = full.size / self.tts.sample_rate
-        status = (f"{seconds:.1f} s of audio in {wall:.1f} s (first audio after {first_audio:.2f} s, "
-                  f"{len(pieces)} chunks) · voice: {source}" if pieces else "the model produced no audio")
-        yield (gr.skip(), (self.tts.sample_rate, full) if pieces else None, self.refresh_voices(saved_voice),
-               status)
-
-    def _voice(self, mode: str, prompt_audio: str | None, transcript: str,
-               saved_voice: str | None) -> tuple[str, Voice, str]:
-        """(voice id, voice, description): the saved voice if one is picked, else the recording (cached)."""
-        if saved_voice:
-            info, voice = self.voices.get(saved_voice)  # synthesize() refuses it for zero-shot if it lacks a transcript
-            label = repr(info.name) if info.name else f"recent upload {info.id[:6]}"
-            return info.id, voice, f"saved voice {label}"
-        if not prompt_audio:
-            limits = self.tts.limits
-            raise InvalidInputError(f"upload or record a prompt voice ({limits.min_prompt_seconds:g} to "
-                                    f"{limits.max_prompt_seconds:g} s of speech), or pick a saved voice")
-        prompt_text = ""
-        if mode == "zero_shot":
-            if not user_text(transcript):
-                raise InvalidInputError("zero-shot cloning needs the transcript of the prompt recording: type what "
-                                        "is said in it, or use the cross-lingual tab, which needs none")
-            self.tts.frontend.check_text(transcript, "the transcript")
-            prompt_text = zero_shot_prompt_text(transcript)
-        voice_id, voice = self.voices.get_or_create(prompt_audio, prompt_text)
-        return voice_id, voice, "the uploaded recording"
+        return gr.update(choices=choices, value=selected if selected in {v for _, v in choices} else None)
 
     @staticmethod
-    def _instruction(mode: str, instruction: str) -> str:
-        if mode != "instruct2":
-            return ""
-        if not user_text(instruction):
-            raise InvalidInputError("instruct mode needs an instruction, e.g. 'Speak slowly and calmly.'")
-        return instruct_text(instruction)
+    def _upload(path: str | None) -> str | None:
+        """A recording Gradio stored for this page; a vanished file gets a message without its server path."""
+        if path and not Path(path).is_file():
+            raise InvalidInputError("the uploaded recording is no longer on the server (uploads expire); "
+                                    "upload it again")
+        return path or None
 
-    @user_errors
-    def delete_voice(self, saved_voice: str | None) -> gr.Dropdown:
-        if not saved_voice:
-            raise InvalidInputError("pick a saved voice to delete")
-        info = self.voices.delete(saved_voice)
-        gr.Info(html.escape(f"deleted voice {info.name or info.id[:6]}"))
-        return self.refresh_voices()
+    def check_upload(self, path: str | None) -> Any:
+        """Validate a prompt as soon as it is uploaded or recorded: a bad one is removed with a message."""
+        if not path:
+            return gr.skip()
+        try:
+            self.tts.frontend.load_prompt(self._upload(path))
+        except CosyVoiceError as exc:
+            warn(f"This recording cannot be used: {_page_message(exc)}")
+            return None
+        return gr.skip()
 
+    def preview(self, key: str | None) -> Any:
+        if not key:
+            return None
+        try:
+            return self.voices.recording(key)
+        except CosyVoiceError as exc:
+            warn(_page_message(exc))
+            return None
 
-def _wav_bytes(pcm: np.ndarray, sample_rate: int) -> bytes:
-    """One streamed piece as a 16-bit WAV, the form Gradio's stream encoder reads without a subprocess."""
-    buffer = io.BytesIO()
-    sf.write(buffer, pcm, sample_rate, format="WAV", subtype="PCM_16")
-    return buffer.getvalue()
+    def save_voice(self, name: str, mode: str, prompt: str | None, transcript: str, saved: str | None) -> dict:
+        """Save the uploaded recording (with the transcript, if typed) or rename nothing; the dropdown picks it."""
+        try:
+            if not prompt:
+                raise InvalidInputError("upload or record a prompt voice first, then save it under a name")
+            if not (name or "").strip():
+                raise InvalidInputError("type a name for the voice")
+            info = self.service.create_voice(name, self._upload(prompt), transcript or "")
+        except CosyVoiceError as exc:
+            warn(_page_message(exc))
+            return gr.skip()
+        gr.Info(html.escape(f"Saved voice {info.name!r}" + ("" if info.transcript else
+                                                            " (without transcript: cross-lingual and instruct)")))
+        return self.voice_dropdown(info.id)
+
+    def rename_voice(self, key: str | None, new_name: str) -> dict:
+        try:
+            if not key:
+                raise InvalidInputError("pick a saved voice to rename")
+            info = self.voices.rename(key, new_name or "")
+        except CosyVoiceError as exc:
+            warn(_page_message(exc))
+            return gr.skip()
+        return self.voice_dropdown(info.id)
+
+    def export_voice(self, key: str | None) -> Any:
+        try:
+            if not key:
+                raise InvalidInputError("pick a voice to export")
+            name, data = self.voices.export(key)
+        except CosyVoiceError as exc:
+            warn(_page_message(exc))
+            return gr.skip()
+        path = Path(self._folder()) / name
+        path.write_bytes(data)
+        return str(path)
+
+    def import_voice(self, path: str | None) -> tuple:
+        if not path:
+            return gr.skip(), gr.skip()
+        try:
+            if not str(path).endswith(EXPORT_SUFFIX.split(".")[-1]):
+                raise InvalidInputError(f"a voice file ends in {EXPORT_SUFFIX} (made with Export)")
+            info = self.voices.import_voice(Path(path).read_bytes())
+        except CosyVoiceError as exc:
+            warn(_page_message(exc))
+            return gr.skip(), None
+        gr.Info(html.escape(f"Imported voice {info.name!r}"))
+        return self.voice_dropdown(info.id), None
+
+    def ask_delete(self, key: str | None) -> tuple:
+        """First step of Delete: show the confirmation row naming the voice."""
+        try:
+            if not key:
+                raise InvalidInputError("pick a saved voice to delete")
+            info = self.voices.info(key)
+            if info.builtin:
+                raise InvalidInputError(f"{info.name!r} is a built-in voice and cannot be deleted")
+        except CosyVoiceError as exc:
+            warn(_page_message(exc))
+            return gr.skip(), gr.skip()
+        return gr.update(visible=True), f"Delete the voice **{html.escape(info.label)}**? This cannot be undone."
+
+    def delete_voice(self, key: str | None) -> tuple:
+        try:
+            if not key:
+                raise InvalidInputError("pick a saved voice to delete")
+            info = self.service.delete_voice(key)
+        except CosyVoiceError as exc:
+            warn(_page_message(exc))
+            return gr.skip(), gr.update(visible=False), None
+        gr.Info(html.escape(f"Deleted voice {info.label!r}"))
+        return self.voice_dropdown(), gr.update(visible=False), None
+
+    # ------------------------------------------------------------------ synthesis
+
+    def _start(self, mode: str, text: str, prompt: str | None, transcript: str, instruction: str,
+               voice_key: str | None, seed: int | None, speed: float, stream: bool,
+               fmt: str = "wav") -> tuple[SynthesisSession | GpuSession, str, int]:
+        """Validate and start a request through the service: (session, voice description, the seed used).
+
+        A random seed is drawn here, so that every take can show (and reproduce) the seed it used."""
+        used_seed = secrets.randbelow(MAX_SEED) if seed is None or seed < 0 else int(seed)
+        prompt = None if voice_key else self._upload(prompt)
+        request = SynthesisRequest(
+            text=text, mode=mode, voice=voice_key or None, prompt_audio=prompt,
+            transcript=transcript or "", instruction=instruction or "", speed=float(speed), seed=used_seed,
+            stream=bool(stream), format=fmt)
+        try:
+            if spaces is None:
+                session = self.service.synthesize(request)
+            else:  # errors before any GPU time; the GPU process then finds the voice in the library's cache
+                session = GpuSession(self.service.prepare(request), _gpu_chunks(self.service, request))
+        except InvalidInputError as exc:
+            if exc.field == "voice" and not voice_key and not prompt:  # say it in the page's words
+                limits = self.tts.limits
+                message = (f"upload or record a prompt voice ({limits.min_prompt_seconds:g} to "
+                           f"{limits.max_prompt_seconds:g} s of speech), or pick a voice")
+                raise InvalidInputError(message, "voice") from exc
+            raise
+        if stream and not session.prepared.stream:
+            warn("this engine applies speed only without streaming: the take plays when it is complete")
+        voice = self.voices.info(session.prepared.voice_id).label if voice_key else "uploaded recording"
+        return session, voice, used_seed
+
+    def _pump(self, session: SynthesisSession | GpuSession, take_id: str, events: queue.Queue) -> None:
+        """Run one take in its own thread: chunks to the live channel and to the Gradio handler. A cancelled
+        session ends at its next chunk boundary (and closing it cancels the engine's work), whether or not
+        Gradio still reads ``events``."""
+        times = self.times[take_id]
+        try:
+            with contextlib.closing(session):
+                for chunk in session:
+                    now = time.time()
+                    times.first_chunk = times.first_chunk or now
+                    times.chunks.append((now, chunk.pcm.numel()))
+                    self.live.channel(take_id).put(to_pcm16(chunk.pcm).tobytes())
+                    events.put(("chunk", chunk.pcm.numpy()))
+            events.put(("done", None))
+        except BaseException as exc:  # handed to the handler, which reports it
+            events.put(("error", exc))
+        finally:
+            times.finished = time.time()
+            self.live.finish(take_id)
+            with self._lock:
+                self._running.pop(take_id, None)
+
+    def _run(self, take_id: str, session: SynthesisSession | GpuSession) -> Iterator[tuple[str, Any]]:
+        """Events of one take: ("chunk", float samples) ..., then ("done" | "stopped" | "error", detail)."""
+        events: queue.Queue = queue.Queue()
+        with self._lock:
+            stopped = take_id in self._stopped_early  # Stop came while the request was being prepared
+            self._stopped_early.discard(take_id)
+            if not stopped:
+                self._running[take_id] = (session, events)
+        if stopped:
+            session.close()
+            self.times[take_id].finished = time.time()
+            self.live.finish(take_id)
+            yield "stopped", None
+            return
+        threading.Thread(target=self._pump, args=(session, take_id, events), daemon=True,
+                         name=f"take-{take_id[:8]}").start()
+        finished = False
+        try:
+            while True:
+                kind, detail = events.get()
+                yield kind, detail
+                if kind != "chunk":
+                    finished = True
+                    return
+        finally:
+            if not finished:  # Gradio dropped the handler (a closed tab): stop the work too
+                logger.info("take %s: the page went away; stopping it", take_id[:8])
+                session.cancel()
+
+    def stop(self, take_id: str) -> None:
+        """Stop a take: its handler ends at once (keeping what was made) and the engine's work at its next
+        chunk; a take still waiting in the queue will not start."""
+        with self._lock:
+            running = self._running.get(take_id)
+            if running is None:
+                times = self.times.get(take_id)
+                if take_id and (times is None or times.finished is None):  # queued or being prepared
+                    self._stopped_early.add(take_id)
+                return
+        session, events = running
+        session.cancel()
+        events.put(("stopped", None))
+
+    def begin(self, take_id: str) -> tuple:
+        """The Generate click: lock Generate, unlock Stop (the take id came from the page's player)."""
+        return take_id, gr.update(interactive=False), gr.update(interactive=True)
+
+    def generate(self, take_id: str, mode: str, text: str, prompt: str | None, transcript: str, instruction: str,
+                 voice_key: str | None, seed: float | None, speed: float, stream: bool, fmt: str,
+                 history: list[dict]) -> Iterator[tuple]:
+        """The page's Generate: yields (status, download, history, generate button, stop button)."""
+        take_id = take_id or secrets.token_hex(8)
+        with self._lock:
+            self.times[take_id] = TakeTimes(start=time.time())
+            while len(self.times) > KEEP_TAKE_TIMES:  # the oldest go first (dicts keep insertion order)
+                del self.times[next(iter(self.times))]
+        idle = (gr.update(interactive=True), gr.update(interactive=False))
+        with self._lock:
+            stopped_early = take_id in self._stopped_early
+            self._stopped_early.discard(take_id)
+        if stopped_early:
+            self.times[take_id].finished = time.time()
+            self.live.finish(take_id)
+            yield "Stopped before it started.", gr.skip(), gr.skip(), *idle
+            return
+        try:
+            session, voice, used_seed = self._start(mode, text, prompt, transcript, instruction, voice_key,
+                                                    None if seed is None else int(seed), speed, stream)
+        except CosyVoiceError as exc:
+            self.times[take_id].finished = time.time()
+            with self._lock:
+                self._stopped_early.discard(take_id)
+            self.live.finish(take_id)
+            warn(_page_message(exc))
+            yield "", gr.skip(), gr.skip(), *idle
+            return
+        pieces: list[np.ndarray] = []
+        start = time.perf_counter()
+        first_audio = None
+        outcome, detail = "done", None
+        for outcome, detail in self._run(take_id, session):
+            if outcome != "chunk":
+                break
+            first_audio = first_audio if first_audio is not None else time.perf_counter() - start
+            pieces.append(detail)
+            made = sum(p.size for p in pieces) / self.tts.sample_rate
+            yield f"Generating… {made:.1f} s of audio (seed {used_seed})", gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        wall = time.perf_counter() - start
+        if outcome == "error":
+            if isinstance(detail, CosyVoiceError):
+                warn(_page_message(detail))
+            else:
+                logger.error("take %s failed", take_id, exc_info=detail)
+                warn("Synthesis failed unexpectedly; the server log has the details.")
+            if not pieces:
+                yield "", gr.skip(), gr.skip(), *idle
+                return
+        if not pieces:
+            yield "Stopped." if outcome == "stopped" else "The model produced no audio.", gr.skip(), gr.skip(), *idle
+            return
+        samples = np.concatenate(pieces)
+        take = self._keep(len(history) + 1, samples, fmt, text=text, voice=voice, mode=mode, seed=used_seed,
+                          speed=float(speed), stream=bool(stream), first_audio=first_audio, wall=wall,
+                          stopped=outcome != "done")
+        status = (f"Take {take.number}: {take.seconds:.1f} s of audio in {wall:.1f} s"
+                  + (f", first audio after {first_audio:.2f} s" if first_audio is not None else "")
+                  + f" · seed {used_seed} · voice: {voice}" + (" · stopped" if take.stopped else ""))
+        yield status, gr.update(value=take.file, visible=True), [asdict(take), *history], *idle
+
+    def _keep(self, number: int, samples: np.ndarray, fmt: str, **meta: Any) -> Take:
+        """Encode a take in its download format under a name that says what it is."""
+        audio = audio_format(fmt if fmt in DOWNLOAD_FORMATS else "wav")
+        folder = Path(self._folder())
+        path = folder / f"take-{number}-seed{meta['seed']}.{audio.extension}"
+        path.write_bytes(encode_audio(samples, audio, self.tts.sample_rate))
+        return Take(number=number, file=str(path), format=audio.name, seconds=samples.size / self.tts.sample_rate,
+                    **meta)
+
+    def history_zip(self, history: list[dict]) -> dict:
+        """The session's takes as one ZIP: every audio file plus takes.json (text, voice, mode, seed, settings)."""
+        if not history:
+            return gr.update(visible=False)
+        path = Path(self._folder()) / f"cosyvoice-takes-{len(history)}.zip"
+        with zipfile.ZipFile(path, "w") as archive:
+            for take in history:
+                archive.write(take["file"], Path(take["file"]).name)
+            archive.writestr("takes.json", json.dumps([{**take, "file": Path(take["file"]).name} for take in history],
+                                                      ensure_ascii=False, indent=2))
+        return gr.update(value=str(path), visible=True)
+
+    def stop_clicked(self, take_id: str) -> tuple:
+        self.stop(take_id)
+        return self.idle()
+
+    @staticmethod
+    def idle() -> tuple:
+        """Generate unlocked, Stop locked: after every take, however it ended (even by a bug)."""
+        return gr.update(interactive=True), gr.update(interactive=False)
+
+    # ------------------------------------------------------------------ the named API
+
+    def api_synthesize(self, text: str, mode: str | None = None, voice: str | None = None,
+                       prompt_audio: str | None = None, prompt_text: str | None = None,
+                       instruction: str | None = None, seed: float | None = None, speed: float | None = None,
+                       format: str | None = None) -> str:
+        """One whole take as a file (``format``: wav, mp3, flac or opus); plain-text errors.
+
+        ``mode``: zero_shot (default), cross_lingual or instruct2; ``voice``: a voice's name or id, looked up at
+        call time, else ``prompt_audio`` (+ ``prompt_text``, its transcript, for zero_shot); ``seed`` -1 or
+        None: random."""
+        try:
+            if (format or "wav") not in DOWNLOAD_FORMATS:
+                raise InvalidInputError(f"format must be one of {', '.join(DOWNLOAD_FORMATS)}, got {format!r}")
+            session, _, used_seed = self._start(mode or "zero_shot", text, prompt_audio, prompt_text or "",
+                                                instruction or "", voice or None, None if seed is None else int(seed),
+                                                1.0 if speed is None else float(speed), False, format or "wav")
+            audio = session.prepared.format
+            with contextlib.closing(session):
+                pieces = [c.pcm.numpy() for c in session]
+        except CosyVoiceError as exc:
+            raise gr.Error(_page_message(exc), print_exception=False) from exc
+        path = Path(self._folder()) / f"cosyvoice-seed{used_seed}.{audio.extension}"
+        path.write_bytes(encode_audio(np.concatenate(pieces) if pieces else np.zeros(0, np.float32), audio,
+                                      self.tts.sample_rate))
+        return str(path)
+
+    def api_voices(self) -> list[dict]:
+        """Every saved voice (built-ins first): id, name, transcript, built-in."""
+        return [{"id": i.id, "name": i.name, "transcript": i.transcript, "builtin": i.builtin}
+                for i in self.service.list_voices()]
+
+    def api_save_voice(self, name: str, prompt_audio: str, prompt_text: str | None = None) -> dict:
+        """Featurise a recording (with its transcript, for zero-shot) and keep it under ``name``."""
+        try:
+            if not prompt_audio:
+                raise InvalidInputError("prompt_audio is required")
+            info = self.service.create_voice(name or "", self._upload(prompt_audio), prompt_text or "")
+        except CosyVoiceError as exc:
+            raise gr.Error(_page_message(exc), print_exception=False) from exc
+        return {"id": info.id, "name": info.name, "transcript": info.transcript}
 
 
 # ----------------------------------------------------------------------------- page
 
+CSS = """
+#live-player { display:flex; align-items:center; gap:8px; min-height:24px; font-size:14px; }
+#live-player .live-dot { width:10px; height:10px; border-radius:50%; background:#9ca3af; }
+#live-player[data-state=playing] .live-dot { background:#16a34a; }
+#live-player[data-state=waiting] .live-dot { background:#f59e0b; }
+#status { min-height:40px; }  /* room for the queue position while a take waits */
+#char-counter { font-size:13px; color:#6b7280; margin-top:-8px; }
+#char-counter-text.over { color:#b91c1c; font-weight:600; }
+.toast-wrap { top:auto !important; bottom:16px !important; }  /* toasts never cover the voice controls */
+body, .gradio-container { font-family: ui-sans-serif, system-ui, "Noto Sans", "Noto Sans CJK SC",
+                          "Noto Sans CJK JP", sans-serif; }
+"""
+
+COUNTER_JS = """(text) => {
+  const limit = %d, n = [...(text || "")].length, zh = (navigator.language || "").startsWith("zh");
+  const fmt = (x) => x.toLocaleString("en-US");
+  const over = n > limit;
+  const msg = over
+    ? (zh ? `超出 ${fmt(limit)} 字的上限 ${fmt(n - limit)} 字：请缩短或分段生成。`
+          : `${fmt(n)} / ${fmt(limit)} characters: over the limit by ${fmt(n - limit)}. Shorten the text or split it.`)
+    : `${fmt(n)} / ${fmt(limit)}` + (zh ? " 字" : " characters");
+  return `<div id="char-counter-text" class="${over ? "over" : ""}" data-over="${over}">${msg}</div>`;
+}"""
+
+
+def _history_markdown(take: dict) -> str:
+    settings = (f"mode **{take['mode']}** · voice **{html.escape(take['voice'])}** · seed **{take['seed']}** · "
+                f"speed {take['speed']:g} · {'streamed' if take['stream'] else 'not streamed'} · "
+                f"{take['format'].upper()} · {take['seconds']:.1f} s" + (" · stopped" if take["stopped"] else ""))
+    text = take["text"] if len(take["text"]) <= 300 else take["text"][:299] + "…"
+    return f"**Take {take['number']}** — {settings}\n\n> {html.escape(text)}"
+
 
 def build_ui(studio: Studio) -> gr.Blocks:
     limits = studio.tts.limits
-    with gr.Blocks(title="CosyVoice3 Studio", analytics_enabled=False, delete_cache=(3600, 3600)) as page:
+    rate = studio.tts.sample_rate
+    with gr.Blocks(title="CosyVoice3 Studio", analytics_enabled=False,
+                   delete_cache=(3600, FILE_LIFETIME_SECONDS)) as page:
         if studio.demo:
             gr.HTML(f'<div id="demo-banner" style="background:#b91c1c;color:#fff;padding:12px 16px;'
                     f'border-radius:8px;font-weight:600">{html.escape(DEMO_WARNING)}</div>')
-        gr.Markdown("# CosyVoice3 Studio\nFun-CosyVoice3-0.5B text-to-speech: clone a voice from a short "
-                    "recording, speak it in another language, or steer it with an instruction.")
+        gr.Markdown("# CosyVoice3 Studio")
+        gr.Markdown(t("intro"))
         mode = gr.State("zero_shot")
+        take_id = gr.Textbox(visible=False, elem_id="take-id")
+        history = gr.State([])
         with gr.Row():
             with gr.Column(scale=3):
-                text = gr.Textbox(label="Text to speak", lines=5, max_length=limits.max_text_chars)
+                text = gr.Textbox(label=t("text"), placeholder=t("text_placeholder"), lines=5, elem_id="text")
+                counter = gr.HTML(elem_id="char-counter")
                 with gr.Tabs():
-                    with gr.Tab(MODES["zero_shot"]) as zero_shot_tab:
-                        transcript = gr.Textbox(label="Transcript of the prompt recording", lines=2,
-                                                info="exactly what is said in the recording")
-                    with gr.Tab(MODES["cross_lingual"]) as cross_lingual_tab:
-                        gr.Markdown("Speaks the text, in any language, with the recorded voice; no transcript "
-                                    "needed. Tags such as `[breath]` or `[laughter]` work here.")
-                    with gr.Tab(MODES["instruct2"]) as instruct_tab:
-                        instruction = gr.Textbox(label="Instruction", placeholder="Speak slowly and calmly.")
-                for tab, name in ((zero_shot_tab, "zero_shot"), (cross_lingual_tab, "cross_lingual"),
-                                  (instruct_tab, "instruct2")):
-                    tab.select(lambda name=name: name, None, mode)
+                    with gr.Tab(t("zero_shot"), elem_id="tab-zero-shot") as zero_shot_tab:
+                        transcript = gr.Textbox(label=t("transcript"), lines=2, info=t("transcript_info"),
+                                                elem_id="transcript")
+                    with gr.Tab(t("cross_lingual"), elem_id="tab-cross-lingual") as cross_lingual_tab:
+                        gr.Markdown(t("cross_lingual_note"))
+                    with gr.Tab(t("instruct2"), elem_id="tab-instruct") as instruct_tab:
+                        instruction = gr.Textbox(label=t("instruction"), placeholder="Speak slowly and calmly.",
+                                                 elem_id="instruction")
+                with gr.Row():
+                    stream = gr.Checkbox(True, label=t("stream"), elem_id="stream")
+                    speed = gr.Slider(*SPEED_RANGE, 1.0, step=0.05, label=t("speed"), elem_id="speed")
+                with gr.Row():
+                    seed = gr.Number(-1, label=t("seed"), precision=0, minimum=-1, maximum=MAX_SEED, elem_id="seed")
+                    dice = gr.Button(t("dice"), size="sm", elem_id="dice")
+                    fmt = gr.Dropdown([(f.upper(), f) for f in DOWNLOAD_FORMATS], value="wav", label=t("format"),
+                                      elem_id="format")
+                with gr.Row():
+                    generate = gr.Button(t("generate"), variant="primary", elem_id="generate")
+                    stop = gr.Button(t("stop"), variant="stop", interactive=False, elem_id="stop")
+                gr.HTML('<div id="live-player" data-state="idle"><span class="live-dot"></span>'
+                        '<span class="live-text"></span></div>')
+                status = gr.Markdown(elem_id="status")
+                download = gr.File(label=t("download"), interactive=False, visible=False, elem_id="download")
             with gr.Column(scale=2):
-                saved = gr.Dropdown(label="Saved voice", choices=studio.voice_choices(), value=None,
-                                    info="a picked voice is used instead of the recording below")
-                delete = gr.Button("Delete this voice", size="sm")
-                prompt = gr.Audio(label=f"Prompt recording ({limits.min_prompt_seconds:g} to "
-                                        f"{limits.max_prompt_seconds:g} s)",
-                                  sources=["upload", "microphone"], type="filepath")
-                save_as = gr.Textbox(label="Save this voice as", placeholder="optional name")
+                voice = gr.Dropdown(label=t("voice"), choices=studio.voice_choices(), value=None, info=t("voice_info"),
+                                    elem_id="voice")
+                preview = gr.Audio(label=t("preview"), interactive=False, elem_id="preview")
+                prompt = gr.Audio(label=t("prompt"), sources=["upload", "microphone"], type="filepath",
+                                  elem_id="prompt")
+                with gr.Row():
+                    save_as = gr.Textbox(label=t("save_as"), placeholder=t("save_placeholder"), elem_id="save-as",
+                                         scale=3)
+                    save = gr.Button(t("save"), size="sm", elem_id="save", scale=1)
+                with gr.Accordion(t("manage"), open=False, elem_id="manage"):
+                    with gr.Row():
+                        new_name = gr.Textbox(label=t("rename_to"), elem_id="new-name", scale=3)
+                        rename = gr.Button(t("rename"), size="sm", elem_id="rename", scale=1)
+                    with gr.Row():
+                        export = gr.Button(t("export"), size="sm", elem_id="export")
+                        delete = gr.Button(t("delete"), size="sm", variant="stop", elem_id="delete")
+                    with gr.Row(visible=False, elem_id="confirm-row") as confirm_row:
+                        confirm_text = gr.Markdown()
+                        confirm = gr.Button(t("confirm_delete"), size="sm", variant="stop", elem_id="confirm-delete")
+                        cancel = gr.Button(t("cancel"), size="sm", elem_id="cancel-delete")
+                    exported = gr.File(label=t("export_file"), interactive=False, visible=False, elem_id="exported")
+                    imported = gr.File(label=t("import"), file_count="single", type="filepath", height=120,
+                                       elem_id="import")
         with gr.Row():
-            stream = gr.Checkbox(True, label="Stream")
-            speed = gr.Slider(*SPEED_RANGE, 1.0, step=0.05, label="Speed (without streaming)", interactive=False)
-            seed = gr.Number(-1, label="Seed (-1: random)", precision=0, minimum=-1)
-        generate = gr.Button("Generate", variant="primary")
-        player = gr.Audio(label="Playing", streaming=True, autoplay=True, interactive=False)
-        full = gr.Audio(label="Full audio (WAV)", type="numpy", format="wav", interactive=False)
-        status = gr.Markdown()
+            gr.Markdown(t("history"), elem_id="history-heading")
+            takes_zip = gr.DownloadButton(t("download_all"), visible=False, size="sm", elem_id="download-all")
 
-        generate.click(studio.generate, [mode, text, prompt, transcript, instruction, saved, save_as, seed, speed,
-                                         stream], [player, full, saved, status],
-                       concurrency_limit=limits.max_sessions)
-        stream.change(lambda on: gr.Slider(interactive=not on), stream, speed)
-        prompt.upload(lambda: None, None, saved)  # a new recording replaces the picked voice ...
-        prompt.stop_recording(lambda: None, None, saved)
-        saved.input(lambda: None, None, prompt)  # ... and a picked voice replaces the recording
-        delete.click(studio.delete_voice, saved, saved)
-        page.load(studio.refresh_voices, saved, saved)
+        @gr.render(inputs=history)
+        def show_history(takes: list[dict]) -> None:
+            if not takes:
+                gr.Markdown(t("no_takes"), elem_classes="no-takes")
+            for take in takes:
+                with gr.Row(elem_classes="take"):
+                    gr.Audio(take["file"], label=f"#{take['number']}", interactive=False, scale=1,
+                             elem_classes="take-audio")
+                    with gr.Column(scale=1):
+                        gr.Markdown(_history_markdown(take), elem_classes="take-meta")
+                        reuse = gr.Button(t("reuse_seed"), size="sm", elem_classes="reuse-seed")
+                        reuse.click(lambda used=take["seed"]: used, None, seed, queue=False,
+                                    api_visibility="private")
+
+        _api(studio, limits.max_sessions)  # first, so that the endpoints get their names unsuffixed
+        # -------- wiring: the page's events are private; the API is the named endpoints of _api
+        private = {"api_visibility": "private"}
+        history.change(studio.history_zip, history, takes_zip, show_progress="hidden", **private)
+        for tab, name in ((zero_shot_tab, "zero_shot"), (cross_lingual_tab, "cross_lingual"),
+                          (instruct_tab, "instruct2")):
+            tab.select(lambda name=name: name, None, mode, queue=False, **private)
+        text.change(None, text, counter, js=COUNTER_JS % limits.max_text_chars, **private)
+        page.load(None, text, counter, js=COUNTER_JS % limits.max_text_chars, **private)
+        dice.click(lambda: secrets.randbelow(MAX_SEED), None, seed, queue=False, **private)
+
+        started = generate.click(studio.begin, take_id, [take_id, generate, stop], queue=False,
+                                 show_progress="hidden", js=f"() => [window.cvStudio.begin({rate})]", **private)
+        # the progress (queue position) shows on the status line only, never over the other controls
+        running = started.then(studio.generate,
+                               [take_id, mode, text, prompt, transcript, instruction, voice, seed, speed, stream, fmt,
+                                history],
+                               [status, download, history, generate, stop], concurrency_limit=limits.max_sessions,
+                               concurrency_id="synthesis", show_progress="full", show_progress_on=[status], **private)
+        running.then(studio.idle, None, [generate, stop], queue=False, show_progress="hidden", **private)
+        stop.click(studio.stop_clicked, take_id, [generate, stop], queue=False, show_progress="hidden",
+                   js="(take) => { window.cvStudio.stop(); return [take]; }", **private)
+
+        # toasts travel on the queue's stream: handlers that may warn are queued (the default)
+        prompt.upload(studio.check_upload, prompt, prompt, show_progress="hidden", **private)
+        prompt.stop_recording(studio.check_upload, prompt, prompt, show_progress="hidden", **private)
+        prompt.upload(lambda: (None, None), None, [voice, preview], queue=False, **private)
+        voice.select(lambda: None, None, prompt, queue=False, **private)  # a picked voice replaces the recording
+        voice.change(studio.preview, voice, preview, show_progress="hidden", **private)
+        save.click(studio.save_voice, [save_as, mode, prompt, transcript, voice], voice, show_progress="hidden",
+                   **private)
+        rename.click(studio.rename_voice, [voice, new_name], voice, show_progress="hidden", **private)
+        export.click(studio.export_voice, voice, exported, show_progress="hidden", **private)
+        exported.change(lambda path: gr.update(visible=bool(path)), exported, exported, queue=False, **private)
+        imported.upload(studio.import_voice, imported, [voice, imported], show_progress="hidden", **private)
+        delete.click(studio.ask_delete, voice, [confirm_row, confirm_text], show_progress="hidden", **private)
+        confirm.click(studio.delete_voice, voice, [voice, confirm_row, preview], show_progress="hidden", **private)
+        cancel.click(lambda: gr.update(visible=False), None, confirm_row, queue=False, **private)
+        page.load(studio.voice_dropdown, voice, voice, queue=False, show_progress="hidden", **private)
     return page
+
+
+def _api(studio: Studio, max_sessions: int) -> None:
+    """Named endpoints for gradio_client: components never shown, one button per endpoint."""
+    with gr.Group(visible=False):
+        text = gr.Textbox(label="text")
+        mode = gr.Dropdown(list(MODES), value="zero_shot", label="mode")
+        voice = gr.Textbox(label="voice", info="a voice name or id, looked up at call time ('' to use prompt_audio)")
+        prompt_audio = gr.Audio(type="filepath", label="prompt_audio")
+        prompt_text = gr.Textbox(label="prompt_text", info="the transcript of prompt_audio (zero_shot)")
+        instruction = gr.Textbox(label="instruction", info="instruct2 only")
+        seed = gr.Number(-1, precision=0, label="seed", info="-1: random")
+        speed = gr.Number(1.0, label="speed")
+        fmt = gr.Dropdown(list(DOWNLOAD_FORMATS), value="wav", label="format")
+        result = gr.File(label="audio")
+        name = gr.Textbox(label="name")
+        voices = gr.JSON(label="voices")
+        saved = gr.JSON(label="voice")
+        run, list_voices, save = gr.Button(), gr.Button(), gr.Button()
+    run.click(studio.api_synthesize, [text, mode, voice, prompt_audio, prompt_text, instruction, seed, speed, fmt],
+              result, api_name="synthesize", concurrency_limit=max_sessions, concurrency_id="synthesis")
+    list_voices.click(studio.api_voices, None, voices, api_name="voices", queue=False)
+    save.click(studio.api_save_voice, [name, prompt_audio, prompt_text], saved, api_name="save_voice")
 
 
 # ----------------------------------------------------------------------------- start-up
 
 
 def load_studio(model_dir: str | Path | None = None, *, voice_dir: str | Path = DEFAULT_VOICE_DIR,
-                demo_dir: str | Path = DEMO_MODEL_DIR, device: str | None = None) -> Studio:
+                demo_dir: str | Path = DEMO_MODEL_DIR, builtin_dir: str | Path | None = BUILTIN_VOICE_DIR,
+                device: str | None = None) -> Studio:
     """The engine and voice library to serve.
 
-    An explicit ``model_dir`` (a folder or a ModelScope id) must load. Without one, the default folder is
-    used if present; otherwise a tiny random model is generated (once) into ``demo_dir`` so the UI still
-    starts, and that is said loudly in the log and on the page.
+    An explicit ``model_dir`` (a folder or a ModelScope id) must load. Without one, the repository's default
+    folder is used if present; otherwise a tiny random model is generated (once) into ``demo_dir`` so the UI
+    still starts, and that is said loudly in the log and on the page.
     """
     demo = model_dir is None and not DEFAULT_MODEL_DIR.is_dir()
     if demo:
@@ -267,16 +725,24 @@ def load_studio(model_dir: str | Path | None = None, *, voice_dir: str | Path = 
             logger.info("writing the demo model to %s", demo_dir)
             make_tiny_bundle(demo_dir, seed=0)
         model_dir = demo_dir
-    tts = CosyVoice3(model_dir or DEFAULT_MODEL_DIR, device=device)
-    limits = tts.limits
-    library = VoiceLibrary(voice_dir, tts.frontend, model_dir=tts.model_dir, max_entries=limits.max_cached_voices,
-                           max_bytes=limits.max_cached_voice_bytes, max_named=limits.max_named_voices)
-    return Studio(tts, library, demo=demo)
+    tts = CosyVoice3(model_dir or DEFAULT_MODEL_DIR, device=device, voice_dir=voice_dir)
+    if builtin_dir is not None:
+        tts.voices.add_builtins(builtin_dir)
+    return Studio(TTSService(tts, tts.voices), demo=demo)  # one library: the page, the API and spk2info
 
 
 def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: bool = True) -> gr.Blocks:
-    """Serve the page (``block=False`` returns at once, the server running in a thread)."""
+    """Serve the page and the live-audio route (``block=False`` returns at once, the server in a thread)."""
     page = build_ui(studio)
-    page.launch(server_name=host, server_port=port, prevent_thread_lock=not block, show_error=True, ssr_mode=False,
-                max_file_size=studio.tts.limits.max_prompt_bytes, quiet=not block)
+    page.queue(default_concurrency_limit=studio.tts.limits.max_sessions)
+    page.launch(server_name=host, server_port=port, prevent_thread_lock=True, show_error=False, ssr_mode=False,
+                max_file_size=studio.tts.limits.max_prompt_bytes, quiet=not block, i18n=I18N, css=CSS,
+                head=head_html(), theme=gr.themes.Default(font=["ui-sans-serif", "system-ui", "Noto Sans CJK SC",
+                                                                "sans-serif"]),
+                allowed_paths=[str(studio._files)])
+    mount(page.app, studio.live, studio.tts.sample_rate)
+    if block:
+        page.block_thread()
     return page
+
+

@@ -151,3 +151,54 @@ def test_concurrent_callers_share_one_computation(tts, tmp_path: Path) -> None:
     assert len(set(distinct)) == 6 and frontend.calls == 7
     kept = {i.id for i in library.list()}
     assert len(kept) == 3 and {p.stem for p in library.dir.iterdir()} == kept
+
+
+def test_rename_preview_export_import(tts, prompt_wav: Path, tmp_path: Path) -> None:
+    library, _ = _library(tts, tmp_path / "a")
+    voice_id, voice = library.get_or_create(prompt_wav, PROMPT)
+    with pytest.raises(InvalidInputError, match="only saved voices can be renamed"):
+        library.rename(voice_id, "x")
+    library.save("Alice", voice_id)
+    assert library.rename("Alice", "Alice B").name == "Alice B" and library.get("Alice B")[0].id == voice_id
+    rate, pcm = library.recording("Alice B")
+    original, original_rate = sf.read(prompt_wav, dtype="int16")
+    assert rate == original_rate and pcm.dtype == np.int16 and np.abs(pcm.astype(int) - original).max() <= 1
+
+    file_name, data = library.export("Alice B")
+    assert file_name == "Alice_B.voice.safetensors"
+    with pytest.raises(InvalidInputError, match="exists already"):
+        library.import_voice(data)
+    same_model, frontend = _library(tts, tmp_path / "b")
+    info = same_model.import_voice(data)
+    assert (info.name, info.transcript) == ("Alice B", "Hello, this is a short prompt for testing.")
+    assert _same(same_model.get("Alice B")[1], voice) and frontend.calls == 0  # features travelled with the file
+    assert same_model.import_voice(data, name="Copy").name == "Copy"
+    other_model, frontend = _library(tts, tmp_path / "c")
+    other_model.model_id = "another-release"  # a library of another model: features are made anew
+    assert other_model.import_voice(data).name == "Alice B" and frontend.calls == 1
+    imported = other_model.get("Alice B")[1]  # from the 16-bit recording in the file, with the same transcript
+    assert torch.equal(imported.prompt_text, voice.prompt_text)
+    assert imported.features.speech_feat.shape == voice.features.speech_feat.shape
+    with pytest.raises(InvalidInputError, match="not a voice file"):
+        same_model.import_voice(b"RIFF....WAVEfmt " + bytes(64))
+
+
+def test_builtin_voices_are_listed_first_and_read_only(tts, prompt_wav: Path, tmp_path: Path) -> None:
+    builtin = tmp_path / "builtin"
+    builtin.mkdir()
+    shutil.copyfile(prompt_wav, builtin / "Narrator.wav")
+    (builtin / "Narrator.txt").write_text("Hello, this is a short prompt for testing.\n")
+    shutil.copyfile(prompt_wav, builtin / "NoTranscript.wav")
+    library, frontend = _library(tts, tmp_path / "lib")
+    library = VoiceLibrary(tmp_path / "lib", frontend, model_dir=tts.model_dir, builtin_dir=builtin)
+    saved_id, _ = library.get_or_create(_tone(220))
+    library.save("Aaron", saved_id)
+    assert [(i.name, i.builtin) for i in library.list()] == [("Narrator", True), ("Aaron", False)]
+    info, voice = library.get("Narrator")
+    assert _same(voice, tts.frontend.voice(PROMPT, prompt_wav)) and frontend.calls == 2  # on first use
+    assert library.get(info.id)[1] is voice and frontend.calls == 2  # once
+    for action in (lambda: library.delete("Narrator"), lambda: library.rename("Narrator", "x"),
+                   lambda: library.save("Narrator", saved_id)):
+        with pytest.raises(InvalidInputError, match=r"built-in|exists already"):
+            action()
+    assert library.recording("Narrator")[0] == 24000

@@ -1,13 +1,15 @@
-"""The web UI on the tiny bundle: handlers called directly as Gradio would, plus one real HTTP smoke test."""
+"""The web UI on the tiny bundle: handlers called as Gradio calls them, and the named API through a real
+gradio_client against a server on loopback. The real-browser tests are in test_webui_browser.py."""
 
 from __future__ import annotations
 
-import io
+import contextlib
 import logging
+import shutil
 import socket
-import urllib.request
+import time
+from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,23 +17,51 @@ import soundfile as sf
 
 gr = pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra: pip install -e '.[ui]'")
 
+from app import ui  # noqa: E402
 from app.ui import Studio, build_ui, launch, load_studio  # noqa: E402
 from cosyvoice.frontend.prompts import zero_shot_prompt_text  # noqa: E402
+from cosyvoice.service import TTSService  # noqa: E402
 from cosyvoice.voices import VoiceLibrary  # noqa: E402
 
 TEXT = "Hi there."  # short: the random tiny model speaks until its length limit, which grows with the text
 TRANSCRIPT = "Hello, this is a short prompt."
 
 
+def make_studio(tts, root: Path, builtin_prompt: Path | None = None) -> Studio:
+    """A studio on ``root`` (voices under it); with ``builtin_prompt``, one built-in voice 'Narrator'."""
+    builtin = None
+    if builtin_prompt is not None:
+        builtin = root / "builtin"
+        builtin.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(builtin_prompt, builtin / "Narrator.wav")
+        (builtin / "Narrator.txt").write_text(TRANSCRIPT + "\n")
+    library = VoiceLibrary(root / "voices", tts.frontend, model_dir=tts.model_dir, builtin_dir=builtin)
+    return Studio(TTSService(tts, library), demo=True)
+
+
+@contextlib.contextmanager
+def serving(studio: Studio) -> Iterator[str]:
+    """The app on a free loopback port, as ``webui.py`` serves it; yields its URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    page = launch(studio, host="127.0.0.1", port=port, block=False)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        page.close()
+
+
 @pytest.fixture()
 def studio(tts, tmp_path: Path) -> Studio:
-    return Studio(tts, VoiceLibrary(tmp_path / "voices", tts.frontend, model_dir=tts.model_dir), demo=True)
+    return make_studio(tts, tmp_path)
 
 
-def _run(studio: Studio, mode: str = "zero_shot", text: str = TEXT, prompt: str | None = None,
-         transcript: str = TRANSCRIPT, instruction: str = "", saved: str | None = None, save_as: str = "",
-         seed: int = 5, speed: float = 1.0, stream: bool = True) -> list[tuple]:
-    return list(studio.generate(mode, text, prompt, transcript, instruction, saved, save_as, seed, speed, stream))
+def _generate(studio: Studio, mode: str = "zero_shot", text: str = TEXT, prompt: str | None = None,
+              transcript: str = TRANSCRIPT, instruction: str = "", voice: str | None = None, seed: int = 5,
+              speed: float = 1.0, stream: bool = True, fmt: str = "wav", take_id: str = "take-0001") -> list[tuple]:
+    return list(studio.generate(take_id, mode, text, prompt, transcript, instruction, voice, seed, speed, stream, fmt,
+                                []))
 
 
 def test_page_builds_with_the_demo_banner(studio: Studio) -> None:
@@ -40,92 +70,190 @@ def test_page_builds_with_the_demo_banner(studio: Studio) -> None:
     assert any("demo-banner" in str(getattr(block, "value", "")) for block in page.blocks.values())
 
 
-def test_zero_shot_streams_int16_wav_chunks_equal_to_the_api(studio: Studio, short_prompt_wav: Path) -> None:
-    outs = _run(studio, prompt=str(short_prompt_wav))
-    *chunks, last = outs
-    assert len(chunks) >= 2, "a text this long must stream in more than one chunk"
-    pcm = []
-    for chunk_wav, *_ in chunks:
-        info = sf.info(io.BytesIO(chunk_wav))
-        assert (info.samplerate, info.subtype, info.channels) == (24000, "PCM_16", 1)
-        pcm.append(sf.read(io.BytesIO(chunk_wav), dtype="int16")[0])
-    sample_rate, full = last[1]
-    assert sample_rate == 24000 and full.dtype == np.int16 and np.array_equal(full, np.concatenate(pcm))
-    assert chunks[0][1] is None  # the previous result is cleared as soon as audio starts
-    assert f"{len(chunks)} chunks" in last[3] and "uploaded recording" in last[3]
+def test_a_take_streams_live_pcm_and_is_kept_in_the_history(studio: Studio, short_prompt_wav: Path) -> None:
+    channel = studio.live.channel("take-0001")  # the page's player subscribes before (or after) the take runs
+    *progress, last = _generate(studio, prompt=str(short_prompt_wav))
+    assert len(progress) >= 2 and all(p[0].startswith("Generating… ") for p in progress)
+    status, download, history, generate, stop = last
+    [take] = history
+    assert generate["interactive"] is True and stop["interactive"] is False
+    assert take["seed"] == 5 and take["mode"] == "zero_shot" and take["text"] == TEXT and "seed 5" in status
+    assert Path(take["file"]).name == "take-1-seed5.wav" and download["value"] == take["file"]
+    kept, rate = sf.read(take["file"], dtype="int16")
+    live = np.frombuffer(b"".join(channel._pending[:-1]), np.int16)
+    assert rate == 24000 and channel._pending[-1] is None and np.array_equal(kept, live)
     # the adapter changes nothing: the API, given the same voice, text and seed, makes the same samples
     api = studio.tts.synthesize("zero_shot", TEXT, prompt_text=zero_shot_prompt_text(TRANSCRIPT),
                                 prompt_wav=short_prompt_wav, stream=True, seed=5)
-    assert np.array_equal(full, np.concatenate([c.int16() for c in api]))
+    assert np.array_equal(kept, np.concatenate([ui.to_pcm16(c.pcm) for c in api]))
+    times = studio.times["take-0001"]
+    assert times.start <= times.first_chunk <= times.finished
 
 
-def test_saved_voice_serves_every_mode(studio: Studio, prompt_wav: Path, short_prompt_wav: Path) -> None:
-    first = _run(studio, prompt=str(short_prompt_wav), save_as="Alice", stream=False)
-    [(label, voice_id)] = first[-1][2].choices
-    assert label == "Alice" and studio.voices.get("Alice")[0].id == voice_id
-    with pytest.warns(UserWarning, match="exists already"):  # a failed save warns; synthesis goes on
-        other = _run(studio, "instruct2", prompt=str(prompt_wav), instruction="Whisper.", save_as="Alice ",
-                     stream=False)
-    assert other[-1][1] is not None
-    studio.voices.frontend = SimpleNamespace(limits=studio.tts.limits,
-                                             voice=lambda *args: pytest.fail("a saved voice was featurised again"))
-    cross = _run(studio, "cross_lingual", "Salut [breath] toi.", saved=voice_id, stream=False, speed=1.5)
-    instruct = _run(studio, "instruct2", saved=voice_id, instruction="Speak slowly.")
-    assert len(cross) == 2 and len(instruct) >= 2 and cross[-1][1] is not None
-    assert cross[-1][2].value == voice_id  # the picked voice stays picked
-    assert not [key for key in studio.tts.spk2info if key.startswith("webui-")]  # nothing left in the API's table
+def test_random_seed_is_shown_and_formats_are_named(studio: Studio, short_prompt_wav: Path) -> None:
+    *_, (status, _, [take], _, _) = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), seed=-1,
+                                              stream=False, fmt="opus")
+    assert 0 <= take["seed"] < 2**31 and f"seed {take['seed']}" in status
+    assert Path(take["file"]).name == f"take-1-seed{take['seed']}.opus"
+    import av
+
+    with av.open(take["file"]) as container:
+        assert container.streams.audio[0].codec_context.name == "opus"
+    for n, fmt in enumerate(ui.DOWNLOAD_FORMATS, start=2):
+        kept = studio._keep(n, np.zeros(24000, np.float32), fmt, text=TEXT, voice="v", mode="zero_shot", seed=7,
+                            speed=1.0, stream=True, first_audio=None, wall=0.0, stopped=False)
+        assert Path(kept.file).name == f"take-{n}-seed7.{fmt}" and kept.seconds == 1.0
+        if fmt != "opus":
+            assert sf.info(kept.file).samplerate == 24000
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"text": "   "}, "text is empty; type something to say"),
+    ({"text": "x" * 6000}, "text has 6000 characters; at most 5000"),
     ({"transcript": " "}, "zero-shot cloning needs the transcript"),
     ({"prompt": None}, "upload or record a prompt voice (1 to 30 s of speech)"),
     ({"mode": "instruct2"}, "instruct mode needs an instruction"),
     ({"mode": "instruct2", "instruction": "Be calm.<|endofprompt|>more"}, "must end at &lt;|endofprompt|&gt;"),
-    ({"saved": "nobody"}, "unknown voice &#x27;nobody&#x27;; saved voices: none"),
-    ({"stream": False, "speed": 3.0}, "speed must be between 0.5 and 2,"),
+    ({"voice": "nobody"}, "unknown voice &#x27;nobody&#x27;"),
+    ({"stream": False, "speed": 3.0}, "speed must be a number between 0.5 and 2, got 3.0"),
+    ({"prompt": "/tmp/gradio/0123/expired.wav"}, "the uploaded recording is no longer on the server"),
 ])
-def test_errors_reach_the_page_with_their_message(studio: Studio, prompt_wav: Path, kwargs: dict,
-                                                  message: str) -> None:
-    with pytest.raises(gr.Error) as caught:
-        _run(studio, **{"prompt": str(prompt_wav), **kwargs})
-    assert message in caught.value.message and caught.value.title == "Please check your input"
+def test_invalid_input_is_a_warning_that_leaves_the_page_usable(studio: Studio, prompt_wav: Path, kwargs: dict,
+                                                                message: str) -> None:
+    with pytest.warns(UserWarning) as warned:
+        [(_, download, _, generate, stop)] = _generate(studio, **{"prompt": str(prompt_wav), **kwargs})
+    assert any(message in str(w.message) for w in warned), [str(w.message) for w in warned]
+    assert not any("/tmp/" in str(w.message) for w in warned)  # never a server path
+    assert generate["interactive"] is True and stop["interactive"] is False  # never left locked
+    assert download is gr.skip() or download == gr.skip()
 
 
-def test_bad_upload_and_voice_without_transcript(studio: Studio, prompt_wav: Path, tmp_path: Path) -> None:
-    notes = tmp_path / "notes.txt"
-    notes.write_text("not audio")
-    with pytest.raises(gr.Error) as caught:
-        _run(studio, prompt=str(notes))
-    assert "not a recognised audio file" in caught.value.message
-    voice_id, _ = studio.voices.get_or_create(prompt_wav)  # as a cross-lingual upload leaves it
-    studio.voices.save("Bob", voice_id)
-    with pytest.raises(gr.Error) as caught:
-        _run(studio, saved=voice_id)
-    assert "this voice has no transcript, which zero-shot cloning needs" in caught.value.message
-    assert studio.delete_voice(voice_id).choices == []
-    with pytest.raises(gr.Error, match="pick a saved voice"):
-        studio.delete_voice(None)
+def test_uploads_are_checked_on_upload(studio: Studio, prompt_wav: Path, tmp_path: Path) -> None:
+    short = tmp_path / "short.wav"
+    sf.write(short, np.zeros(4000, np.float32), 16000)
+    with pytest.warns(UserWarning, match=r"cannot be used: the prompt audio is 0\.25 s long; it must be at least 1 s"):
+        assert studio.check_upload(str(short)) is None
+    assert studio.check_upload(str(prompt_wav)) == gr.skip()
 
 
-def test_demo_mode_without_a_model(tiny_bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                   caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.chdir(tmp_path)  # no pretrained_models/Fun-CosyVoice3-0.5B here
+def test_voice_library_controls(studio: Studio, prompt_wav: Path, tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="type a name"):
+        studio.save_voice("", "zero_shot", str(prompt_wav), TRANSCRIPT, None)
+    picked = studio.save_voice("Alice", "zero_shot", str(prompt_wav), TRANSCRIPT, None)
+    assert picked["choices"][0][0] == "Alice"
+    voice_id = picked["value"]
+    assert studio.preview(voice_id)[0] == 24000
+    assert studio.rename_voice(voice_id, "Alice Smith")["choices"][0][0] == "Alice Smith"
+    exported = studio.export_voice(voice_id)
+    assert exported.endswith("Alice_Smith.voice.safetensors")
+    row, question = studio.ask_delete(voice_id)
+    assert row["visible"] is True and "Alice Smith" in question
+    dropdown, row, _ = studio.delete_voice(voice_id)
+    assert dropdown["choices"] == [] and row["visible"] is False
+    dropdown, _ = studio.import_voice(exported)
+    assert dropdown["choices"][0][0] == "Alice Smith"
+    *_, last = _generate(studio, voice="Alice Smith", stream=False)
+    assert last[2][0]["voice"] == "Alice Smith"
+
+
+def test_paths_resolve_from_the_repository(tiny_bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.chdir(tmp_path)  # started from another folder: the defaults still point into the repository
+    repo = Path(__file__).resolve().parents[1]
+    for path in (ui.DEFAULT_MODEL_DIR, ui.DEMO_MODEL_DIR, ui.DEFAULT_VOICE_DIR, ui.BUILTIN_VOICE_DIR):
+        assert path.is_absolute() and path.is_relative_to(repo)
+    monkeypatch.setattr(ui, "DEFAULT_MODEL_DIR", tmp_path / "absent")
     with caplog.at_level(logging.WARNING, logger="app.ui"):
         studio = load_studio(voice_dir=tmp_path / "voices", demo_dir=tiny_bundle_dir, device="cpu")
     assert studio.demo and Path(studio.tts.model_dir) == tiny_bundle_dir
     assert "RANDOMLY INITIALISED" in caplog.text and "modelscope download" in caplog.text
 
 
-def test_http_smoke(studio: Studio) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    page = launch(studio, host="127.0.0.1", port=port, block=False)
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as response:
-            assert response.status == 200
-            body = response.read().decode()
-        assert "demo-banner" in body and "RANDOMLY INITIALISED" in body
-    finally:
-        page.close()
+# ----------------------------------------------------------------------------- the named API (gradio_client)
+
+
+@pytest.fixture(scope="module")
+def api_server(tts, tmp_path_factory: pytest.TempPathFactory, short_prompt_wav: Path) -> Iterator[tuple]:
+    studio = make_studio(tts, tmp_path_factory.mktemp("api"), builtin_prompt=short_prompt_wav)
+    with serving(studio) as url:
+        yield studio, url
+
+
+def test_each_mode_through_one_named_endpoint(api_server: tuple, short_prompt_wav: Path) -> None:
+    from gradio_client import Client, handle_file
+
+    _, url = api_server
+    client = Client(url, verbose=False)
+    endpoints = client.view_api(print_info=False, return_format="dict")["named_endpoints"]
+    assert set(endpoints) == {"/synthesize", "/voices", "/save_voice"}  # the page's own events stay private
+    for mode, extra in (("zero_shot", {"prompt_text": TRANSCRIPT}), ("cross_lingual", {}),
+                        ("instruct2", {"instruction": "Speak slowly."})):
+        path = client.predict(text=TEXT, mode=mode, voice="", prompt_audio=handle_file(str(short_prompt_wav)),
+                              seed=3, speed=1.0, format="wav", api_name="/synthesize", **extra)
+        info = sf.info(path)
+        assert (info.samplerate, info.channels) == (24000, 1) and info.frames > 0, mode
+    flac = client.predict(text=TEXT, mode="zero_shot", voice="Narrator", format="flac", api_name="/synthesize")
+    assert flac.endswith(".flac") and sf.info(flac).samplerate == 24000  # a built-in voice by name
+
+
+def test_a_voice_saved_after_connecting_is_usable_by_name_and_errors_are_plain(api_server: tuple,
+                                                                                 prompt_wav: Path) -> None:
+    from gradio_client import Client
+    from gradio_client.exceptions import AppError
+
+    studio, url = api_server
+    client = Client(url, verbose=False)
+    voice_id, _ = studio.voices.get_or_create(prompt_wav, zero_shot_prompt_text(TRANSCRIPT))
+    studio.voices.save("Late Voice", voice_id)  # saved by someone else (the page, a server) after we connected
+    assert "Late Voice" in [v["name"] for v in client.predict(api_name="/voices")]
+    path = client.predict(text=TEXT, mode="instruct2", voice="Late Voice", instruction="Whisper.", seed=1,
+                          api_name="/synthesize")
+    assert sf.info(path).samplerate == 24000
+    with pytest.raises(AppError) as caught:
+        client.predict(text=TEXT, mode="zero_shot", voice="nobody's voice", api_name="/synthesize")
+    assert "unknown voice \"nobody's voice\"" in str(caught.value) and "&#" not in str(caught.value)
+    with pytest.raises(AppError) as caught:
+        client.predict(text=TEXT, mode="instruct2", voice="Late Voice", api_name="/synthesize")
+    assert "instruct mode needs an instruction, e.g. 'Speak slowly and calmly.'" in str(caught.value)
+
+
+def test_the_session_history_downloads_as_one_zip(studio: Studio, short_prompt_wav: Path) -> None:
+    import json
+    import zipfile
+
+    *_, (_, _, history, _, _) = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), stream=False,
+                                          fmt="mp3")
+    history = [*list(studio.generate("take-0002", "cross_lingual", TEXT, str(short_prompt_wav), "", "", None, 9, 1.0,
+                                     False, "flac", history))[-1][2]]
+    assert studio.history_zip([])["visible"] is False
+    with zipfile.ZipFile(studio.history_zip(history)["value"]) as archive:
+        takes = json.loads(archive.read("takes.json"))
+        assert sorted(archive.namelist()) == sorted(["takes.json", "take-1-seed5.mp3", "take-2-seed9.flac"])
+    assert [(t["number"], t["seed"], t["mode"], t["text"], t["format"]) for t in takes] == [
+        (2, 9, "cross_lingual", TEXT, "flac"), (1, 5, "cross_lingual", TEXT, "mp3")]
+
+
+def test_stop_before_the_first_chunk_and_while_queued(studio: Studio, short_prompt_wav: Path) -> None:
+    studio.stop("take-queued")  # Stop clicked while the take still waited in Gradio's queue
+    [(status, _, history, generate, _)] = _generate(studio, prompt=str(short_prompt_wav), take_id="take-queued")
+    assert status == "Stopped before it started." and history == gr.skip() and generate["interactive"] is True
+    takes = studio.generate("take-running", "cross_lingual", TEXT * 4, str(short_prompt_wav), "", "", None, 5, 1.0,
+                            True, "wav", [])
+    assert next(takes)[0].startswith("Generating… ")  # the first chunk is out
+    studio.stop("take-running")
+    *_, (status, _, [take], generate, _) = list(takes)  # the handler ends at once, keeping what was made
+    assert take["stopped"] and "stopped" in status and generate["interactive"] is True
+    deadline = time.time() + 10
+    while (studio.service.status().active_sessions or studio._running) and time.time() < deadline:
+        time.sleep(0.02)  # the engine's work ends at its next chunk
+    assert studio.service.status().active_sessions == 0 and not studio._stopped_early and not studio._running
+
+
+def test_speed_applies_while_streaming(studio: Studio, short_prompt_wav: Path) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "plays when it is complete" fallback: the engine streams at speed
+        outs = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), speed=1.5, stream=True)
+    *progress, (_, _, [take], _, _) = outs
+    assert len(progress) >= 2 and take["speed"] == 1.5 and take["stream"] is True

@@ -415,7 +415,8 @@ class CosyVoice3:
              seed: int) -> Iterator[AudioChunk]:
         index = offset = 0
         for i, (segment, inp) in enumerate(zip(segments, inputs, strict=True)):
-            logger.info("synthesising segment %d/%d: %s", i + 1, len(segments), segment)
+            # users' text stays out of INFO logs (privacy); DEBUG shows it when diagnosing
+            logger.debug("synthesising segment %d/%d: %s", i + 1, len(segments), segment)
             for chunk in self.engine.synthesize(inp, stream=stream, speed=speed, seed=(seed + i) % 2**63,
                                                 sample_offset=offset, first_index=index):
                 index, offset = chunk.index + 1, chunk.sample_offset + chunk.pcm.numel()

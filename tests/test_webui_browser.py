@@ -1,0 +1,294 @@
+"""The web UI in a real browser: Debian's chromium driven by Playwright, the app on loopback, the tiny bundle.
+
+Every test reads what a person would see (toasts, buttons, the live player's state) and the server's own
+times. Screenshots and the measured timings go to ``test-artifacts/`` (kept by CI, ignored by git).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra")
+sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright (the dev extra)")
+CHROMIUM = Path(os.environ.get("COSYVOICE_CHROMIUM", "/usr/bin/chromium"))
+if not CHROMIUM.is_file():
+    pytest.skip(f"no chromium at {CHROMIUM} (apt-get install chromium, or set COSYVOICE_CHROMIUM)",
+                allow_module_level=True)
+
+from test_webui import TEXT, TRANSCRIPT, make_studio, serving  # noqa: E402
+
+ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+STREAM_TEXT = "Hello there, this take is streamed to you."
+LONG_TEXT = "This is a long take that somebody wants to stop halfway through. " * 8
+TABS = {"zero_shot": "Zero-shot clone", "cross_lingual": "Cross-lingual", "instruct2": "Instruct"}
+TIMINGS: dict[str, dict] = {}
+# Draws two CJK characters and an unassigned code point in the page's font: real glyphs differ from each
+# other and from the missing-glyph box (what a machine without a CJK font shows for every character).
+CJK_GLYPHS_DRAWN = """() => {
+  const canvas = document.createElement("canvas");
+  canvas.width = canvas.height = 48;
+  const g = canvas.getContext("2d");
+  g.font = "32px " + getComputedStyle(document.querySelector("#text textarea")).fontFamily;
+  const draw = (ch) => { g.clearRect(0, 0, 48, 48); g.fillText(ch, 4, 36);
+                         return g.getImageData(0, 0, 48, 48).data.join(","); };
+  const a = draw("要"), b = draw("朗"), missing = draw("\\u{10FFFD}");
+  return a !== b && a !== missing && b !== missing && /[1-9]/.test(a);
+}"""
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    with sync_api.sync_playwright() as playwright:
+        # a fresh profile per run: nothing cached, no first-run or sync traffic
+        yield lambda **kw: playwright.chromium.launch_persistent_context(
+            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=str(CHROMIUM), headless=True,
+            args=FLAGS, viewport={"width": 1280, "height": 1000}, **kw)
+
+
+@pytest.fixture(scope="module")
+def context(browser) -> Iterator:
+    ctx = browser(locale="en-US")
+    yield ctx
+    ctx.close()
+
+
+@pytest.fixture(scope="module")
+def app(tts, tmp_path_factory: pytest.TempPathFactory, short_prompt_wav: Path) -> Iterator[tuple]:
+    studio = make_studio(tts, tmp_path_factory.mktemp("browser"), builtin_prompt=short_prompt_wav)
+    with serving(studio) as url:
+        yield studio, url
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / "webui-timings.json").write_text(json.dumps(TIMINGS, indent=2))
+
+
+def open_page(context, url: str):
+    page = context.new_page()
+    page.goto(url)
+    page.wait_for_selector("#generate button, button#generate")
+    page.wait_for_function("() => window.cvStudio !== undefined")
+    return page
+
+
+def upload_prompt(page, path: Path) -> None:
+    page.set_input_files("#prompt input[type=file]", str(path))
+    sync_api.expect(page.locator("#prompt [data-testid='download-link']")).to_be_attached(timeout=15000)
+
+
+def toast(page, text: str) -> None:
+    """A warning toast saying ``text`` appears; then it is closed, as a person would."""
+    sync_api.expect(page.get_by_test_id("toast-text").filter(has_text=text).first).to_be_visible(timeout=15000)
+    for close in page.get_by_test_id("toast-close").all():
+        close.click()
+
+
+def assert_usable(page) -> None:
+    """Nothing blocks the controls: no error badge, the voice dropdown takes a click, Generate is enabled."""
+    assert page.locator(".error, [data-testid='status-tracker'] .error").count() == 0
+    page.click("#voice input", timeout=3000)  # fails if anything covers the dropdown
+    page.keyboard.press("Escape")
+    sync_api.expect(page.locator("#generate")).to_be_enabled()
+
+
+def take_summary(page) -> dict:
+    return page.evaluate("() => window.cvStudio.summary(Object.keys(window.cvStudio.takes).at(-1))")
+
+
+def record(studio, name: str, summary: dict) -> dict:
+    times = studio.times[summary["id"]]
+    ms = {key: summary[key] for key in ("clickAt", "firstByteAt", "firstSoundAt", "endAt")}
+    server = {"start": times.start * 1000, "first_chunk": times.first_chunk * 1000, "finished": times.finished * 1000}
+    TIMINGS[name] = {
+        "click_to_sound_ms": round(ms["firstSoundAt"] - ms["clickAt"], 1),
+        "server_first_chunk_to_sound_ms": round(ms["firstSoundAt"] - server["first_chunk"], 1),
+        "click_to_server_first_chunk_ms": round(server["first_chunk"] - ms["clickAt"], 1),
+        "click_to_server_start_ms": round(server["start"] - ms["clickAt"], 1),
+        "sound_before_generation_finished_ms": round(server["finished"] - ms["firstSoundAt"], 1),
+        "stalls": summary["stalls"], "gaps_ms": summary["gapsMs"], "chunks": len(times.chunks),
+        "audio_seconds": summary["samples"] / summary["rate"],
+    }
+    return {**ms, **{f"server_{k}": v for k, v in server.items()}}
+
+
+@pytest.mark.parametrize("mode", list(TABS))
+def test_each_tab_plays_while_generating(context, app: tuple, mode: str, short_prompt_wav: Path) -> None:
+    studio, url = app
+    page = open_page(context, url)
+    page.get_by_role("tab", name=TABS[mode]).click()
+    upload_prompt(page, short_prompt_wav)
+    page.fill("#text textarea", STREAM_TEXT)
+    if mode == "zero_shot":
+        page.fill("#transcript textarea", TRANSCRIPT)
+    if mode == "instruct2":
+        page.fill("#instruction textarea", "Speak slowly and calmly.")
+    page.fill("#seed input", "2")
+    sync_api.expect(page.locator("#stream input")).to_be_checked()
+    page.click("#generate")
+    sync_api.expect(page.locator("#status")).to_contain_text("Take 1:", timeout=60000)  # the server finished
+    page.wait_for_function("() => { const t = Object.values(window.cvStudio.takes).at(-1);"
+                           " return t && t.streamDone && t.firstSoundAt !== null }")
+    summary = take_summary(page)
+    assert summary["state"] == "playing" and summary["stalls"] == 0 and summary["samples"] > 0, summary
+    t = record(studio, mode, summary)
+    # the audio started playing before the server finished generating
+    assert t["clickAt"] < t["server_first_chunk"] <= t["firstSoundAt"] < t["server_finished"], t
+    sync_api.expect(page.locator("#status")).to_contain_text("Take 1:")
+    sync_api.expect(page.locator(".take-meta").first).to_contain_text(f"mode {mode}")
+    sync_api.expect(page.locator(".take-meta").first).to_contain_text("seed 2")
+    page.fill("#seed input", "-1")
+    page.locator(".reuse-seed").first.click()  # a good take is reproducible: its seed goes back in the form
+    sync_api.expect(page.locator("#seed input")).to_have_value("2")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"webui-{mode}.png"), full_page=True)
+    page.evaluate("() => window.cvStudio.stop()")  # the rest of the take would play for many seconds
+    page.close()
+
+
+def test_stop_ends_a_long_take_and_frees_the_session(context, app: tuple, short_prompt_wav: Path) -> None:
+    studio, url = app
+    page = open_page(context, url)
+    page.get_by_role("tab", name=TABS["cross_lingual"]).click()
+    upload_prompt(page, short_prompt_wav)
+    page.fill("#text textarea", LONG_TEXT)
+    page.click("#generate")
+    sync_api.expect(page.locator("#generate")).to_be_disabled()  # no silent double clicks
+    page.wait_for_function("() => document.getElementById('live-player').dataset.state === 'playing'",
+                           timeout=60000)
+    take_id = take_summary(page)["id"]
+    page.click("#voice input", timeout=3000)  # no processing overlay covers the voice controls meanwhile
+    page.keyboard.press("Escape")
+    page.click("#stop")
+    stopped_at = time.time()
+    sync_api.expect(page.locator("#live-player")).to_have_attribute("data-state", "stopped")
+    sync_api.expect(page.locator("#generate")).to_be_enabled(timeout=5000)
+    sync_api.expect(page.locator("#stop")).to_be_disabled()
+    sync_api.expect(page.locator("#status")).to_contain_text("stopped")  # what was made is kept, marked stopped
+    deadline = time.time() + 10
+    def busy() -> bool:
+        return bool(studio.tts.engine.active_sessions or studio.service.status().active_sessions
+                    or studio.times[take_id].finished is None)
+
+    while busy() and time.time() < deadline:
+        time.sleep(0.05)
+    assert not busy()  # the engine session and the service's slot are free
+    TIMINGS["stop"] = {"stop_click_to_server_finished_ms": round((studio.times[take_id].finished - stopped_at) * 1000)}
+    page.fill("#text textarea", TEXT)  # the session is free: the next take runs to the end
+    page.click("#generate")
+    sync_api.expect(page.locator("#status")).to_contain_text("Take 2:", timeout=60000)
+    assert_usable(page)
+    page.close()
+
+
+def test_each_invalid_input_shows_its_message_and_blocks_nothing(context, app: tuple, short_prompt_wav: Path,
+                                                                   tmp_path: Path) -> None:
+    _, url = app
+    page = open_page(context, url)
+    page.click("#generate")
+    toast(page, "text is empty; type something to say")
+    assert_usable(page)
+
+    page.fill("#text textarea", "x" * 6000)
+    sync_api.expect(page.locator("#char-counter")).to_contain_text("6,000 / 5,000 characters: over the limit by 1,000")
+    page.click("#generate")
+    toast(page, "text has 6000 characters; at most 5000 are allowed")
+    assert page.input_value("#text textarea") == "x" * 6000  # never cut silently
+    assert_usable(page)
+
+    page.fill("#text textarea", TEXT)
+    page.click("#generate")
+    toast(page, "upload or record a prompt voice")
+    assert_usable(page)
+
+    short = tmp_path / "too-short.wav"
+    sf.write(short, np.zeros(4000, np.float32), 16000)
+    page.set_input_files("#prompt input[type=file]", str(short))
+    toast(page, "This recording cannot be used: the prompt audio is 0.25 s long")  # checked on upload
+    sync_api.expect(page.locator("#prompt input[type=file]")).to_have_count(1)  # removed again: ready for another
+    assert_usable(page)
+
+    upload_prompt(page, short_prompt_wav)
+    page.click("#generate")
+    toast(page, "zero-shot cloning needs the transcript")
+    assert_usable(page)
+
+    page.get_by_role("tab", name=TABS["instruct2"]).click()
+    page.click("#generate")
+    toast(page, "instruct mode needs an instruction")
+    assert_usable(page)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "webui-after-errors.png"), full_page=True)
+    page.close()
+
+
+def test_a_saved_voice_survives_a_restart(tts, browser, tmp_path: Path, short_prompt_wav: Path) -> None:
+    ctx = browser(locale="en-US")
+    try:
+        with serving(make_studio(tts, tmp_path)) as url:
+            page = open_page(ctx, url)
+            upload_prompt(page, short_prompt_wav)
+            page.fill("#transcript textarea", TRANSCRIPT)
+            page.fill("#save-as textarea, #save-as input", "Survivor")
+            page.click("#save")
+            sync_api.expect(page.locator("#voice input")).to_have_value("Survivor", timeout=15000)
+            page.close()
+        with serving(make_studio(tts, tmp_path)) as url:  # a new server process's library, from the same folder
+            page = open_page(ctx, url)
+            page.click("#voice input")
+            page.get_by_role("option", name="Survivor").click()
+            sync_api.expect(page.locator("#preview audio, #preview [data-testid='waveform-Voice preview']").first
+                            ).to_be_attached(timeout=15000)
+            page.fill("#text textarea", TEXT)
+            page.click("#generate")
+            sync_api.expect(page.locator("#status")).to_contain_text("voice: Survivor", timeout=60000)
+            # the rest of the library: rename, export, delete (after confirming), import the export again
+            page.click("#manage")
+            page.fill("#new-name textarea, #new-name input", "Survivor Two")
+            page.click("#rename")
+            sync_api.expect(page.locator("#voice input")).to_have_value("Survivor Two")
+            page.click("#export")
+            sync_api.expect(page.locator("#exported")).to_contain_text("Survivor_Two.voice")
+            with page.expect_download() as download:
+                page.locator("#exported a").first.click()
+            exported = tmp_path / "exported.voice.safetensors"
+            download.value.save_as(exported)
+            page.click("#delete")
+            sync_api.expect(page.locator("#confirm-row")).to_contain_text("Delete the voice Survivor Two?")
+            page.click("#cancel-delete")  # nothing happens without the confirmation
+            sync_api.expect(page.locator("#confirm-row")).to_be_hidden()
+            page.click("#delete")
+            page.click("#confirm-delete")
+            toast(page, "Deleted voice 'Survivor Two'")
+            sync_api.expect(page.locator("#voice input")).to_have_value("")
+            page.set_input_files("#import input[type=file]", str(exported))
+            toast(page, "Imported voice 'Survivor Two'")
+            sync_api.expect(page.locator("#voice input")).to_have_value("Survivor Two")
+            page.close()
+    finally:
+        ctx.close()
+
+
+def test_chinese_page(browser, app: tuple) -> None:
+    _, url = app
+    ctx = browser(locale="zh-CN")
+    try:
+        page = open_page(ctx, url)
+        sync_api.expect(page.get_by_text("要朗读的文本")).to_be_visible()
+        sync_api.expect(page.get_by_role("tab", name="跨语种")).to_be_visible()
+        assert page.evaluate(CJK_GLYPHS_DRAWN), "CJK text renders as missing-glyph boxes: install fonts-noto-cjk"
+        page.click("#voice input")
+        assert page.get_by_role("option").first.inner_text().startswith("Narrator (built-in)")  # built-ins first
+        page.keyboard.press("Escape")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "webui-zh.png"), full_page=True)
+        page.close()
+    finally:
+        ctx.close()
