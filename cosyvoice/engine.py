@@ -93,7 +93,7 @@ class Session:
     """Per-request state. The producer thread appends tokens; the consumer reads them."""
 
     id: int
-    generator: torch.Generator
+    seed: int
     tokens: list[int] = field(default_factory=list)
     llm_done: bool = False
     error: BaseException | None = None
@@ -142,9 +142,7 @@ class Engine:
             raise ResourceLimitError(
                 f"busy: {self.limits.max_sessions} requests are already synthesising and none finished within "
                 f"{self.limits.queue_timeout_seconds:g} s; retry later (COSYVOICE_MAX_SESSIONS raises the bound)")
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(secrets.randbits(63) if seed is None else int(seed))
-        session = Session(id=next(self._ids), generator=gen)
+        session = Session(id=next(self._ids), seed=secrets.randbits(63) if seed is None else int(seed))
         with self._sessions_lock:
             self._sessions[session.id] = session
         return session
@@ -165,7 +163,7 @@ class Engine:
             with torch.inference_mode():
                 tokens = self.llm.generate(
                     text=inp.text, prompt_text=inp.prompt_text, prompt_speech_token=inp.llm_prompt_speech_token,
-                    generator=session.generator, endofprompt_id=self.endofprompt_id,
+                    seed=session.seed, endofprompt_id=self.endofprompt_id,
                     should_stop=session.cancelled.is_set)  # polled before every decode step
                 with contextlib.closing(tokens):
                     for token in tokens:

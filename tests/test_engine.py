@@ -17,7 +17,7 @@ import torch
 from cosyvoice.engine import ChunkPolicy, Engine
 from cosyvoice.errors import CosyVoiceError, ResourceLimitError
 from cosyvoice.frontend.prompts import cross_lingual_text, instruct_text, zero_shot_prompt_text
-from cosyvoice.llm import ras_sample
+from cosyvoice.llm import SeededSampler
 from cosyvoice.settings import Limits
 
 PROMPT_TEXT = zero_shot_prompt_text("Hello, this is a short prompt for testing.")
@@ -81,11 +81,11 @@ class _CountingLLM:
         self.llm, self.pulled = llm, 0
 
     def generate(self, **kwargs) -> Iterator[int]:
-        generator = kwargs["generator"]
+        sampler = SeededSampler(kwargs["seed"], self.llm.cfg.sampling)
 
         def counting_sampler(scores, decoded):
             self.pulled += 1
-            return ras_sample(scores, decoded, generator, self.llm.cfg.sampling)
+            return sampler(scores, decoded)
 
         return self.llm.generate(**kwargs, sampler=counting_sampler)
 
