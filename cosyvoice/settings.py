@@ -39,6 +39,8 @@ class Limits:
     max_cached_voices: int = 64  # unnamed prompt voices kept by the voice library (named ones stay)
     max_cached_voice_bytes: int = 256 * 1024 * 1024
     max_named_voices: int = 256
+    max_llm_positions: int = 4096  # KV-cache positions per session row (prompt + speech tokens), allocated once
+    flow_cache_mb: int = 32768  # all streams' incremental flow caches; beyond it a stream recomputes (docs/perf.md)
 
     def __post_init__(self) -> None:
         for f in fields(self):

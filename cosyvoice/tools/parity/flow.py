@@ -94,6 +94,7 @@ def _check_t2w_flow(golden: Golden, flow: CausalMaskedDiffWithDiT, prompt_token:
     token = torch.from_numpy(arrays["token"]).long().to(prompt_token.device)
     stream = FlowStream(flow, prompt_token, prompt_feat, embedding)
     results = []
+    fed = returned = 0
     for i, chunk in enumerate(golden.scalar(T2W_FILE, "chunks")):
         n, streaming, finalize = int(chunk["flow_token_len"]), bool(chunk["flow_streaming"]), bool(chunk["finalize"])
         first = int(chunk["token_offset"]) * flow.token_mel_ratio
@@ -101,7 +102,9 @@ def _check_t2w_flow(golden: Golden, flow: CausalMaskedDiffWithDiT, prompt_token:
         recomputed = flow.inference(token[:, :n], n, prompt_token, prompt_token.shape[1], prompt_feat,
                                     prompt_feat.shape[1], embedding, streaming=streaming, finalize=finalize)
         results.append(compare(COMPONENT, f"t2w_chunk{i}_mel_used", recomputed[:, :, first:], ref, FLOW_MEL_ATOL))
-        incremental = stream.inference(token[:, :n], streaming=streaming, finalize=finalize)
-        results.append(compare(COMPONENT, f"t2w_chunk{i}_mel_used_flowstream", incremental[:, :, first:], ref,
-                               FLOW_MEL_ATOL))
+        # FlowStream takes only the new tokens and returns only the frames no earlier call returned
+        incremental = stream.inference(token[:, fed:n], finalize=finalize, streaming=streaming)
+        results.append(compare_exact(COMPONENT, f"t2w_chunk{i}_flowstream_first_frame", returned, first))
+        fed, returned = n, returned + incremental.shape[2]
+        results.append(compare(COMPONENT, f"t2w_chunk{i}_mel_used_flowstream", incremental, ref, FLOW_MEL_ATOL))
     return results

@@ -1,0 +1,284 @@
+"""The LLM scheduler: the only thread that runs the LLM, for every session at once (continuous batching).
+
+It owns a KV-cache slot pool allocated once (row = session, a static number of positions) and runs
+:mod:`jobs <cosyvoice.llm.job>`. One iteration:
+
+1. admit waiting tickets into free rows (lowest row first, so active rows stay a short prefix),
+   retire cancelled ones, re-poll parked jobs that were woken;
+2. multi-embedding steps (prefill, text-stream extensions) run per row on a row view of the cache;
+3. all one-embedding steps run as ONE batched decode call over the prefix of rows ``0 .. hi-1``
+   (rows without a step get a dummy input written at their own next slot, which their next real
+   step overwrites before anything reads it);
+4. ONE batched sampling call for every row that needs a token, then ONE host sync (``tolist``);
+5. tokens go to the jobs (``send``), emitted tokens to the tickets' listeners; finished, failed and
+   cancelled jobs free their row.
+
+A job that yields ``Wait`` is parked until :meth:`LLMScheduler.wake` (a text stream's listener); when
+nothing can run, the thread sleeps on a condition variable (no polling). Randomness is per ticket
+(seed + draw counter, :func:`~cosyvoice.llm.sampling.ras_sample_rows`), so a row's tokens do not
+depend on its neighbours. :func:`run_ticket_eager` runs one ticket alone on a thread of its own: the
+reference's strategy, kept as the benchmark baseline.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from cosyvoice.errors import ResourceLimitError
+from cosyvoice.llm import CosyVoice3LM, KVCache
+from cosyvoice.llm.job import Job, Step, Wait, run_eager
+from cosyvoice.llm.sampling import SeededSampler, history_tails, ras_sample_rows
+
+#: called with tokens to pass on (from the scheduler thread: must not block)
+TokenListener = Callable[[tuple[int, ...]], None]
+#: called once when the job has ended: None (finished or cancelled) or the exception that ended it
+DoneListener = Callable[[BaseException | None], None]
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One LLM job in the scheduler: its seed, listeners, and the flags other threads set."""
+
+    job: Job
+    seed: int
+    on_tokens: TokenListener
+    on_done: DoneListener
+    positions_needed: int = 0  # known upper bound of KV positions (0: unknown, e.g. a text stream)
+    cancelled: bool = False
+    woken: bool = False
+    done: bool = False
+    # owned by the scheduler thread
+    row: int = -1
+    position: int = 0
+    counter: int = 0
+    request: Step | Wait | None = None
+    steps: int = field(default=0)  # forward calls that included this ticket (tests, benchmarks)
+
+
+class LLMScheduler:
+    """Continuous batching of LLM jobs on one device; see the module docstring."""
+
+    def __init__(self, lm: CosyVoice3LM, rows: int, max_positions: int, name: str = "cosyvoice-scheduler") -> None:
+        self.lm = lm
+        self.rows = rows
+        self.max_positions = max_positions
+        self.name = name
+        self._cond = threading.Condition()
+        self._pending: deque[Ticket] = deque()
+        self._free = list(range(rows))  # a heap: the lowest free row is taken first
+        self._active: dict[int, Ticket] = {}
+        self._cache: KVCache | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.steps = 0  # batched iterations that ran a forward call
+
+    # ------------------------------------------------------------------ other threads
+
+    def submit(self, ticket: Ticket) -> None:
+        """Queue a ticket; it is admitted between steps as soon as a row is free."""
+        if ticket.positions_needed > self.max_positions:
+            raise ResourceLimitError(
+                f"this request needs {ticket.positions_needed} LLM positions; the engine's KV cache holds "
+                f"{self.max_positions} per session (COSYVOICE_MAX_LLM_POSITIONS): shorten the text")
+        with self._cond:
+            if self._thread is None:
+                self._cache = self.lm.llm.new_cache(self.rows, self.max_positions)
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+            self._pending.append(ticket)
+            self._cond.notify()
+
+    def wake(self, ticket: Ticket) -> None:
+        """The ticket's input may have changed: re-poll it if it is waiting."""
+        with self._cond:
+            ticket.woken = True
+            self._cond.notify()
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Stop the ticket before its next step; its ``on_done(None)`` follows from the scheduler thread."""
+        with self._cond:
+            ticket.cancelled = True
+            self._cond.notify()
+
+    @property
+    def active(self) -> int:
+        with self._cond:
+            return len(self._active) + len(self._pending)
+
+    @property
+    def cache_bytes(self) -> int:
+        return 0 if self._cache is None else self._cache.nbytes
+
+    def close(self) -> None:
+        """Stop the thread (pending and active tickets end with an error) and free the cache."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        self._cache = None
+
+    # ------------------------------------------------------------------ the scheduler thread
+
+    def _runnable(self, t: Ticket) -> bool:
+        return t.cancelled or t.request is None or isinstance(t.request, Step) or t.woken
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not (self._pending and self._free) and \
+                        not any(self._runnable(t) for t in self._active.values()) and \
+                        not any(t.cancelled for t in self._pending):
+                    self._cond.wait()
+                if self._stop:
+                    tickets = [*self._active.values(), *self._pending]
+                    self._active.clear()
+                    self._pending.clear()
+                    break
+                dropped = [t for t in self._pending if t.cancelled]
+                for t in dropped:
+                    self._pending.remove(t)
+                while self._pending and self._free:
+                    t = self._pending.popleft()
+                    t.row = heapq.heappop(self._free)
+                    self._active[t.row] = t
+                tickets = sorted(self._active.values(), key=lambda t: t.row)
+                woken = set()
+                for t in tickets:
+                    if isinstance(t.request, Wait) and t.woken:
+                        t.woken = False
+                        woken.add(t)
+            for t in dropped:
+                self._retire(t, None)
+            try:
+                self._iterate(tickets, woken)
+            except BaseException as exc:  # a failed forward call ends the jobs in it, not the scheduler
+                for t in tickets:
+                    if not t.done:
+                        self._retire(t, exc)
+        err = ResourceLimitError("the engine was shut down")
+        for t in tickets:
+            if not t.done:
+                self._retire(t, err)
+
+    def _iterate(self, tickets: list[Ticket], woken: set[Ticket]) -> None:
+        for t in tickets:
+            if t.cancelled:
+                self._retire(t, None)
+            elif t.request is None:
+                self._advance(t, None, first=True)
+            elif t in woken:
+                self._advance(t, None)
+        stepping = [t for t in tickets if not t.done and isinstance(t.request, Step)]
+        for t in stepping:
+            if t.position + t.request.embeds.shape[0] > self.max_positions:
+                self._retire(t, ResourceLimitError(
+                    f"the request needs more than {self.max_positions} LLM positions "
+                    "(COSYVOICE_MAX_LLM_POSITIONS); shorten the text"))
+        stepping = [t for t in stepping if not t.done]
+        if not stepping:
+            return
+        logps: dict[Ticket, torch.Tensor] = {}
+        with torch.inference_mode():
+            for t in stepping:  # prefill / extend: one row at a time on its view of the pool
+                if t.request.embeds.shape[0] != 1:
+                    _, logp = self.lm.decode_step(t.request.embeds[None], t.position,
+                                                  self._cache.rows(t.row, t.row + 1))
+                    logps[t] = logp[0]
+            decoding = [t for t in stepping if t not in logps]
+            if decoding:
+                logps.update(zip(decoding, self._decode_batch(decoding), strict=True))
+            for t in stepping:
+                t.position += t.request.embeds.shape[0]
+                t.steps += 1
+            self.steps += 1
+            sampling = [t for t in stepping if t.request.sample]
+            tokens: dict[Ticket, int | None] = dict.fromkeys(stepping)
+            if sampling:
+                scores = self.lm.apply_bans(torch.stack([logps[t] for t in sampling]), [t.request for t in sampling])
+                cfg = self.lm.cfg.sampling
+                device = scores.device
+                tails = history_tails([t.request.history for t in sampling], cfg.win_size).to(device)
+                seeds = torch.tensor([t.seed for t in sampling], dtype=torch.int64).to(device)
+                counters = torch.tensor([t.counter for t in sampling], dtype=torch.int64).to(device)
+                drawn = ras_sample_rows(scores, tails, seeds, counters, cfg).tolist()  # the step's one host sync
+                for t, token in zip(sampling, drawn, strict=True):
+                    t.counter += 1
+                    tokens[t] = token
+            for t in stepping:
+                self._advance(t, tokens[t])
+
+    def _decode_batch(self, decoding: list[Ticket]) -> list[torch.Tensor]:
+        """One forward call for the one-embedding steps of ``decoding`` over the row prefix; their log-probs."""
+        hi = max(t.row for t in decoding) + 1
+        hidden_size = decoding[0].request.embeds.shape[-1]
+        first = decoding[0].request.embeds
+        embeds = first.new_zeros(hi, 1, hidden_size)
+        positions = [0] * hi
+        for row in range(hi):  # rows that do not step write a dummy at their own next slot (never read)
+            other = self._active.get(row)
+            if other is not None:
+                positions[row] = min(other.position, self.max_positions - 1)
+        for t in decoding:
+            embeds[t.row, 0] = t.request.embeds[0]
+        pos = torch.tensor(positions, dtype=torch.int64, device=first.device)[:, None]
+        hidden = self.lm.llm.forward_cached(embeds, pos, self._cache.rows(0, hi), kv_len=max(positions) + 1)
+        logp = self.lm.log_probs(hidden[:, 0])
+        return [logp[t.row] for t in decoding]
+
+    def _advance(self, t: Ticket, value: int | None, first: bool = False) -> None:
+        """Resume the job with ``value`` (its first ``next`` when ``first``); pass on what it emits."""
+        try:
+            request = next(t.job) if first else t.job.send(value)
+        except StopIteration as finished:
+            if finished.value:
+                t.on_tokens(tuple(finished.value))
+            self._retire(t, None)
+            return
+        except Exception as exc:
+            self._retire(t, exc)
+            return
+        t.request = request
+        if request.emit:
+            t.on_tokens(tuple(request.emit))
+
+    def _retire(self, t: Ticket, error: BaseException | None) -> None:
+        """End a ticket: free its row, close its job, tell its listener (once; outside the scheduler's lock)."""
+        with self._cond:
+            if t.done:
+                return
+            t.done = True
+            if self._active.get(t.row) is t:
+                del self._active[t.row]
+                heapq.heappush(self._free, t.row)
+        t.request = None
+        t.job.close()
+        t.on_done(error)
+
+
+def run_ticket_eager(lm: CosyVoice3LM, ticket: Ticket, wait: Callable[[], None] | None = None) -> None:
+    """Run one ticket alone on the calling thread with a KV cache of its own (the reference's strategy).
+
+    Same job, same sampler at B = 1 (:class:`SeededSampler`), so it gives the scheduler's tokens for a
+    seed; ``cancelled`` is polled before every step.
+    """
+    error: BaseException | None = None
+    try:
+        needed = ticket.positions_needed or 1
+        cache = lm.llm.new_cache(1, needed)
+        with torch.inference_mode():
+            for token in run_eager(lm, ticket.job, cache, SeededSampler(ticket.seed, lm.cfg.sampling), wait=wait,
+                                   should_stop=lambda: ticket.cancelled):
+                ticket.on_tokens((token,))
+    except BaseException as exc:  # handed to the listener, which re-raises it in the consumer's thread
+        error = exc
+    finally:
+        ticket.done = True
+        ticket.on_done(error)
