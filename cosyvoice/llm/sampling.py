@@ -51,9 +51,15 @@ def nucleus_rows(scores: torch.Tensor, top_p: float, top_k: int) -> tuple[torch.
     ``keep[b].sum()`` entries, equal to ``nucleus_candidates(scores[b])``. The running sum is a
     sequence of float32 additions, one column at a time, as the reference adds its scalars.
     """
-    probs, ids = scores.float().softmax(dim=-1).sort(dim=-1, descending=True, stable=True)
+    probs = scores.float().softmax(dim=-1)
     k = min(top_k, probs.shape[-1])
-    probs, ids = probs[:, :k], ids[:, :k]
+    # the stable descending sort's first k, via top-k of a unique integer key: the float32 bits of a
+    # non-negative probability order like the value; the low bits put lower indices first among equal ones
+    shift = max(probs.shape[-1] - 1, 1).bit_length()
+    index = torch.arange(probs.shape[-1], device=probs.device)
+    key = probs.view(torch.int32).long() * (1 << shift) + ((1 << shift) - 1 - index)
+    ids = key.topk(k, dim=-1).indices
+    probs = probs.gather(1, ids)
     running = torch.zeros_like(probs[:, 0])
     before = [running]
     for j in range(k - 1):
