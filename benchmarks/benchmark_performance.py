@@ -171,7 +171,8 @@ def _row(engine: str, dtype: str, mode: str, clients: int, requests: int, result
                sum(r["tokens"] for r in results) / wall, audio / len(results), mem_mib, mem_mib / clients)
 
 
-def llm_only(llm, batch_sizes: list[int], tokens: int, device: torch.device) -> list[dict[str, float]]:
+def llm_only(llm, batch_sizes: list[int], tokens: int, device: torch.device,
+             cuda_graphs: bool = False) -> list[dict[str, float]]:
     """Decode tokens/s of the LLM alone: the scheduler at each batch size vs eager threads (fixed length)."""
     prompt = llm.speech_embedding.weight[:64].detach()  # any 64-embedding prompt: the cost is what matters
     rows = []
@@ -181,7 +182,7 @@ def llm_only(llm, batch_sizes: list[int], tokens: int, device: torch.device) -> 
             tickets = [Ticket(llm.generate_job(prompt, tokens, tokens, ban_stop=True), seed, lambda _t: None,
                               lambda _e, done=done: done.release(), positions_needed=64 + tokens)
                        for seed in range(batch)]
-            scheduler = LLMScheduler(llm, rows=batch, max_positions=64 + tokens)
+            scheduler = LLMScheduler(llm, rows=batch, max_positions=64 + tokens, cuda_graphs=cuda_graphs)
             start = time.perf_counter()
             if name == "scheduler":
                 for t in tickets:
@@ -225,6 +226,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "(default 250; tiny: 30)")
     parser.add_argument("--requests", type=int, default=1, help="requests per client, one after another")
     parser.add_argument("--llm-only", action="store_true", help="also measure the LLM decode alone")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="fast path: capture the batched decode step in CUDA graphs (CUDA only)")
     parser.add_argument("--json", type=Path, help="write settings and rows here")
     args = parser.parse_args(argv)
     concurrency = args.concurrency or ([1, 4] if args.tiny else [1, 4, 16, 64])
@@ -253,7 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__, "python": sys.version.split()[0],
         "commit": _git_commit(), "model": model, "fixed_tokens": fixed, "prompt_tokens":
         int(inp.flow_prompt_speech_token.shape[1]), "concurrency": concurrency, "requests_per_client": args.requests,
-        "dtypes": dtypes, "skipped_dtypes (CUDA only)": skipped, "modes": args.modes, "engines": args.engines,
+        "dtypes": dtypes, "skipped_dtypes (CUDA only)": skipped, "cuda_graphs": args.cuda_graphs,
+        "modes": args.modes, "engines": args.engines,
     }
     print(" | ".join(f"{k} {v}" for k, v in settings.items()), flush=True)
     header = ("| engine | dtype | mode | clients | requests | first audio p50 ms | p90 ms | RTF | audio s / wall s "
@@ -267,8 +271,10 @@ def main(argv: list[str] | None = None) -> dict:
         dtype = parse_precision(dtype_name)
         llm, flow = bundle.load_llm(device, dtype), bundle.load_flow(device, dtype)
         for name in args.engines:
+            graphs = {"cuda_graphs": args.cuda_graphs} if name == "fast" else {}
             engine = Engine(bundle.config, llm, flow, hift, device, limits,
-                            endofprompt_id=frontend.tokenizer.end_of_prompt_id, fixed_tokens=fixed, **ENGINES[name])
+                            endofprompt_id=frontend.tokenizer.end_of_prompt_id, fixed_tokens=fixed, **ENGINES[name],
+                            **graphs)
             for stream in (True, False):
                 mode = "stream" if stream else "nonstream"
                 if mode not in args.modes:
@@ -285,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
                           f"| {row.peak_mem_mib:.0f} | {row.mem_per_stream_mib:.1f} |", flush=True)
             engine.close()
         if args.llm_only:
-            for r in llm_only(llm, concurrency, fixed, device):
+            for r in llm_only(llm, concurrency, fixed, device, args.cuda_graphs):
                 llm_rows.append({"dtype": dtype_name, **r})
         del llm, flow
     if llm_rows:

@@ -56,7 +56,7 @@ class Engine:
                  hift: CausalHiFTGenerator, device: torch.device, limits: Limits | None = None,
                  endofprompt_id: int = ENDOFPROMPT_ID, incremental_flow: bool = True,
                  incremental_vocoder: bool = True, strategy: Strategy = "batched",
-                 fixed_tokens: int | None = None) -> None:
+                 fixed_tokens: int | None = None, cuda_graphs: bool = False) -> None:
         if strategy not in ("batched", "eager"):
             raise InvalidInputError(f"strategy must be 'batched' or 'eager', got {strategy!r}")
         self.config = config
@@ -80,7 +80,9 @@ class Engine:
         self._ids = itertools.count()
         self._flow_cache_bytes: dict[int, int] = {}  # session id -> bytes its FlowStream holds
         self.flow_cache_fallbacks = 0  # streams switched to recompute by the memory budget
-        self.scheduler = LLMScheduler(llm, self.limits.max_sessions, self.limits.max_llm_positions)
+        # cuda_graphs: capture the batched decode step per batch bucket (CUDA only; unverified, docs/perf.md)
+        self.scheduler = LLMScheduler(llm, self.limits.max_sessions, self.limits.max_llm_positions,
+                                      cuda_graphs=cuda_graphs)
         self.worker = Token2WavWorker(device)
 
     # ------------------------------------------------------------------ public API

@@ -23,6 +23,7 @@ reference's strategy, kept as the benchmark baseline.
 from __future__ import annotations
 
 import heapq
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cosyvoice.engine.cuda_graphs import GraphedDecoder
 from cosyvoice.errors import ResourceLimitError
 from cosyvoice.llm import CosyVoice3LM, KVCache
 from cosyvoice.llm.job import Job, Step, Wait, run_eager
@@ -39,6 +41,8 @@ from cosyvoice.llm.sampling import SeededSampler, history_tails, ras_sample_rows
 TokenListener = Callable[[tuple[int, ...]], None]
 #: called once when the job has ended: None (finished or cancelled) or the exception that ended it
 DoneListener = Callable[[BaseException | None], None]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -64,8 +68,10 @@ class Ticket:
 class LLMScheduler:
     """Continuous batching of LLM jobs on one device; see the module docstring."""
 
-    def __init__(self, lm: CosyVoice3LM, rows: int, max_positions: int, name: str = "cosyvoice-scheduler") -> None:
+    def __init__(self, lm: CosyVoice3LM, rows: int, max_positions: int, name: str = "cosyvoice-scheduler",
+                 cuda_graphs: bool = False) -> None:
         self.lm = lm
+        self.cuda_graphs = cuda_graphs  # CUDA only, unverified: see cosyvoice/engine/cuda_graphs.py
         self.rows = rows
         self.max_positions = max_positions
         self.name = name
@@ -74,6 +80,7 @@ class LLMScheduler:
         self._free = list(range(rows))  # a heap: the lowest free row is taken first
         self._active: dict[int, Ticket] = {}
         self._cache: KVCache | None = None
+        self._graphed: GraphedDecoder | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
         self.steps = 0  # batched iterations that ran a forward call
@@ -89,6 +96,8 @@ class LLMScheduler:
         with self._cond:
             if self._thread is None:
                 self._cache = self.lm.llm.new_cache(self.rows, self.max_positions)
+                if self.cuda_graphs and self._cache.device.type == "cuda":
+                    self._graphed = GraphedDecoder(self.lm, self._cache)
                 self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self._thread.start()
             self._pending.append(ticket)
@@ -123,7 +132,7 @@ class LLMScheduler:
             thread = self._thread
         if thread is not None:
             thread.join()
-        self._cache = None
+        self._cache = self._graphed = None
 
     # ------------------------------------------------------------------ the scheduler thread
 
@@ -218,6 +227,8 @@ class LLMScheduler:
     def _decode_batch(self, decoding: list[Ticket]) -> list[torch.Tensor]:
         """One forward call for the one-embedding steps of ``decoding`` over the row prefix; their log-probs."""
         hi = max(t.row for t in decoding) + 1
+        if self._graphed is not None:
+            hi = self._graphed.bucket(hi)
         hidden_size = decoding[0].request.embeds.shape[-1]
         first = decoding[0].request.embeds
         embeds = first.new_zeros(hi, 1, hidden_size)
@@ -229,8 +240,16 @@ class LLMScheduler:
         for t in decoding:
             embeds[t.row, 0] = t.request.embeds[0]
         pos = torch.tensor(positions, dtype=torch.int64, device=first.device)[:, None]
-        hidden = self.lm.llm.forward_cached(embeds, pos, self._cache.rows(0, hi), kv_len=max(positions) + 1)
-        logp = self.lm.log_probs(hidden[:, 0])
+        logp = None
+        if self._graphed is not None:
+            try:
+                logp = self._graphed.decode(embeds, pos)
+            except RuntimeError:  # a failed capture must not take the engine down: decode eagerly from now on
+                logger.exception("CUDA graph capture of the decode step failed; decoding eagerly")
+                self._graphed = None
+        if logp is None:
+            hidden = self.lm.llm.forward_cached(embeds, pos, self._cache.rows(0, hi), kv_len=max(positions) + 1)
+            logp = self.lm.log_probs(hidden[:, 0])
         return [logp[t.row] for t in decoding]
 
     def _advance(self, t: Ticket, value: int | None, first: bool = False) -> None:
