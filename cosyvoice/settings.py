@@ -40,7 +40,9 @@ class Limits:
     max_cached_voice_bytes: int = 256 * 1024 * 1024
     max_named_voices: int = 256
     max_llm_positions: int = 4096  # KV-cache positions per session row (prompt + speech tokens), allocated once
-    flow_cache_mb: int = 32768  # all streams' incremental flow caches; beyond it a stream recomputes (docs/perf.md)
+    # all streams' incremental flow caches together; each stream gets flow_cache_mb / max_sessions and
+    # recomputes (the reference's path) beyond it (docs/architecture.md, "Memory")
+    flow_cache_mb: float = 32768.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -16,6 +16,7 @@ import torch
 from cosyvoice.config import LLMConfig, QwenConfig
 from cosyvoice.engine import Engine, LLMScheduler, Ticket
 from cosyvoice.engine.scheduler import run_ticket_eager
+from cosyvoice.flow import FlowStream
 from cosyvoice.llm import CosyVoice3LM, KVCache
 from cosyvoice.llm.job import Step, TokenStream, Wait
 from cosyvoice.settings import Limits
@@ -264,3 +265,29 @@ def test_fixed_tokens_decodes_exactly_n_tokens(tts, short_prompt_wav: Path) -> N
     with pytest.raises(Exception, match="fixed_tokens must be a positive integer"):
         engine.synthesize(_inp(tts, short_prompt_wav), fixed_tokens=0)
     engine.close()
+
+
+def test_flow_cache_budget_falls_back_to_recompute(tts, prompt_wav: Path) -> None:
+    """A stream whose flow cache would pass its share (flow_cache_mb / max_sessions) recomputes instead."""
+    e = tts.engine
+    inp = _inp(tts, prompt_wav)
+    tokens = torch.randint(0, e.config.flow.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
+    unbounded = Engine(e.config, e.llm, e.flow, e.hift, e.device, Limits())
+    reference = list(unbounded.vocode(tokens, inp, stream=True))
+    share_frames = 400  # the prompt and the first two chunks fit, the third does not
+    budget_mb = share_frames * FlowStream.bytes_per_frame(e.flow) / 2**20
+    bounded = Engine(e.config, e.llm, e.flow, e.hift, e.device, Limits(max_sessions=1, flow_cache_mb=budget_mb))
+    held = []
+    chunks = []
+    for chunk in bounded.vocode(tokens, inp, stream=True):
+        chunks.append(chunk)
+        held.append(bounded.flow_cache_bytes)
+    assert bounded.flow_cache_fallbacks == 1 and unbounded.flow_cache_fallbacks == 0
+    assert len(chunks) >= 4 and max(held) <= bounded.flow_cache_share
+    assert held[0] > 0 and held[1] > held[0] and held[2:] == [0] * (len(held) - 2)  # dropped at chunk 2 (streaming)
+    assert [(c.token_start, c.token_end, c.pcm.numel()) for c in chunks] == \
+        [(c.token_start, c.token_end, c.pcm.numel()) for c in reference]
+    assert torch.equal(chunks[0].pcm, reference[0].pcm)  # before the fallback: the same computation
+    assert bounded.flow_cache_bytes == 0 and bounded.active_sessions == 0
+    unbounded.close()
+    bounded.close()

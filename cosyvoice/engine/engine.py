@@ -187,7 +187,8 @@ class Engine:
         if text_stream is not None:
             from cosyvoice.llm.bistream import bistream_job  # the text-stream algorithm (issue 7)
 
-            return bistream_job(self.llm, inp, text_stream, endofprompt_id=self.endofprompt_id), 0, fixed
+            job = bistream_job(self.llm, inp, text_stream, endofprompt_id=self.endofprompt_id)
+            return job, self.limits.max_llm_positions, fixed  # its length is unknown: bounded by the row
         lm_input, min_len, max_len = self.llm.prepare(
             inp.text, inp.prompt_text, inp.llm_prompt_speech_token, endofprompt_id=self.endofprompt_id)
         if fixed is not None:
@@ -397,18 +398,22 @@ class Engine:
         return out.float().cpu()
 
     def _budget_flow_cache(self, session: Session, n_tokens: int) -> None:
-        """Keep all flow caches within ``limits.flow_cache_mb``: a stream whose cache would grow past what is
-        left recomputes from now on (the reference's path: same output, no cache)."""
+        """Each stream may cache at most ``flow_cache_mb / max_sessions``, so all caches together stay within
+        ``limits.flow_cache_mb`` whatever runs at once; a stream that would grow past its share drops its cache
+        and recomputes from then on (the reference's path: the same output up to rounding). The share does not
+        depend on other sessions, so neither does a session's output."""
         stream = session.flow_stream
         if not stream.caching:
             return
         frames = (stream.prompt_token.shape[1] + n_tokens) * self.config.flow.token_mel_ratio
-        projected = frames * FlowStream.bytes_per_frame(self.flow)
-        with self._lock:
-            others = sum(b for sid, b in self._flow_cache_bytes.items() if sid != session.id)
-        if others + projected > self.limits.flow_cache_mb * 2**20:
+        if frames * FlowStream.bytes_per_frame(self.flow) > self.flow_cache_share:
             stream.drop_cache()
             self.flow_cache_fallbacks += 1
+
+    @property
+    def flow_cache_share(self) -> float:
+        """Bytes one stream's incremental flow cache may hold."""
+        return self.limits.flow_cache_mb * 2**20 / self.limits.max_sessions
 
 
 def _as_cosyvoice_error(exc: BaseException, stage: str) -> CosyVoiceError:

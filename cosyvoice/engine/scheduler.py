@@ -53,7 +53,7 @@ class Ticket:
     seed: int
     on_tokens: TokenListener
     on_done: DoneListener
-    positions_needed: int = 0  # known upper bound of KV positions (0: unknown, e.g. a text stream)
+    positions_needed: int = 0  # upper bound of KV positions (the eager runner's cache size; 0: unknown)
     cancelled: bool = False
     woken: bool = False
     done: bool = False
@@ -290,8 +290,7 @@ def run_ticket_eager(lm: CosyVoice3LM, ticket: Ticket, wait: Callable[[], None] 
     """
     error: BaseException | None = None
     try:
-        needed = ticket.positions_needed or 1
-        cache = lm.llm.new_cache(1, needed)
+        cache = lm.llm.new_cache(1, ticket.positions_needed)  # a cache of its own, as the reference
         with torch.inference_mode():
             for token in run_eager(lm, ticket.job, cache, SeededSampler(ticket.seed, lm.cfg.sampling), wait=wait,
                                    should_stop=lambda: ticket.cancelled):
