@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="LLM and flow precision (half precision is CUDA-only; the vocoder is always fp32)")
     parser.add_argument("--concurrency", type=int, nargs="+", help="clients at once (default 1 4 16 64; tiny: 1 4)")
     parser.add_argument("--modes", choices=["stream", "nonstream"], nargs="+", default=["stream", "nonstream"])
-    parser.add_argument("--engines", choices=sorted(ENGINES), nargs="+", default=["fast", "baseline"])
+    parser.add_argument("--engines", choices=sorted(ENGINES), nargs="*", default=["fast", "baseline"],
+                        help="engines to measure (none: with --llm-only, the LLM alone)")
     parser.add_argument("--fixed-tokens", type=int, help="decode exactly N speech tokens per request "
                         "(default 250; tiny: 30)")
     parser.add_argument("--requests", type=int, default=1, help="requests per client, one after another")

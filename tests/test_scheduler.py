@@ -291,3 +291,34 @@ def test_flow_cache_budget_falls_back_to_recompute(tts, prompt_wav: Path) -> Non
     assert bounded.flow_cache_bytes == 0 and bounded.active_sessions == 0
     unbounded.close()
     bounded.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_decode_gives_the_eager_tokens(lm: CosyVoice3LM) -> None:
+    """The graphed decode step (per batch bucket, static cache length) against one-at-a-time eager decoding."""
+    model = CosyVoice3LM(lm.cfg).eval()
+    model.load_state_dict(lm.state_dict())
+    model.cuda()
+    scheduler = LLMScheduler(model, rows=8, max_positions=128, cuda_graphs=True)
+    collectors = {i: _Collector() for i in range(5)}
+    for i, c in collectors.items():
+        scheduler.submit(_ticket(model, i, 100 + i, c))
+    for c in collectors.values():
+        assert c.done.wait(60) and c.error is None
+    assert scheduler._graphed is not None  # captured, not fallen back to eager
+    for i, c in collectors.items():
+        assert c.tokens == list(model.generate(*_request(i), 100 + i, endofprompt_id=EOP)), f"request {i}"
+    scheduler.close()
+
+
+def test_an_engine_dropped_without_close_stops_its_threads(tts, short_prompt_wav: Path) -> None:
+    engine = _engine(tts)
+    list(engine.synthesize(_inp(tts, short_prompt_wav, "Hi."), seed=0, fixed_tokens=5))
+    threads = [engine.scheduler._thread, engine.worker._thread]
+    assert all(t.is_alive() for t in threads)
+    del engine
+    deadline = time.monotonic() + 10
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        gc.collect()  # the scheduler may still hold the last step's tickets for a moment
+        time.sleep(0.05)
+    assert not any(t.is_alive() for t in threads)

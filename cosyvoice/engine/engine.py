@@ -23,6 +23,7 @@ import itertools
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Literal
 
@@ -84,6 +85,8 @@ class Engine:
         self.scheduler = LLMScheduler(llm, self.limits.max_sessions, self.limits.max_llm_positions,
                                       cuda_graphs=cuda_graphs)
         self.worker = Token2WavWorker(device)
+        # an engine dropped without close() must not leave its two threads (and the KV pool) behind
+        self._finalizer = weakref.finalize(self, _stop_threads, self.scheduler, self.worker)
 
     # ------------------------------------------------------------------ public API
 
@@ -175,6 +178,7 @@ class Engine:
 
     def close(self) -> None:
         """Stop the scheduler and worker threads and free the KV-cache pool (running requests fail)."""
+        self._finalizer.detach()
         self.scheduler.close()
         self.worker.close()
 
@@ -414,6 +418,11 @@ class Engine:
     def flow_cache_share(self) -> float:
         """Bytes one stream's incremental flow cache may hold."""
         return self.limits.flow_cache_mb * 2**20 / self.limits.max_sessions
+
+
+def _stop_threads(scheduler: LLMScheduler, worker: Token2WavWorker) -> None:
+    scheduler.stop()
+    worker.stop()
 
 
 def _as_cosyvoice_error(exc: BaseException, stage: str) -> CosyVoiceError:

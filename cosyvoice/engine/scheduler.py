@@ -124,14 +124,17 @@ class LLMScheduler:
     def cache_bytes(self) -> int:
         return 0 if self._cache is None else self._cache.nbytes
 
-    def close(self) -> None:
-        """Stop the thread (pending and active tickets end with an error) and free the cache."""
+    def stop(self) -> None:
+        """Ask the thread to end after its current step (pending and active tickets end with an error)."""
         with self._cond:
             self._stop = True
             self._cond.notify()
-            thread = self._thread
-        if thread is not None:
-            thread.join()
+
+    def close(self) -> None:
+        """:meth:`stop`, wait for the thread, free the cache."""
+        self.stop()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
         self._cache = self._graphed = None
 
     # ------------------------------------------------------------------ the scheduler thread
@@ -140,42 +143,50 @@ class LLMScheduler:
         return t.cancelled or t.request is None or isinstance(t.request, Step) or t.woken
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stop and not (self._pending and self._free) and \
-                        not any(self._runnable(t) for t in self._active.values()) and \
-                        not any(t.cancelled for t in self._pending):
-                    self._cond.wait()
-                if self._stop:
-                    tickets = [*self._active.values(), *self._pending]
-                    self._active.clear()
-                    self._pending.clear()
-                    break
-                dropped = [t for t in self._pending if t.cancelled]
-                for t in dropped:
-                    self._pending.remove(t)
-                while self._pending and self._free:
-                    t = self._pending.popleft()
-                    t.row = heapq.heappop(self._free)
-                    self._active[t.row] = t
-                tickets = sorted(self._active.values(), key=lambda t: t.row)
-                woken = set()
-                for t in tickets:
-                    if isinstance(t.request, Wait) and t.woken:
-                        t.woken = False
-                        woken.add(t)
-            for t in dropped:
-                self._retire(t, None)
-            try:
-                self._iterate(tickets, woken)
-            except BaseException as exc:  # a failed forward call ends the jobs in it, not the scheduler
-                for t in tickets:
-                    if not t.done:
-                        self._retire(t, exc)
+        while (work := self._next_work()) is not None:
+            self._run(*work)
+            del work  # hold no finished ticket (nor its listeners' owners) while asleep
+        with self._cond:
+            left = [*self._active.values(), *self._pending]
+            self._active.clear()
+            self._pending.clear()
         err = ResourceLimitError("the engine was shut down")
-        for t in tickets:
-            if not t.done:
-                self._retire(t, err)
+        for t in left:
+            self._retire(t, err)
+
+    def _next_work(self) -> tuple[list[Ticket], set[Ticket], list[Ticket]] | None:
+        """Sleep until something can run; admit tickets; return (active tickets, woken ones, dropped ones)."""
+        with self._cond:
+            while not self._stop and not (self._pending and self._free) and \
+                    not any(self._runnable(t) for t in self._active.values()) and \
+                    not any(t.cancelled for t in self._pending):
+                self._cond.wait()
+            if self._stop:
+                return None
+            dropped = [t for t in self._pending if t.cancelled]
+            for t in dropped:
+                self._pending.remove(t)
+            while self._pending and self._free:
+                t = self._pending.popleft()
+                t.row = heapq.heappop(self._free)
+                self._active[t.row] = t
+            tickets = sorted(self._active.values(), key=lambda t: t.row)
+            woken = set()
+            for t in tickets:
+                if isinstance(t.request, Wait) and t.woken:
+                    t.woken = False
+                    woken.add(t)
+            return tickets, woken, dropped
+
+    def _run(self, tickets: list[Ticket], woken: set[Ticket], dropped: list[Ticket]) -> None:
+        for t in dropped:
+            self._retire(t, None)
+        try:
+            self._iterate(tickets, woken)
+        except BaseException as exc:  # a failed forward call ends the jobs in it, not the scheduler
+            for t in tickets:
+                if not t.done:
+                    self._retire(t, exc)
 
     def _iterate(self, tickets: list[Ticket], woken: set[Ticket]) -> None:
         for t in tickets:

@@ -42,14 +42,17 @@ class Token2WavWorker:
         with self._cond:
             return len(self._heap)
 
-    def close(self) -> None:
-        """Run what is queued, then stop the thread."""
+    def stop(self) -> None:
+        """Ask the thread to end once the queue is empty."""
         with self._cond:
             self._stop = True
             self._cond.notify()
-            thread = self._thread
-        if thread is not None:
-            thread.join()
+
+    def close(self) -> None:
+        """Run what is queued, then stop the thread and wait for it."""
+        self.stop()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
 
     def _loop(self) -> None:
         # unverified on GPU (no device this session): a side stream so flow/vocoder overlap the LLM's kernels
@@ -62,3 +65,4 @@ class Token2WavWorker:
                         return
                     _, _, run = heapq.heappop(self._heap)
                 run()  # never raises: the engine routes failures to the session
+                del run  # hold nothing of a finished chunk while asleep
