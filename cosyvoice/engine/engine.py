@@ -108,9 +108,12 @@ class Engine:
                           sample_offset: int = 0, first_index: int = 0, *, text_stream: TokenStream | None = None,
                           fixed_tokens: int | None = None) -> AsyncIterator[AudioChunk]:
         """:meth:`synthesize` for asyncio: ``async for chunk in engine.asynthesize(...)``; leaving the loop (or
-        cancelling the task) cancels the request. Waiting for a free session does not block the event loop."""
+        cancelling the task) cancels the request. Waiting for a free session does not block the event loop.
+        Options are validated on the first step (an async generator cannot raise earlier); adapters that want
+        the error before starting a response call :meth:`check_options` first."""
         self.check_options(stream, speed, seed)
         job, needed, fixed = self._llm_job(inp, text_stream, fixed_tokens)
+
         def open_session() -> Session:
             return self._open_session(inp, stream, speed, seed, sample_offset, first_index, fixed)
 

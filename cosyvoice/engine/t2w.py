@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import threading
 from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
 
+logger = logging.getLogger(__name__)
 
 class Token2WavWorker:
     """A priority queue of callables run by one thread; ``submit(priority, fn)`` with a smaller tuple first."""
@@ -64,5 +66,8 @@ class Token2WavWorker:
                     if not self._heap:
                         return
                     _, _, run = heapq.heappop(self._heap)
-                run()  # never raises: the engine routes failures to the session
+                try:
+                    run()  # the engine routes a chunk's failures to its session; this only guards the thread
+                except Exception:
+                    logger.exception("token-to-wave job failed outside its session's error handling")
                 del run  # hold nothing of a finished chunk while asleep
