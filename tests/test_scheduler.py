@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -186,6 +187,11 @@ def _engine(tts, **kw) -> Engine:
                   endofprompt_id=e.endofprompt_id, **kw)
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def _live_tensors() -> int:
     import warnings
 
@@ -215,8 +221,8 @@ def test_sixteen_sessions_half_cancelled_leave_nothing_behind(tts, short_prompt_
     round_()  # warm-up: the engine's two threads start, caches fill
     gc.collect()
     threads_before = {t.name for t in threading.enumerate()}
-    tensors_before = _live_tensors()
-    counts = round_()
+    tensors_before, rss_before = _live_tensors(), _rss_bytes()
+    counts = round_() + round_()
     gc.collect()
     assert all(n >= 2 for n in counts[::2])  # the completed half streamed in several chunks
     assert engine.active_sessions == 0 and engine.scheduler.active == 0 and engine.flow_cache_bytes == 0
@@ -224,6 +230,8 @@ def test_sixteen_sessions_half_cancelled_leave_nothing_behind(tts, short_prompt_
     assert {"cosyvoice-scheduler", "cosyvoice-t2w"} <= threads_before
     assert not [t for t in threading.enumerate() if t.name.startswith("cosyvoice-llm-")]
     assert _live_tensors() <= tensors_before
+    rss_growth = _rss_bytes() - rss_before
+    assert rss_growth < 64 * 2**20, f"resident memory grew by {rss_growth / 2**20:.1f} MiB over 32 requests"
     engine.close()
 
 

@@ -31,8 +31,8 @@ class GraphedDecoder:
         if cache.device.type != "cuda":
             raise ValueError("CUDA graphs need the KV cache on a CUDA device")
         self.lm, self.cache = lm, cache
+        # one private memory pool per bucket: buckets replay in any order, which a shared pool does not allow
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._pool = None  # one memory pool shared by all buckets' graphs
 
     def bucket(self, rows: int) -> int:
         """The smallest captured batch size that covers ``rows`` (at most the pool's rows)."""
@@ -62,8 +62,7 @@ class GraphedDecoder:
                 self._step(static_embeds, static_positions)
         torch.cuda.current_stream(embeds.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph):
             out = self._step(static_embeds, static_positions)
-        self._pool = graph.pool()
         self._graphs[embeds.shape[0]] = (graph, static_embeds, static_positions, out)
         logger.info("captured the decode step for %d rows", embeds.shape[0])

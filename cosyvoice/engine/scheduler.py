@@ -94,6 +94,8 @@ class LLMScheduler:
                 f"this request needs {ticket.positions_needed} LLM positions; the engine's KV cache holds "
                 f"{self.max_positions} per session (COSYVOICE_MAX_LLM_POSITIONS): shorten the text")
         with self._cond:
+            if self._stop:
+                raise ResourceLimitError("the engine was shut down (Engine.close()); create a new one")
             if self._thread is None:
                 self._cache = self.lm.llm.new_cache(self.rows, self.max_positions)
                 if self.cuda_graphs and self._cache.device.type == "cuda":

@@ -33,6 +33,8 @@ class Token2WavWorker:
 
     def submit(self, priority: tuple[float, ...], run: Callable[[], None]) -> None:
         with self._cond:
+            if self._stop:
+                raise RuntimeError("the token-to-wave worker was stopped (Engine.close())")
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self._thread.start()
