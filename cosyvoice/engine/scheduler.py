@@ -35,7 +35,7 @@ from cosyvoice.engine.cuda_graphs import GraphedDecoder
 from cosyvoice.errors import ResourceLimitError
 from cosyvoice.llm import CosyVoice3LM, KVCache
 from cosyvoice.llm.job import Job, Step, Wait, run_eager
-from cosyvoice.llm.sampling import SeededSampler, history_tails, ras_sample_rows
+from cosyvoice.llm.sampling import SeededSampler, history_tails, ras_sample_rows, to_device
 
 #: called with tokens to pass on (from the scheduler thread: must not block)
 TokenListener = Callable[[tuple[int, ...]], None]
@@ -227,9 +227,9 @@ class LLMScheduler:
                 scores = self.lm.apply_bans(torch.stack([logps[t] for t in sampling]), [t.request for t in sampling])
                 cfg = self.lm.cfg.sampling
                 device = scores.device
-                tails = history_tails([t.request.history for t in sampling], cfg.win_size).to(device)
-                seeds = torch.tensor([t.seed for t in sampling], dtype=torch.int64).to(device)
-                counters = torch.tensor([t.counter for t in sampling], dtype=torch.int64).to(device)
+                tails = to_device(history_tails([t.request.history for t in sampling], cfg.win_size), device)
+                seeds = to_device([t.seed for t in sampling], device, torch.int64)
+                counters = to_device([t.counter for t in sampling], device, torch.int64)
                 drawn = ras_sample_rows(scores, tails, seeds, counters, cfg).tolist()  # the step's one host sync
                 for t, token in zip(sampling, drawn, strict=True):
                     t.counter += 1
@@ -252,7 +252,7 @@ class LLMScheduler:
                 positions[row] = min(other.position, self.max_positions - 1)
         for t in decoding:
             embeds[t.row, 0] = t.request.embeds[0]
-        pos = torch.tensor(positions, dtype=torch.int64, device=first.device)[:, None]
+        pos = to_device(positions, first.device, torch.int64)[:, None]
         logp = None
         if self._graphed is not None:
             try:

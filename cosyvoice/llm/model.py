@@ -27,7 +27,7 @@ from cosyvoice.config import LLMConfig
 from cosyvoice.errors import InvalidInputError
 from cosyvoice.llm.job import Job, Sampler, Step, run_eager
 from cosyvoice.llm.qwen2 import KVCache, Qwen2Backbone
-from cosyvoice.llm.sampling import SeededSampler
+from cosyvoice.llm.sampling import SeededSampler, to_device
 
 TokenIds = Sequence[int] | torch.Tensor
 
@@ -95,10 +95,10 @@ class CosyVoice3LM(nn.Module):
         ban_sos = [s.ban_sos for s in steps]
         ban_stop = [s.ban_stop for s in steps]
         if any(ban_sos):
-            rows = torch.tensor(ban_sos, device=logp.device)
+            rows = to_device(ban_sos, logp.device)
             logp[:, self.sos] = logp[:, self.sos].masked_fill(rows, -float("inf"))
         if any(ban_stop):
-            rows = torch.tensor(ban_stop, device=logp.device)[:, None]
+            rows = to_device(ban_stop, logp.device)[:, None]
             logp[:, self.speech_token_size:] = logp[:, self.speech_token_size:].masked_fill(rows, -float("inf"))
         return logp
 

@@ -136,6 +136,15 @@ def ras_sample_rows(scores: torch.Tensor, tails: torch.Tensor, seeds: torch.Tens
     return torch.where(repeated, fallback, first)
 
 
+def to_device(data: torch.Tensor | Sequence, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host array on ``device`` without a host sync: on CUDA through pinned memory and an asynchronous
+    copy (a plain ``.to("cuda")`` of pageable memory synchronises the stream, once per tensor per step)."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def history_tails(histories: Sequence[Sequence[int]], win_size: int) -> torch.Tensor:
     """[B, win_size] int64 (CPU) of each history's last ``win_size`` tokens, left-padded with -1."""
     out = torch.full((len(histories), win_size), -1, dtype=torch.int64)
@@ -155,8 +164,8 @@ class SeededSampler:
 
     def __call__(self, scores: torch.Tensor, history: Sequence[int]) -> int:
         device = scores.device
-        tails = history_tails([history], self.cfg.win_size).to(device)
-        seeds = torch.tensor([self.seed], dtype=torch.int64, device=device)
-        counters = torch.tensor([self.counter], dtype=torch.int64, device=device)
+        tails = to_device(history_tails([history], self.cfg.win_size), device)
+        seeds = to_device([self.seed], device, torch.int64)
+        counters = to_device([self.counter], device, torch.int64)
         self.counter += 1
         return int(ras_sample_rows(scores[None], tails, seeds, counters, self.cfg)[0])
