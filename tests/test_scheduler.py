@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -330,3 +331,37 @@ def test_an_engine_dropped_without_close_stops_its_threads(tts, short_prompt_wav
         gc.collect()  # the scheduler may still hold the last step's tickets for a moment
         time.sleep(0.05)
     assert not any(t.is_alive() for t in threads)
+
+
+def test_engine_runs_a_text_stream_job_woken_by_its_stream(tts, short_prompt_wav: Path, monkeypatch) -> None:
+    """``synthesize(text_stream=...)`` runs the text-stream job in the scheduler and wakes it on every put.
+
+    The text-stream algorithm itself (``cosyvoice.llm.bistream``, issue 7) lives on another branch; this
+    test plugs in the small waiting job above to check the engine's wiring with a real TokenStream.
+    """
+    import types
+
+    engine = _engine(tts)
+    inp = _inp(tts, short_prompt_wav, "Hi.")
+
+    def bistream_job(lm, inp, text_stream, *, endofprompt_id):
+        lm_input, _, _ = lm.prepare(inp.text, inp.prompt_text, inp.llm_prompt_speech_token,
+                                    endofprompt_id=endofprompt_id)
+        return _waiting_job(lm, lm_input, text_stream)
+
+    monkeypatch.setitem(sys.modules, "cosyvoice.llm.bistream", types.SimpleNamespace(bistream_job=bistream_job))
+    text = TokenStream()
+    chunks: list = []
+    consumer = threading.Thread(target=lambda: chunks.extend(engine.synthesize(inp, stream=True, seed=2,
+                                                                                text_stream=text)))
+    consumer.start()
+    ids = list(range(100, 160))
+    for i in range(0, len(ids), 6):
+        time.sleep(0.02)
+        text.put(ids[i:i + 6])
+    text.close()
+    consumer.join(60)
+    assert not consumer.is_alive() and chunks and chunks[-1].final
+    assert chunks[-1].token_end == 1 + len(ids)  # one token after the prompt, then one per id fed
+    assert len(chunks) >= 2 and engine.active_sessions == 0
+    engine.close()
