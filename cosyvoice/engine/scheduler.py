@@ -266,20 +266,29 @@ class LLMScheduler:
         return [logp[t.row] for t in decoding]
 
     def _advance(self, t: Ticket, value: int | None, first: bool = False) -> None:
-        """Resume the job with ``value`` (its first ``next`` when ``first``); pass on what it emits."""
+        """Resume the job with ``value`` (its first ``next`` when ``first``); pass on what it emits.
+
+        A failure of the job or of its listener ends that ticket only, never the batch.
+        """
+        request: Step | Wait | None = None
         try:
             request = next(t.job) if first else t.job.send(value)
+            emit = request.emit
         except StopIteration as finished:
-            if finished.value:
-                t.on_tokens(tuple(finished.value))
-            self._retire(t, None)
-            return
+            emit = finished.value or ()
         except Exception as exc:
             self._retire(t, exc)
             return
-        t.request = request
-        if request.emit:
-            t.on_tokens(tuple(request.emit))
+        try:
+            if emit:
+                t.on_tokens(tuple(emit))
+        except Exception as exc:
+            self._retire(t, exc)
+            return
+        if request is None:
+            self._retire(t, None)
+        else:
+            t.request = request
 
     def _retire(self, t: Ticket, error: BaseException | None) -> None:
         """End a ticket: free its row, close its job, tell its listener (once; outside the scheduler's lock)."""
@@ -291,8 +300,11 @@ class LLMScheduler:
                 del self._active[t.row]
                 heapq.heappush(self._free, t.row)
         t.request = None
-        t.job.close()
-        t.on_done(error)
+        try:
+            t.job.close()
+            t.on_done(error)
+        except Exception:  # a listener's bug must not stop the scheduler
+            logger.exception("LLM ticket listener failed")
 
 
 def run_ticket_eager(lm: CosyVoice3LM, ticket: Ticket, wait: Callable[[], None] | None = None) -> None:
