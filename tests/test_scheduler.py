@@ -365,3 +365,20 @@ def test_engine_runs_a_text_stream_job_woken_by_its_stream(tts, short_prompt_wav
     assert chunks[-1].token_end == 1 + len(ids)  # one token after the prompt, then one per id fed
     assert len(chunks) >= 2 and engine.active_sessions == 0
     engine.close()
+
+
+def test_a_session_outgrowing_its_row_fails_alone(lm: CosyVoice3LM) -> None:
+    from cosyvoice.errors import ResourceLimitError
+
+    lm_input, _, _ = lm.prepare(*_request(0), endofprompt_id=EOP)
+    limit = lm_input.shape[0] + 6
+    scheduler = LLMScheduler(lm, rows=2, max_positions=limit)
+    long, short = _Collector(), _Collector()
+    scheduler.submit(Ticket(lm.generate_job(lm_input, 50, 50), 1, long.on_tokens, long.on_done))
+    scheduler.submit(Ticket(lm.generate_job(lm_input, 3, 3), 2, short.on_tokens, short.on_done))
+    assert long.done.wait(30) and short.done.wait(30)
+    assert isinstance(long.error, ResourceLimitError) and "COSYVOICE_MAX_LLM_POSITIONS" in str(long.error)
+    assert len(long.tokens) == limit - lm_input.shape[0] + 1  # every position of its row was used
+    assert short.error is None and short.tokens == list(lm.generate(*_request(0), 2, endofprompt_id=EOP))[:3]
+    assert scheduler.active == 0
+    scheduler.close()

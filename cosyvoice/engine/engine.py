@@ -201,10 +201,12 @@ class Engine:
         if fixed is not None:
             min_len = max_len = fixed
         needed = lm_input.shape[0] + max(max_len - 1, 0)
-        if needed > self.limits.max_llm_positions:
+        # max_len (20 x text tokens) is a bound that speech rarely nears (~7 x), so a request is refused here only
+        # when its prompt cannot fit; one that really runs out of its row ends with a clear error at that step
+        if lm_input.shape[0] >= self.limits.max_llm_positions:
             raise ResourceLimitError(
-                f"this request needs {needed} LLM positions (prompt + up to {max_len} speech tokens); the engine "
-                f"holds {self.limits.max_llm_positions} per session (COSYVOICE_MAX_LLM_POSITIONS): shorten the text")
+                f"this request's prompt alone needs {lm_input.shape[0]} LLM positions; the engine holds "
+                f"{self.limits.max_llm_positions} per session (COSYVOICE_MAX_LLM_POSITIONS): shorten the text")
         return self.llm.generate_job(lm_input, min_len, max_len, ban_stop=fixed is not None), needed, fixed
 
     def _open_session(self, inp: ModelInput, stream: bool, speed: float, seed: int | None, sample_offset: int,

@@ -53,7 +53,8 @@ class Ticket:
     seed: int
     on_tokens: TokenListener
     on_done: DoneListener
-    positions_needed: int = 0  # upper bound of KV positions (the eager runner's cache size; 0: unknown)
+    positions_needed: int = 0  # upper bound of KV positions: the eager runner's cache size (the scheduler's rows
+    # are fixed; a job that outgrows its row ends with ResourceLimitError at that step)
     cancelled: bool = False
     woken: bool = False
     done: bool = False
@@ -89,10 +90,6 @@ class LLMScheduler:
 
     def submit(self, ticket: Ticket) -> None:
         """Queue a ticket; it is admitted between steps as soon as a row is free."""
-        if ticket.positions_needed > self.max_positions:
-            raise ResourceLimitError(
-                f"this request needs {ticket.positions_needed} LLM positions; the engine's KV cache holds "
-                f"{self.max_positions} per session (COSYVOICE_MAX_LLM_POSITIONS): shorten the text")
         with self._cond:
             if self._stop:
                 raise ResourceLimitError("the engine was shut down (Engine.close()); create a new one")
@@ -202,8 +199,8 @@ class LLMScheduler:
         for t in stepping:
             if t.position + t.request.embeds.shape[0] > self.max_positions:
                 self._retire(t, ResourceLimitError(
-                    f"the request needs more than {self.max_positions} LLM positions "
-                    "(COSYVOICE_MAX_LLM_POSITIONS); shorten the text"))
+                    f"the utterance reached the engine's {self.max_positions} LLM positions per session; split the "
+                    "text into shorter segments or raise COSYVOICE_MAX_LLM_POSITIONS"))
         stepping = [t for t in stepping if not t.done]
         if not stepping:
             return
