@@ -98,7 +98,12 @@ def _on_llm_forward(llm, hook):
 def test_closing_the_stream_stops_the_llm_within_one_step(tts, prompt_wav: Path) -> None:
     engine = _engine_like(tts)
     calls = []
-    with _on_llm_forward(engine.llm, lambda *_: calls.append(1)):
+
+    def count_and_pace(*_) -> None:  # a step of a real-size model: the LLM must still be running at close()
+        calls.append(1)
+        time.sleep(0.02)
+
+    with _on_llm_forward(engine.llm, count_and_pace):
         stream = engine.synthesize(_model_input(tts, prompt_wav), stream=True, seed=0)
         next(stream)
         at_close = len(calls)

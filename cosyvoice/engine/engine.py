@@ -299,16 +299,17 @@ class Engine:
     def _maybe_release(self, session: Session) -> None:
         """Free the session's slot and state once the LLM is done with it and no chunk is being computed."""
         with session.cond:
-            if session.released.is_set() or not session.llm_done or session.busy:
+            if session.releasing or not session.llm_done or session.busy:
                 return
             if not (session.finished or session.cancelled):
                 return
-            session.released.set()
+            session.releasing = True
         with self._lock:
             self._sessions.pop(session.id, None)
             self._flow_cache_bytes.pop(session.id, None)
         session.flow_stream = session.hift_stream = session.mel_cache = None
         self._slots.release()
+        session.released.set()  # last: whoever waits for it finds everything freed
 
     def _close(self, session: Session, wait: bool) -> None:
         """Cancel what still runs for the session; free it now or (LLM still stepping) within one step."""

@@ -80,6 +80,7 @@ class LLMScheduler:
         self._pending: deque[Ticket] = deque()
         self._free = list(range(rows))  # a heap: the lowest free row is taken first
         self._active: dict[int, Ticket] = {}
+        self._done: list[tuple[Ticket, BaseException | None]] = []  # retired this step, listeners not yet told
         self._cache: KVCache | None = None
         self._graphed: GraphedDecoder | None = None
         self._thread: threading.Thread | None = None
@@ -145,6 +146,7 @@ class LLMScheduler:
         while (work := self._next_work()) is not None:
             self._run(*work)
             del work  # hold no finished ticket (nor its listeners' owners) while asleep
+            self._notify_done()  # after the step's tensors are gone: a finished session finds nothing held
         with self._cond:
             left = [*self._active.values(), *self._pending]
             self._active.clear()
@@ -152,6 +154,16 @@ class LLMScheduler:
         err = ResourceLimitError("the engine was shut down")
         for t in left:
             self._retire(t, err)
+        self._notify_done()
+
+    def _notify_done(self) -> None:
+        done, self._done = self._done, []
+        while done:
+            t, error = done.pop(0)
+            try:
+                t.on_done(error)
+            except Exception:  # a listener's bug must not stop the scheduler
+                logger.exception("LLM ticket listener failed")
 
     def _next_work(self) -> tuple[list[Ticket], set[Ticket], list[Ticket]] | None:
         """Sleep until something can run; admit tickets; return (active tickets, woken ones, dropped ones)."""
@@ -288,7 +300,7 @@ class LLMScheduler:
             t.request = request
 
     def _retire(self, t: Ticket, error: BaseException | None) -> None:
-        """End a ticket: free its row, close its job, tell its listener (once; outside the scheduler's lock)."""
+        """End a ticket: free its row, close its job; its listener is told (once) after the step."""
         with self._cond:
             if t.done:
                 return
@@ -299,9 +311,9 @@ class LLMScheduler:
         t.request = None
         try:
             t.job.close()
-            t.on_done(error)
-        except Exception:  # a listener's bug must not stop the scheduler
-            logger.exception("LLM ticket listener failed")
+        except Exception:  # a job's cleanup failing must not stop the scheduler
+            logger.exception("LLM job failed to close")
+        self._done.append((t, error))  # told once the step is over (_notify_done)
 
 
 def run_ticket_eager(lm: CosyVoice3LM, ticket: Ticket, wait: Callable[[], None] | None = None) -> None:

@@ -107,6 +107,7 @@ class Session:
     cancelled: bool = False
     busy: bool = False  # a chunk is being computed (at most one at a time: the streams are sequential)
     finished: bool = False  # the final chunk or an error is in the output queue
+    releasing: bool = False  # the engine is freeing it (once)
     released: threading.Event = field(default_factory=threading.Event)
     audio_seconds: float = 0.0  # audio put in the queue so far (the playback deadline's clock)
     last_output: float = 0.0
