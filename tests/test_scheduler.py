@@ -285,7 +285,9 @@ def test_flow_cache_budget_falls_back_to_recompute(tts, prompt_wav: Path) -> Non
     reference = list(unbounded.vocode(tokens, inp, stream=True))
     share_frames = 400  # the prompt and the first two chunks fit, the third does not
     budget_mb = share_frames * FlowStream.bytes_per_frame(e.flow) / 2**20
-    bounded = Engine(e.config, e.llm, e.flow, e.hift, e.device, Limits(max_sessions=1, flow_cache_mb=budget_mb))
+    # the eager strategy computes each chunk in this thread, so reading the cache size between chunks is exact
+    bounded = Engine(e.config, e.llm, e.flow, e.hift, e.device, Limits(max_sessions=1, flow_cache_mb=budget_mb),
+                     strategy="eager")
     held = []
     chunks = []
     for chunk in bounded.vocode(tokens, inp, stream=True):
