@@ -49,7 +49,10 @@ class Limits:
     max_cached_voices: int = 64  # unnamed prompt voices kept by the voice library (named ones stay)
     max_cached_voice_bytes: int = 256 * 1024 * 1024
     max_named_voices: int = 256
-    max_stream_positions: int = 8192  # LLM positions (prompt + text + speech) of one text-stream request
+    max_llm_positions: int = 4096  # KV-cache positions per session row (prompt + speech tokens), allocated once
+    # all streams' incremental flow caches together; each stream gets flow_cache_mb / max_sessions and
+    # recomputes (the reference's path) beyond it (docs/architecture.md, "Memory")
+    flow_cache_mb: float = 32768.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

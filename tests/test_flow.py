@@ -173,25 +173,46 @@ def test_flowstream_equals_recompute(flow) -> None:
     x = inputs(40, n_prompt=6)
     stream = FlowStream(flow, x["prompt_token"], x["prompt_feat"], x["embedding"])
     calls = [(2, True, False), (9, True, False), (9, True, False), (17, True, False), (31, True, False),
-             (36, True, True), (40, False, True)]
+             (40, False, True)]
+    fed = returned = 0
     for n, streaming, finalize in calls:
         sub = dict(x, token=x["token"][:, :n])
-        expected = run(flow, sub, streaming, finalize)
-        got = stream.inference(sub["token"], streaming, finalize)
+        expected = run(flow, sub, streaming, finalize)[:, :, returned:]  # only what no earlier call returned
+        got = stream.inference(sub["token"][:, fed:], finalize, streaming)  # only the new tokens
+        fed, returned = n, returned + got.shape[2]
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, atol=FLOW_MEL_ATOL, rtol=0)
         assert stream.finished_frames % CHUNK == 0
-    assert stream.finished_frames == (6 + 31 - LOOKAHEAD) * RATIO // CHUNK * CHUNK
+        if n == 31:
+            assert stream.finished_frames == (6 + 31 - LOOKAHEAD) * RATIO // CHUNK * CHUNK
+    assert returned == run(flow, x, False, True).shape[2]
 
 
-def test_flowstream_rejects_tokens_that_do_not_extend(flow) -> None:
+def test_flowstream_chunk_mask_with_finalize_and_cache_drop(flow) -> None:
+    """streaming=True + finalize (zero-padded end under the chunk mask), and the budget's recompute fallback."""
+    x = inputs(36, n_prompt=6)
+    for drop_after in (None, 17):
+        stream, fed, returned = FlowStream(flow, x["prompt_token"], x["prompt_feat"], x["embedding"]), 0, 0
+        for n, finalize in ((9, False), (17, False), (31, False), (36, True)):
+            got = stream.inference(x["token"][:, fed:n], finalize, streaming=True)
+            expected = run(flow, dict(x, token=x["token"][:, :n]), True, finalize)[:, :, returned:]
+            assert got.shape == expected.shape and got.shape[2] > 0
+            torch.testing.assert_close(got, expected, atol=FLOW_MEL_ATOL, rtol=0)
+            fed, returned = n, returned + got.shape[2]
+            if n == drop_after:
+                stream.drop_cache()
+                assert stream.cache_bytes == 0 and not stream.caching
+
+
+def test_flowstream_rejects_calls_after_the_last(flow) -> None:
     x = inputs(20)
     stream = FlowStream(flow, x["prompt_token"], x["prompt_feat"], x["embedding"])
-    stream.inference(x["token"][:, :12], streaming=True, finalize=False)
-    changed = x["token"][:, :15].clone()
-    changed[0, 3] = (changed[0, 3] + 1) % VOCAB
-    with pytest.raises(InvalidInputError):
-        stream.inference(changed, streaming=True, finalize=False)
+    assert stream.cache_bytes == 0
+    stream.inference(x["token"][:, :12], finalize=False)
+    assert stream.cache_bytes == stream.finished_frames * FlowStream.bytes_per_frame(flow) > 0
+    stream.inference(x["token"][:, 12:], finalize=True)
+    with pytest.raises(InvalidInputError, match="finalised"):
+        stream.inference(x["token"][:, :1], finalize=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

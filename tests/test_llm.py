@@ -9,8 +9,9 @@ import torch
 
 from cosyvoice.config import LLMConfig, QwenConfig, SamplingConfig
 from cosyvoice.errors import InvalidInputError
-from cosyvoice.llm import CosyVoice3LM, KVCache, nucleus_candidates, ras_sample
+from cosyvoice.llm import CosyVoice3LM, KVCache, SeededSampler, nucleus_candidates, nucleus_rows, ras_sample_rows
 from cosyvoice.llm.model import MAX_SILENT_RUN
+from cosyvoice.llm.sampling import history_tails, uniforms
 from cosyvoice.tools.parity.llm import check
 from cosyvoice.weights import read_checkpoint
 
@@ -81,9 +82,9 @@ def test_kv_cache_decode_equals_full_forward(lm: CosyVoice3LM) -> None:
             torch.testing.assert_close(out[1, 0], full_other[0, b], atol=1e-5, rtol=0)
 
 
-def test_generation_reproducible_per_generator_seed(lm: CosyVoice3LM) -> None:
+def test_generation_reproducible_per_seed(lm: CosyVoice3LM) -> None:
     def run(seed: int) -> list[int]:
-        return list(lm.generate(*_request(), torch.Generator().manual_seed(seed), endofprompt_id=EOP))
+        return list(lm.generate(*_request(), seed, endofprompt_id=EOP))
 
     torch.manual_seed(123)
     first = run(7)
@@ -97,17 +98,17 @@ def test_generation_reproducible_per_generator_seed(lm: CosyVoice3LM) -> None:
 
 def test_stops_on_any_stop_id_and_min_len_quirk(lm: CosyVoice3LM) -> None:
     seen: list[torch.Tensor] = []
-    out = list(lm.generate(*_request(), torch.Generator(), endofprompt_id=EOP, sampler=_replay([7, 8, lm.eos], seen)))
+    out = list(lm.generate(*_request(), 0, endofprompt_id=EOP, sampler=_replay([7, 8, lm.eos], seen)))
     assert out == [7, 8]
     assert len(seen) == 3
     # before min_len only index speech_token_size (sos) is banned; eos and the other stop ids are not
     assert all(s[lm.sos] == -float("inf") and torch.isfinite(s[lm.eos:]).all() for s in seen)
-    late = list(lm.generate(*_request(), torch.Generator(), endofprompt_id=EOP,
+    late = list(lm.generate(*_request(), 0, endofprompt_id=EOP,
                             sampler=_replay([9] * 6 + [SPEECH + 150])))
     assert late == [9] * 6
     _, max_len = lm.length_limits(3)
     seen.clear()
-    list(lm.generate(*_request(), torch.Generator(), endofprompt_id=EOP, sampler=_replay([9] * max_len, seen)))
+    list(lm.generate(*_request(), 0, endofprompt_id=EOP, sampler=_replay([9] * max_len, seen)))
     min_len, _ = lm.length_limits(3)
     assert torch.isinf(seen[min_len - 1][lm.sos]) and torch.isfinite(seen[min_len][lm.sos])
 
@@ -115,19 +116,19 @@ def test_stops_on_any_stop_id_and_min_len_quirk(lm: CosyVoice3LM) -> None:
 def test_max_len_respected(lm: CosyVoice3LM) -> None:
     stops = torch.tensor(list(lm.stop_token_ids))
 
-    gen = torch.Generator().manual_seed(0)
+    seeded = SeededSampler(0, lm.cfg.sampling)
 
     def never_stop(scores: torch.Tensor, decoded: Sequence[int]) -> int:
-        return ras_sample(scores.index_fill(0, stops, -float("inf")), decoded, gen, lm.cfg.sampling)
+        return seeded(scores.index_fill(0, stops, -float("inf")), decoded)
 
-    out = list(lm.generate(*_request(2), torch.Generator().manual_seed(0), endofprompt_id=EOP,
+    out = list(lm.generate(*_request(2), 0, endofprompt_id=EOP,
                            silent_tokens=frozenset(), sampler=never_stop))
     assert len(out) == lm.length_limits(2)[1] == 40
 
 
 def test_closing_the_iterator_stops_work(lm: CosyVoice3LM) -> None:
     seen: list[torch.Tensor] = []
-    tokens = lm.generate(*_request(), torch.Generator(), endofprompt_id=EOP, sampler=_replay([7] * 60, seen))
+    tokens = lm.generate(*_request(), 0, endofprompt_id=EOP, sampler=_replay([7] * 60, seen))
     assert seen == []  # nothing runs before the first next()
     assert [next(tokens), next(tokens)] == [7, 7]
     tokens.close()
@@ -138,9 +139,9 @@ def test_closing_the_iterator_stops_work(lm: CosyVoice3LM) -> None:
 
 def test_long_silence_is_dropped_but_fed_back(lm: CosyVoice3LM) -> None:
     script = [1] * 8 + [7] + [2] * 3 + [lm.eos]
-    out = list(lm.generate(*_request(), torch.Generator(), endofprompt_id=EOP, sampler=_replay(script)))
+    out = list(lm.generate(*_request(), 0, endofprompt_id=EOP, sampler=_replay(script)))
     assert out == [1] * MAX_SILENT_RUN + [7] + [2] * 3
-    everything = list(lm.generate(*_request(), torch.Generator(), endofprompt_id=EOP,
+    everything = list(lm.generate(*_request(), 0, endofprompt_id=EOP,
                                   silent_tokens=frozenset(), sampler=_replay(script)))
     assert everything == script[:-1]
 
@@ -148,28 +149,28 @@ def test_long_silence_is_dropped_but_fed_back(lm: CosyVoice3LM) -> None:
 def test_invalid_requests_raise_at_call_time(lm: CosyVoice3LM) -> None:
     text, prompt, speech = _request()
     with pytest.raises(InvalidInputError, match="endofprompt"):
-        lm.generate(text, [5, 6], speech, torch.Generator(), endofprompt_id=EOP)
-    lm.generate([*text, EOP], [], [], torch.Generator(), endofprompt_id=EOP)  # cross-lingual: fine
+        lm.generate(text, [5, 6], speech, 0, endofprompt_id=EOP)
+    lm.generate([*text, EOP], [], [], 0, endofprompt_id=EOP)  # cross-lingual: fine
     with pytest.raises(InvalidInputError, match="prompt_speech_token"):
-        lm.generate(text, prompt, [SPEECH], torch.Generator(), endofprompt_id=EOP)
+        lm.generate(text, prompt, [SPEECH], 0, endofprompt_id=EOP)
     with pytest.raises(InvalidInputError, match="1-D"):
-        lm.generate(torch.zeros(2, 3, dtype=torch.long), prompt, speech, torch.Generator(), endofprompt_id=EOP)
+        lm.generate(torch.zeros(2, 3, dtype=torch.long), prompt, speech, 0, endofprompt_id=EOP)
     with pytest.raises(InvalidInputError, match="KV cache"):
-        lm.generate(text, prompt, speech, torch.Generator(), endofprompt_id=EOP, cache=lm.llm.new_cache(1, 8))
+        lm.generate(text, prompt, speech, 0, endofprompt_id=EOP, cache=lm.llm.new_cache(1, 8))
 
 
 def test_reusing_a_session_cache_gives_the_same_tokens(lm: CosyVoice3LM) -> None:
     cache = lm.llm.new_cache(1, 200)
-    runs = [list(lm.generate(*_request(), torch.Generator().manual_seed(3), endofprompt_id=EOP, cache=cache))
+    runs = [list(lm.generate(*_request(), 3, endofprompt_id=EOP, cache=cache))
             for _ in range(2)]
-    assert runs[0] == runs[1] == list(lm.generate(*_request(), torch.Generator().manual_seed(3), endofprompt_id=EOP))
+    assert runs[0] == runs[1] == list(lm.generate(*_request(), 3, endofprompt_id=EOP))
 
 
 def test_bf16_generation_runs(lm: CosyVoice3LM) -> None:
     half = CosyVoice3LM(lm.cfg).eval()
     half.load_state_dict(lm.state_dict())
     half.to(torch.bfloat16)
-    out = list(half.generate(*_request(), torch.Generator().manual_seed(0), endofprompt_id=EOP))
+    out = list(half.generate(*_request(), 0, endofprompt_id=EOP))
     assert all(0 <= t < SPEECH for t in out)
 
 
@@ -190,11 +191,48 @@ def test_sampling_stays_in_candidate_set_and_ras_bans_repeats() -> None:
         scores = (torch.randn(500, generator=gen) * (trial % 5 + 1)).log_softmax(0)
         allowed = set(nucleus_candidates(scores, cfg.top_p, cfg.top_k)[0].tolist())
         for seed in range(5):
-            token = ras_sample(scores, [], torch.Generator().manual_seed(seed), cfg)
+            token = SeededSampler(seed, cfg)(scores, [])
             assert token in allowed
             # the same draw repeated in the window is banned: the fallback picks anything else
-            repeat = ras_sample(scores, [token], torch.Generator().manual_seed(seed), cfg)
+            repeat = SeededSampler(seed, cfg)(scores, [token])
             assert repeat != token
     peaky = torch.full((50,), -50.0)
     peaky[3] = 0.0
-    assert ras_sample(peaky.log_softmax(0), [3] * 10, torch.Generator().manual_seed(0), cfg) != 3
+    assert SeededSampler(0, cfg)(peaky.log_softmax(0), [3] * 10) != 3
+
+
+def test_batched_nucleus_equals_the_reference_rule() -> None:
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.cat([(torch.randn(12, 300, generator=gen) * s).log_softmax(-1) for s in (0.5, 2.0, 8.0)])
+    scores[0] = torch.zeros(300).log_softmax(0)  # all ties: index order, as the stable sort
+    ids, probs, keep = nucleus_rows(scores, 0.8, 25)
+    for row in range(scores.shape[0]):
+        ref_ids, ref_probs = nucleus_candidates(scores[row], 0.8, 25)
+        n = int(keep[row].sum())
+        assert bool(keep[row, :n].all()) and ids[row, :n].tolist() == ref_ids.tolist()
+        assert torch.equal(probs[row, :n], ref_probs)
+
+
+def test_counter_rng_is_uniform_and_independent_of_the_batch() -> None:
+    seeds = torch.tensor([0, 1, 2**62 + 5, 12345], dtype=torch.int64)
+    u = uniforms(seeds[:, None].expand(4, 4096).reshape(-1), torch.arange(4096).repeat(4))
+    assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005
+    assert len(set(u.tolist())) == u.numel()  # no collisions across seeds and counters
+    alone = uniforms(seeds[2:3], torch.tensor([7]))
+    assert float(alone) == float(u.view(4, 4096)[2, 7])
+
+
+def test_rows_sample_as_each_row_alone() -> None:
+    """A row's token depends only on its own scores, tail, seed and counter, not on its batch neighbours."""
+    cfg = SamplingConfig(top_p=0.8, top_k=25, win_size=10, tau_r=0.1)
+    gen = torch.Generator().manual_seed(2)
+    scores = (torch.randn(16, 400, generator=gen) * 3).log_softmax(-1)
+    histories = [[int(t) for t in torch.randint(0, 400, (i,), generator=gen)] for i in range(16)]
+    tails = history_tails(histories, cfg.win_size)
+    seeds, counters = torch.arange(16) * 1000 + 3, torch.arange(16) % 5
+    batched = ras_sample_rows(scores, tails, seeds, counters, cfg)
+    for row in range(16):
+        sampler = SeededSampler(int(seeds[row]), cfg)
+        sampler.counter = int(counters[row])
+        assert sampler(scores[row], histories[row]) == int(batched[row])

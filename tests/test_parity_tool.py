@@ -41,3 +41,17 @@ def test_a_component_that_crashes_is_reported_not_hidden(golden: Golden, tmp_pat
     (copy / "hift.safetensors").write_bytes(b"not safetensors")
     assert main(["--golden", str(copy), "--only", "hift"]) == 1
     assert "(error)" in capsys.readouterr().out
+
+
+def test_bf16_report_needs_cuda(golden: Golden, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--golden", str(golden.root), "--dtype", "bf16"])
+    assert "needs --device cuda" in capsys.readouterr().err
+
+
+def test_t2w_separates_defects_from_amplification(golden: Golden, capsys: pytest.CaptureFixture[str]) -> None:
+    """Per chunk: the recompute path's PCM (real defects), the incremental flow's mel against it (rounding only)."""
+    assert main(["--golden", str(golden.root), "--only", "t2w"]) == 0
+    out = capsys.readouterr().out
+    for i in range(3):
+        assert f"chunk{i}_pcm_recompute" in out and f"chunk{i}_mel_stream_vs_recompute" in out

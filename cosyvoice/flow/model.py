@@ -184,22 +184,26 @@ class CausalMaskedDiffWithDiT(nn.Module):
 
 
 class FlowStream:
-    """Incremental streaming of one utterance: each call computes only the frames after the last finished chunk.
+    """Incremental streaming of one utterance: each call takes only the new tokens and returns only new mel.
 
-    Call :meth:`inference` like the reference's streaming calls (growing token prefixes,
-    ``streaming=True, finalize=False``, then a last call). Under chunk-causal attention a
-    chunk whose frames all have their final inputs never changes, so the session keeps,
-    for every ODE step and DiT block, the keys/values of the finished chunks (plus the
-    position convs' tails and the finished mel) and runs the DiT on the new frames only.
-    Outputs equal :meth:`CausalMaskedDiffWithDiT.inference` on the same arguments up to
-    float rounding. A ``streaming=False`` call (the reference's last call: full attention)
-    has nothing to reuse and recomputes the utterance.
+    The contract (shared with :class:`~cosyvoice.hifigan.HiFTStream`): :meth:`inference` gets the
+    tokens that arrived since the previous call and returns the mel frames after the prompt that no
+    earlier call returned; concatenated, the outputs equal what the reference's streaming calls give
+    (``flow.inference(all tokens so far, streaming=True, finalize=False)`` sliced at the previous end,
+    then one last ``streaming=False, finalize=True`` call), up to float rounding.
+
+    Under chunk-causal attention a chunk whose frames all have their final inputs never changes, so the
+    stream keeps, for every ODE step and DiT block, the keys/values of the finished chunks (plus the
+    position convs' tails and the finished mel) and runs the DiT on the new frames only. A
+    ``streaming=False`` call (the reference's last call: full attention) has nothing to reuse and
+    recomputes the utterance. :meth:`drop_cache` frees the cache and switches the stream to that
+    recompute path for its remaining calls (the engine's memory budget), with the same outputs.
 
     Cost: attention per call O(new x all frames) instead of O(all^2), the rest O(new).
-    Memory per finished frame: n_timesteps x depth x 2 (K, V) x 2B (guidance rows) x heads x dim_head
-    floats; for a 22-block, 16 x 64-head DiT in float32 that is 3.6 MB, ~180 MB per second of audio
-    (measured on an H100: 4.5 GiB of cache after 1300 frames).
-    Not thread-safe: one session per utterance.
+    Memory per finished frame (:meth:`bytes_per_frame`): n_timesteps x depth x 2 (K, V) x 2B (guidance
+    rows) x heads x dim_head elements of the flow's dtype; for the released 22-block, 16 x 64-head DiT
+    that is 3.6 MB in float32 (1.8 MB in bf16), ~180 MB per second of audio (measured on an H100: 4.5 GiB
+    of cache after 1300 frames). Not thread-safe: one session per utterance.
     """
 
     def __init__(self, flow: CausalMaskedDiffWithDiT, prompt_token: Tensor, prompt_feat: Tensor,
@@ -211,32 +215,73 @@ class FlowStream:
         with torch.inference_mode():
             self.spks = flow.speaker_condition(self.embedding)
         self._tokens = self.prompt_token  # prompt ++ every token seen so far
-        self._caches: list[DiTCache | None] = [None] * flow.decoder.n_timesteps
+        self._caches: list[DiTCache | None] | None = [None] * flow.decoder.n_timesteps
         self._mel = self.prompt_feat.new_zeros(self.prompt_feat.shape[0], flow.cfg.output_size, 0)
+        self._returned = 0  # mel frames after the prompt returned so far
+        self._finalized = False
+
+    @staticmethod
+    def bytes_per_frame(flow: CausalMaskedDiffWithDiT, batch: int = 1) -> int:
+        """Cache bytes one finished mel frame costs (keys and values of every block at every ODE step)."""
+        dit = flow.decoder.estimator
+        attn = dit.transformer_blocks[0].attn
+        elements = flow.decoder.n_timesteps * len(dit.transformer_blocks) * 2 * 2 * batch * attn.heads * attn.dim_head
+        return elements * dit.proj_out.weight.element_size()
 
     @property
     def finished_frames(self) -> int:
         """Frames (prompt included) whose mel is final and cached."""
         return self._mel.shape[2]
 
-    @torch.inference_mode()
-    def inference(self, token: Tensor, streaming: bool, finalize: bool) -> Tensor:
-        """Same result as ``flow.inference(token, ..., prompt and embedding of this stream, streaming, finalize)``.
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes held by the attention cache now (0 after :meth:`drop_cache`)."""
+        if self._caches is None or self._caches[0] is None:
+            return 0
+        return self.finished_frames * self.bytes_per_frame(self.flow, self.prompt_token.shape[0])
 
-        ``token`` [B, T] holds all new tokens so far and must extend the previous call's tokens.
+    @property
+    def caching(self) -> bool:
+        return self._caches is not None
+
+    def drop_cache(self) -> None:
+        """Free the cache; later calls recompute the utterance as the reference does (same outputs)."""
+        self._caches = None
+
+    @torch.inference_mode()
+    def inference(self, token: Tensor, finalize: bool, streaming: bool | None = None) -> Tensor:
+        """New tokens ``token`` [B, n] (those after the previous call's) -> the new mel frames [B, mels, m].
+
+        ``streaming`` defaults to ``not finalize``, the reference's calls; ``streaming=True, finalize=True``
+        (chunk mask over a zero-padded end) is supported for completeness.
         """
         flow = self.flow
+        streaming = not finalize if streaming is None else streaming
+        if self._finalized:
+            raise InvalidInputError("this FlowStream was finalised; start a new one for a new utterance")
+        self._finalized = finalize
         n_prompt_tokens, n_prompt = self.prompt_token.shape[1], self.prompt_feat.shape[1]
-        if not streaming:
-            return flow.inference(token, token.shape[1], self.prompt_token, n_prompt_tokens, self.prompt_feat,
-                                  n_prompt, self.embedding, streaming=False, finalize=finalize)
         token, _, _, _ = flow._check_inputs(token, token.shape[1], self.prompt_token, n_prompt_tokens,
-                                            self.prompt_feat, n_prompt, self.embedding, finalize)
-        tokens = torch.cat((self.prompt_token, token), dim=1)
-        seen = self._tokens.shape[1]
-        if tokens.shape[1] < seen or not torch.equal(tokens[:, :seen], self._tokens):
-            raise InvalidInputError("a FlowStream's tokens can only grow: each call must extend the previous "
-                                    "call's tokens; start a new stream for a new utterance")
+                                            self.prompt_feat, n_prompt, self.embedding, finalize=True)
+        tokens = torch.cat((self._tokens, token), dim=1)
+        if not finalize and tokens.shape[1] < self.flow.pre_lookahead_len:
+            raise InvalidInputError(f"finalize=False needs at least {self.flow.pre_lookahead_len} tokens "
+                                    f"(prompt included) to use as look-ahead")
+        self._tokens = tokens
+        if not streaming or self._caches is None:
+            mel = flow.inference(tokens[:, n_prompt_tokens:], tokens.shape[1] - n_prompt_tokens, self.prompt_token,
+                                 n_prompt_tokens, self.prompt_feat, n_prompt, self.embedding, streaming=streaming,
+                                 finalize=finalize)
+        else:
+            mel = self._extend(tokens, finalize)
+        out = mel[:, :, self._returned:]
+        self._returned = max(self._returned, mel.shape[2])
+        return out
+
+    def _extend(self, tokens: Tensor, finalize: bool) -> Tensor:
+        """Chunk-causal mel after the prompt for all ``tokens`` (prompt included), computing unfinished chunks only."""
+        flow = self.flow
+        n_prompt = self.prompt_feat.shape[1]
         n_frames = flow._frames_for(tokens.shape[1], finalize)
         if n_frames <= n_prompt:
             return self.prompt_feat.new_zeros(tokens.shape[0], flow.cfg.output_size, 0, dtype=torch.float32)
@@ -248,14 +293,14 @@ class FlowStream:
         mu = flow.token_condition(tokens, finalize, first_frame=start).transpose(1, 2)
         cond = flow.prompt_condition(self.prompt_feat, n_frames, first_frame=start)
         mu_in, spks_in, cond_in = guidance_batch(mu, self.spks, cond)
-        caches = list(self._caches)
+        past = self._caches
+        caches = list(past)
 
         def velocity(x_in: Tensor, t_in: Tensor, step: int) -> Tensor:
-            out, caches[step] = cfm.estimator.forward_cached(x_in, mu_in, t_in, spks_in, cond_in,
-                                                             self._caches[step], keep)
+            out, caches[step] = cfm.estimator.forward_cached(x_in, mu_in, t_in, spks_in, cond_in, past[step], keep)
             return out
 
         mel = solve_euler_cfg(velocity, cfm.start_noise(start, n_frames, mu), cfm.time_grid(mu), cfm.cfg_rate)
         mel = torch.cat((self._mel, mel), dim=2)
-        self._caches, self._tokens, self._mel = caches, tokens, mel[:, :, :start + keep]
+        self._caches, self._mel = caches, mel[:, :, :start + keep]
         return mel[:, :, n_prompt:].float()

@@ -117,7 +117,7 @@ def _run(lm: CosyVoice3LM, prefix: torch.Tensor, text_head: torch.Tensor, speech
         if position + x.shape[0] > max_len:
             raise ResourceLimitError(
                 f"the text stream needs more than {max_len} LLM positions (prompt, text and speech so far); "
-                "send less text per request (COSYVOICE_MAX_STREAM_POSITIONS raises the bound)")
+                "send less text per request (COSYVOICE_MAX_LLM_POSITIONS raises the bound)")
         position += x.shape[0]
         request = Step(x, history=out_tokens, emit=tuple(emit), **kwargs)
         emit.clear()

@@ -30,6 +30,7 @@ class Step:
     embeds: torch.Tensor
     history: Sequence[int] = ()  # tokens decoded so far (the job's own list): repetition-aware sampling reads its tail
     ban_sos: bool = False  # set index speech_token_size to -inf before sampling (min_len / ignore_eos rule)
+    ban_stop: bool = False  # set every stop id to -inf before sampling (fixed-length benchmark requests)
     sample: bool = True  # False: the job decides this token itself and ignores what it is sent
     emit: tuple[int, ...] = ()  # tokens for the listener, produced since the previous request
 
@@ -75,9 +76,7 @@ def run_eager(lm, job: Job, cache, sample: Sampler, *, wait: Callable[[], None] 
             with torch.inference_mode():
                 _, logp = lm.decode_step(request.embeds[None], position, cache)
                 position += n
-                scores = logp[0]
-                if request.ban_sos:
-                    scores[lm.sos] = -float("inf")
+                scores = lm.apply_bans(logp, [request])[0]
                 token = sample(scores, request.history) if request.sample else None
                 request = job.send(token)  # the job builds its next input here: no autograd either
     except StopIteration as done:

@@ -10,14 +10,14 @@ what they pass: zero-shot (prompt transcript + prompt speech tokens), cross-ling
 text, no prompt speech; the text itself carries ``<|endofprompt|>``) and instruct2 (the
 instruction as prompt text, no prompt speech). There is no speaker-embedding slot in CosyVoice3.
 
-:meth:`CosyVoice3LM.generate` validates the request eagerly and returns a lazy token iterator:
-one prefill pass over the prompt, then one cached decode step per token, each computed only when
-the consumer asks for the next token, so closing the iterator stops all work at once.
+:meth:`CosyVoice3LM.prepare` validates a request and builds its prompt; :meth:`CosyVoice3LM.generate_job`
+is the decoding loop as a job, run by the engine's batched scheduler; :meth:`CosyVoice3LM.generate` runs it
+alone (eager) as a lazy token iterator: one prefill pass, then one cached decode step per token, each
+computed only when the consumer asks for the next token, so closing the iterator stops all work at once.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -27,7 +27,7 @@ from cosyvoice.config import LLMConfig
 from cosyvoice.errors import InvalidInputError
 from cosyvoice.llm.job import Job, Sampler, Step, run_eager
 from cosyvoice.llm.qwen2 import KVCache, Qwen2Backbone
-from cosyvoice.llm.sampling import ras_sample
+from cosyvoice.llm.sampling import SeededSampler, to_device
 
 TokenIds = Sequence[int] | torch.Tensor
 
@@ -90,23 +90,25 @@ class CosyVoice3LM(nn.Module):
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, text: TokenIds, prompt_text: TokenIds, prompt_speech_token: TokenIds,
-                 generator: torch.Generator, *, endofprompt_id: int = ENDOFPROMPT_ID,
-                 min_token_text_ratio: float = 2.0, max_token_text_ratio: float = 20.0,
-                 silent_tokens: frozenset[int] = SILENT_TOKENS, cache: KVCache | None = None,
-                 sampler: Sampler | None = None, should_stop: Callable[[], bool] | None = None) -> Iterator[int]:
-        """Speech tokens for ``text`` in the voice of the prompt, one at a time.
+    def apply_bans(self, logp: torch.Tensor, steps: Sequence[Step]) -> torch.Tensor:
+        """Log-probs [B, V] with each row's bans of ``steps[b]`` applied in place (no host sync)."""
+        ban_sos = [s.ban_sos for s in steps]
+        ban_stop = [s.ban_stop for s in steps]
+        if any(ban_sos):
+            rows = to_device(ban_sos, logp.device)
+            logp[:, self.sos] = logp[:, self.sos].masked_fill(rows, -float("inf"))
+        if any(ban_stop):
+            rows = to_device(ban_stop, logp.device)[:, None]
+            logp[:, self.speech_token_size:] = logp[:, self.speech_token_size:].masked_fill(rows, -float("inf"))
+        return logp
+
+    def prepare(self, text: TokenIds, prompt_text: TokenIds, prompt_speech_token: TokenIds, *,
+                endofprompt_id: int = ENDOFPROMPT_ID, min_token_text_ratio: float = 2.0,
+                max_token_text_ratio: float = 20.0) -> tuple[torch.Tensor, int, int]:
+        """Validate one request and build its prompt: (lm_input [L, H], min_len, max_len).
 
         Inputs are 1-D token ids (or [1, T]); see the module docstring for what each mode passes.
-        ``generator`` drives all randomness (draws happen on its device). Generation stops at a
-        stop id (not yielded) or after ``max_len`` tokens. ``silent_tokens`` applies the official
-        engine's rule: tokens of this set beyond ``MAX_SILENT_RUN`` in a row are still fed back to
-        the model but not yielded (pass ``frozenset()`` to yield every token). ``cache`` lets a
-        session reuse its KV cache (batch 1, at least prompt length + max_len - 1 slots);
-        ``sampler`` replaces ras sampling (e.g. to replay a recorded token sequence). ``should_stop`` is
-        polled before every decode step, so a caller in another thread can end generation within one step
-        even while silent tokens are being withheld.
-        Raises :class:`InvalidInputError` at call time, before any model work.
+        Raises :class:`InvalidInputError` before any model work.
         """
         device = self.speech_embedding.weight.device
         text_ids = self._ids(text, "text", self.cfg.qwen.vocab_size, device)
@@ -120,21 +122,58 @@ class CosyVoice3LM(nn.Module):
         min_len, max_len = self.length_limits(len(text_ids), min_token_text_ratio, max_token_text_ratio)
         with torch.inference_mode():
             lm_input = self.build_lm_input(text_ids, prompt_ids, speech_ids)
-        needed = lm_input.shape[1] + max(max_len - 1, 0)
+        return lm_input[0], min_len, max_len
+
+    def generate(self, text: TokenIds, prompt_text: TokenIds, prompt_speech_token: TokenIds,
+                 seed: int, *, endofprompt_id: int = ENDOFPROMPT_ID,
+                 min_token_text_ratio: float = 2.0, max_token_text_ratio: float = 20.0,
+                 silent_tokens: frozenset[int] = SILENT_TOKENS, cache: KVCache | None = None,
+                 sampler: Sampler | None = None, should_stop: Callable[[], bool] | None = None,
+                 fixed_tokens: int | None = None) -> Iterator[int]:
+        """Speech tokens for ``text`` in the voice of the prompt, one at a time (the eager runner).
+
+        ``seed`` selects the request's random stream (:class:`SeededSampler`: the same tokens as the
+        batched scheduler gives for that seed). Generation stops at a stop id (not yielded) or after
+        ``max_len`` tokens. ``silent_tokens`` applies the official
+        engine's rule: tokens of this set beyond ``MAX_SILENT_RUN`` in a row are still fed back to
+        the model but not yielded (pass ``frozenset()`` to yield every token). ``cache`` lets a
+        session reuse its KV cache (batch 1, at least prompt length + max_len - 1 slots);
+        ``sampler`` replaces ras sampling (e.g. to replay a recorded token sequence). ``should_stop`` is
+        polled before every decode step, so a caller in another thread can end generation within one step
+        even while silent tokens are being withheld. ``fixed_tokens``: see :meth:`generate_job`.
+        Raises :class:`InvalidInputError` at call time, before any model work.
+        """
+        lm_input, min_len, max_len = self.prepare(
+            text, prompt_text, prompt_speech_token, endofprompt_id=endofprompt_id,
+            min_token_text_ratio=min_token_text_ratio, max_token_text_ratio=max_token_text_ratio)
+        if fixed_tokens is not None:
+            min_len = max_len = self.check_fixed_tokens(fixed_tokens)
+        needed = lm_input.shape[0] + max(max_len - 1, 0)
+        device = lm_input.device
         if cache is None:
             cache = self.llm.new_cache(1, needed)
         elif cache.batch != 1 or cache.max_len < needed or cache.dtype != lm_input.dtype or cache.device != device:
             raise InvalidInputError(
                 f"KV cache (batch {cache.batch}, {cache.max_len} slots, {cache.dtype}, {cache.device}) cannot hold "
                 f"this request: it needs batch 1, {needed} slots, {lm_input.dtype} on {device}")
-        sample = sampler or functools.partial(ras_sample, generator=generator, cfg=self.cfg.sampling)
-        job = self.generate_job(lm_input[0], min_len, max_len, silent_tokens)
+        sample = sampler or SeededSampler(seed, self.cfg.sampling)
+        job = self.generate_job(lm_input, min_len, max_len, silent_tokens, ban_stop=fixed_tokens is not None)
         return run_eager(self, job, cache, sample, should_stop=should_stop)
 
+    @staticmethod
+    def check_fixed_tokens(n: int) -> int:
+        """``fixed_tokens`` must be a positive int: the exact number of speech tokens to decode."""
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise InvalidInputError(f"fixed_tokens must be a positive integer, got {n!r}")
+        return n
+
     def generate_job(self, lm_input: torch.Tensor, min_len: int, max_len: int,
-                     silent_tokens: frozenset[int] = SILENT_TOKENS) -> Job:
+                     silent_tokens: frozenset[int] = SILENT_TOKENS, ban_stop: bool = False) -> Job:
         """The official decoding loop as a :mod:`job <cosyvoice.llm.job>`: prefill ``lm_input`` [L, H], then
-        one speech token per step until a stop id (not emitted) or ``max_len`` tokens."""
+        one speech token per step until a stop id (not emitted) or ``max_len`` tokens.
+
+        ``ban_stop`` masks every stop id at every step (with ``min_len = max_len = N``: exactly N tokens,
+        the ``fixed_tokens`` benchmark option, so runs of different engines decode the same length)."""
         decoded: list[int] = []
         silent_run = 0
         x = lm_input
@@ -142,7 +181,7 @@ class CosyVoice3LM(nn.Module):
         for step in range(max_len):
             # reference quirk: only index speech_token_size (sos, not eos) is banned before min_len,
             # so the other stop ids can still end generation early
-            token = yield Step(x, history=decoded, ban_sos=step < min_len, emit=emit)
+            token = yield Step(x, history=decoded, ban_sos=step < min_len, ban_stop=ban_stop, emit=emit)
             if token in self.stop_token_ids:
                 return ()
             decoded.append(token)

@@ -84,6 +84,18 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
+    def rows(self, start: int, stop: int) -> KVCache:
+        """Rows ``start .. stop-1`` as a cache of their own that shares this one's storage (a slot pool's view)."""
+        if not 0 <= start < stop <= self.batch:
+            raise InvalidInputError(f"rows {start}..{stop} outside a cache of batch {self.batch}")
+        view = object.__new__(KVCache)
+        view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
+        return view
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
     @property
     def batch(self) -> int:
         return self.k.shape[1]

@@ -42,19 +42,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--golden", required=True, help="golden fixture folder (layout of ../shared/golden)")
     parser.add_argument("--only", nargs="*", choices=COMPONENTS, help="run only these components")
     parser.add_argument("--device", default="cpu", help="device for the networks (cpu, cuda, cuda:1, ...)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="bf16 (CUDA only): also report how far the bf16 LLM and flow move outputs from fp32")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (the fixtures were made with 1)")
     args = parser.parse_args(argv)
+    if args.dtype == "bf16" and not args.device.startswith("cuda"):
+        parser.error("--dtype bf16 runs the LLM and flow in bfloat16, which needs --device cuda")
     torch.set_num_threads(args.threads)
     if args.device.startswith("cuda"):
         torch.backends.cudnn.allow_tf32 = False  # as the engine does; see docs/differences.md
     golden = Golden(args.golden)
-    print(f"golden: {golden.root}   torch {torch.__version__}   device {args.device}   float32   "
-          f"threads {args.threads}")
+    print(f"golden: {golden.root}   torch {torch.__version__}   device {args.device}   float32"
+          f"{' (+ bf16 report)' if args.dtype == 'bf16' else ''}   threads {args.threads}")
     print(f"{'component':<10} {'check':<40} {'max_abs':>11} {'mean_abs':>11} {'tol':>9}  result")
     failed = 0
     total = 0
-    for name in args.only or COMPONENTS:
+    for name in [*(args.only or COMPONENTS), *(["bf16"] if args.dtype == "bf16" else [])]:
         start = time.perf_counter()
         results = run_component(name, golden, args.device)
         for r in results:

@@ -18,7 +18,7 @@ from cosyvoice.flow.cfm import guidance_batch
 from cosyvoice.flow.model import CausalMaskedDiffWithDiT, FlowStream
 from cosyvoice.rng import cfm_noise, tensor_sha256
 from cosyvoice.tools.parity.common import Golden, Result, compare, compare_exact
-from cosyvoice.tools.parity.tolerances import FLOW_MEL_ATOL
+from cosyvoice.tools.parity.tolerances import FLOW_MEL_ATOL, STREAM_MEL_ATOL
 from cosyvoice.weights import load_weights
 
 FILE = "flow.safetensors"
@@ -87,21 +87,37 @@ def check(golden: Golden, device: str | torch.device = "cpu") -> list[Result]:
     return results
 
 
+def t2w_stream_mels(golden: Golden, flow: CausalMaskedDiffWithDiT, prompt_token: torch.Tensor,
+                    prompt_feat: torch.Tensor, embedding: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """The mel each streamed token2wav chunk hands the vocoder, two ways: (first frame, the reference's recompute
+    call sliced at its token offset, :class:`FlowStream`'s new frames), per chunk of ``t2w.safetensors``."""
+    token = torch.from_numpy(golden.arrays(T2W_FILE)["token"]).long().to(prompt_token.device)
+    stream = FlowStream(flow, prompt_token, prompt_feat, embedding)
+    out, fed = [], 0
+    for chunk in golden.scalar(T2W_FILE, "chunks"):
+        n, streaming, finalize = int(chunk["flow_token_len"]), bool(chunk["flow_streaming"]), bool(chunk["finalize"])
+        first = int(chunk["token_offset"]) * flow.token_mel_ratio
+        recomputed = flow.inference(token[:, :n], n, prompt_token, prompt_token.shape[1], prompt_feat,
+                                    prompt_feat.shape[1], embedding, streaming=streaming, finalize=finalize)
+        # FlowStream takes only the new tokens and returns only the frames no earlier call returned
+        incremental = stream.inference(token[:, fed:n], finalize=finalize, streaming=streaming)
+        out.append((first, recomputed[:, :, first:], incremental))
+        fed = n
+    return out
+
+
 def _check_t2w_flow(golden: Golden, flow: CausalMaskedDiffWithDiT, prompt_token: torch.Tensor,
                     prompt_feat: torch.Tensor, embedding: torch.Tensor) -> list[Result]:
     """The flow calls of the streamed token2wav run, each sliced at its token offset as token2wav keeps it."""
     arrays = golden.arrays(T2W_FILE)
-    token = torch.from_numpy(arrays["token"]).long().to(prompt_token.device)
-    stream = FlowStream(flow, prompt_token, prompt_feat, embedding)
-    results = []
-    for i, chunk in enumerate(golden.scalar(T2W_FILE, "chunks")):
-        n, streaming, finalize = int(chunk["flow_token_len"]), bool(chunk["flow_streaming"]), bool(chunk["finalize"])
-        first = int(chunk["token_offset"]) * flow.token_mel_ratio
+    results, returned = [], 0
+    for i, (first, recomputed, incremental) in enumerate(
+            t2w_stream_mels(golden, flow, prompt_token, prompt_feat, embedding)):
         ref = arrays[f"chunk{i}_flow_mel_used"]
-        recomputed = flow.inference(token[:, :n], n, prompt_token, prompt_token.shape[1], prompt_feat,
-                                    prompt_feat.shape[1], embedding, streaming=streaming, finalize=finalize)
-        results.append(compare(COMPONENT, f"t2w_chunk{i}_mel_used", recomputed[:, :, first:], ref, FLOW_MEL_ATOL))
-        incremental = stream.inference(token[:, :n], streaming=streaming, finalize=finalize)
-        results.append(compare(COMPONENT, f"t2w_chunk{i}_mel_used_flowstream", incremental[:, :, first:], ref,
-                               FLOW_MEL_ATOL))
+        results.append(compare(COMPONENT, f"t2w_chunk{i}_mel_used", recomputed, ref, FLOW_MEL_ATOL))
+        results.append(compare_exact(COMPONENT, f"t2w_chunk{i}_flowstream_first_frame", returned, first))
+        returned += incremental.shape[2]
+        results.append(compare(COMPONENT, f"t2w_chunk{i}_mel_used_flowstream", incremental, ref, FLOW_MEL_ATOL))
+        results.append(compare(COMPONENT, f"t2w_chunk{i}_flowstream_vs_recompute", incremental, recomputed,
+                               STREAM_MEL_ATOL))
     return results

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from cosyvoice.config import SamplingConfig, load_config
-from cosyvoice.llm import CosyVoice3LM, nucleus_candidates
+from cosyvoice.llm import CosyVoice3LM, nucleus_candidates, nucleus_rows
 from cosyvoice.tools.parity.common import Golden, Result, compare, compare_exact
 from cosyvoice.tools.parity.tolerances import LLM_HIDDEN_ATOL, LLM_LOGP_ATOL, SAMPLING_PROB_ATOL
 from cosyvoice.weights import load_weights
@@ -86,7 +86,7 @@ def _check_llm(golden: Golden, model: CosyVoice3LM) -> list[Result]:
             seen.append(scores.detach().cpu().clone())
             return forced[min(len(seen), len(forced)) - 1]
 
-        yielded = list(model.generate(text, prompt_text, prompt_speech, torch.Generator(),
+        yielded = list(model.generate(text, prompt_text, prompt_speech, 0,
                                       silent_tokens=frozenset(), sampler=replay))
         results.append(compare_exact(COMPONENT, "generate_yielded_tokens", np.array(yielded),
                                      np.array(forced[:-1])))
@@ -130,9 +130,14 @@ def _check_sampling(golden: Golden, model: CosyVoice3LM) -> list[Result]:
     results = [compare_exact(COMPONENT, "sampling_params (yaml)", model.cfg.sampling, sampling)]
     cases = {c["name"]: c for c in golden.scalar("sampling.safetensors", "cases")}
     for name in sorted(k[: -len("_candidates")] for k in arrays if k.endswith("_candidates")):
-        ids, probs = nucleus_candidates(torch.from_numpy(arrays[f"{name}_logp"]), sampling.top_p, sampling.top_k)
+        logp = torch.from_numpy(arrays[f"{name}_logp"])
+        ids, probs = nucleus_candidates(logp, sampling.top_p, sampling.top_k)
         results.append(compare_exact(COMPONENT, f"nucleus_{name}_candidates", ids.numpy(),
                                      arrays[f"{name}_candidates"]))
+        # the engine's batched, on-device nucleus (what it actually samples from) must be the same set
+        row_ids, _, keep = nucleus_rows(logp.reshape(1, -1), sampling.top_p, sampling.top_k)
+        results.append(compare_exact(COMPONENT, f"nucleus_{name}_batched_candidates",
+                                     row_ids[0, keep[0]].numpy(), arrays[f"{name}_candidates"]))
         ref_probs = arrays[f"{name}_candidate_probs"]
         results.append(compare(COMPONENT, f"nucleus_{name}_probs", probs, ref_probs, SAMPLING_PROB_ATOL))
         draws = cases.get(name, {}).get("draws_seed0to4")
