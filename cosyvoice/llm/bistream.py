@@ -23,7 +23,8 @@ Stopping: the reference ends only at ``eos`` and raises ValueError for any other
 no bound on the final phase (``strict=True``, our parity mode: :class:`BistreamError` and the cache
 bound). The engine runs ``strict=False``: in the final phase any stop id ends the utterance and at most
 ``max_token_text_ratio`` x the text tokens are spoken, as the reference's non-streaming ``inference``
-does, instead of failing a request that has already streamed audio (docs/differences.md).
+does, and while text still streams in it bans every stop id but the fill before sampling, instead of failing
+a request that has already streamed audio (docs/differences.md).
 """
 
 from __future__ import annotations
@@ -167,7 +168,9 @@ def _run(lm: CosyVoice3LM, prefix: torch.Tensor, text_head: torch.Tensor, speech
                 yield step(lm_input, sample=False)  # the fill is forced; the call's logits are unused
                 token = lm.fill
             else:
-                token = yield step(lm_input, ban_sos=True)  # ignore_eos: bans index speech_token_size
+                # ignore_eos bans index speech_token_size; the engine (not strict) also bans every other stop id
+                # but the fill, which would end the reference with ValueError mid-stream
+                token = yield step(lm_input, ban_sos=True, ban_stop=limit_ratio is not None, keep_fill=True)
             if token == lm.fill:
                 next_fill = len(out_tokens) + n_speech + 1
             out_tokens.append(token)

@@ -31,6 +31,7 @@ class Step:
     history: Sequence[int] = ()  # tokens decoded so far (the job's own list): repetition-aware sampling reads its tail
     ban_sos: bool = False  # set index speech_token_size to -inf before sampling (min_len / ignore_eos rule)
     ban_stop: bool = False  # set every stop id to -inf before sampling (fixed-length benchmark requests)
+    keep_fill: bool = False  # with ban_stop: the fill token stays allowed (text-stream decoding between text blocks)
     sample: bool = True  # False: the job decides this token itself and ignores what it is sent
     emit: tuple[int, ...] = ()  # tokens for the listener, produced since the previous request
 

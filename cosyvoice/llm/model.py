@@ -99,7 +99,11 @@ class CosyVoice3LM(nn.Module):
             logp[:, self.sos] = logp[:, self.sos].masked_fill(rows, -float("inf"))
         if any(ban_stop):
             rows = to_device(ban_stop, logp.device)[:, None]
+            fill = logp[:, self.fill].clone()
             logp[:, self.speech_token_size:] = logp[:, self.speech_token_size:].masked_fill(rows, -float("inf"))
+            keep = [s.ban_stop and s.keep_fill for s in steps]
+            if any(keep):
+                logp[:, self.fill] = torch.where(to_device(keep, logp.device), fill, logp[:, self.fill])
         return logp
 
     def prepare(self, text: TokenIds, prompt_text: TokenIds, prompt_speech_token: TokenIds, *,
