@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 from cosyvoice.config import LLMConfig, QwenConfig
-from cosyvoice.engine import Engine, LLMScheduler, Ticket
+from cosyvoice.engine import CancelToken, Engine, LLMScheduler, Ticket
 from cosyvoice.engine.scheduler import run_ticket_eager
 from cosyvoice.flow import FlowStream
 from cosyvoice.llm import CosyVoice3LM, KVCache
@@ -335,37 +334,24 @@ def test_an_engine_dropped_without_close_stops_its_threads(tts, short_prompt_wav
     assert not any(t.is_alive() for t in threads)
 
 
-def test_engine_runs_a_text_stream_job_woken_by_its_stream(tts, short_prompt_wav: Path, monkeypatch) -> None:
-    """``synthesize(text_stream=...)`` runs the text-stream job in the scheduler and wakes it on every put.
-
-    The text-stream algorithm itself (``cosyvoice.llm.bistream``, issue 7) lives on another branch; this
-    test plugs in the small waiting job above to check the engine's wiring with a real TokenStream.
-    """
-    import types
-
+def test_engine_runs_a_text_stream_job_woken_by_its_stream(tts, short_prompt_wav: Path) -> None:
+    """``synthesize(text_stream=...)`` runs the bi-streaming job in the scheduler and wakes it on every put:
+    audio streams while the text still arrives, and the request ends once the stream is closed."""
     engine = _engine(tts)
     inp = _inp(tts, short_prompt_wav, "Hi.")
-
-    def bistream_job(lm, inp, text_stream, *, endofprompt_id):
-        lm_input, _, _ = lm.prepare(inp.text, inp.prompt_text, inp.llm_prompt_speech_token,
-                                    endofprompt_id=endofprompt_id)
-        return _waiting_job(lm, lm_input, text_stream)
-
-    monkeypatch.setitem(sys.modules, "cosyvoice.llm.bistream", types.SimpleNamespace(bistream_job=bistream_job))
     text = TokenStream()
     chunks: list = []
     consumer = threading.Thread(target=lambda: chunks.extend(engine.synthesize(inp, stream=True, seed=2,
                                                                                 text_stream=text)))
     consumer.start()
-    ids = list(range(100, 160))
+    ids = tts.frontend.encode("Hello there, my friend. How are you doing on this fine day? " * 3)[0].tolist()
     for i in range(0, len(ids), 6):
         time.sleep(0.02)
         text.put(ids[i:i + 6])
     text.close()
-    consumer.join(60)
+    consumer.join(120)
     assert not consumer.is_alive() and chunks and chunks[-1].final
-    assert chunks[-1].token_end == 1 + len(ids)  # one token after the prompt, then one per id fed
-    assert len(chunks) >= 2 and engine.active_sessions == 0
+    assert len(chunks) >= 2 and engine.active_sessions == 0 and engine.scheduler.active == 0
     engine.close()
 
 
@@ -384,3 +370,28 @@ def test_a_session_outgrowing_its_row_fails_alone(lm: CosyVoice3LM) -> None:
     assert short.error is None and short.tokens == list(lm.generate(*_request(0), 2, endofprompt_id=EOP))[:3]
     assert scheduler.active == 0
     scheduler.close()
+
+
+def test_a_cancel_token_stops_a_blocked_reader_from_another_thread(tts, short_prompt_wav: Path) -> None:
+    engine = _engine(tts)
+    token = CancelToken()
+    # non-streaming: the reader blocks in next() until the very end, so only the token can stop it early
+    chunks = engine.synthesize(_inp(tts, short_prompt_wav), stream=False, seed=1, fixed_tokens=2000, cancel=token)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.extend(chunks))
+    reader.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        sessions = list(engine._sessions.values())
+        if sessions and len(sessions[0].tokens) >= 5:
+            break
+        time.sleep(0.01)
+    session = sessions[0]
+    token.cancel()
+    decoded_at_cancel = len(session.tokens)
+    reader.join(timeout=60)
+    assert not reader.is_alive() and got == []  # ended without a final chunk
+    assert len(session.tokens) <= decoded_at_cancel + 1  # the LLM stopped within one step
+    assert engine.active_sessions == 0 and engine.scheduler.active == 0
+    assert list(engine.synthesize(_inp(tts, short_prompt_wav), seed=1, cancel=token)) == []  # already cancelled
+    engine.close()

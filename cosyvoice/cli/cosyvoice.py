@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from cosyvoice.bundle import open_model_dir, resolve_model_dir
-from cosyvoice.engine import AudioChunk, Engine
+from cosyvoice.engine import AudioChunk, CancelToken, Engine
 from cosyvoice.errors import CosyVoiceError, InvalidInputError, ModelBundleError
 from cosyvoice.frontend import prompts
 from cosyvoice.frontend.audio import AudioSource, resample
@@ -310,7 +310,8 @@ class CosyVoice3:
     def synthesize(self, mode: Mode, tts_text: TextInput, *, prompt_text: str = "",
                    prompt_wav: AudioSource | None = None, instruct_text: str = "", zero_shot_spk_id: str = "",
                    voice: Voice | None = None, stream: bool = False, speed: float = 1.0, text_frontend: bool = True,
-                   seed: int | None = None, split_prefixed: bool = False) -> Iterator[AudioChunk]:
+                   seed: int | None = None, split_prefixed: bool = False,
+                   cancel: CancelToken | None = None) -> Iterator[AudioChunk]:
         """All modes in one call, yielding :class:`AudioChunk` (index and sample offsets run across segments).
 
         The voice is, in order of precedence: ``voice`` (e.g. from a voice library), the saved
@@ -320,13 +321,14 @@ class CosyVoice3:
         pieces (a generator) in zero-shot and instruct2 mode: it is read in a thread of its own as the
         speech goes (see :meth:`synthesize_stream`). Without ``seed`` one is drawn from torch's global
         generator at the call. Every input is validated here, before any synthesis, so a bad request
-        fails at the call, not at the first chunk.
+        fails at the call, not at the first chunk. ``cancel`` ends the request from any thread (within one
+        LLM step; the iterator then stops without a final chunk).
         """
         if _is_text_stream(tts_text):
             writer, chunks = self.synthesize_stream(
                 mode, prompt_text=prompt_text, prompt_wav=prompt_wav, instruct_text=instruct_text,
                 zero_shot_spk_id=zero_shot_spk_id, voice=voice, stream=stream, speed=speed,
-                text_frontend=text_frontend, seed=seed)
+                text_frontend=text_frontend, seed=seed, cancel=cancel)
             return _pumped(tts_text, writer, chunks)
         speed = Engine.check_options(stream, speed, seed)
         seed = _request_seed(seed)
@@ -340,12 +342,13 @@ class CosyVoice3:
                 "'You are a helpful assistant. <instruction><|endofprompt|>', or start cross-lingual text with "
                 "'You are a helpful assistant.<|endofprompt|>' (cosyvoice.frontend.prompts does this for you)")
         inputs = (self.frontend.model_input(seg, voice, prompt_ids, llm_prompt_speech) for seg in segments)
-        return self._run(segments, inputs, stream, speed, seed)
+        return self._run(segments, inputs, stream, speed, seed, cancel)
 
     def synthesize_stream(self, mode: Mode, *, prompt_text: str = "", prompt_wav: AudioSource | None = None,
                           instruct_text: str = "", zero_shot_spk_id: str = "", voice: Voice | None = None,
                           stream: bool = True, speed: float = 1.0, text_frontend: bool = True,
-                          seed: int | None = None) -> tuple[TextStreamWriter, Iterator[AudioChunk]]:
+                          seed: int | None = None,
+                          cancel: CancelToken | None = None) -> tuple[TextStreamWriter, Iterator[AudioChunk]]:
         """Speech for text that arrives over time: ``(writer, chunks)``.
 
         Write pieces with ``writer.write(text)`` from any thread and end with ``writer.close()`` (or
@@ -374,7 +377,8 @@ class CosyVoice3:
 
         def chunks() -> Iterator[AudioChunk]:
             try:
-                yield from self.engine.synthesize(inp, stream=stream, speed=speed, seed=seed, text_stream=text)
+                yield from self.engine.synthesize(inp, stream=stream, speed=speed, seed=seed, text_stream=text,
+                                                  cancel=cancel)
             finally:
                 writer.close()  # the request is over: later writes raise, a pump stops
 
@@ -412,13 +416,15 @@ class CosyVoice3:
         return voice, self.frontend.encode(instruct_text), False
 
     def _run(self, segments: list[str], inputs: Iterator[ModelInput], stream: bool, speed: float,
-             seed: int) -> Iterator[AudioChunk]:
+             seed: int, cancel: CancelToken | None) -> Iterator[AudioChunk]:
         index = offset = 0
         for i, (segment, inp) in enumerate(zip(segments, inputs, strict=True)):
+            if cancel is not None and cancel.cancelled:
+                return
             # users' text stays out of INFO logs (privacy); DEBUG shows it when diagnosing
             logger.debug("synthesising segment %d/%d: %s", i + 1, len(segments), segment)
             for chunk in self.engine.synthesize(inp, stream=stream, speed=speed, seed=(seed + i) % 2**63,
-                                                sample_offset=offset, first_index=index):
+                                                sample_offset=offset, first_index=index, cancel=cancel):
                 index, offset = chunk.index + 1, chunk.sample_offset + chunk.pcm.numel()
                 yield chunk
 

@@ -2,6 +2,6 @@
 
 from cosyvoice.engine.engine import Engine, Strategy
 from cosyvoice.engine.scheduler import LLMScheduler, Ticket
-from cosyvoice.engine.session import AudioChunk, ChunkPolicy, Session
+from cosyvoice.engine.session import AudioChunk, CancelToken, ChunkPolicy, Session
 
-__all__ = ["AudioChunk", "ChunkPolicy", "Engine", "LLMScheduler", "Session", "Strategy", "Ticket"]
+__all__ = ["AudioChunk", "CancelToken", "ChunkPolicy", "Engine", "LLMScheduler", "Session", "Strategy", "Ticket"]

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from cosyvoice.config import CosyVoice3Config
 from cosyvoice.engine.scheduler import LLMScheduler, Ticket, run_ticket_eager
-from cosyvoice.engine.session import AudioChunk, ChunkPolicy, ChunkWork, Session
+from cosyvoice.engine.session import AudioChunk, CancelToken, ChunkPolicy, ChunkWork, Session
 from cosyvoice.engine.t2w import Token2WavWorker
 from cosyvoice.errors import CosyVoiceError, InvalidInputError, ResourceLimitError
 from cosyvoice.flow import CausalMaskedDiffWithDiT, FlowStream
@@ -95,17 +95,18 @@ class Engine:
 
     def synthesize(self, inp: ModelInput, stream: bool = False, speed: float = 1.0, seed: int | None = None,
                    sample_offset: int = 0, first_index: int = 0, *, text_stream: TokenStream | None = None,
-                   fixed_tokens: int | None = None) -> Iterator[AudioChunk]:
+                   fixed_tokens: int | None = None, cancel: CancelToken | None = None) -> Iterator[AudioChunk]:
         """Speak one text segment. Streaming yields chunks as the policy allows; otherwise one chunk.
 
         ``text_stream``: the text arrives over time (bi-streaming); ``inp.text`` is then unused.
-        Closing the iterator cancels the request. Raises :class:`ResourceLimitError` ("busy") when
+        Closing the iterator cancels the request; so does ``cancel.cancel()`` from any thread (the LLM stops
+        within one step and the iterator ends without a final chunk). Raises :class:`ResourceLimitError` ("busy") when
         ``max_sessions`` requests are running and none finishes within ``queue_timeout_seconds``.
         """
         speed = self.check_options(stream, speed, seed)
         job, needed, fixed = self._llm_job(inp, text_stream, fixed_tokens)
         return self._iterate(lambda: self._open_session(inp, stream, speed, seed, sample_offset, first_index, fixed),
-                             job, needed, text_stream)
+                             job, needed, text_stream, cancel)
 
     async def asynthesize(self, inp: ModelInput, stream: bool = False, speed: float = 1.0, seed: int | None = None,
                           sample_offset: int = 0, first_index: int = 0, *, text_stream: TokenStream | None = None,
@@ -121,7 +122,7 @@ class Engine:
             return self._open_session(inp, stream, speed, seed, sample_offset, first_index, fixed)
 
         if self.strategy == "eager":  # the baseline computes chunks in the consumer's thread
-            it = self._iterate(open_session, job, needed, text_stream)
+            it = self._iterate(open_session, job, needed, text_stream, None)
             try:
                 while (chunk := await asyncio.to_thread(next, it, None)) is not None:
                     yield chunk
@@ -137,7 +138,10 @@ class Engine:
         try:
             self._start(session, job, needed, text_stream)
             while True:
-                chunk = self._unwrap(await session.aget())
+                item = await session.aget()
+                if item is None:
+                    return
+                chunk = self._unwrap(item)
                 yield chunk
                 if chunk.final:
                     return
@@ -157,7 +161,7 @@ class Engine:
             session.tokens, session.llm_done = ids, True
             return session
 
-        return self._iterate(open_session, None, 0, None)
+        return self._iterate(open_session, None, 0, None, None)
 
     @staticmethod
     def check_options(stream: bool, speed: float, seed: int | None = None) -> float:
@@ -319,16 +323,23 @@ class Engine:
         self._slots.release()
         session.released.set()  # last: whoever waits for it finds everything freed
 
-    def _close(self, session: Session, wait: bool) -> None:
-        """Cancel what still runs for the session; free it now or (LLM still stepping) within one step."""
+    def _cancel(self, session: Session) -> None:
+        """Stop everything working for the session (any thread): the LLM before its next step, queued chunks."""
         session.cancel()
         ticket = session.ticket
-        if ticket is None:  # the LLM never started (vocode(), or a failed start)
-            session.llm_finished(None)
-        elif self.strategy == "batched":
+        if ticket is None:
+            return
+        if self.strategy == "batched":
             self.scheduler.cancel(ticket)
         else:
             ticket.cancelled = True  # polled by the eager runner before every step
+
+    def _close(self, session: Session, wait: bool) -> None:
+        """Cancel what still runs for the session; free it now or (LLM still stepping) within one step."""
+        self._cancel(session)
+        if session.ticket is None:  # the LLM never started (vocode(), or a failed start)
+            session.llm_finished(None)
+        elif session.llm_thread is not None:
             session.llm_thread.join()
         self._maybe_release(session)
         if wait:
@@ -341,26 +352,36 @@ class Engine:
             raise _as_cosyvoice_error(item, "speech token generation") from item
         return item
 
-    def _iterate(self, open_session, job: Job | None, needed: int,
-                 text_stream: TokenStream | None) -> Iterator[AudioChunk]:
+    def _iterate(self, open_session, job: Job | None, needed: int, text_stream: TokenStream | None,
+                 cancel: CancelToken | None) -> Iterator[AudioChunk]:
+        if cancel is not None and cancel.cancelled:
+            return
         session = open_session()  # on the first next(): an iterator never started holds no slot
+        unsubscribe = cancel.subscribe(lambda: self._cancel(session)) if cancel is not None else None
         try:
             self._start(session, job, needed, text_stream)
             while True:
                 if self.strategy == "eager":
                     self._compute_next_eager(session)
-                chunk = self._unwrap(session.get())
+                item = session.get()
+                if item is None:  # cancelled from another thread
+                    return
+                chunk = self._unwrap(item)
                 yield chunk
                 if chunk.final:
                     return
         finally:
+            if unsubscribe is not None:
+                unsubscribe()
             self._close(session, wait=True)
 
     def _compute_next_eager(self, session: Session) -> None:
         """Baseline: wait for the next chunk's tokens and compute it in the caller's thread."""
         with session.cond:
-            session.cond.wait_for(session.work_ready)
+            session.cond.wait_for(lambda: session.work_ready() or session.cancelled)
             work = session.take_work()
+        if work is None:  # cancelled
+            return
         if isinstance(work, BaseException):
             session.put(work)
             return

@@ -187,20 +187,23 @@ class Session:
         with self.cond:
             self.cancelled = True
             self.cond.notify_all()
+            waker = self._waker
+        if waker is not None:
+            waker()
 
-    def get(self) -> AudioChunk | BaseException:
-        """Next output (blocking)."""
+    def get(self) -> AudioChunk | BaseException | None:
+        """Next output (blocking); None once the session is cancelled and nothing is left to read."""
         with self.cond:
-            self.cond.wait_for(lambda: self._out)
-            return self._out.popleft()
+            self.cond.wait_for(lambda: self._out or self.cancelled)
+            return self._out.popleft() if self._out else None
 
-    async def aget(self) -> AudioChunk | BaseException:
-        """Next output without blocking the event loop."""
+    async def aget(self) -> AudioChunk | BaseException | None:
+        """Next output without blocking the event loop; None once cancelled with nothing left to read."""
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
         with self.cond:
-            if self._out:
-                return self._out.popleft()
+            if self._out or self.cancelled:
+                return self._out.popleft() if self._out else None
             self._waker = lambda: loop.call_soon_threadsafe(ready.set)
         try:
             await ready.wait()
@@ -208,4 +211,44 @@ class Session:
             with self.cond:
                 self._waker = None
         with self.cond:
-            return self._out.popleft()
+            return self._out.popleft() if self._out else None
+
+
+class CancelToken:
+    """Cancels one request from any thread: a Stop button, a client that hung up, a server shutting down.
+
+    Closing a chunk iterator only works from the thread that iterates it; a token works from anywhere.
+    The engine subscribes the running session; the API stops between text segments.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._listeners: list[Callable[[], None]] = []
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self._cancelled:
+                return
+            self._cancelled = True
+            listeners, self._listeners = self._listeners, []
+        for listener in listeners:
+            listener()
+
+    def subscribe(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener`` on cancel (at once if already cancelled); returns the unsubscribe function."""
+        with self._lock:
+            if not self._cancelled:
+                self._listeners.append(listener)
+                return lambda: self._discard(listener)
+        listener()
+        return lambda: None
+
+    def _discard(self, listener: Callable[[], None]) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
