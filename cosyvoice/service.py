@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import numbers
 import queue
 import re
@@ -630,25 +629,17 @@ class TTSService:
 
     @staticmethod
     def _options(request: SynthesisRequest) -> tuple[bool, float, int | None]:
-        """(stream, speed, seed), type-checked and within the engine's ranges."""
+        """(stream, speed, seed), checked against the engine's ranges (``Engine.check_options`` is their home)."""
         if not isinstance(request.stream, bool):
             raise InvalidInputError(f"stream must be true or false, got {request.stream!r}", "stream")
-        speed, seed, stream = request.speed, request.seed, request.stream
-        if isinstance(speed, bool) or not isinstance(speed, numbers.Real) or not math.isfinite(speed):
-            raise InvalidInputError(f"speed must be a number, got {speed!r}", "speed")
-        speed = float(speed)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
-            raise InvalidInputError(f"seed must be an integer, got {seed!r}", "seed")
-        seed = None if seed is None else int(seed)
+        seed = request.seed
+        if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
+            seed = int(seed)  # numpy integers from adapters
         with _field("seed"):
             Engine.check_options(False, 1.0, seed)
         with _field("speed"):
-            Engine.check_options(False, speed)
-        try:
-            Engine.check_options(stream, speed)
-        except InvalidInputError:
-            stream = False  # an engine that cannot change speed mid-stream speaks such a request whole
-        return stream, speed, seed
+            speed = Engine.check_options(request.stream, request.speed)
+        return request.stream, speed, seed
 
     def _instruction(self, mode: str, instruction: object) -> str:
         if mode != "instruct":
