@@ -411,8 +411,6 @@ def create_app(settings: ServerSettings | None = None, service: TTSService | Non
                                 "the model is still loading; retry shortly")
         return state["service"]
 
-    app.state.get_service = svc
-
     # -------------------------------------------------------------- error handlers
 
     def respond(request: Request, exc: BaseException) -> JSONResponse:
