@@ -113,11 +113,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + (f.name[:-1] if many else f.name).replace("_", "-")
         aliases = ["--model_dir"] if f.name == "model_dir" else []  # the official servers' spelling
         parser.add_argument(flag, *aliases, dest=f"server_{f.name}", action="append" if many else "store",
-                            type=None if many else _KINDS.get(f.type, str), default=None,
+                            type=None if many else _KINDS.get(f.type, str), default=None, metavar=f.name.upper(),
                             help=f"(env COSYVOICE_{f.name.upper()}; default {f.default!r})")
     for f in fields(Limits):
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f"limits_{f.name}", type=_KINDS[f.type],
-                            default=None, help=f"(env COSYVOICE_{f.name.upper()}; default {f.default!r})")
+                            default=None, metavar=f.name.upper(),
+                            help=f"(env COSYVOICE_{f.name.upper()}; default {f.default!r})")
 
 
 def settings_from_args(args: argparse.Namespace,
