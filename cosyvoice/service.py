@@ -269,9 +269,9 @@ class SynthesisSession(Iterator[AudioChunk]):
     may be called from any thread: the session stops at its next chunk boundary."""
 
     def __init__(self, service: TTSService, prepared: PreparedRequest, chunks: Iterator[AudioChunk],
-                 started: float, on_cancel: Callable[[], None] | None = None) -> None:
+                 started: float, on_end: Callable[[], None] | None = None) -> None:
         self.service, self.prepared = service, prepared
-        self._on_cancel = on_cancel
+        self._on_end = on_end  # e.g. stop the reader of a text stream
         self.sample_rate = service.sample_rate
         self._chunks = chunks
         self._started = started
@@ -310,7 +310,7 @@ class SynthesisSession(Iterator[AudioChunk]):
         """Thread-safe: stop at the next chunk boundary (the reader then closes the engine session), or at
         once where the engine's chunk iterator has a thread-safe ``cancel()`` of its own."""
         self._cancelled.set()
-        for cancel in (getattr(self._chunks, "cancel", None), self._on_cancel):
+        for cancel in (getattr(self._chunks, "cancel", None), self._on_end):
             if cancel is not None:
                 cancel()
 
@@ -335,6 +335,8 @@ class SynthesisSession(Iterator[AudioChunk]):
             close = getattr(self._chunks, "close", None)
             if close is not None:
                 close()  # the engine cancels its session within one decode step
+            if self._on_end is not None:
+                self._on_end()
         finally:
             self.service._admission.release()
             self.service._report(Outcome(self.prepared.mode, reason, time.perf_counter() - self._started,
@@ -403,8 +405,9 @@ class AsyncSynthesisSession(AsyncIterator[AudioChunk]):
 class TTSService:
     """Owns a :class:`CosyVoice3` and THE :class:`VoiceLibrary`; every adapter calls this."""
 
-    def __init__(self, tts: CosyVoice3, voices: VoiceLibrary, limits: Limits | None = None) -> None:
-        self.tts, self.voices = tts, voices
+    def __init__(self, tts: CosyVoice3, voices: VoiceLibrary | None = None, limits: Limits | None = None) -> None:
+        self.tts = tts
+        self.voices = voices if voices is not None else tts.voices  # THE library: the official API's saved voices
         self.limits = limits or tts.limits
         self.sample_rate = tts.sample_rate
         self._admission = _Admission(self.limits.max_sessions, self.limits.max_queued_requests,
@@ -416,10 +419,7 @@ class TTSService:
              limits: Limits | None = None) -> TTSService:
         """A model folder (or ModelScope id) and a voice folder -> a ready service."""
         limits = limits or Limits.from_env()
-        tts = CosyVoice3(model_dir, device=device, limits=limits)
-        voices = VoiceLibrary(voice_dir, tts.frontend, model_dir=tts.model_dir, max_entries=limits.max_cached_voices,
-                              max_bytes=limits.max_cached_voice_bytes, max_named=limits.max_named_voices)
-        return cls(tts, voices, limits)
+        return cls(CosyVoice3(model_dir, device=device, limits=limits, voice_dir=voice_dir), limits=limits)
 
     # ------------------------------------------------------------------ observation
 
@@ -486,8 +486,10 @@ class TTSService:
 
     def synthesize_text_stream(self, request: SynthesisRequest, pieces: Iterable[str]) -> SynthesisSession:
         """Speak text that arrives in ``pieces`` (e.g. a chat LLM's output, or a :class:`TextPieces` fed by a
-        server); ``request.text`` is ignored. Each sentence is synthesised as soon as it is complete, so audio
-        starts before the last piece arrives; chunk indices and sample offsets run across sentences.
+        server); ``request.text`` is ignored. Audio starts before the last piece arrives: zero-shot and instruct
+        voices use the engine's text-stream input (the reference's bi-streaming: speech tokens follow the text
+        tokens as they come); cross-lingual has no such input, so each sentence is synthesised as soon as it is
+        complete (chunk indices and sample offsets run across sentences).
 
         The whole stream holds one slot; its total text is bounded by ``Limits.max_text_chars``. Voice and
         options are validated here, before any audio; a bad piece ends the stream with
@@ -507,8 +509,18 @@ class TTSService:
             self._admission.release()
             self.report_failure(mode, exc, started)
             raise
-        return SynthesisSession(self, prepared, self._sentence_chunks(prepared, pieces), started,
-                                on_cancel=getattr(pieces, "abort", None))
+        try:
+            if prepared.engine_mode == "cross_lingual":
+                chunks = self._sentence_chunks(prepared, pieces)
+            else:  # the engine's text-stream input: audio follows the text token by token
+                chunks = self.tts.synthesize(prepared.engine_mode, pieces, voice=prepared.voice,
+                                             instruct_text=prepared.instruct_text, stream=True, speed=prepared.speed,
+                                             seed=prepared.seed)
+        except BaseException as exc:
+            self._admission.release()
+            self.report_failure(mode, exc, started)
+            raise
+        return SynthesisSession(self, prepared, chunks, started, on_end=getattr(pieces, "abort", None))
 
     async def asynthesize_text_stream(self, request: SynthesisRequest, pieces: TextPieces) -> AsyncSynthesisSession:
         """:meth:`synthesize_text_stream` for asyncio servers; feed ``pieces`` from the event loop."""
@@ -567,7 +579,7 @@ class TTSService:
 
     def list_voices(self) -> list[VoiceInfo]:
         """Saved (named) voices, by name."""
-        return [info for info in self.voices.list() if info.name]
+        return self.voices.named()
 
     def get_voice(self, key: str) -> VoiceInfo:
         """A voice by id or name; :class:`NotFoundError` (field ``voice``) if there is none."""

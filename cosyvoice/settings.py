@@ -81,18 +81,20 @@ class ServerSettings:
     host: str = "127.0.0.1"  # 0.0.0.0 serves other machines too
     port: int = 50000
     device: str | None = None  # cpu, cuda, cuda:1; None: CUDA when available
-    voice_dir: str = "pretrained_models/.voices"  # the voice library, shared with the web UI
+    voice_dir: str = DEFAULT_VOICE_DIR  # the voice library, shared with the web UI
     api_keys: tuple[str, ...] = ()  # Bearer tokens accepted; empty: no authentication
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call; empty: none (CORS closed)
     max_body_bytes: int = 72 * 1024 * 1024  # one request body: a max-size prompt upload, base64-encoded, fits
     allowed_audio_dir: str | None = None  # prompt audio given as a server path must lie under it; None: refused
     retry_after_seconds: int = 5  # the Retry-After of a "busy" answer
+    stream_idle_seconds: float = 60.0  # a WebSocket text stream with no new message for this long is ended
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
-        if self.max_body_bytes <= 0 or self.retry_after_seconds < 0:
-            raise ConfigError("max_body_bytes must be positive and retry_after_seconds not negative")
+        if self.max_body_bytes <= 0 or self.retry_after_seconds < 0 or self.stream_idle_seconds <= 0:
+            raise ConfigError("max_body_bytes and stream_idle_seconds must be positive, retry_after_seconds not "
+                              "negative")
         if "*" in self.cors_origins and self.api_keys:
             raise ConfigError("CORS origin '*' with API keys would let any web page use a visitor's key; "
                               "list the allowed origins instead")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from pathlib import Path
 
@@ -217,3 +218,49 @@ def test_server_settings_from_env_and_flags() -> None:
         ServerSettings.from_env({"COSYVOICE_PORT": "http"})
     with pytest.raises(ConfigError, match="CORS"):
         ServerSettings(api_keys=("k",), cors_origins=("*",))
+
+
+@pytest.mark.parametrize("voice_transcript", [TRANSCRIPT, ""])
+def test_text_stream_speaks_before_the_text_ends(service: TTSService, short_prompt_wav: Path,
+                                                 voice_transcript: str, outcomes: list[Outcome]) -> None:
+    """Zero-shot voices use the engine's text-stream input, transcript-less ones sentence by sentence."""
+    from cosyvoice.service import TextPieces
+
+    name = "Streamer" if voice_transcript else "Plain"
+    service.create_voice(name, short_prompt_wav.read_bytes(), voice_transcript)
+    try:
+        pieces = TextPieces()
+        pieces.put("Hello there, my friend. ")  # enough text for a first chunk (bi-streaming: 5 text : 15 speech)
+        pieces.put("How are you doing today, and how")
+        session = service.synthesize_text_stream(SynthesisRequest("", "sft", voice=name, seed=5), pieces)
+        assert session.prepared.engine_mode == ("zero_shot" if voice_transcript else "cross_lingual")
+        first = next(session)  # audio before the text is complete
+        assert first.index == 0 and first.pcm.numel() > 0
+        pieces.put(" is the family?")
+        pieces.end()
+        rest = list(session)
+        chunks = [first, *rest]
+        assert [c.index for c in chunks] == list(range(len(chunks)))
+        assert all(b.sample_offset == a.sample_offset + a.pcm.numel() for a, b in itertools.pairwise(chunks))
+        assert chunks[-1].final and outcomes[-1].reason is None
+        if not voice_transcript:
+            assert sum(c.final for c in chunks) == 2  # two sentences
+        # cancelling while the text is still open ends the session and frees its slot
+        pieces = TextPieces()
+        pieces.put("One more sentence, with a few more words. And")
+        session = service.synthesize_text_stream(SynthesisRequest("", "sft", voice=name, seed=5), pieces)
+        next(session)
+        session.close()
+        assert outcomes[-1].reason == "cancelled" and service.status().active_sessions == 0
+    finally:
+        service.delete_voice(name)
+
+
+def test_complete_sentences() -> None:
+    from cosyvoice.service import complete_sentences
+
+    assert list(complete_sentences(["Hel", "lo. It costs 3", ".14 now! 你好。", "Bye"])) == \
+        ["Hello.", "It costs 3.14 now!", "你好。", "Bye"]
+    with pytest.raises(InvalidInputError) as info:
+        list(complete_sentences(["ok", 5]))
+    assert info.value.field == "text"

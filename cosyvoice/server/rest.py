@@ -316,12 +316,18 @@ def socket_request(start: Any) -> SynthesisRequest:
 
 
 async def read_pieces(ws: WebSocket, pieces: TextPieces, session: AsyncSynthesisSession,
-                      problems: list[BaseException]) -> None:
+                      problems: list[BaseException], idle_seconds: float) -> None:
     """Feed ``{"type": "text", "text": ...}`` messages to the session until ``{"type": "end"}``; a disconnect or a
-    bad message cancels it (the bad message is reported once the audio loop ends)."""
+    bad message cancels it (the bad message is reported once the audio loop ends). A client silent for
+    ``idle_seconds`` gets its text ended (what it sent is spoken), so it cannot hold a slot forever."""
     try:
         while True:
-            message = await ws.receive_json()
+            try:
+                message = await asyncio.wait_for(ws.receive_json(), idle_seconds)
+            except asyncio.TimeoutError:
+                logger.info("WebSocket text stream idle for %g s: ending its text", idle_seconds)
+                pieces.end()
+                return
             kind = message.get("type") if isinstance(message, dict) else None
             if kind == "text" and isinstance(message.get("text"), str):
                 pieces.put(message["text"])
@@ -608,7 +614,7 @@ def create_app(settings: ServerSettings | None = None, service: TTSService | Non
             await ws.send_json({"type": "started", "voice": session.prepared.voice_id, "mode": session.prepared.mode,
                                 "sample_rate": session.sample_rate, "format": fmt.name,
                                 "content_type": fmt.content_type})
-            reader = asyncio.create_task(read_pieces(ws, pieces, session, problems))
+            reader = asyncio.create_task(read_pieces(ws, pieces, session, problems, settings.stream_idle_seconds))
             chunks = 0
             async for chunk in session:
                 await send_audio(ws, encoder.encode(chunk.pcm), chunk)
