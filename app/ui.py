@@ -67,7 +67,7 @@ except ImportError:
 class GpuSession:
     """A synthesis session on ZeroGPU: the chunks are made inside a ``spaces.GPU`` generator (a process that
     holds the GPU) and come back here, where they are published as usual. Same surface as the service's
-    session: iterate, ``cancel()`` (ends at the next chunk), ``close()``."""
+    session: iterate, ``cancel()`` (the engine stops within one LLM step), ``close()``."""
 
     prepared: Any
     chunks: Iterator[AudioChunk]
@@ -317,8 +317,8 @@ class Studio:
 
     def _pump(self, session: SynthesisSession | GpuSession, take_id: str, events: queue.Queue) -> None:
         """Run one take in its own thread: chunks to the live channel and to the Gradio handler. A cancelled
-        session ends at its next chunk boundary (and closing it cancels the engine's work), whether or not
-        Gradio still reads ``events``."""
+        session's engine work stops within one LLM step (closing it frees the slot), whether or not Gradio
+        still reads ``events``."""
         times = self.times[take_id]
         try:
             with contextlib.closing(session):

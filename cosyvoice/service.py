@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 from cosyvoice.cli.cosyvoice import CosyVoice3
 from cosyvoice.encoding import AudioFormat, audio_format
-from cosyvoice.engine import AudioChunk, Engine
+from cosyvoice.engine import AudioChunk, CancelToken, Engine
 from cosyvoice.errors import (
     AlreadyExistsError,
     CosyVoiceError,
@@ -265,11 +265,12 @@ class _Admission:
 class SynthesisSession(Iterator[AudioChunk]):
     """One admitted request's audio. Iterate for :class:`AudioChunk`; ``close()`` (or leaving a ``with``
     block, or dropping it) ends the request, cancels the engine session and frees the slot. ``cancel()``
-    may be called from any thread: the session stops at its next chunk boundary."""
+    may be called from any thread: the engine stops within one LLM step and the reader's iteration ends."""
 
     def __init__(self, service: TTSService, prepared: PreparedRequest, chunks: Iterator[AudioChunk],
-                 started: float, on_end: Callable[[], None] | None = None) -> None:
+                 started: float, token: CancelToken, on_end: Callable[[], None] | None = None) -> None:
         self.service, self.prepared = service, prepared
+        self._token = token  # given to the engine: cancels from any thread
         self._on_end = on_end  # e.g. stop the reader of a text stream
         self.sample_rate = service.sample_rate
         self._chunks = chunks
@@ -306,12 +307,11 @@ class SynthesisSession(Iterator[AudioChunk]):
         return chunk
 
     def cancel(self) -> None:
-        """Thread-safe: stop at the next chunk boundary (the reader then closes the engine session), or at
-        once where the engine's chunk iterator has a thread-safe ``cancel()`` of its own."""
+        """Thread-safe: the engine stops within one LLM step; a reader blocked in ``next()`` returns."""
         self._cancelled.set()
-        for cancel in (getattr(self._chunks, "cancel", None), self._on_end):
-            if cancel is not None:
-                cancel()
+        self._token.cancel()
+        if self._on_end is not None:
+            self._on_end()
 
     def close(self) -> None:
         self._finish("cancelled")
@@ -388,7 +388,7 @@ class AsyncSynthesisSession(AsyncIterator[AudioChunk]):
         raise StopAsyncIteration
 
     async def aclose(self) -> None:
-        """Cancel (if still running) without waiting for the worker: it stops at its next chunk boundary."""
+        """Cancel (if still running) without waiting for the worker: the engine stops within one LLM step."""
         if self._stopped.is_set():
             return
         self._ended = True
@@ -458,16 +458,17 @@ class TTSService:
         except BaseException as exc:
             self.report_failure(mode, exc, started)
             raise
+        token = CancelToken()
         try:
             prepared = self._resolve(request, checked)
             chunks = self.tts.synthesize(prepared.engine_mode, prepared.text, voice=prepared.voice,
                                          instruct_text=prepared.instruct_text, stream=prepared.stream,
-                                         speed=prepared.speed, seed=prepared.seed, split_prefixed=True)
+                                         speed=prepared.speed, seed=prepared.seed, split_prefixed=True, cancel=token)
         except BaseException as exc:
             self._admission.release()
             self.report_failure(mode, exc, started)
             raise
-        return SynthesisSession(self, prepared, chunks, started)
+        return SynthesisSession(self, prepared, chunks, started, token)
 
     def report_failure(self, mode: str, exc: BaseException, started: float | None = None) -> None:
         """Count a synthesis request that failed before it had a session (adapters call this for errors of
@@ -508,31 +509,33 @@ class TTSService:
             self._admission.release()
             self.report_failure(mode, exc, started)
             raise
+        token = CancelToken()
         try:
             if prepared.engine_mode == "cross_lingual":
-                chunks = self._sentence_chunks(prepared, pieces)
+                chunks = self._sentence_chunks(prepared, pieces, token)
             else:  # the engine's text-stream input: audio follows the text token by token
                 chunks = self.tts.synthesize(prepared.engine_mode, pieces, voice=prepared.voice,
                                              instruct_text=prepared.instruct_text, stream=True, speed=prepared.speed,
-                                             seed=prepared.seed)
+                                             seed=prepared.seed, cancel=token)
         except BaseException as exc:
             self._admission.release()
             self.report_failure(mode, exc, started)
             raise
-        return SynthesisSession(self, prepared, chunks, started, on_end=getattr(pieces, "abort", None))
+        return SynthesisSession(self, prepared, chunks, started, token, on_end=getattr(pieces, "abort", None))
 
     async def asynthesize_text_stream(self, request: SynthesisRequest, pieces: TextPieces) -> AsyncSynthesisSession:
         """:meth:`synthesize_text_stream` for asyncio servers; feed ``pieces`` from the event loop."""
         return AsyncSynthesisSession(await _in_thread(self.synthesize_text_stream, request, pieces))
 
-    def _sentence_chunks(self, prepared: PreparedRequest, pieces: Iterable[str]) -> Iterator[AudioChunk]:
+    def _sentence_chunks(self, prepared: PreparedRequest, pieces: Iterable[str],
+                         token: CancelToken) -> Iterator[AudioChunk]:
         index = offset = total = 0
         for i, sentence in enumerate(complete_sentences(pieces)):
             total += len(sentence)
             if total > self.limits.max_text_chars:
                 raise InvalidInputError(f"the text stream passed {self.limits.max_text_chars} characters "
                                         "(COSYVOICE_MAX_TEXT_CHARS); start a new stream", "text")
-            if getattr(pieces, "aborted", False):
+            if getattr(pieces, "aborted", False) or token.cancelled:
                 return  # cancelled: the text left over is not spoken
             if not any(ch.isalnum() for ch in sentence):
                 continue  # punctuation or symbols alone: nothing to speak, and no reason to end the stream
@@ -540,7 +543,7 @@ class TTSService:
             seed = None if prepared.seed is None else (prepared.seed + i) % 2**63
             chunks = self.tts.synthesize(prepared.engine_mode, text, voice=prepared.voice,
                                          instruct_text=prepared.instruct_text, stream=prepared.stream,
-                                         speed=prepared.speed, seed=seed, split_prefixed=True)
+                                         speed=prepared.speed, seed=seed, split_prefixed=True, cancel=token)
             with contextlib.closing(chunks):
                 for chunk in chunks:
                     yield replace(chunk, index=index, sample_offset=offset)

@@ -245,7 +245,7 @@ def test_stop_before_the_first_chunk_and_while_queued(studio: Studio, short_prom
     assert take["stopped"] and "stopped" in status and generate["interactive"] is True
     deadline = time.time() + 10
     while (studio.service.status().active_sessions or studio._running) and time.time() < deadline:
-        time.sleep(0.02)  # the engine's work ends at its next chunk
+        time.sleep(0.02)  # the engine stops within one LLM step, then frees the session
     assert studio.service.status().active_sessions == 0 and not studio._stopped_early and not studio._running
 
 

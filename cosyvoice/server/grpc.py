@@ -148,7 +148,7 @@ class CosyVoiceServicer(pb_grpc.CosyVoiceServicer):
                 logger.exception("gRPC Inference failed")
                 context.abort(grpc.StatusCode.INTERNAL, f"synthesis failed: {type(exc).__name__}")
             context.abort(*status_of(exc, request))
-        # the client went away (cancel, deadline, dropped connection): stop at the next chunk boundary
+        # the client went away (cancel, deadline, dropped connection): the engine stops within one LLM step
         if not context.add_callback(session.cancel):
             session.cancel()
         try:
