@@ -21,6 +21,7 @@ model recomputes the features from the recording, so the file stays portable acr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -151,21 +152,41 @@ class VoiceLibrary:
             return info, self._builtin_voice(info.id)
         voice = self._load(info.id)
         if voice is None:
-            raise InvalidInputError(f"voice {key!r} could not be read from disk and was removed; upload it again")
+            kept = f"; its files were kept as {info.id}.*.unreadable in {self.dir}" if info.name else ""
+            raise InvalidInputError(f"voice {key!r} could not be read from disk{kept}; upload it again")
         return info, voice
 
     def info(self, key: str) -> VoiceInfo:
         with self._lock:
-            entries = [*(b.info for b in self._builtins.values()), *self._index.values()]
-            info = next((i for i in entries if i.id == key), None) or next((i for i in entries if i.name == key), None)
+            info = self._find(key)
+            if info is None:  # perhaps saved since by another process sharing the folder (REST, gRPC, web UI)
+                self._refresh()
+                info = self._find(key)
             if info is None:
-                names = [i.name for i in entries if i.name]
+                names = [i.name for i in self._entries() if i.name]
                 raise InvalidInputError(f"unknown voice {key!r}; saved voices: {', '.join(names) or 'none'}")
             return info
 
+    def _entries(self) -> list[VoiceInfo]:
+        return [*(b.info for b in self._builtins.values()), *self._index.values()]
+
+    def _find(self, key: str) -> VoiceInfo | None:
+        entries = self._entries()
+        return next((i for i in entries if i.id == key), None) or next((i for i in entries if i.name == key), None)
+
+    def _refresh(self) -> None:
+        """Follow the folder: entries other processes saved appear, entries they deleted go (call with the lock)."""
+        on_disk = self._scan(cleanup=False)
+        for voice_id in [v for v in self._index if v not in on_disk]:
+            del self._index[voice_id]
+        for voice_id, info in on_disk.items():
+            self._index.setdefault(voice_id, info)
+
     def list(self) -> list[VoiceInfo]:
-        """Built-in voices, then named voices by name, then cached uploads, most recently used first."""
+        """Built-in voices, then named voices by name, then cached uploads, most recently used first (the
+        folder is re-read, so voices other processes saved are listed too)."""
         with self._lock:
+            self._refresh()
             infos = list(self._index.values())
             builtins = [b.info for b in self._builtins.values()]
         named = sorted((i for i in infos if i.name), key=lambda i: i.name.casefold())
@@ -333,9 +354,10 @@ class VoiceLibrary:
     def _paths(self, voice_id: str) -> tuple[Path, Path]:
         return self.dir / f"{voice_id}.safetensors", self.dir / f"{voice_id}.json"
 
-    def _scan(self) -> dict[str, VoiceInfo]:
-        """Index the entries on disk; an unreadable one is skipped with a log line, never fatal."""
-        for leftover in [*self.dir.glob(".*.tmp"), *self.dir.glob("*.safetensors")]:
+    def _scan(self, cleanup: bool = True) -> dict[str, VoiceInfo]:
+        """Index the entries on disk; an unreadable one is skipped with a log line, never fatal. ``cleanup``
+        (at start-up only: later, another process may be writing) removes what interrupted writes left."""
+        for leftover in [*self.dir.glob(".*.tmp"), *self.dir.glob("*.safetensors")] if cleanup else []:
             if leftover.suffix == ".tmp" or not leftover.with_suffix(".json").exists():
                 leftover.unlink(missing_ok=True)  # from a run that stopped while writing
         index: dict[str, VoiceInfo] = {}
@@ -381,18 +403,31 @@ class VoiceLibrary:
         return entry.voice
 
     def _load(self, voice_id: str) -> Voice | None:
-        """The stored voice (marking it used), or None if absent; an unreadable entry is dropped."""
+        """The stored voice (marking it used), or None if absent or unreadable. An unreadable cache entry is
+        dropped (the upload recreates it); a named voice's files are kept aside as ``*.unreadable``, never deleted."""
         with self._lock:
-            if voice_id not in self._index:
+            info = self._index.get(voice_id)
+            if info is None:
                 return None
         tensors_path, meta_path = self._paths(voice_id)
         try:
             tensors = load_file(tensors_path)
             voice = Voice(PromptFeatures.from_tensors(tensors), tensors["prompt_text"].to(torch.int32))
         except (OSError, SafetensorError, ValueError, KeyError) as exc:
-            logger.warning("voice library: dropping unreadable voice %s (%s: %s)", voice_id, type(exc).__name__, exc)
             with self._lock:
-                self._remove(voice_id)
+                if not meta_path.exists():  # deleted by another process sharing the folder
+                    self._index.pop(voice_id, None)
+                elif info.name is None:
+                    logger.warning("voice library: dropping unreadable cached voice %s (%s: %s)", voice_id,
+                                   type(exc).__name__, exc)
+                    self._remove(voice_id)
+                else:
+                    logger.error("voice library: saved voice %r is unreadable (%s: %s); its files are kept as "
+                                 "*.unreadable", info.name, type(exc).__name__, exc)
+                    self._index.pop(voice_id, None)
+                    for path in (meta_path, tensors_path):  # the JSON first: without it the entry no longer exists
+                        with contextlib.suppress(FileNotFoundError):
+                            path.rename(path.with_name(path.name + ".unreadable"))
             return None
         try:
             os.utime(meta_path)  # persists the use for eviction order; a read-only library still serves

@@ -32,15 +32,15 @@ def test_stamp_follows_pyproject_and_extras(tmp_path: Path) -> None:
     install_state.mark(env, "dev", root)
     assert install_state.is_current(env, "dev", root)
     assert install_state.is_current(env, "ui", root)  # dev pulls in ui (cosyvoice3-studio[ui])
-    assert not install_state.is_current(env, "ui,serve", root)  # serve was never installed
-    install_state.mark(env, "serve", root)
-    assert install_state.is_current(env, "ui,serve", root)  # extras accumulate under one key
+    assert not install_state.is_current(env, "ui,download", root)  # download was never installed (dev does not pull it)
+    install_state.mark(env, "download", root)
+    assert install_state.is_current(env, "ui,download", root)  # extras accumulate under one key
     pyproject = root / "pyproject.toml"
     pyproject.write_text(pyproject.read_text().replace('"numpy>=1.24"', '"numpy>=1.25"'))
     assert not install_state.is_current(env, "dev", root)  # an edited dependency list means a new install
     install_state.mark(env, "ui", root)
     assert install_state.is_current(env, "ui", root)
-    assert not install_state.is_current(env, "serve", root)  # extras from before the edit no longer count
+    assert not install_state.is_current(env, "download", root)  # extras from before the edit no longer count
 
 
 def _setup(env_dir: Path, extras: str, *args: str) -> subprocess.CompletedProcess[str]:

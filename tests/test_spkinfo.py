@@ -123,8 +123,9 @@ def test_kill_9_during_a_save_leaves_the_old_or_the_new_file(tmp_path: Path) -> 
     rng = random.Random(0)
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
-    interrupted = 0
-    for _ in range(4):
+    interrupted = attempts = 0
+    while attempts < 4 or (interrupted < 2 and attempts < 16):  # on a loaded machine some kills miss a write
+        attempts += 1
         proc = subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True,
                                 cwd=repo, env=env)
         try:

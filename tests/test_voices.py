@@ -3,6 +3,7 @@ neither corrupt files nor concurrent callers break it."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import threading
@@ -138,7 +139,7 @@ def test_corrupt_files_are_skipped_with_a_log_line(tts, tmp_path: Path, caplog: 
             reopened.get(broken_tensors)
         assert reopened.get_or_create(_tone(330))[0] == broken_tensors and frontend.calls == 1  # recomputed
     assert f"skipping {library.dir / broken_meta}.json" in caplog.text
-    assert f"dropping unreadable voice {broken_tensors}" in caplog.text
+    assert f"dropping unreadable cached voice {broken_tensors}" in caplog.text
     assert not (library.dir / "orphan.safetensors").exists()
 
 
@@ -202,3 +203,29 @@ def test_builtin_voices_are_listed_first_and_read_only(tts, prompt_wav: Path, tm
         with pytest.raises(InvalidInputError, match=r"built-in|exists already"):
             action()
     assert library.recording("Narrator")[0] == 24000
+
+
+def test_an_unreadable_saved_voice_is_kept_aside_never_deleted(tts, tmp_path: Path) -> None:
+    library, _ = _library(tts, tmp_path)
+    voice_id = library.get_or_create(_tone(150))[0]
+    library.save("precious", voice_id)
+    damaged = b"\x00" * 10
+    (library.dir / f"{voice_id}.safetensors").write_bytes(damaged)
+    with pytest.raises(InvalidInputError, match="could not be read from disk; its files were kept"):
+        library.get("precious")
+    assert (library.dir / f"{voice_id}.safetensors.unreadable").read_bytes() == damaged
+    assert json.loads((library.dir / f"{voice_id}.json.unreadable").read_text())["name"] == "precious"
+    assert "precious" not in {i.name for i in library.list()}
+
+
+def test_voices_saved_or_deleted_by_another_process_are_followed(tts, tmp_path: Path) -> None:
+    server, _ = _library(tts, tmp_path)  # e.g. the gRPC server, started first
+    web, _ = _library(tts, tmp_path)  # e.g. the web UI over the same folder
+    voice_id = web.get_or_create(_tone(175))[0]
+    web.save("later", voice_id)
+    assert server.get("later")[0].id == voice_id  # looked up at call time, not at start-up
+    assert "later" in {i.name for i in server.list()}
+    web.delete("later")
+    assert "later" not in {i.name for i in server.list()}
+    with pytest.raises(InvalidInputError, match="unknown voice 'later'"):
+        server.get("later")

@@ -421,7 +421,9 @@ def create_app(settings: ServerSettings | None = None, service: TTSService | Non
             return HttpError(503, "loading", str(exc), None,
                              {"Retry-After": str(settings.retry_after_seconds)}).response()
         error = http_error(exc, settings)
-        if error.status >= 500:
+        if error.status == 503:  # busy: a declared, expected answer under load, not a failure to trace
+            logger.info("%s %s: busy (503)", request.method, request.url.path)
+        elif error.status >= 500:
             logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         return error.response()
 
