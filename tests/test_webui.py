@@ -115,7 +115,7 @@ def test_random_seed_is_shown_and_formats_are_named(studio: Studio, short_prompt
     ({"mode": "instruct2"}, "instruct mode needs an instruction"),
     ({"mode": "instruct2", "instruction": "Be calm.<|endofprompt|>more"}, "must end at &lt;|endofprompt|&gt;"),
     ({"voice": "nobody"}, "unknown voice &#x27;nobody&#x27;"),
-    ({"stream": False, "speed": 3.0}, "speed must be a number between 0.5 and 2, got 3.0"),
+    ({"stream": False, "speed": 3.0}, "speed must be between 0.5 and 2, got 3.0"),
     ({"prompt": "/tmp/gradio/0123/expired.wav"}, "the uploaded recording is no longer on the server"),
 ])
 def test_invalid_input_is_a_warning_that_leaves_the_page_usable(studio: Studio, prompt_wav: Path, kwargs: dict,
