@@ -309,9 +309,12 @@ def test_busy_is_503_with_retry_after_and_disconnect_cancels(tts, library: Voice
         with httpx.Client(timeout=120) as client, \
                 client.stream("POST", f"{server.url}/v1/audio/speech", json=body) as response:
             assert response.status_code == 200
-            next(response.iter_raw())  # audio is flowing: the one slot is taken
+            # audio is flowing: the one slot is taken. The iterator is kept: a dropped one is closed whenever the
+            # garbage collector gets to it, and closing it hangs up the connection (the server then cancels)
+            audio = response.iter_raw()
+            next(audio)
             busy = httpx.post(f"{server.url}/v1/audio/speech", json=body)
-            assert busy.status_code == 503 and busy.headers["Retry-After"] == "7"
+            assert busy.status_code == 503 and busy.headers["Retry-After"] == "7", (busy.status_code, seen)
             assert busy.json()["error"]["type"] == "busy"
         # leaving the block closed the connection mid-stream: the session must end, not run to completion
         _wait_for(lambda: service.status().active_sessions == 0, timeout=20)
