@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import threading
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from memory_probe import live_tensors, rss_bytes
 
 from cosyvoice.engine import ChunkPolicy, Engine
 from cosyvoice.errors import CosyVoiceError, ResourceLimitError
@@ -117,15 +116,6 @@ def test_closing_the_stream_stops_the_llm_within_one_step(tts, prompt_wav: Path)
     engine.close()
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _live_tensors() -> int:
-    with warnings.catch_warnings():  # isinstance() on some torch module attributes warns about deprecation
-        warnings.simplefilter("ignore")
-        return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
 
 
 def test_fifty_requests_half_abandoned_leave_nothing_behind(tts, short_prompt_wav: Path) -> None:
@@ -144,16 +134,16 @@ def test_fifty_requests_half_abandoned_leave_nothing_behind(tts, short_prompt_wa
     for i in range(4):  # warm caches (mel bases, noise prefixes) before measuring
         run(i)
     gc.collect()
-    tensors_before, objects_before, rss_before = _live_tensors(), len(gc.get_objects()), _rss_bytes()
+    tensors_before, objects_before, rss_before = live_tensors(), len(gc.get_objects()), rss_bytes()
     for i in range(50):
         run(i)
     gc.collect()
     assert engine.active_sessions == 0
     assert not _producer_threads()
-    assert _live_tensors() <= tensors_before
+    assert live_tensors() <= tensors_before
     objects_growth = len(gc.get_objects()) - objects_before
     assert objects_growth < 500, f"{objects_growth} more live Python objects after 50 requests"
-    rss_growth = _rss_bytes() - rss_before
+    rss_growth = rss_bytes() - rss_before
     assert rss_growth < 64 * 2**20, f"resident memory grew by {rss_growth / 2**20:.1f} MiB over 50 requests"
 
 

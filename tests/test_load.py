@@ -14,10 +14,8 @@ import ctypes
 import gc
 import linecache
 import logging
-import os
 import threading
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +24,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import torch
+from memory_probe import live_tensors, rss_bytes
 
 from cosyvoice.server.rest import create_app
 from cosyvoice.service import TTSService
@@ -73,14 +71,8 @@ def _settled_rss_bytes() -> int:
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):  # not glibc: measure as is
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return rss_bytes()
 
-
-def _live_tensors() -> int:
-    with warnings.catch_warnings():  # isinstance() on some torch module attributes warns about deprecation
-        warnings.simplefilter("ignore")
-        return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
 
 
 def _worker_threads() -> list[str]:
@@ -190,14 +182,14 @@ def test_bounded_load_leaves_nothing_behind(url: str, service: TTSService, short
 
     _run(url, voice, prompt, WARM_UP)
     _wait_idle(service)
-    rss_before, objects_before, tensors_before = _settled_rss_bytes(), len(gc.get_objects()), _live_tensors()
+    rss_before, objects_before, tensors_before = _settled_rss_bytes(), len(gc.get_objects()), live_tensors()
 
     started = time.perf_counter()
     results, busy = _run(url, voice, prompt, REQUESTS)
     seconds = time.perf_counter() - started
     _wait_idle(service)
     rss_growth, object_growth = _settled_rss_bytes() - rss_before, len(gc.get_objects()) - objects_before
-    tensor_growth = _live_tensors() - tensors_before
+    tensor_growth = live_tensors() - tensors_before
 
     statuses = Counter((kind, status) for kind, status, _ in results)
     assert len(results) == REQUESTS

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from memory_probe import live_tensors, rss_bytes
 
 from cosyvoice.config import LLMConfig, QwenConfig
 from cosyvoice.engine import CancelToken, Engine, LLMScheduler, Ticket
@@ -187,19 +187,6 @@ def _engine(tts, **kw) -> Engine:
                   endofprompt_id=e.endofprompt_id, **kw)
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _live_tensors() -> int:
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
-
-
 def test_sixteen_sessions_half_cancelled_leave_nothing_behind(tts, short_prompt_wav: Path) -> None:
     engine = _engine(tts)
     inp = _inp(tts, short_prompt_wav, "Hi.")
@@ -221,7 +208,7 @@ def test_sixteen_sessions_half_cancelled_leave_nothing_behind(tts, short_prompt_
     round_()  # warm-up: the engine's two threads start, caches fill
     gc.collect()
     threads_before = {t.name for t in threading.enumerate()}
-    tensors_before, rss_before = _live_tensors(), _rss_bytes()
+    tensors_before, rss_before = live_tensors(), rss_bytes()
     counts = round_() + round_()
     gc.collect()
     assert all(n >= 2 for n in counts[::2])  # the completed half streamed in several chunks
@@ -229,8 +216,8 @@ def test_sixteen_sessions_half_cancelled_leave_nothing_behind(tts, short_prompt_
     assert {t.name for t in threading.enumerate()} == threads_before
     assert {"cosyvoice-scheduler", "cosyvoice-t2w"} <= threads_before
     assert not [t for t in threading.enumerate() if t.name.startswith("cosyvoice-llm-")]
-    assert _live_tensors() <= tensors_before
-    rss_growth = _rss_bytes() - rss_before
+    assert live_tensors() <= tensors_before
+    rss_growth = rss_bytes() - rss_before
     assert rss_growth < 64 * 2**20, f"resident memory grew by {rss_growth / 2**20:.1f} MiB over 32 requests"
     engine.close()
 
