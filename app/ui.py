@@ -49,7 +49,7 @@ DEMO_WARNING = (
     f"DEMO MODE: no model was found at {_MODEL_IN_REPO}, so this UI runs a tiny RANDOMLY INITIALISED model "
     "that produces noise-like audio, not speech. For real speech, download the model with "
     f"`modelscope download --model {DEFAULT_MODEL_ID} --local_dir {_MODEL_IN_REPO}` "
-    "(pip install -e '.[download]') in the repository and restart, or start with --model-dir DIR."
+    "(.venv/bin/pip install -e '.[download]' in the repository) and restart, or start with --model-dir DIR."
 )
 MODES = ("zero_shot", "cross_lingual", "instruct2")
 DOWNLOAD_FORMATS = ("wav", "mp3", "flac", "opus")
