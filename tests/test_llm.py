@@ -6,8 +6,9 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from toy_lm import EOP, SPEECH, toy_lm
 
-from cosyvoice.config import LLMConfig, QwenConfig, SamplingConfig
+from cosyvoice.config import SamplingConfig
 from cosyvoice.errors import InvalidInputError
 from cosyvoice.llm import CosyVoice3LM, KVCache, SeededSampler, nucleus_candidates, nucleus_rows, ras_sample_rows
 from cosyvoice.llm.model import MAX_SILENT_RUN
@@ -15,20 +16,10 @@ from cosyvoice.llm.sampling import history_tails, uniforms
 from cosyvoice.tools.parity.llm import check
 from cosyvoice.weights import read_checkpoint
 
-EOP = 290  # <|endofprompt|> of the toy vocabulary below
-SPEECH = 40
-
 
 @pytest.fixture(scope="module")
 def lm() -> CosyVoice3LM:
-    torch.manual_seed(0)
-    qwen = QwenConfig(vocab_size=300, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, rope_theta=10_000.0)
-    model = CosyVoice3LM(LLMConfig(llm_input_size=16, llm_output_size=16, speech_token_size=SPEECH, qwen=qwen))
-    with torch.no_grad():  # like the golden bundle: make speech tokens likelier than the 200 stop ids
-        model.llm_decoder.weight[:SPEECH] *= 10.0
-        model.llm_decoder.weight[SPEECH:] = 0.0
-    return model.eval()
+    return toy_lm()
 
 
 def _request(n_text: int = 3) -> tuple[list[int], list[int], list[int]]:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from memory_probe import live_tensors, rss_bytes
+from toy_lm import EOP, toy_lm
 
-from cosyvoice.config import LLMConfig, QwenConfig
 from cosyvoice.engine import CancelToken, Engine, LLMScheduler, Ticket
 from cosyvoice.engine.scheduler import run_ticket_eager
 from cosyvoice.flow import FlowStream
@@ -22,20 +22,10 @@ from cosyvoice.llm import CosyVoice3LM, KVCache
 from cosyvoice.llm.job import Step, TokenStream, Wait
 from cosyvoice.settings import Limits
 
-EOP = 290
-SPEECH = 40
-
 
 @pytest.fixture(scope="module")
 def lm() -> CosyVoice3LM:
-    torch.manual_seed(0)
-    qwen = QwenConfig(vocab_size=300, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, rope_theta=10_000.0)
-    model = CosyVoice3LM(LLMConfig(llm_input_size=16, llm_output_size=16, speech_token_size=SPEECH, qwen=qwen))
-    with torch.no_grad():  # speech tokens likelier than stop ids, so utterances run a while
-        model.llm_decoder.weight[:SPEECH] *= 10.0
-        model.llm_decoder.weight[SPEECH:] = 0.0
-    return model.eval()
+    return toy_lm()
 
 
 def _request(i: int) -> tuple[list[int], list[int], list[int]]:
