@@ -372,3 +372,23 @@ def test_a_cancel_token_stops_a_blocked_reader_from_another_thread(tts, short_pr
     assert engine.active_sessions == 0 and engine.scheduler.active == 0
     assert list(engine.synthesize(_inp(tts, short_prompt_wav), seed=1, cancel=token)) == []  # already cancelled
     engine.close()
+
+
+def test_a_row_admitted_below_a_decoding_row_keeps_its_prompt(lm: CosyVoice3LM) -> None:
+    # A leaves row 0 while B decodes in row 1; C is prefilled into row 0 in the same iteration as B's batched
+    # step, which must not write C's dummy over the prompt slot C has just filled
+    scheduler = LLMScheduler(lm, rows=2, max_positions=128)
+    tickets: dict[str, Ticket] = {}
+    collectors = {"b": _Collector(), "c": _Collector()}
+    collectors["a"] = _Collector(at=2, action=lambda: (scheduler.cancel(tickets["a"]), submit("c", 2, 7)))
+
+    def submit(name: str, i: int, seed: int) -> None:
+        tickets[name] = _ticket(lm, i, seed, collectors[name])
+        scheduler.submit(tickets[name])
+
+    submit("a", 0, 11)
+    submit("b", 1, 12)
+    for c in collectors.values():
+        assert c.done.wait(30) and c.error is None
+    assert collectors["c"].tokens == list(lm.generate(*_request(2), 7, endofprompt_id=EOP))
+    scheduler.close()

@@ -27,7 +27,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -63,7 +63,6 @@ class Ticket:
     position: int = 0
     counter: int = 0
     request: Step | Wait | None = None
-    steps: int = field(default=0)  # forward calls that included this ticket (tests, benchmarks)
 
 
 class LLMScheduler:
@@ -223,12 +222,14 @@ class LLMScheduler:
                     _, logp = self.lm.decode_step(t.request.embeds[None], t.position,
                                                   self._cache.rows(t.row, t.row + 1))
                     logps[t] = logp[0]
+                    # advanced now: the batched call below writes this row's dummy at its NEXT slot, not over
+                    # the first slot it has just filled
+                    t.position += t.request.embeds.shape[0]
             decoding = [t for t in stepping if t not in logps]
             if decoding:
                 logps.update(zip(decoding, self._decode_batch(decoding), strict=True))
-            for t in stepping:
-                t.position += t.request.embeds.shape[0]
-                t.steps += 1
+            for t in decoding:
+                t.position += 1
             self.steps += 1
             sampling = [t for t in stepping if t.request.sample]
             tokens: dict[Ticket, int | None] = dict.fromkeys(stepping)
