@@ -433,6 +433,15 @@ class TTSService:
             except Exception:  # metrics must never fail a request
                 logger.exception("service listener failed")
 
+    @property
+    def active_sessions(self) -> int:
+        """Requests synthesising now (cheap: for gauges and health checks; :meth:`status` also counts voices)."""
+        return self._admission.active
+
+    @property
+    def queued_requests(self) -> int:
+        return self._admission.waiting
+
     def status(self) -> ServiceStatus:
         return ServiceStatus(self.tts.model_dir, self.sample_rate, self._admission.active, self._admission.waiting,
                              self._admission.max_active, self._admission.max_waiting, len(self.list_voices()))
@@ -561,8 +570,10 @@ class TTSService:
             if not isinstance(name, str) or not name.strip():
                 raise InvalidInputError("a voice needs a name")
             name = " ".join(name.split())
-            if any(info.name == name for info in self.list_voices()):
-                raise AlreadyExistsError(f"a voice named {name!r} exists already; delete it or choose another name")
+            with contextlib.suppress(NotFoundError):  # taken: refuse before featurising the upload
+                if self.voices.info(name).name == name:
+                    raise AlreadyExistsError(f"a voice named {name!r} exists already; delete it or choose another "
+                                             "name")
         prompt_text = ""
         if isinstance(transcript, str) and user_text(transcript):
             with _field("transcript"):
@@ -585,17 +596,13 @@ class TTSService:
 
     def get_voice(self, key: str) -> VoiceInfo:
         """A voice by id or name; :class:`NotFoundError` (field ``voice``) if there is none."""
-        try:
+        with _field("voice"):
             return self.voices.info(key)
-        except InvalidInputError as exc:
-            raise NotFoundError(str(exc), "voice") from exc
 
     def delete_voice(self, key: str) -> VoiceInfo:
-        self.get_voice(key)
-        try:
+        """:class:`NotFoundError` if there is none; a built-in voice cannot be deleted (:class:`InvalidInputError`)."""
+        with _field("voice"):
             return self.voices.delete(key)
-        except InvalidInputError as exc:  # deleted meanwhile by another request
-            raise NotFoundError(str(exc), "voice") from exc
 
     # ------------------------------------------------------------------ validation
 
@@ -603,8 +610,6 @@ class TTSService:
         """Every check that needs no audio work (``has_text=False``: the text arrives later, as a stream)."""
         mode = self._mode(request.mode)
         with _field("text"):
-            if has_text and not isinstance(request.text, str):
-                raise InvalidInputError(f"text must be a string, got {type(request.text).__name__}")
             if has_text:
                 self.tts.frontend.check_text(request.text)
         stream, speed, seed = self._options(request)
@@ -625,10 +630,10 @@ class TTSService:
 
     @staticmethod
     def _mode(mode: object) -> str:
-        mode = MODE_ALIASES.get(mode, mode) if isinstance(mode, str) else mode
-        if mode not in MODES:
+        label = mode_label(mode)
+        if label == "unknown":
             raise InvalidInputError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}", "mode")
-        return mode
+        return label
 
     @staticmethod
     def _options(request: SynthesisRequest) -> tuple[bool, float, int | None]:

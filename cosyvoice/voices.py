@@ -28,7 +28,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,7 +37,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load, load_file, save, save_file
 
 from cosyvoice.bundle import ONNX_INPUTS, TOKENIZER_FILES
-from cosyvoice.errors import InvalidInputError, ResourceLimitError
+from cosyvoice.encoding import to_pcm16
+from cosyvoice.errors import AlreadyExistsError, InvalidInputError, NotFoundError, ResourceLimitError
 from cosyvoice.frontend.audio import AudioSource
 from cosyvoice.frontend.frontend import CosyVoiceFrontend, Voice
 from cosyvoice.frontend.prompt import PromptFeatures
@@ -164,7 +164,7 @@ class VoiceLibrary:
                 info = self._find(key)
             if info is None:
                 names = [i.name for i in self._entries() if i.name]
-                raise InvalidInputError(f"unknown voice {key!r}; saved voices: {', '.join(names) or 'none'}")
+                raise NotFoundError(f"unknown voice {key!r}; saved voices: {', '.join(names) or 'none'}")
             return info
 
     def _entries(self) -> list[VoiceInfo]:
@@ -201,10 +201,9 @@ class VoiceLibrary:
             info = self.info(voice_id)
             if info.builtin:
                 raise InvalidInputError(f"{info.name!r} is a built-in voice; it is always available under its name")
-            holder = next((i for i in [*(b.info for b in self._builtins.values()), *self._index.values()]
-                           if i.name == name), None)
+            holder = next((i for i in self._entries() if i.name == name), None)
             if holder is not None and holder.id != info.id:
-                raise InvalidInputError(f"a voice named {name!r} exists already; delete it or choose another name")
+                raise AlreadyExistsError(f"a voice named {name!r} exists already; delete it or choose another name")
             if info.name is None and sum(i.name is not None for i in self._index.values()) >= self.max_named:
                 raise ResourceLimitError(f"{self.max_named} voices are saved already; delete one to save another")
             self._write_meta(replace(info, name=name))  # disk first: a failed write leaves the entry as it was
@@ -232,7 +231,7 @@ class VoiceLibrary:
         info = self.info(key)
         if info.builtin:
             wav, sample_rate = self.frontend.load_prompt(self._builtins[info.id].wav)
-            return sample_rate, _int16(wav)
+            return sample_rate, to_pcm16(wav.reshape(-1))
         try:
             with safe_open(self._paths(info.id)[0], framework="pt") as f:
                 if "prompt_audio" not in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
@@ -445,11 +444,12 @@ class VoiceLibrary:
         tensors_path, _ = self._paths(voice_id)
         tensors = {**voice.features.tensors(), "prompt_text": voice.prompt_text}
         if audio is not None:
-            tensors.update(prompt_audio=torch.from_numpy(_int16(audio[0])), prompt_audio_rate=torch.tensor(audio[1]))
+            tensors.update(prompt_audio=torch.from_numpy(to_pcm16(audio[0].reshape(-1))),
+                           prompt_audio_rate=torch.tensor(audio[1]))
         now = time.time()
         info = VoiceInfo(voice_id, None, user_text(prompt_text), now, now, 0)
         try:
-            _atomic_write(tensors_path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp))
+            atomic_write(tensors_path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp))
             info.nbytes = tensors_path.stat().st_size + self._write_meta(info)
         except OSError as exc:
             logger.warning("voice library: could not store voice %s in %s (%s)", voice_id, self.dir, exc)
@@ -461,7 +461,7 @@ class VoiceLibrary:
     def _write_meta(self, info: VoiceInfo) -> int:
         data = json.dumps({"name": info.name, "transcript": info.transcript, "created": info.created},
                           ensure_ascii=False).encode()
-        _atomic_write(self._paths(info.id)[1], lambda tmp: Path(tmp).write_bytes(data))
+        atomic_write(self._paths(info.id)[1], lambda tmp: Path(tmp).write_bytes(data))
         return len(data)
 
     def _evict(self, keep: str | None) -> None:
@@ -482,10 +482,6 @@ class VoiceLibrary:
             path.unlink(missing_ok=True)
 
 
-def _int16(wav: torch.Tensor) -> np.ndarray:
-    return (wav.reshape(-1).clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16).numpy()
-
-
 def _metadata(data: bytes) -> dict[str, str]:
     """The ``__metadata__`` of a safetensors file in memory (its JSON header)."""
     if len(data) < 8:
@@ -495,8 +491,3 @@ def _metadata(data: bytes) -> dict[str, str]:
         raise ValueError("truncated header")
     header = json.loads(data[8:8 + size])
     return dict(header.get("__metadata__") or {})
-
-
-def _atomic_write(path: Path, write: Callable[[str], object]) -> None:
-    """Write through a temporary file, fsync and rename, so a crash never leaves a half-written entry."""
-    atomic_write(path, write)

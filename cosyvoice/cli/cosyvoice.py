@@ -25,7 +25,7 @@ import torch
 
 from cosyvoice.bundle import open_model_dir, resolve_model_dir
 from cosyvoice.engine import AudioChunk, CancelToken, Engine
-from cosyvoice.errors import CosyVoiceError, InvalidInputError, ModelBundleError
+from cosyvoice.errors import CosyVoiceError, InvalidInputError, ModelBundleError, NotFoundError
 from cosyvoice.frontend import prompts
 from cosyvoice.frontend.audio import AudioSource, resample
 from cosyvoice.frontend.frontend import CosyVoiceFrontend, ModelInput, Voice
@@ -286,10 +286,15 @@ class CosyVoice3:
                 logger.warning("spk2info.pt speaker %r kept in the file only: %s", name, exc)
 
     def _named_voice(self, name: str) -> Voice | None:
+        """The saved (named, not built-in) voice called ``name``; the folder is re-read only on a miss."""
         key = " ".join(name.split())
-        if key not in self.list_available_spks():
+        try:
+            info = self.voices.info(key)
+        except NotFoundError:
             return None
-        return self.voices.get(key)[1]
+        if info.name != key or info.builtin:
+            return None
+        return self.voices.get(info.id)[1]
 
     def _saved_voice(self, spk_id: str) -> Voice:
         if not isinstance(spk_id, str):
