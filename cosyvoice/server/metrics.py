@@ -41,8 +41,8 @@ class ServiceMetrics:
     def attach(self, service: TTSService) -> None:
         """Count ``service``'s outcomes and read its load at every scrape."""
         service.add_listener(self.observe)
-        self.active.set_function(lambda: service.status().active_sessions)
-        self.queued.set_function(lambda: service.status().queued_requests)
+        self.active.set_function(lambda: service.active_sessions)  # no voice-folder scan per scrape
+        self.queued.set_function(lambda: service.queued_requests)
 
     def observe(self, outcome: Outcome) -> None:
         self.requests.labels(outcome.mode).inc()

@@ -135,7 +135,7 @@ class CosyVoiceDeployment:
 
     def check_health(self) -> None:
         """Ray's replica health check: the engine must still answer (a replica that raises is replaced)."""
-        self.service.status()
+        _ = self.service.active_sessions
 
     @api.get(f"{ROUTE_PREFIX}/healthcheck")
     async def healthcheck(self) -> dict:
