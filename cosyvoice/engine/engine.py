@@ -19,6 +19,7 @@ flow + vocoder in the caller's thread) as the benchmark baseline.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import numbers
 import secrets
@@ -47,6 +48,7 @@ from cosyvoice.llm.model import ENDOFPROMPT_ID
 from cosyvoice.settings import SPEED_RANGE, Limits
 
 Strategy = Literal["batched", "eager"]
+TEXT_WAIT_SECONDS = 0.1  # an eager text-stream thread re-checks cancellation this often while it waits
 
 
 class Engine:
@@ -254,14 +256,16 @@ class Engine:
         ticket = Ticket(job, session.seed, on_tokens, on_done, positions_needed=needed)
         if self.strategy == "eager":
             thread = threading.Thread(target=run_ticket_eager, name=f"cosyvoice-llm-{session.id}", daemon=True,
-                                      args=(self.llm, ticket, None if text_stream is None else text_stream.wait))
+                                      # a bounded wait: a session closed while it waits for text is noticed
+                                      args=(self.llm, ticket, None if text_stream is None else
+                                            functools.partial(text_stream.wait, TEXT_WAIT_SECONDS)))
             session.ticket, session.llm_thread = ticket, thread
             thread.start()
             return
         self.scheduler.submit(ticket)
         session.ticket = ticket
         if text_stream is not None:
-            text_stream.subscribe(lambda: self.scheduler.wake(ticket))
+            session.unsubscribe_text = text_stream.subscribe(lambda: self.scheduler.wake(ticket))
 
     def _schedule(self, session: Session) -> None:
         """Queue the session's next chunk with the worker if the policy allows one now (batched strategy)."""
@@ -319,6 +323,8 @@ class Engine:
         with self._lock:
             self._sessions.pop(session.id, None)
             self._flow_cache_bytes.pop(session.id, None)
+        if session.unsubscribe_text is not None:  # later writes must not wake the scheduler for it
+            session.unsubscribe_text()
         session.flow_stream = session.hift_stream = session.mel_cache = session.time_scale = None
         self._slots.release()
         session.released.set()  # last: whoever waits for it finds everything freed

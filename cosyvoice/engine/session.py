@@ -122,6 +122,7 @@ class Session:
     _out: deque = field(default_factory=deque)
     _waker: Callable[[], None] | None = None
     ticket: Ticket | None = None  # the LLM's handle, once started
+    unsubscribe_text: Callable[[], None] | None = None  # a text stream's wake-up of the scheduler
     llm_thread: threading.Thread | None = None  # eager strategy only
 
     # ------------------------------------------------------------------ producers (scheduler, worker)

@@ -129,13 +129,20 @@ class TokenStream:
         with self._cond:
             self._cond.wait_for(lambda: self._pending or self._closed, timeout)
 
-    def subscribe(self, listener: Callable[[], None]) -> None:
-        """Call ``listener`` (from the writer's thread) whenever input arrives or the stream ends."""
+    def subscribe(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener`` (from the writer's thread) whenever input arrives or the stream ends; returns the
+        unsubscribe function."""
         with self._cond:
             self._listeners.append(listener)
             pending = bool(self._pending) or self._closed
         if pending:
             listener()
+        return lambda: self._discard(listener)
+
+    def _discard(self, listener: Callable[[], None]) -> None:
+        with self._cond:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
 
     def _notify(self) -> None:
         with self._cond:
