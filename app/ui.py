@@ -506,7 +506,7 @@ class Studio:
     def api_voices(self) -> list[dict]:
         """Every saved voice (built-ins first): id, name, transcript, built-in."""
         return [{"id": i.id, "name": i.name, "transcript": i.transcript, "builtin": i.builtin}
-                for i in self.service.list_voices()]
+                for i in self.service.voices.list() if i.name]
 
     def api_save_voice(self, name: str, prompt_audio: str, prompt_text: str | None = None) -> dict:
         """Featurise a recording (with its transcript, for zero-shot) and keep it under ``name``."""
