@@ -106,8 +106,8 @@ class Engine:
         ``max_sessions`` requests are running and none finishes within ``queue_timeout_seconds``.
         """
         speed = self.check_options(stream, speed, seed)
-        job, needed, fixed = self._llm_job(inp, text_stream, fixed_tokens)
-        return self._iterate(lambda: self._open_session(inp, stream, speed, seed, sample_offset, first_index, fixed),
+        job, needed = self._llm_job(inp, text_stream, fixed_tokens)
+        return self._iterate(lambda: self._open_session(inp, stream, speed, seed, sample_offset, first_index),
                              job, needed, text_stream, cancel)
 
     async def asynthesize(self, inp: ModelInput, stream: bool = False, speed: float = 1.0, seed: int | None = None,
@@ -118,10 +118,10 @@ class Engine:
         Options are validated on the first step (an async generator cannot raise earlier); adapters that want
         the error before starting a response call :meth:`check_options` first."""
         speed = self.check_options(stream, speed, seed)
-        job, needed, fixed = self._llm_job(inp, text_stream, fixed_tokens)
+        job, needed = self._llm_job(inp, text_stream, fixed_tokens)
 
         def open_session() -> Session:
-            return self._open_session(inp, stream, speed, seed, sample_offset, first_index, fixed)
+            return self._open_session(inp, stream, speed, seed, sample_offset, first_index)
 
         if self.strategy == "eager":  # the baseline computes chunks in the consumer's thread
             it = self._iterate(open_session, job, needed, text_stream, None)
@@ -159,7 +159,7 @@ class Engine:
         if any(not 0 <= t < self.config.flow.vocab_size for t in ids):
             raise InvalidInputError(f"speech tokens must be in [0, {self.config.flow.vocab_size})")
         def open_session() -> Session:
-            session = self._open_session(inp, stream, speed, 0, 0, 0, None)
+            session = self._open_session(inp, stream, speed, 0, 0, 0)
             session.tokens, session.llm_done = ids, True
             return session
 
@@ -200,8 +200,8 @@ class Engine:
     # ------------------------------------------------------------------ sessions
 
     def _llm_job(self, inp: ModelInput, text_stream: TokenStream | None,
-                 fixed_tokens: int | None) -> tuple[Job, int, int | None]:
-        """(the request's LLM job, KV positions it may need (0: unknown), its fixed length) — validated now."""
+                 fixed_tokens: int | None) -> tuple[Job, int]:
+        """(the request's LLM job, KV positions it may need) — validated now."""
         fixed = self.fixed_tokens if fixed_tokens is None else CosyVoice3LM.check_fixed_tokens(fixed_tokens)
         if text_stream is not None:
             from cosyvoice.llm.bistream import bistream_job  # the text-stream algorithm (issue 7)
@@ -209,7 +209,7 @@ class Engine:
             # strict=False: a stop id other than eos ends the utterance instead of failing it (docs/differences.md)
             job = bistream_job(self.llm, inp.prompt_text, inp.llm_prompt_speech_token, text_stream,
                                max_len=self.limits.max_llm_positions, endofprompt_id=self.endofprompt_id, strict=False)
-            return job, self.limits.max_llm_positions, fixed  # its length is unknown: bounded by the row
+            return job, self.limits.max_llm_positions  # its length is unknown: bounded by the row
         lm_input, min_len, max_len = self.llm.prepare(
             inp.text, inp.prompt_text, inp.llm_prompt_speech_token, endofprompt_id=self.endofprompt_id)
         if fixed is not None:
@@ -221,10 +221,10 @@ class Engine:
             raise ResourceLimitError(
                 f"this request's prompt alone needs {lm_input.shape[0]} LLM positions; the engine holds "
                 f"{self.limits.max_llm_positions} per session (COSYVOICE_MAX_LLM_POSITIONS): shorten the text")
-        return self.llm.generate_job(lm_input, min_len, max_len, ban_stop=fixed is not None), needed, fixed
+        return self.llm.generate_job(lm_input, min_len, max_len, ban_stop=fixed is not None), needed
 
     def _open_session(self, inp: ModelInput, stream: bool, speed: float, seed: int | None, sample_offset: int,
-                      first_index: int, fixed_tokens: int | None) -> Session:
+                      first_index: int) -> Session:
         if not self._slots.acquire(timeout=self.limits.queue_timeout_seconds):
             raise ResourceLimitError(
                 f"busy: {self.limits.max_sessions} requests are already synthesising and none finished within "
@@ -233,7 +233,7 @@ class Engine:
                              lookahead=self.config.flow.pre_lookahead_len)
         session = Session(id=next(self._ids), seed=secrets.randbits(63) if seed is None else int(seed), inp=inp,
                           stream=stream, speed=speed, policy=policy, sample_offset=sample_offset,
-                          next_index=first_index, fixed_tokens=fixed_tokens)
+                          next_index=first_index)
         with self._lock:
             self._sessions[session.id] = session
         return session

@@ -119,10 +119,6 @@ class LLMScheduler:
         with self._cond:
             return len(self._active) + len(self._pending)
 
-    @property
-    def cache_bytes(self) -> int:
-        return 0 if self._cache is None else self._cache.nbytes
-
     def stop(self) -> None:
         """Ask the thread to end after its current step (pending and active tickets end with an error)."""
         with self._cond:

@@ -99,7 +99,6 @@ class Session:
     policy: ChunkPolicy
     sample_offset: int = 0
     next_index: int = 0
-    fixed_tokens: int | None = None
     started: float = field(default_factory=time.perf_counter)
     cond: threading.Condition = field(default_factory=threading.Condition)
     tokens: list[int] = field(default_factory=list)

@@ -41,11 +41,6 @@ class Token2WavWorker:
             heapq.heappush(self._heap, (priority, next(self._seq), run))
             self._cond.notify()
 
-    @property
-    def queued(self) -> int:
-        with self._cond:
-            return len(self._heap)
-
     def stop(self) -> None:
         """Ask the thread to end once the queue is empty."""
         with self._cond:

@@ -93,10 +93,6 @@ class KVCache:
         return view
 
     @property
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
-
-    @property
     def batch(self) -> int:
         return self.k.shape[1]
 
