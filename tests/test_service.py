@@ -256,11 +256,18 @@ def test_text_stream_speaks_before_the_text_ends(service: TTSService, short_prom
         service.delete_voice(name)
 
 
-def test_complete_sentences() -> None:
-    from cosyvoice.service import complete_sentences
+def test_text_feed_hands_over_complete_sentences(tts) -> None:
+    from cosyvoice.engine import CancelToken
+    from cosyvoice.pipeline import TextFeed
 
-    assert list(complete_sentences(["Hel", "lo. It costs 3", ".14 now! 你好。", "Bye"])) == \
-        ["Hello.", "It costs 3.14 now!", "你好。", "Bye"]
+    feed = TextFeed(tts.frontend, 100, "sentences")
+    for piece in ["Hel", "lo. It costs 3", ".14 now! 你好。", "Bye"]:
+        feed.write(piece)
+    feed.close()
+    assert list(feed.sentences(CancelToken())) == ["Hello.", "It costs 3.14 now!", "你好。", "Bye"]
+    feed = TextFeed(tts.frontend, 100, "sentences")
     with pytest.raises(InvalidInputError) as info:
-        list(complete_sentences(["ok", 5]))
+        feed.write(5)
     assert info.value.field == "text"
+    with pytest.raises(InvalidInputError):  # the reader fails with the writer's error
+        list(feed.sentences(CancelToken()))
