@@ -271,3 +271,11 @@ def test_text_feed_hands_over_complete_sentences(tts) -> None:
     assert info.value.field == "text"
     with pytest.raises(InvalidInputError):  # the reader fails with the writer's error
         list(feed.sentences(CancelToken()))
+
+
+@pytest.mark.parametrize("text", ["<|endofprompt|>", "Hello there.<|endofprompt|>  ",
+                                  "You are a helpful assistant.<|endofprompt|>"])
+def test_text_with_only_a_prompt_marker_names_the_field(service: TTSService, text: str) -> None:
+    with pytest.raises(InvalidInputError, match="nothing to speak after <\\|endofprompt\\|>") as info:
+        service.synthesize(SynthesisRequest(text, "cross_lingual", prompt_audio=b"never decoded"))
+    assert info.value.field == "text"
