@@ -10,8 +10,11 @@ per request. Containers are chosen so that a file streamed from its first byte i
 
 from __future__ import annotations
 
+import io
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import av
 import numpy as np
@@ -45,6 +48,22 @@ FORMATS: dict[str, AudioFormat] = {f.name: f for f in (
     AudioFormat("flac", "audio/flac", "flac", "flac", "flac", pcm16_input=True),
     AudioFormat("aac", "audio/aac", "aac", "adts", "aac", 64_000),
 )}
+
+
+# Whole files only: MP4 muxers seek back to write their index, so these are never streamed. Both carry chapters.
+FILE_FORMATS: dict[str, AudioFormat] = {f.name: f for f in (
+    AudioFormat("m4b", "audio/mp4", "m4b", "ipod", "aac", 96_000),  # audiobook: iTunes-style MP4
+    AudioFormat("mp4", "audio/mp4", "mp4", "mp4", "aac", 96_000),
+)}
+
+
+@dataclass(frozen=True)
+class Chapter:
+    """A chapter marker of a file: ``title`` from ``start`` to ``end`` seconds."""
+
+    title: str
+    start: float
+    end: float
 
 
 def audio_format(name: str) -> AudioFormat:
@@ -153,6 +172,39 @@ def encode_audio(samples: np.ndarray | torch.Tensor, fmt: str | AudioFormat, sam
         return wav_header(sample_rate, x.size) + to_pcm16(x).tobytes()
     with AudioEncoder(fmt, sample_rate) as encoder:
         return encoder.encode(x) + encoder.finish()
+
+
+def file_format(name: str) -> AudioFormat:
+    """A format for whole files: any of :data:`FORMATS` or :data:`FILE_FORMATS`, by name (case-insensitive)."""
+    fmt = (FORMATS | FILE_FORMATS).get(name.lower()) if isinstance(name, str) else None
+    if fmt is None:
+        raise InvalidInputError(f"unknown audio format {name!r}; use one of {', '.join(FORMATS | FILE_FORMATS)}",
+                                "format")
+    return fmt
+
+
+def encode_file(samples: np.ndarray | torch.Tensor, fmt: str | AudioFormat, sample_rate: int,
+                chapters: Sequence[Chapter] = ()) -> bytes:
+    """A whole waveform as one file of any :func:`file_format`; MP4 formats get ``chapters`` as markers (other
+    formats have no chapter support and ignore them)."""
+    fmt = fmt if isinstance(fmt, AudioFormat) else file_format(fmt)
+    if fmt.name not in FILE_FORMATS:
+        return encode_audio(samples, fmt, sample_rate)
+    x = _float32(samples)
+    buffer = io.BytesIO()  # seekable: the MP4 muxer writes its index at the end and patches sizes
+    with av.open(buffer, mode="w", format=fmt.container) as container:
+        stream = container.add_stream(fmt.codec, rate=sample_rate, layout="mono")
+        stream.bit_rate = fmt.bit_rate
+        frame = av.AudioFrame.from_ndarray(x.reshape(1, -1), format="flt", layout="mono")
+        frame.sample_rate = sample_rate
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            container.mux(packet)
+        if chapters:
+            millis = Fraction(1, 1000)
+            container.set_chapters([{"id": i + 1, "start": round(c.start * 1000), "end": round(c.end * 1000),
+                                     "time_base": millis, "metadata": {"title": c.title}}
+                                    for i, c in enumerate(chapters)])
+    return buffer.getvalue()
 
 
 def _float32(samples: np.ndarray | torch.Tensor) -> np.ndarray:
