@@ -120,12 +120,7 @@ class AudioEncoder:
         if self._container is None:
             return self._raw(x)
         if x.size:
-            if self.format.pcm16_input:
-                frame = av.AudioFrame.from_ndarray(to_pcm16(x).reshape(1, -1), format="s16", layout="mono")
-            else:
-                frame = av.AudioFrame.from_ndarray(x.reshape(1, -1), format="flt", layout="mono")
-            frame.sample_rate = self.sample_rate
-            for packet in self._stream.encode(frame):
+            for packet in self._stream.encode(_frame(x, self.format, self.sample_rate)):
                 self._container.mux(packet)
         return self._sink.take()
 
@@ -185,19 +180,19 @@ def file_format(name: str) -> AudioFormat:
 
 def encode_file(samples: np.ndarray | torch.Tensor, fmt: str | AudioFormat, sample_rate: int,
                 chapters: Sequence[Chapter] = ()) -> bytes:
-    """A whole waveform as one file of any :func:`file_format`; MP4 formats get ``chapters`` as markers (other
-    formats have no chapter support and ignore them)."""
+    """A whole waveform as one complete file of any :func:`file_format` (headers with the final sizes, which a
+    stream cannot have); MP4 formats get ``chapters`` as markers (the others have none and ignore them)."""
     fmt = fmt if isinstance(fmt, AudioFormat) else file_format(fmt)
-    if fmt.name not in FILE_FORMATS:
+    if fmt.container is None:
         return encode_audio(samples, fmt, sample_rate)
     x = _float32(samples)
-    buffer = io.BytesIO()  # seekable: the MP4 muxer writes its index at the end and patches sizes
-    with av.open(buffer, mode="w", format=fmt.container) as container:
+    # seekable: muxers patch their headers at the end (MP4's index, FLAC's total length), unlike a stream
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format=fmt.container, options=dict(fmt.options)) as container:
         stream = container.add_stream(fmt.codec, rate=sample_rate, layout="mono")
-        stream.bit_rate = fmt.bit_rate
-        frame = av.AudioFrame.from_ndarray(x.reshape(1, -1), format="flt", layout="mono")
-        frame.sample_rate = sample_rate
-        for packet in [*stream.encode(frame), *stream.encode(None)]:
+        if fmt.bit_rate:
+            stream.bit_rate = fmt.bit_rate
+        for packet in [*stream.encode(_frame(x, fmt, sample_rate)), *stream.encode(None)]:
             container.mux(packet)
         if chapters:
             millis = Fraction(1, 1000)
@@ -205,6 +200,15 @@ def encode_file(samples: np.ndarray | torch.Tensor, fmt: str | AudioFormat, samp
                                      "time_base": millis, "metadata": {"title": c.title}}
                                     for i, c in enumerate(chapters)])
     return buffer.getvalue()
+
+
+def _frame(x: np.ndarray, fmt: AudioFormat, sample_rate: int) -> av.AudioFrame:
+    if fmt.pcm16_input:
+        frame = av.AudioFrame.from_ndarray(to_pcm16(x).reshape(1, -1), format="s16", layout="mono")
+    else:
+        frame = av.AudioFrame.from_ndarray(x.reshape(1, -1), format="flt", layout="mono")
+    frame.sample_rate = sample_rate
+    return frame
 
 
 def _float32(samples: np.ndarray | torch.Tensor) -> np.ndarray:
