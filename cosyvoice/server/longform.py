@@ -5,6 +5,25 @@ A thin adapter over :class:`cosyvoice.longform.LongformStudio`: it parses the wi
 errors onto HTTP once (``rest.http_error``: 400 naming the field, 404, 409, 503, 500 without internals), and
 serves take audio, exports and subtitles as files. The page is static HTML + JavaScript that calls the same
 endpoints, so everything it does is scriptable.
+
+    GET    /v1/longform/voices                                   built-in and saved voices
+    GET    /v1/longform/projects                                 the projects, last changed first
+    POST   /v1/longform/projects                                 {text, name, kind, voice, speakers, preset, ...}
+    POST   /v1/longform/projects/upload                          multipart: file (.txt/.md/.epub), name, voice, ...
+    GET    /v1/longform/projects/{p}                             settings, segment table (status, takes), progress
+    PATCH  /v1/longform/projects/{p}                             {name, pauses, preset, margin}
+    DELETE /v1/longform/projects/{p}                             the project and every take
+    PATCH  /v1/longform/projects/{p}/segments/{s}                {text, voice, instruction, speed, pause}
+    POST   /v1/longform/projects/{p}/segments/{s}/split          {at: character offset}
+    POST   /v1/longform/projects/{p}/segments/{s}/merge          with the next segment
+    POST   /v1/longform/projects/{p}/segments/{s}/regenerate     a new take, new seed
+    POST   /v1/longform/projects/{p}/segments/{s}/takes/{t}/choose
+    GET    /v1/longform/projects/{p}/takes/{t}.wav
+    POST   /v1/longform/projects/{p}/generate                    {segments?: [ids]}; default: all without audio
+    POST   /v1/longform/projects/{p}/cancel
+    GET    /v1/longform/projects/{p}/progress                    {running, total, done, failed, queued, eta, ...}
+    GET    /v1/longform/projects/{p}/export?format=wav&finished=true   wav mp3 flac opus m4b mp4
+    GET    /v1/longform/projects/{p}/subtitles.srt | subtitles.vtt | segments.json
 """
 
 from __future__ import annotations
