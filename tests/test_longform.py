@@ -217,6 +217,36 @@ def test_generation_reports_eta_and_can_be_cancelled(studio: LongformStudio) -> 
     assert studio.wait(project.id, 300)["done"] == 6
 
 
+def test_a_busy_service_is_waited_out_and_a_refusal_fails_only_its_segment(service: TTSService, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from cosyvoice.longform import projects
+    from cosyvoice.service import SynthesisRequest
+
+    monkeypatch.setattr(projects, "BUSY_WAIT_SECONDS", 0.2)
+    one = TTSService(service.tts, service.voices, Limits(max_sessions=1, max_queued_requests=0))
+    reasons: list[str | None] = []
+    one.add_listener(lambda outcome: reasons.append(outcome.reason))
+    studio = LongformStudio(one, tmp_path)
+    try:
+        project = studio.create("Busy", "Hi there.", voice="Alice")
+        holder = one.synthesize(SynthesisRequest("Hi.", "sft", voice="Alice", seed=1))  # takes the only slot
+        studio.generate(project.id)
+        time.sleep(0.3)  # refused at least once meanwhile
+        holder.close()
+        assert studio.wait(project.id, 120)["done"] == 1
+        assert "busy" in reasons and reasons[-1] is None  # refused, then made
+        holder = one.synthesize(SynthesisRequest("Hi.", "sft", voice="Alice", seed=1))
+        studio.regenerate(project.id, studio.segments(project.id)[0].id)
+        studio.wait(project.id, 120)  # four refusals: the new take fails, with the reason
+        holder.close()
+        segment = studio.segments(project.id)[0]
+        assert segment.state == "failed" and segment.error.startswith("busy")
+        assert len(studio.store.takes(project.id)[segment.id]) == 1  # the earlier take is kept, and used
+        assert studio.progress(project.id)["done"] == 1 and reasons[-5:] == ["busy"] * 4 + ["cancelled"]
+    finally:
+        studio.close()
+
+
 # ----------------------------------------------------------------------------- finishing and export
 
 

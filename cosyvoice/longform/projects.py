@@ -22,15 +22,17 @@ from pathlib import Path
 import numpy as np
 
 from cosyvoice.encoding import Chapter, encode_file, file_format
-from cosyvoice.errors import CosyVoiceError, InvalidInputError, NotFoundError
+from cosyvoice.errors import CosyVoiceError, InvalidInputError, NotFoundError, ResourceLimitError
 from cosyvoice.longform import finishing, script
 from cosyvoice.longform.store import Project, ProjectStore, Segment, Take
-from cosyvoice.service import SynthesisRequest, TTSService
+from cosyvoice.service import SynthesisRequest, SynthesisSession, TTSService
 from cosyvoice.settings import SPEED_RANGE, default_data_dir
 
 logger = logging.getLogger(__name__)
 
 MAX_SEED = 2**31  # seeds are drawn below this, so every client (JSON, JavaScript) carries them exactly
+BUSY_RETRIES = 4  # a segment refused as "busy" is asked for again this many times in all, BUSY_WAIT_SECONDS apart
+BUSY_WAIT_SECONDS = 2.0
 
 
 @dataclass
@@ -45,7 +47,7 @@ class Job:
     done: int = 0
     failed: int = 0
     current: str | None = None
-    session: object | None = None
+    session: SynthesisSession | None = None
     cancelled: bool = False
     thread: threading.Thread | None = None
 
@@ -404,6 +406,19 @@ class LongformStudio:
                 job.current = None
                 self._jobs.pop(job.project_id, None)
 
+    def _admitted(self, job: Job, request: SynthesisRequest) -> SynthesisSession:
+        """The service's session for ``request``; a busy service (the queue full for ``queue_timeout_seconds``)
+        is asked again a few times, since a long job should wait out a burst of other users, not fail."""
+        attempt = 1
+        while True:
+            try:
+                return self.service.synthesize(request)
+            except ResourceLimitError:
+                if attempt >= BUSY_RETRIES or job.cancelled:
+                    raise
+            attempt += 1
+            time.sleep(BUSY_WAIT_SECONDS)
+
     def _make_take(self, job: Job, segment: Segment) -> None:
         seed = secrets.randbelow(MAX_SEED)
         mode = "instruct" if segment.instruction else "sft"
@@ -412,9 +427,11 @@ class LongformStudio:
         self.store.set_state(segment, "running")
         started = time.monotonic()
         try:
-            session = self.service.synthesize(request)
+            session = self._admitted(job, request)
             with self._lock:
                 job.session = session
+            if job.cancelled:
+                session.cancel()
             with contextlib.closing(session):
                 pcm = [chunk.pcm.reshape(-1).cpu().numpy() for chunk in session]
             voice_id = session.prepared.voice_id
