@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import io
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import BinaryIO
 
 import av
 import numpy as np
@@ -182,24 +183,52 @@ def encode_file(samples: np.ndarray | torch.Tensor, fmt: str | AudioFormat, samp
                 chapters: Sequence[Chapter] = ()) -> bytes:
     """A whole waveform as one complete file of any :func:`file_format` (headers with the final sizes, which a
     stream cannot have); MP4 formats get ``chapters`` as markers (the others have none and ignore them)."""
-    fmt = fmt if isinstance(fmt, AudioFormat) else file_format(fmt)
-    if fmt.container is None:
-        return encode_audio(samples, fmt, sample_rate)
-    x = _float32(samples)
-    # seekable: muxers patch their headers at the end (MP4's index, FLAC's total length), unlike a stream
     buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format=fmt.container, options=dict(fmt.options)) as container:
+    write_file(buffer, [samples], fmt, sample_rate, lambda: chapters)
+    return buffer.getvalue()
+
+
+def write_file(out: BinaryIO, pieces: Iterable[np.ndarray | torch.Tensor], fmt: str | AudioFormat,
+               sample_rate: int, chapters: Callable[[], Sequence[Chapter]] | None = None) -> int:
+    """Encode float ``pieces`` one after another into the seekable file ``out`` (so a long mix never has to
+    be in memory at once); returns the samples written. ``chapters`` is asked for once every piece is written
+    (a mix knows its chapter times only then). Headers get their final sizes: muxers seek back to patch them
+    (MP4's index, FLAC's length), and a WAV header is rewritten at the end."""
+    fmt = fmt if isinstance(fmt, AudioFormat) else file_format(fmt)
+    total = 0
+    if fmt.container is None:
+        start = out.tell()
+        if fmt.name == "wav":
+            out.write(wav_header(sample_rate, 0))
+        for piece in pieces:
+            x = _float32(piece)
+            total += x.size
+            out.write(to_pcm16(x).tobytes())
+        if fmt.name == "wav":
+            end = out.seek(0, io.SEEK_CUR)
+            out.seek(start)
+            out.write(wav_header(sample_rate, total))
+            out.seek(end)
+        return total
+    with av.open(out, mode="w", format=fmt.container, options=dict(fmt.options)) as container:
         stream = container.add_stream(fmt.codec, rate=sample_rate, layout="mono")
         if fmt.bit_rate:
             stream.bit_rate = fmt.bit_rate
-        for packet in [*stream.encode(_frame(x, fmt, sample_rate)), *stream.encode(None)]:
+        for piece in pieces:
+            x = _float32(piece)
+            if x.size:
+                total += x.size
+                for packet in stream.encode(_frame(x, fmt, sample_rate)):
+                    container.mux(packet)
+        for packet in stream.encode(None):
             container.mux(packet)
-        if chapters:
+        marks = chapters() if chapters is not None else ()
+        if marks:
             millis = Fraction(1, 1000)
             container.set_chapters([{"id": i + 1, "start": round(c.start * 1000), "end": round(c.end * 1000),
                                      "time_base": millis, "metadata": {"title": c.title}}
-                                    for i, c in enumerate(chapters)])
-    return buffer.getvalue()
+                                    for i, c in enumerate(marks)])
+    return total
 
 
 def _frame(x: np.ndarray, fmt: AudioFormat, sample_rate: int) -> av.AudioFrame:

@@ -19,7 +19,7 @@ import pyloudnorm
 import pytest
 import soundfile as sf
 
-from cosyvoice.encoding import to_pcm16
+from cosyvoice.encoding import encode_audio, to_pcm16
 from cosyvoice.errors import InvalidInputError, NotFoundError
 from cosyvoice.longform import LongformStudio, finishing, script
 from cosyvoice.service import TTSService
@@ -306,6 +306,9 @@ def test_every_export_format_decodes_and_m4b_has_the_chapters(made) -> None:
     studio, pid = made
     rendered = studio.render(pid)
     seconds = len(rendered.audio) / SR
+    # the export streams segment by segment; it equals the mix made in memory, and so do the timings
+    assert studio.export(pid, "wav")[1] == encode_audio(rendered.audio, "wav", SR)
+    assert studio.timeline(pid).rows == rendered.rows and rendered.seconds == pytest.approx(seconds)
     for fmt in ("mp3", "flac", "opus", "m4b", "mp4"):
         name, data, _ = studio.export(pid, fmt)
         assert name.endswith("." + fmt)

@@ -6,7 +6,7 @@ subtitles, and ``projects.LongformStudio`` ties them to the service. Adapters: `
 (REST + page) and ``cosyvoice.tools.longform`` (CLI).
 """
 
-from cosyvoice.longform.projects import LongformStudio, Rendered
+from cosyvoice.longform.projects import LongformStudio, Rendered, Timeline
 from cosyvoice.longform.store import Project, ProjectStore, Segment, Take
 
-__all__ = ["LongformStudio", "Project", "ProjectStore", "Rendered", "Segment", "Take"]
+__all__ = ["LongformStudio", "Project", "ProjectStore", "Rendered", "Segment", "Take", "Timeline"]

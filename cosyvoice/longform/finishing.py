@@ -1,4 +1,4 @@
-"""Finishing a long-form mix: silence trimmed to a margin, loudness per segment, pauses, subtitles, checks.
+"""Finishing long-form segments: silence trimmed to a margin, loudness per segment, subtitles, take checks.
 
 Everything here is a pure function of ONE segment's take (and the project's settings), never of its
 neighbours: regenerating one segment leaves every other segment's finished samples bit-identical, and the
@@ -32,15 +32,6 @@ class Finish:
     @property
     def target(self) -> tuple[float, float] | None:
         return PRESETS[self.preset] if self.preset else None
-
-
-@dataclass(frozen=True)
-class Placed:
-    """Where one segment sits in a mix: samples [start, end) of it, and the silence after it."""
-
-    start: int
-    end: int
-    pause: int
 
 
 def frame_db(x: np.ndarray, sample_rate: int) -> np.ndarray:
@@ -104,17 +95,6 @@ def finish_segment(x: np.ndarray, sample_rate: int, finish: Finish) -> np.ndarra
     if finish.target is not None:
         y = normalise(y, sample_rate, *finish.target)
     return y
-
-
-def mix(parts: list[tuple[np.ndarray, float]], sample_rate: int) -> tuple[np.ndarray, list[Placed]]:
-    """Segments (audio, seconds of silence after it) in order -> one waveform and where each segment sits."""
-    placed, pieces, at = [], [], 0
-    for audio, pause in parts:
-        gap = round(pause * sample_rate)
-        placed.append(Placed(at, at + len(audio), gap))
-        pieces += [audio.astype(np.float32), np.zeros(gap, np.float32)]
-        at += len(audio) + gap
-    return (np.concatenate(pieces) if pieces else np.zeros(0, np.float32)), placed
 
 
 # ----------------------------------------------------------------------------- automatic check

@@ -11,17 +11,20 @@ each segment by itself: ``finishing.finish_segment``).
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
-from cosyvoice.encoding import Chapter, encode_file, file_format
+from cosyvoice.encoding import Chapter, file_format, write_file
 from cosyvoice.errors import CosyVoiceError, InvalidInputError, NotFoundError, ResourceLimitError
 from cosyvoice.longform import finishing, script
 from cosyvoice.longform.store import Project, ProjectStore, Segment, Take
@@ -53,12 +56,16 @@ class Job:
 
 
 @dataclass(frozen=True)
-class Rendered:
-    """A project's mix: the audio, and per segment (segment, take, start s, end s)."""
+class Timeline:
+    """Where each segment of a mix sits: (segment, take, start s, end s), in order. The last segment has no
+    pause after it, so the mix ends where it ends."""
 
-    audio: np.ndarray
     sample_rate: int
     rows: list[tuple[Segment, Take, float, float]]
+
+    @property
+    def seconds(self) -> float:
+        return self.rows[-1][3] if self.rows else 0.0
 
     @property
     def cues(self) -> list[finishing.Cue]:
@@ -72,9 +79,15 @@ class Rendered:
             return []
         if starts[0][1] > 0:
             starts.insert(0, ("Start", 0.0))
-        total = len(self.audio) / self.sample_rate
-        return [Chapter(title, start, starts[i + 1][1] if i + 1 < len(starts) else total)
+        return [Chapter(title, start, starts[i + 1][1] if i + 1 < len(starts) else self.seconds)
                 for i, (title, start) in enumerate(starts)]
+
+
+@dataclass(frozen=True)
+class Rendered(Timeline):
+    """A timeline with its audio, in memory (tests, short projects; exports stream instead)."""
+
+    audio: np.ndarray
 
 
 def default_settings(**overrides: object) -> dict:
@@ -461,9 +474,9 @@ class LongformStudio:
 
     # ------------------------------------------------------------------ finishing and export
 
-    def render(self, project_id: str, finished: bool = True) -> Rendered:
-        """The project's mix: chosen takes in order with their pauses; ``finished`` trims and levels each
-        segment by the project's settings first. Refused while any segment has no current take."""
+    def _plan(self, project_id: str) -> tuple[list[tuple[Segment, Take, float]], finishing.Finish]:
+        """(segment, its current take, seconds of pause after it) in order, and the project's finishing;
+        refused while any segment has no current take."""
         project = self.store.project(project_id)
         segments = self.store.segments(project_id)
         takes = self.store.takes(project_id)
@@ -473,48 +486,80 @@ class LongformStudio:
             listed = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
             raise InvalidInputError(f"{len(missing)} segment(s) have no audio yet ({listed}); generate them first",
                                     "segments")
-        finish = finishing.Finish(project.settings.get("preset"), project.settings.get("margin", 0.1))
         pauses = project.settings["pauses"]
-        parts = []
-        for i, (segment, take) in enumerate(zip(segments, chosen, strict=True)):
+        plan = [(s, t, 0.0 if i == len(segments) - 1 else s.pause if s.pause is not None else pauses.get(s.brk, 0.0))
+                for i, (s, t) in enumerate(zip(segments, chosen, strict=True))]
+        return plan, finishing.Finish(project.settings.get("preset"), project.settings.get("margin", 0.1))
+
+    def _pieces(self, project_id: str, finished: bool, rows: list, level: bool = True) -> Iterator[np.ndarray]:
+        """The mix piece by piece (a segment, then its pause), one segment in memory at a time; ``rows`` gets
+        each segment's place as it is reached. ``level=False`` skips the loudness step (lengths only)."""
+        plan, finish = self._plan(project_id)
+        if not level:
+            finish = finishing.Finish(None, finish.margin)
+        sr, at = self.sample_rate, 0
+        for segment, take, pause in plan:
             audio = self.store.take_audio(take)
             if finished:
                 audio = finishing.finish_segment(audio, take.sample_rate, finish)
-            last = i == len(segments) - 1
-            pause = 0.0 if last else segment.pause if segment.pause is not None else pauses.get(segment.brk, 0.0)
-            parts.append((audio, pause))
-        audio, placed = finishing.mix(parts, self.sample_rate)
-        sr = self.sample_rate
-        rows = [(s, t, p.start / sr, p.end / sr) for s, t, p in zip(segments, chosen, placed, strict=True)]
-        return Rendered(audio, sr, rows)
+            rows.append((segment, take, at / sr, (at + len(audio)) / sr))
+            gap = round(pause * sr)
+            yield audio
+            if gap:
+                yield np.zeros(gap, np.float32)
+            at += len(audio) + gap
 
-    def export(self, project_id: str, fmt: str = "wav", finished: bool = True) -> tuple[str, bytes, Rendered]:
-        """(file name, bytes, the rendering) of the mix in ``fmt`` (wav, mp3, flac, opus, m4b, mp4; the MP4
-        formats carry the chapters)."""
+    def render(self, project_id: str, finished: bool = True) -> Rendered:
+        """The project's mix in memory: chosen takes in order with their pauses; ``finished`` trims and levels
+        each segment by the project's settings first. Refused while any segment has no current take."""
+        rows: list = []
+        pieces = list(self._pieces(project_id, finished, rows))
+        return Rendered(self.sample_rate, rows, np.concatenate(pieces).astype(np.float32))
+
+    def timeline(self, project_id: str, finished: bool = True) -> Timeline:
+        """The mix's timings without making it (finishing changes lengths by trimming only)."""
+        rows: list = []
+        for _ in self._pieces(project_id, finished, rows, level=False):
+            pass
+        return Timeline(self.sample_rate, rows)
+
+    def export_to(self, out: BinaryIO, project_id: str, fmt: str = "wav", finished: bool = True) -> Timeline:
+        """Write the mix into the seekable file ``out`` in ``fmt`` (wav, mp3, flac, opus, m4b, mp4; the MP4
+        formats carry the chapters), one segment at a time."""
         audio_fmt = file_format(fmt)
-        rendered = self.render(project_id, finished)
-        data = encode_file(rendered.audio, audio_fmt, rendered.sample_rate, rendered.chapters)
-        return f"{_file_stem(self.store.project(project_id).name)}.{audio_fmt.extension}", data, rendered
+        rows: list = []
+        write_file(out, self._pieces(project_id, finished, rows), audio_fmt, self.sample_rate,
+                   lambda: Timeline(self.sample_rate, rows).chapters)
+        return Timeline(self.sample_rate, rows)
 
-    def segments_json(self, project_id: str, rendered: Rendered) -> dict:
+    def export(self, project_id: str, fmt: str = "wav", finished: bool = True) -> tuple[str, bytes, Timeline]:
+        """(file name, bytes, timeline) of the mix in ``fmt``, in memory."""
+        buffer = io.BytesIO()
+        timeline = self.export_to(buffer, project_id, fmt, finished)
+        return self.file_name(project_id, fmt), buffer.getvalue(), timeline
+
+    def file_name(self, project_id: str, fmt: str) -> str:
+        return f"{_file_stem(self.store.project(project_id).name)}.{file_format(fmt).extension}"
+
+    def segments_json(self, project_id: str, timeline: Timeline) -> dict:
         """The table of an export: per segment its text, start/end seconds, seed, take and voice."""
         project = self.store.project(project_id)
-        return {"project": project.id, "name": project.name, "sample_rate": rendered.sample_rate,
-                "duration": round(len(rendered.audio) / rendered.sample_rate, 3),
+        return {"project": project.id, "name": project.name, "sample_rate": timeline.sample_rate,
+                "duration": round(timeline.seconds, 3),
                 "preset": project.settings.get("preset"),
                 "segments": [{"index": i, "id": s.id, "text": s.text, "start": round(a, 3), "end": round(b, 3),
                               "seed": t.seed, "take": t.id, "voice": t.voice, "voice_id": t.voice_id,
                               "speaker": s.speaker, "instruction": s.instruction, "chapter": s.chapter,
                               "flags": t.flags}
-                             for i, (s, t, a, b) in enumerate(rendered.rows)],
+                             for i, (s, t, a, b) in enumerate(timeline.rows)],
                 "chapters": [{"title": c.title, "start": round(c.start, 3), "end": round(c.end, 3)}
-                             for c in rendered.chapters]}
+                             for c in timeline.chapters]}
 
     def subtitles(self, project_id: str, kind: str = "srt", finished: bool = True) -> str:
-        rendered = self.render(project_id, finished)
         if kind not in ("srt", "vtt"):
             raise InvalidInputError(f"subtitles are srt or vtt, not {kind!r}", "format")
-        return finishing.srt(rendered.cues) if kind == "srt" else finishing.vtt(rendered.cues)
+        cues = self.timeline(project_id, finished).cues
+        return finishing.srt(cues) if kind == "srt" else finishing.vtt(cues)
 
 
 def _seconds(value: object, field_name: str, limit: float = script.MAX_PAUSE_SECONDS) -> float:

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -37,9 +39,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from cosyvoice.encoding import encode_audio, file_format
@@ -251,10 +254,19 @@ def longform_router(get_service: Callable[[], TTSService], data_dir: str | Path 
 
     @router.get("/v1/longform/projects/{project_id}/export")
     def export(project_id: str, format: str = "wav", finished: bool = True) -> Response:
-        """The mix as a file download (wav, mp3, flac, opus, m4b, mp4)."""
+        """The mix as a file download (wav, mp3, flac, opus, m4b, mp4), written to a temporary file segment by
+        segment (an audiobook never sits in memory) and deleted once sent."""
+        s = studio()
         fmt = file_format(format)
-        name, data, _ = studio().export(project_id, fmt.name, finished)
-        return Response(data, media_type=fmt.content_type, headers=_attachment(name))
+        with tempfile.NamedTemporaryFile(dir=s.store.root, suffix=".export", delete=False) as out:
+            try:
+                s.export_to(out, project_id, fmt.name, finished)
+            except BaseException:
+                out.close()
+                os.unlink(out.name)
+                raise
+        return FileResponse(out.name, media_type=fmt.content_type, background=BackgroundTask(os.unlink, out.name),
+                            headers=_attachment(s.file_name(project_id, fmt.name)))
 
     @router.get("/v1/longform/projects/{project_id}/subtitles.{kind}")
     def subtitles(project_id: str, kind: str, finished: bool = True) -> Response:
@@ -267,7 +279,7 @@ def longform_router(get_service: Callable[[], TTSService], data_dir: str | Path 
     @router.get("/v1/longform/projects/{project_id}/segments.json")
     def segments_json(project_id: str, finished: bool = True) -> JSONResponse:
         s = studio()
-        return JSONResponse(s.segments_json(project_id, s.render(project_id, finished)))
+        return JSONResponse(s.segments_json(project_id, s.timeline(project_id, finished)))
 
     return router
 

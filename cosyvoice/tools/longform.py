@@ -87,13 +87,14 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 1
         started = time.perf_counter()
-        name, data, rendered = studio.export(project.id, args.format)
+        name = studio.file_name(project.id, args.format)
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / name).write_bytes(data)
-        table = studio.segments_json(project.id, rendered)
+        with open(args.out / name, "wb") as out:
+            timeline = studio.export_to(out, project.id, args.format)
+        table = studio.segments_json(project.id, timeline)
         (args.out / "segments.json").write_text(json.dumps(table, indent=2, ensure_ascii=False), encoding="utf-8")
-        (args.out / "subtitles.srt").write_text(srt(rendered.cues), encoding="utf-8")
-        (args.out / "subtitles.vtt").write_text(vtt(rendered.cues), encoding="utf-8")
+        (args.out / "subtitles.srt").write_text(srt(timeline.cues), encoding="utf-8")
+        (args.out / "subtitles.vtt").write_text(vtt(timeline.cues), encoding="utf-8")
         print(f"wrote {args.out / name} ({table['duration']:.1f} s, finished in "
               f"{time.perf_counter() - started:.1f} s), segments.json, subtitles.srt, subtitles.vtt", file=sys.stderr)
         return 0
