@@ -77,13 +77,21 @@ def test_paste_review_generate_regenerate_export_download(page, tmp_path: Path) 
                            " === 'Bye, two times.'")
     shot(page, "1-table")
 
-    # generate: every row ends "done" with a take and a player; the progress line says so
+    # generate, and play along: "Play all" waits for each segment and plays it once it is made
     page.click("#generate")
+    page.click("#play")
+    page.wait_for_function("() => document.querySelector('#play-state').textContent === 'playing 1 of 3'",
+                           timeout=120_000)
+    assert page.locator("#segments tr.segment.playing").count() == 1
     page.wait_for_function("() => [...document.querySelectorAll('#segments .status')]"
                            ".every(s => s.textContent === 'done')", timeout=180_000)
     page.wait_for_function("() => document.querySelector('#progress-text').textContent"
                            ".startsWith('3 of 3 segments done')")
     assert page.locator("#segments audio").count() == 3
+    page.wait_for_function("() => document.querySelector('#play-state').textContent === 'playing 2 of 3'",
+                           timeout=60_000)  # the first take played to its end, then its pause
+    page.click("#play")  # stop
+    assert page.inner_text("#play-state") == "" and page.locator("#segments tr.segment.playing").count() == 0
     first_take = rows.nth(0).locator("select.takes").input_value()
     second_take = rows.nth(1).locator("select.takes").input_value()
     shot(page, "2-generated")
