@@ -105,6 +105,9 @@ def test_paragraphs_chapters_and_pause_tags_map_to_breaks(studio: LongformStudio
                     ("The end.", "end", None, None)]
     pauses = studio.project(project.id).settings["pauses"]
     assert pauses["chapter"] > pauses["paragraph"] > pauses["sentence"]
+    chinese = "今天天气很好，我们去公园散步吧。公园里有很多人，有的在跑步，有的在下棋。"
+    project = studio.create("Chinese", chinese * 3, voice="Alice")
+    assert [s.text for s in studio.segments(project.id)] == tts.frontend.segments(chinese * 3)
     paragraph = "A first sentence here. " * 12
     project = studio.create("Para", f"{paragraph}\n\n{paragraph}", voice="Alice")
     expected = tts.frontend.segments(paragraph.strip()) * 2
@@ -496,6 +499,17 @@ def test_rest_endpoints_create_generate_regenerate_and_export(service: TTSServic
         srt = client.get(f"/v1/longform/projects/{pid}/subtitles.srt")
         assert srt.status_code == 200 and "Bye now." in srt.text
         assert client.get("/v1/longform/projects/nope").status_code == 404
+        r = client.post("/v1/longform/projects/upload", data={"voice": "Alice"},
+                        files={"file": ("notes.md", b"# Part one\n\nHi.\n\n# Part two\n\nBye.", "text/markdown")})
+        assert r.status_code == 201, r.text
+        uploaded = r.json()
+        assert uploaded["name"] == "notes"
+        assert [(s["text"], s["chapter"]) for s in uploaded["segments"]] == [
+            ("Part one.", "Part one"), ("Hi.", None), ("Part two.", "Part two"), ("Bye.", None)]
+        r = client.post("/v1/longform/projects/upload", data={"voice": "Alice"},
+                        files={"file": ("notes.pdf", b"%PDF-1.4", "application/pdf")})
+        assert r.status_code == 400 and r.json()["error"]["field"] == "file"
+        assert client.delete(f"/v1/longform/projects/{uploaded['id']}").status_code == 200
     # a restarted server (a new app on the same data folder) still has the project
     with TestClient(create_app(ServerSettings(), service)) as client:
         assert [p["id"] for p in client.get("/v1/longform/projects").json()] == [pid]
