@@ -416,6 +416,8 @@ def test_script_parsing_of_labels_continuations_and_tags() -> None:
     assert [(b.speaker, b.instruction, b.text.strip(), b.brk, b.pause) for b in blocks] == [
         ("Alice", "cheerful", "Hello there.", "turn", None), ("Dr. Bob", "", "Yes.", "tag", 0.25),
         ("Dr. Bob", "", "", "end", None)]
+    long_line = script.dialogue_blocks("Alice: Listen.\nThen the old man said to her: go home.")
+    assert [b.text for b in long_line] == ["Listen. Then the old man said to her: go home."]  # not a label
     with pytest.raises(InvalidInputError, match="longer than"):
         script.document_blocks("Hi [pause:99s] there")
 

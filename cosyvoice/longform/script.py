@@ -24,7 +24,8 @@ TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".epub")
 
 PAUSE_TAG = re.compile(r"\[pause:\s*(\d+(?:\.\d+)?)\s*(ms|s)?\s*\]", re.I)
 _HEADING = re.compile(r"^\s{0,3}#{1,6}\s+(.+?)\s*#*\s*$")
-_SPEAKER = re.compile(r"^\s*([^\s:()\[\]][^:()\[\]]{0,48}?)\s*(?:[(\[]([^)\]]*)[)\]])?\s*[:：]\s*(.*)$")
+# a label is one to three words (``Alice``, ``Dr. Bob``), optionally with an instruction in () or [], then a colon
+_SPEAKER = re.compile(r"^\s*([^\s:()\[\]]+(?:[ \t]+[^\s:()\[\]]+){0,2})\s*(?:[(\[]([^)\]]*)[)\]])?\s*[:：]\s*(.*)$")
 
 
 @dataclass(frozen=True)
