@@ -305,6 +305,22 @@ def test_trimming_sets_the_silence_at_each_end_to_the_margin() -> None:
     assert np.array_equal(y[int(0.1 * SR): int(0.1 * SR) + 100], x[int(0.8 * SR): int(0.8 * SR) + 100])
 
 
+def test_normalising_reaches_the_target_unless_the_true_peak_would_pass_the_ceiling() -> None:
+    t = np.arange(3 * SR) / SR
+    quiet = (0.02 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    loud = finishing.normalise(quiet, SR, -16.0, -1.0)
+    assert finishing.loudness(loud, SR) == pytest.approx(-16.0, abs=0.05)
+    assert np.allclose(loud[1:100] / quiet[1:100], loud[1] / quiet[1])  # a plain gain
+    clicks = np.zeros(3 * SR, np.float32)
+    clicks[::SR // 2] = 0.5  # loudness far below the target, peaks high: the ceiling wins
+    capped = finishing.normalise(clicks, SR, -16.0, -1.0)
+    assert finishing.true_peak_db(capped) == pytest.approx(-1.0, abs=0.01)
+    assert finishing.loudness(capped, SR) < -16.0
+    short = finishing.normalise(quiet[: SR // 10], SR, -23.0, -1.0)  # shorter than a gating block
+    assert finishing.loudness(short, SR) == pytest.approx(-23.0, abs=0.1)
+    assert np.array_equal(finishing.normalise(np.zeros(SR, np.float32), SR, -16.0, -1.0), np.zeros(SR))
+
+
 def test_every_export_format_decodes_and_m4b_has_the_chapters(made) -> None:
     studio, pid = made
     rendered = studio.render(pid)
