@@ -26,6 +26,7 @@ import numpy as np
 
 from cosyvoice.encoding import Chapter, file_format, write_file
 from cosyvoice.errors import CosyVoiceError, InvalidInputError, NotFoundError, ResourceLimitError
+from cosyvoice.frontend.frontend import CosyVoiceFrontend
 from cosyvoice.longform import finishing, script
 from cosyvoice.longform.store import Project, ProjectStore, Segment, Take
 from cosyvoice.service import SynthesisRequest, SynthesisSession, TTSService
@@ -107,7 +108,8 @@ class LongformStudio:
         self._lock = threading.Lock()
 
     @property
-    def frontend(self):  # the model's own text frontend: THE splitter, so the table is what will be read
+    def frontend(self) -> CosyVoiceFrontend:
+        """The model's own text frontend: THE splitter, so the table is what will be read."""
         return self.service.tts.frontend
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ from cosyvoice.longform.finishing import PRESETS, srt, vtt
 from cosyvoice.longform.script import read_document
 from cosyvoice.service import TTSService
 from cosyvoice.settings import DEFAULT_VOICE_DIR, ServerSettings, default_data_dir, default_voice_dir
+from cosyvoice.voices import BUILTIN_VOICE_DIR
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="folder for the audio, segments.json, subtitles")
     parser.add_argument("--model-dir", default=ServerSettings.from_env().model_dir)
     parser.add_argument("--voice-dir", default=str(default_voice_dir()), help=f"default {DEFAULT_VOICE_DIR}")
-    parser.add_argument("--builtin-dir", help="a folder of built-in voices (NAME.wav + NAME.txt)")
+    parser.add_argument("--builtin-dir", default=str(BUILTIN_VOICE_DIR),
+                        help="the built-in voices (NAME.wav + NAME.txt; default: the repository's assets/voices)")
     parser.add_argument("--data-dir", type=Path, help="where projects are kept (default: COSYVOICE_DATA_DIR)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dialogue", action="store_true", help="INPUT is a script of 'Name: line' turns")
@@ -67,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         speakers[label.strip()] = voice.strip()
     service = TTSService.load(args.model_dir, args.voice_dir, device=args.device)
-    if args.builtin_dir:
+    if args.builtin_dir and Path(args.builtin_dir).is_dir():
         service.voices.add_builtins(args.builtin_dir)
     studio = LongformStudio(service, args.data_dir or default_data_dir())
     try:
