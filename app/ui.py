@@ -34,6 +34,7 @@ from cosyvoice.cli.cosyvoice import CosyVoice3
 from cosyvoice.encoding import audio_format, encode_audio, to_pcm16
 from cosyvoice.engine import AudioChunk
 from cosyvoice.errors import CosyVoiceError, InvalidInputError, ModelBundleError, ResourceLimitError
+from cosyvoice.server.longform import longform_router
 from cosyvoice.service import SynthesisRequest, SynthesisSession, TTSService
 from cosyvoice.settings import SPEED_RANGE
 from cosyvoice.voices import BUILTIN_VOICE_DIR, EXPORT_SUFFIX, VoiceLibrary
@@ -741,6 +742,7 @@ def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: 
                                                                 "sans-serif"]),
                 allowed_paths=[str(studio._files)])
     mount(page.app, studio.live, studio.tts.sample_rate)
+    page.app.include_router(longform_router(lambda: studio.service))  # long-form projects: /studio/longform
     if block:
         page.block_thread()
     return page

@@ -10,8 +10,12 @@ per request. Containers are chosen so that a file streamed from its first byte i
 
 from __future__ import annotations
 
+import io
 import struct
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import BinaryIO
 
 import av
 import numpy as np
@@ -45,6 +49,22 @@ FORMATS: dict[str, AudioFormat] = {f.name: f for f in (
     AudioFormat("flac", "audio/flac", "flac", "flac", "flac", pcm16_input=True),
     AudioFormat("aac", "audio/aac", "aac", "adts", "aac", 64_000),
 )}
+
+
+# Whole files only: MP4 muxers seek back to write their index, so these are never streamed. Both carry chapters.
+FILE_FORMATS: dict[str, AudioFormat] = {f.name: f for f in (
+    AudioFormat("m4b", "audio/mp4", "m4b", "ipod", "aac", 96_000),  # audiobook: iTunes-style MP4
+    AudioFormat("mp4", "audio/mp4", "mp4", "mp4", "aac", 96_000),
+)}
+
+
+@dataclass(frozen=True)
+class Chapter:
+    """A chapter marker of a file: ``title`` from ``start`` to ``end`` seconds."""
+
+    title: str
+    start: float
+    end: float
 
 
 def audio_format(name: str) -> AudioFormat:
@@ -101,12 +121,7 @@ class AudioEncoder:
         if self._container is None:
             return self._raw(x)
         if x.size:
-            if self.format.pcm16_input:
-                frame = av.AudioFrame.from_ndarray(to_pcm16(x).reshape(1, -1), format="s16", layout="mono")
-            else:
-                frame = av.AudioFrame.from_ndarray(x.reshape(1, -1), format="flt", layout="mono")
-            frame.sample_rate = self.sample_rate
-            for packet in self._stream.encode(frame):
+            for packet in self._stream.encode(_frame(x, self.format, self.sample_rate)):
                 self._container.mux(packet)
         return self._sink.take()
 
@@ -153,6 +168,76 @@ def encode_audio(samples: np.ndarray | torch.Tensor, fmt: str | AudioFormat, sam
         return wav_header(sample_rate, x.size) + to_pcm16(x).tobytes()
     with AudioEncoder(fmt, sample_rate) as encoder:
         return encoder.encode(x) + encoder.finish()
+
+
+def file_format(name: str) -> AudioFormat:
+    """A format for whole files: any of :data:`FORMATS` or :data:`FILE_FORMATS`, by name (case-insensitive)."""
+    fmt = (FORMATS | FILE_FORMATS).get(name.lower()) if isinstance(name, str) else None
+    if fmt is None:
+        raise InvalidInputError(f"unknown audio format {name!r}; use one of {', '.join(FORMATS | FILE_FORMATS)}",
+                                "format")
+    return fmt
+
+
+def encode_file(samples: np.ndarray | torch.Tensor, fmt: str | AudioFormat, sample_rate: int,
+                chapters: Sequence[Chapter] = ()) -> bytes:
+    """A whole waveform as one complete file of any :func:`file_format` (headers with the final sizes, which a
+    stream cannot have); MP4 formats get ``chapters`` as markers (the others have none and ignore them)."""
+    buffer = io.BytesIO()
+    write_file(buffer, [samples], fmt, sample_rate, lambda: chapters)
+    return buffer.getvalue()
+
+
+def write_file(out: BinaryIO, pieces: Iterable[np.ndarray | torch.Tensor], fmt: str | AudioFormat,
+               sample_rate: int, chapters: Callable[[], Sequence[Chapter]] | None = None) -> int:
+    """Encode float ``pieces`` one after another into the seekable file ``out`` (so a long mix never has to
+    be in memory at once); returns the samples written. ``chapters`` is asked for once every piece is written
+    (a mix knows its chapter times only then). Headers get their final sizes: muxers seek back to patch them
+    (MP4's index, FLAC's length), and a WAV header is rewritten at the end."""
+    fmt = fmt if isinstance(fmt, AudioFormat) else file_format(fmt)
+    total = 0
+    if fmt.container is None:
+        start = out.tell()
+        if fmt.name == "wav":
+            out.write(wav_header(sample_rate, 0))
+        for piece in pieces:
+            x = _float32(piece)
+            total += x.size
+            out.write(to_pcm16(x).tobytes())
+        if fmt.name == "wav":
+            end = out.seek(0, io.SEEK_CUR)
+            out.seek(start)
+            out.write(wav_header(sample_rate, total))
+            out.seek(end)
+        return total
+    with av.open(out, mode="w", format=fmt.container, options=dict(fmt.options)) as container:
+        stream = container.add_stream(fmt.codec, rate=sample_rate, layout="mono")
+        if fmt.bit_rate:
+            stream.bit_rate = fmt.bit_rate
+        for piece in pieces:
+            x = _float32(piece)
+            if x.size:
+                total += x.size
+                for packet in stream.encode(_frame(x, fmt, sample_rate)):
+                    container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+        marks = chapters() if chapters is not None else ()
+        if marks:
+            millis = Fraction(1, 1000)
+            container.set_chapters([{"id": i + 1, "start": round(c.start * 1000), "end": round(c.end * 1000),
+                                     "time_base": millis, "metadata": {"title": c.title}}
+                                    for i, c in enumerate(marks)])
+    return total
+
+
+def _frame(x: np.ndarray, fmt: AudioFormat, sample_rate: int) -> av.AudioFrame:
+    if fmt.pcm16_input:
+        frame = av.AudioFrame.from_ndarray(to_pcm16(x).reshape(1, -1), format="s16", layout="mono")
+    else:
+        frame = av.AudioFrame.from_ndarray(x.reshape(1, -1), format="flt", layout="mono")
+    frame.sample_rate = sample_rate
+    return frame
 
 
 def _float32(samples: np.ndarray | torch.Tensor) -> np.ndarray:

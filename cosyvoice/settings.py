@@ -27,6 +27,13 @@ def default_voice_dir(environ: dict[str, str] | None = None) -> Path:
     return Path(env.get("COSYVOICE_VOICE_DIR") or DEFAULT_VOICE_DIR)
 
 
+def default_data_dir(environ: dict[str, str] | None = None) -> Path:
+    """Where the studio's own databases and their audio live (workbench takes, long-form projects):
+    ``COSYVOICE_DATA_DIR``, else ``.studio`` beside the voice folder, so one deployment keeps them together."""
+    env = os.environ if environ is None else environ
+    return Path(env.get("COSYVOICE_DATA_DIR") or default_voice_dir(env).parent / ".studio")
+
+
 def parse_precision(name: str) -> torch.dtype:
     """``"fp32" | "bf16" | "fp16"`` -> the torch dtype the LLM and flow run in."""
     if name not in PRECISIONS:

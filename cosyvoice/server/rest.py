@@ -47,6 +47,7 @@ from cosyvoice.errors import (
     NotFoundError,
     ResourceLimitError,
 )
+from cosyvoice.server.longform import longform_router
 from cosyvoice.server.metrics import ServiceMetrics
 from cosyvoice.service import AsyncSynthesisSession, SynthesisRequest, TextPieces, TTSService, allowed_path
 from cosyvoice.settings import Limits, ServerSettings, add_server_arguments, settings_from_args
@@ -638,6 +639,8 @@ def create_app(settings: ServerSettings | None = None, service: TTSService | Non
                 await session.aclose()
             if encoder is not None:
                 encoder.close()
+
+    app.include_router(longform_router(svc, settings=settings))  # long-form projects (/v1/longform, /studio/longform)
 
     # -------------------------------------------------------------- middleware (outermost last)
 

@@ -1,0 +1,12 @@
+"""Long-form narration and dialogue: projects with an editable segment table, takes, finishing, export.
+
+``script`` turns documents and dialogue scripts into segment rows (with the frontend's own splitter),
+``store`` keeps projects and takes (SQLite + audio files), ``finishing`` trims, levels, mixes and writes
+subtitles, and ``projects.LongformStudio`` ties them to the service. Adapters: ``cosyvoice.server.longform``
+(REST + page) and ``cosyvoice.tools.longform`` (CLI).
+"""
+
+from cosyvoice.longform.projects import LongformStudio, Rendered, Timeline
+from cosyvoice.longform.store import Project, ProjectStore, Segment, Take
+
+__all__ = ["LongformStudio", "Project", "ProjectStore", "Rendered", "Segment", "Take", "Timeline"]

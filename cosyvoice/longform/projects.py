@@ -1,0 +1,576 @@
+"""Long-form projects over the service: segment tables, generation jobs, takes, finishing and export.
+
+:class:`LongformStudio` is what the REST router, the page and the CLI call. It synthesises only through
+``TTSService.synthesize`` (one request per segment, each with its own recorded seed) and splits text only with
+the frontend's splitter, so a segment is read exactly as the table shows it. Segment k's audio depends on its
+own text, voice, instruction, speed and seed alone; the mix is the chosen takes with pauses between them, so
+regenerating one segment leaves every other sample of the mix as it was (also after finishing, which works on
+each segment by itself: ``finishing.finish_segment``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from cosyvoice.encoding import Chapter, file_format, write_file
+from cosyvoice.errors import CosyVoiceError, InvalidInputError, NotFoundError, ResourceLimitError
+from cosyvoice.frontend.frontend import CosyVoiceFrontend
+from cosyvoice.longform import finishing, script
+from cosyvoice.longform.store import Project, ProjectStore, Segment, Take
+from cosyvoice.service import SynthesisRequest, SynthesisSession, TTSService
+from cosyvoice.settings import SPEED_RANGE, default_data_dir
+
+logger = logging.getLogger(__name__)
+
+MAX_SEED = 2**31  # seeds are drawn below this, so every client (JSON, JavaScript) carries them exactly
+BUSY_RETRIES = 4  # a segment refused as "busy" is asked for again this many times in all, BUSY_WAIT_SECONDS apart
+BUSY_WAIT_SECONDS = 2.0
+
+
+@dataclass
+class Job:
+    """A project's generation in progress: segments queued in order, one synthesised at a time."""
+
+    project_id: str
+    queue: deque[tuple[str, bool]] = field(default_factory=deque)  # (segment id, new take even if current)
+    started: float = field(default_factory=time.monotonic)
+    chars_done: int = 0
+    seconds_working: float = 0.0
+    done: int = 0
+    failed: int = 0
+    current: str | None = None
+    session: SynthesisSession | None = None
+    cancelled: bool = False
+    thread: threading.Thread | None = None
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Where each segment of a mix sits: (segment, take, start s, end s), in order. The last segment has no
+    pause after it, so the mix ends where it ends."""
+
+    sample_rate: int
+    rows: list[tuple[Segment, Take, float, float]]
+
+    @property
+    def seconds(self) -> float:
+        return self.rows[-1][3] if self.rows else 0.0
+
+    @property
+    def cues(self) -> list[finishing.Cue]:
+        return [finishing.Cue(start, end, seg.text.strip()) for seg, _, start, end in self.rows]
+
+    @property
+    def chapters(self) -> list[Chapter]:
+        """One chapter from each segment that opens one to the next (none when the project has no chapters)."""
+        starts = [(seg.chapter, start) for seg, _, start, _ in self.rows if seg.chapter]
+        if not starts:
+            return []
+        if starts[0][1] > 0:
+            starts.insert(0, ("Start", 0.0))
+        return [Chapter(title, start, starts[i + 1][1] if i + 1 < len(starts) else self.seconds)
+                for i, (title, start) in enumerate(starts)]
+
+
+@dataclass(frozen=True)
+class Rendered(Timeline):
+    """A timeline with its audio, in memory (tests, short projects; exports stream instead)."""
+
+    audio: np.ndarray
+
+
+def default_settings(**overrides: object) -> dict:
+    settings = {"pauses": dict(script.DEFAULT_PAUSES), "preset": "podcast", "margin": 0.1, "speakers": {}}
+    settings.update(overrides)
+    return settings
+
+
+class LongformStudio:
+    """Projects in ``data_dir`` (``longform.sqlite3`` + take audio), synthesised through ``service``."""
+
+    def __init__(self, service: TTSService, data_dir: str | Path | None = None) -> None:
+        self.service = service
+        self.store = ProjectStore(data_dir if data_dir is not None else default_data_dir())
+        self.sample_rate = service.sample_rate
+        self._jobs: dict[str, Job] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def frontend(self) -> CosyVoiceFrontend:
+        """The model's own text frontend: THE splitter, so the table is what will be read."""
+        return self.service.tts.frontend
+
+    def close(self) -> None:
+        for job in list(self._jobs.values()):
+            self._cancel(job)
+            if job.thread is not None:
+                job.thread.join()
+        self.store.close()
+
+    # ------------------------------------------------------------------ creating
+
+    def split(self, text: str) -> list[str]:
+        """The frontend's split of one paragraph: normalised pieces, as the model reads them."""
+        return self.frontend.text.split(text)
+
+    def create(self, name: str, text: str, *, voice: str | None = None, kind: str = "document",
+               speakers: dict[str, str] | None = None, chapters: list[tuple[str | None, str]] | None = None,
+               **settings: object) -> Project:
+        """A project from a document (``voice`` reads it all) or a dialogue script (``speakers`` maps each
+        label to a voice). ``chapters`` (title, text) come from an EPUB; ``settings`` override the defaults
+        (``pauses``, ``preset``, ``margin``)."""
+        if kind not in ("document", "dialogue"):
+            raise InvalidInputError(f"kind must be 'document' or 'dialogue', got {kind!r}", "kind")
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidInputError("the project has no text; paste some or upload a file", "text")
+        name = " ".join(str(name or "").split()) or "Untitled"
+        settings = self._settings(default_settings(), settings)
+        if kind == "dialogue":
+            blocks = script.dialogue_blocks(text)
+            mapping = {k.strip(): self._voice_id(v, "speakers") for k, v in (speakers or {}).items()}
+            missing = sorted({b.speaker for b in blocks} - set(mapping))
+            if missing and voice is None:
+                raise InvalidInputError(f"map every speaker to a voice; no voice for {', '.join(missing)}",
+                                        "speakers")
+            fallback = self._voice_id(voice, "voice") if missing else None
+            mapping |= dict.fromkeys(missing, fallback)
+            settings["speakers"] = mapping
+        else:
+            blocks = script.document_blocks(text, chapters)
+            settings["voice"] = self._voice_id(voice, "voice")
+        rows = []
+        for d in script.segment_drafts(blocks, self.split):
+            rows.append({"text": d.text, "voice": settings["speakers"][d.speaker] if d.speaker else
+                         settings["voice"], "instruction": d.instruction, "brk": d.brk, "pause": d.pause,
+                         "chapter": d.chapter, "speaker": d.speaker})
+        return self.store.add_project(name, kind, text, settings, rows)
+
+    def _voice_id(self, voice: object, field_name: str) -> str:
+        if not isinstance(voice, str) or not voice.strip():
+            raise InvalidInputError("choose a voice (a saved or built-in voice's name or id)", field_name)
+        try:
+            return self.service.get_voice(voice.strip()).id
+        except NotFoundError as exc:
+            raise NotFoundError(f"no voice {voice.strip()!r}; save it first or choose another", field_name) from exc
+
+    @staticmethod
+    def _settings(base: dict, changes: dict) -> dict:
+        """``base`` with ``changes`` applied, each checked (errors name the setting)."""
+        out = dict(base)
+        for key, value in changes.items():
+            if key == "pauses":
+                if not isinstance(value, dict):
+                    raise InvalidInputError("pauses must map breaks to seconds", "pauses")
+                pauses = dict(out["pauses"])
+                for brk, seconds in value.items():
+                    if brk not in script.DEFAULT_PAUSES:
+                        raise InvalidInputError(f"unknown break {brk!r}; use {', '.join(script.DEFAULT_PAUSES)}",
+                                                "pauses")
+                    pauses[brk] = _seconds(seconds, f"pauses.{brk}")
+                out["pauses"] = pauses
+            elif key == "preset":
+                if value not in (*finishing.PRESETS, None, "none"):
+                    raise InvalidInputError(f"unknown loudness preset {value!r}; use "
+                                            f"{', '.join(finishing.PRESETS)} or none", "preset")
+                out["preset"] = None if value == "none" else value
+            elif key == "margin":
+                out["margin"] = _seconds(value, "margin", 2.0)
+            else:
+                raise InvalidInputError(f"unknown setting {key!r}", key)
+        return out
+
+    # ------------------------------------------------------------------ reading
+
+    def project(self, project_id: str) -> Project:
+        return self.store.project(project_id)
+
+    def projects(self) -> list[Project]:
+        return self.store.projects()
+
+    def segments(self, project_id: str) -> list[Segment]:
+        self.store.project(project_id)
+        return self.store.segments(project_id)
+
+    def current_take(self, segment: Segment, takes: dict[str, list[Take]]) -> Take | None:
+        """The segment's chosen take if it still says what the segment says."""
+        chosen = next((t for t in takes.get(segment.id, []) if t.id == segment.chosen_take), None)
+        return chosen if chosen is not None and chosen.matches(segment) else None
+
+    def status(self, segment: Segment, takes: dict[str, list[Take]], job: Job | None) -> str:
+        """done | running | queued | failed | pending."""
+        if job is not None and job.current == segment.id:
+            return "running"
+        if job is not None and any(sid == segment.id for sid, _ in job.queue):
+            return "queued"
+        if self.current_take(segment, takes) is not None:
+            return "done"
+        return "failed" if segment.state == "failed" else "pending"
+
+    def table(self, project_id: str) -> list[tuple[Segment, list[Take], str]]:
+        """The segment table: each segment with its takes (oldest first) and its status."""
+        segments = self.segments(project_id)
+        takes = self.store.takes(project_id)
+        job = self._jobs.get(project_id)
+        return [(s, takes.get(s.id, []), self.status(s, takes, job)) for s in segments]
+
+    def progress(self, project_id: str) -> dict:
+        """The job's progress: counts, the segment being made, elapsed seconds and an ETA (from the characters
+        made so far per second of work), and whether a job runs."""
+        segments = self.segments(project_id)
+        takes = self.store.takes(project_id)
+        job = self._jobs.get(project_id)
+        states = [self.status(s, takes, job) for s in segments]
+        left = [s for s, st in zip(segments, states, strict=True) if st in ("queued", "running")]
+        eta = None
+        if job is not None and job.chars_done and left:
+            eta = job.seconds_working / job.chars_done * sum(len(s.text) for s in left)
+        return {"running": job is not None, "total": len(segments), "done": states.count("done"),
+                "failed": states.count("failed"), "queued": states.count("queued") + states.count("running"),
+                "current": job.current if job else None,
+                "elapsed": round(time.monotonic() - job.started, 1) if job else None,
+                "eta": None if eta is None else round(eta, 1)}
+
+    # ------------------------------------------------------------------ editing
+
+    def edit_segment(self, project_id: str, segment_id: str, **changes: object) -> Segment:
+        """Change a segment's text (normalised and checked here), voice, instruction, speed or pause."""
+        segment = self.store.segment(project_id, segment_id)
+        updates: dict[str, object] = {}
+        for key, value in changes.items():
+            if key == "text":
+                updates["text"] = self._one_segment(value)
+            elif key == "voice":
+                updates["voice"] = self._voice_id(value, "voice")
+            elif key == "instruction":
+                if not isinstance(value, str):
+                    raise InvalidInputError("instruction must be text", "instruction")
+                if value.strip():
+                    self.frontend.check_text(value, "instruction")
+                updates["instruction"] = value.strip()
+            elif key == "speed":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not \
+                        SPEED_RANGE[0] <= value <= SPEED_RANGE[1]:
+                    raise InvalidInputError(f"speed must be a number in {SPEED_RANGE[0]}..{SPEED_RANGE[1]}", "speed")
+                updates["speed"] = float(value)
+            elif key == "pause":
+                updates["pause"] = None if value is None else _seconds(value, "pause")
+            else:
+                raise InvalidInputError(f"a segment has no field {key!r}", key)
+        self._not_running(segment)
+        return self.store.update_segment(segment, **updates)
+
+    def _one_segment(self, text: object) -> str:
+        if not isinstance(text, str):
+            raise InvalidInputError("text must be a string", "text")
+        self.frontend.check_text(text)
+        pieces = self.split(" ".join(text.split()))
+        if not pieces:
+            raise InvalidInputError("this text has nothing to speak (only punctuation?)", "text")
+        return "".join(pieces)
+
+    def split_segment(self, project_id: str, segment_id: str, at: int) -> list[Segment]:
+        """Two segments from one, cut before character ``at``; its takes stay with the first half."""
+        segment = self.store.segment(project_id, segment_id)
+        self._not_running(segment)
+        if not isinstance(at, int) or isinstance(at, bool) or not 0 < at < len(segment.text):
+            raise InvalidInputError(f"split position must be inside the text (1..{len(segment.text) - 1})", "at")
+        first, second = self._one_segment(segment.text[:at]), self._one_segment(segment.text[at:])
+        base = {"voice": segment.voice, "instruction": segment.instruction, "speed": segment.speed,
+                "speaker": segment.speaker}
+        rows = [base | {"id": segment.id, "text": first, "brk": "sentence", "chapter": segment.chapter,
+                        "chosen_take": segment.chosen_take},
+                base | {"text": second, "brk": segment.brk, "pause": segment.pause}]
+        return self.store.replace_segments(project_id, [segment], segment.position, rows)
+
+    def merge_segments(self, project_id: str, segment_id: str) -> Segment:
+        """The segment joined with the next one (same voice and instruction); both's takes are kept."""
+        segments = self.store.segments(project_id)
+        index = next((i for i, s in enumerate(segments) if s.id == segment_id), None)
+        if index is None:
+            raise NotFoundError(f"no segment {segment_id!r} in this project", "segment")
+        if index + 1 >= len(segments):
+            raise InvalidInputError("the last segment has no next segment to merge with", "segment")
+        a, b = segments[index], segments[index + 1]
+        for s in (a, b):
+            self._not_running(s)
+        if (a.voice, a.instruction, a.speaker) != (b.voice, b.instruction, b.speaker):
+            raise InvalidInputError("only segments with the same voice and instruction can be merged", "segment")
+        joiner = "" if a.text.endswith(" ") or b.text.startswith(" ") else " "
+        row = {"id": a.id, "text": a.text + joiner + b.text, "voice": a.voice, "instruction": a.instruction,
+               "speed": a.speed, "brk": b.brk, "pause": b.pause, "chapter": a.chapter, "speaker": a.speaker,
+               "chosen_take": a.chosen_take}
+        return self.store.replace_segments(project_id, [a, b], a.position, [row], takes_to={b.id: 0})[0]
+
+    def choose_take(self, project_id: str, segment_id: str, take_id: str) -> Segment:
+        """Mark one of the segment's takes as the one used; the segment takes that take's text and settings."""
+        segment = self.store.segment(project_id, segment_id)
+        take = self.store.take(project_id, take_id)
+        if take.segment_id != segment.id:
+            raise InvalidInputError("that take belongs to another segment", "take")
+        self._not_running(segment)
+        return self.store.update_segment(segment, chosen_take=take.id, text=take.text, voice=take.voice,
+                                         instruction=take.instruction, speed=take.speed)
+
+    def update_settings(self, project_id: str, name: str | None = None, **settings: object) -> Project:
+        project = self.store.project(project_id)
+        changes: dict[str, object] = {"settings": self._settings(project.settings, settings)}
+        if name is not None:
+            changes["name"] = " ".join(str(name).split()) or project.name
+        return self.store.update_project(project_id, **changes)
+
+    def delete(self, project_id: str) -> Project:
+        """Delete a project, its segments and every take (the one way takes are removed)."""
+        job = self._jobs.get(project_id)
+        if job is not None:
+            self._cancel(job)
+            if job.thread is not None:
+                job.thread.join()
+        return self.store.delete_project(project_id)
+
+    def _not_running(self, segment: Segment) -> None:
+        job = self._jobs.get(segment.project_id)
+        if job is not None and (job.current == segment.id or any(sid == segment.id for sid, _ in job.queue)):
+            raise InvalidInputError("this segment is being generated; wait for it or stop the job", "segment")
+
+    # ------------------------------------------------------------------ generating
+
+    def generate(self, project_id: str, segment_ids: list[str] | None = None, *, new_take: bool = False) -> dict:
+        """Queue segments (default: every segment without a current take) for synthesis in a background job;
+        ``new_take`` makes a new take (new seed) even where one is current: "regenerate". Returns progress."""
+        segments = self.segments(project_id)
+        known = {s.id for s in segments}
+        if segment_ids is not None:
+            unknown = [sid for sid in segment_ids if sid not in known]
+            if unknown:
+                raise NotFoundError(f"no segment {unknown[0]!r} in this project", "segments")
+            wanted = set(segment_ids)
+            order = [s.id for s in segments if s.id in wanted]
+        else:
+            takes = self.store.takes(project_id)
+            order = [s.id for s in segments if self.current_take(s, takes) is None]
+        with self._lock:
+            job = self._jobs.get(project_id)
+            start = job is None
+            if start:
+                job = self._jobs[project_id] = Job(project_id)
+            queued = {sid for sid, _ in job.queue} | {job.current}
+            job.queue.extend((sid, new_take) for sid in order if sid not in queued)
+            if start:
+                job.thread = threading.Thread(target=self._run, args=(job,), daemon=True,
+                                              name=f"cosyvoice-longform-{project_id}")
+                job.thread.start()
+        return self.progress(project_id)
+
+    def regenerate(self, project_id: str, segment_id: str) -> dict:
+        """A new take of one segment with a new seed; it becomes the chosen take (the old ones are kept)."""
+        return self.generate(project_id, [segment_id], new_take=True)
+
+    def cancel(self, project_id: str) -> dict:
+        """Stop the project's job: the segment being made is dropped, the queue emptied; takes made stay."""
+        job = self._jobs.get(project_id)
+        if job is not None:
+            self._cancel(job)
+        return self.progress(project_id)
+
+    def wait(self, project_id: str, timeout: float | None = None) -> dict:
+        """Block until the project's job ends (tests, the CLI)."""
+        job = self._jobs.get(project_id)
+        if job is not None and job.thread is not None:
+            job.thread.join(timeout)
+        return self.progress(project_id)
+
+    def _cancel(self, job: Job) -> None:
+        with self._lock:
+            job.cancelled = True
+            job.queue.clear()
+            session = job.session
+        if session is not None:
+            session.cancel()
+
+    def _run(self, job: Job) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if job.cancelled or not job.queue:
+                        break
+                    job.current, new_take = job.queue.popleft()
+                try:
+                    segment = self.store.segment(job.project_id, job.current)
+                except NotFoundError:  # merged away meanwhile
+                    continue
+                takes = self.store.takes(job.project_id)
+                if not new_take and self.current_take(segment, takes) is not None:
+                    continue
+                self._make_take(job, segment)
+        except Exception:
+            logger.exception("long-form job of project %s failed", job.project_id)
+        finally:
+            with self._lock:
+                job.current = None
+                self._jobs.pop(job.project_id, None)
+
+    def _admitted(self, job: Job, request: SynthesisRequest) -> SynthesisSession:
+        """The service's session for ``request``; a busy service (the queue full for ``queue_timeout_seconds``)
+        is asked again a few times, since a long job should wait out a burst of other users, not fail."""
+        attempt = 1
+        while True:
+            try:
+                return self.service.synthesize(request)
+            except ResourceLimitError:
+                if attempt >= BUSY_RETRIES or job.cancelled:
+                    raise
+            attempt += 1
+            time.sleep(BUSY_WAIT_SECONDS)
+
+    def _make_take(self, job: Job, segment: Segment) -> None:
+        seed = secrets.randbelow(MAX_SEED)
+        mode = "instruct" if segment.instruction else "sft"
+        request = SynthesisRequest(segment.text, mode, voice=segment.voice, instruction=segment.instruction,
+                                   speed=segment.speed, seed=seed, stream=False)
+        self.store.set_state(segment, "running")
+        started = time.monotonic()
+        try:
+            session = self._admitted(job, request)
+            with self._lock:
+                job.session = session
+            if job.cancelled:
+                session.cancel()
+            with contextlib.closing(session):
+                pcm = [chunk.pcm.reshape(-1).cpu().numpy() for chunk in session]
+            voice_id = session.prepared.voice_id
+        except CosyVoiceError as exc:
+            job.failed += 1
+            self.store.set_state(segment, "failed", str(exc))
+            return
+        except Exception as exc:
+            logger.exception("segment %s of project %s failed", segment.id, segment.project_id)
+            job.failed += 1
+            self.store.set_state(segment, "failed", f"internal error ({type(exc).__name__})")
+            return
+        finally:
+            with self._lock:
+                job.session = None
+        if job.cancelled:
+            self.store.set_state(segment, "idle")
+            return
+        audio = np.concatenate(pcm).astype(np.float32) if pcm else np.zeros(0, np.float32)
+        flags = finishing.check_take(audio, self.sample_rate, segment.text, segment.speed)
+        took = time.monotonic() - started
+        self.store.add_take(segment, audio, self.sample_rate, seed=seed, voice_id=voice_id, flags=flags,
+                            seconds_to_make=took)
+        job.done += 1
+        job.chars_done += len(segment.text)
+        job.seconds_working += took
+
+    # ------------------------------------------------------------------ finishing and export
+
+    def _plan(self, project_id: str) -> tuple[list[tuple[Segment, Take, float]], finishing.Finish]:
+        """(segment, its current take, seconds of pause after it) in order, and the project's finishing;
+        refused while any segment has no current take."""
+        project = self.store.project(project_id)
+        segments = self.store.segments(project_id)
+        takes = self.store.takes(project_id)
+        chosen = [self.current_take(s, takes) for s in segments]
+        missing = [i + 1 for i, t in enumerate(chosen) if t is None]
+        if missing:
+            listed = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+            raise InvalidInputError(f"{len(missing)} segment(s) have no audio yet ({listed}); generate them first",
+                                    "segments")
+        pauses = project.settings["pauses"]
+        plan = [(s, t, 0.0 if i == len(segments) - 1 else s.pause if s.pause is not None else pauses.get(s.brk, 0.0))
+                for i, (s, t) in enumerate(zip(segments, chosen, strict=True))]
+        return plan, finishing.Finish(project.settings.get("preset"), project.settings.get("margin", 0.1))
+
+    def _pieces(self, project_id: str, finished: bool, rows: list, level: bool = True) -> Iterator[np.ndarray]:
+        """The mix piece by piece (a segment, then its pause), one segment in memory at a time; ``rows`` gets
+        each segment's place as it is reached. ``level=False`` skips the loudness step (lengths only)."""
+        plan, finish = self._plan(project_id)
+        if not level:
+            finish = finishing.Finish(None, finish.margin)
+        sr, at = self.sample_rate, 0
+        for segment, take, pause in plan:
+            audio = self.store.take_audio(take)
+            if finished:
+                audio = finishing.finish_segment(audio, take.sample_rate, finish)
+            rows.append((segment, take, at / sr, (at + len(audio)) / sr))
+            gap = round(pause * sr)
+            yield audio
+            if gap:
+                yield np.zeros(gap, np.float32)
+            at += len(audio) + gap
+
+    def render(self, project_id: str, finished: bool = True) -> Rendered:
+        """The project's mix in memory: chosen takes in order with their pauses; ``finished`` trims and levels
+        each segment by the project's settings first. Refused while any segment has no current take."""
+        rows: list = []
+        pieces = list(self._pieces(project_id, finished, rows))
+        return Rendered(self.sample_rate, rows, np.concatenate(pieces).astype(np.float32))
+
+    def timeline(self, project_id: str, finished: bool = True) -> Timeline:
+        """The mix's timings without making it (finishing changes lengths by trimming only)."""
+        rows: list = []
+        for _ in self._pieces(project_id, finished, rows, level=False):
+            pass
+        return Timeline(self.sample_rate, rows)
+
+    def export_to(self, out: BinaryIO, project_id: str, fmt: str = "wav", finished: bool = True) -> Timeline:
+        """Write the mix into the seekable file ``out`` in ``fmt`` (wav, mp3, flac, opus, m4b, mp4; the MP4
+        formats carry the chapters), one segment at a time."""
+        audio_fmt = file_format(fmt)
+        rows: list = []
+        write_file(out, self._pieces(project_id, finished, rows), audio_fmt, self.sample_rate,
+                   lambda: Timeline(self.sample_rate, rows).chapters)
+        return Timeline(self.sample_rate, rows)
+
+    def export(self, project_id: str, fmt: str = "wav", finished: bool = True) -> tuple[str, bytes, Timeline]:
+        """(file name, bytes, timeline) of the mix in ``fmt``, in memory."""
+        buffer = io.BytesIO()
+        timeline = self.export_to(buffer, project_id, fmt, finished)
+        return self.file_name(project_id, fmt), buffer.getvalue(), timeline
+
+    def file_name(self, project_id: str, fmt: str) -> str:
+        return f"{_file_stem(self.store.project(project_id).name)}.{file_format(fmt).extension}"
+
+    def segments_json(self, project_id: str, timeline: Timeline) -> dict:
+        """The table of an export: per segment its text, start/end seconds, seed, take and voice."""
+        project = self.store.project(project_id)
+        return {"project": project.id, "name": project.name, "sample_rate": timeline.sample_rate,
+                "duration": round(timeline.seconds, 3),
+                "preset": project.settings.get("preset"),
+                "segments": [{"index": i, "id": s.id, "text": s.text, "start": round(a, 3), "end": round(b, 3),
+                              "seed": t.seed, "take": t.id, "voice": t.voice, "voice_id": t.voice_id,
+                              "speaker": s.speaker, "instruction": s.instruction, "chapter": s.chapter,
+                              "flags": t.flags}
+                             for i, (s, t, a, b) in enumerate(timeline.rows)],
+                "chapters": [{"title": c.title, "start": round(c.start, 3), "end": round(c.end, 3)}
+                             for c in timeline.chapters]}
+
+    def subtitles(self, project_id: str, kind: str = "srt", finished: bool = True) -> str:
+        if kind not in ("srt", "vtt"):
+            raise InvalidInputError(f"subtitles are srt or vtt, not {kind!r}", "format")
+        cues = self.timeline(project_id, finished).cues
+        return finishing.srt(cues) if kind == "srt" else finishing.vtt(cues)
+
+
+def _seconds(value: object, field_name: str, limit: float = script.MAX_PAUSE_SECONDS) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= limit:
+        raise InvalidInputError(f"{field_name} must be a number of seconds in 0..{limit:g}", field_name)
+    return float(value)
+
+
+def _file_stem(name: str) -> str:
+    stem = "".join(ch if ch.isalnum() or ch in "-_ " else "_" for ch in name).strip().replace(" ", "-")
+    return stem[:80] or "project"
+

@@ -1,0 +1,332 @@
+"""Long-form projects over HTTP: a FastAPI router (REST under ``/v1/longform``) and the project page
+(``/studio/longform``), mounted on the REST server and on the web UI's own FastAPI app.
+
+A thin adapter over :class:`cosyvoice.longform.LongformStudio`: it parses the wire format, maps the studio's
+errors onto HTTP once (``rest.http_error``: 400 naming the field, 404, 409, 503, 500 without internals), and
+serves take audio, exports and subtitles as files. The page is static HTML + JavaScript that calls the same
+endpoints, so everything it does is scriptable.
+
+    GET    /v1/longform/voices                                   built-in and saved voices
+    GET    /v1/longform/projects                                 the projects, last changed first
+    POST   /v1/longform/projects                                 {text, name, kind, voice, speakers, preset, ...}
+    POST   /v1/longform/projects/upload                          multipart: file (.txt/.md/.epub), name, voice, ...
+    GET    /v1/longform/projects/{p}                             settings, segment table (status, takes), progress
+    PATCH  /v1/longform/projects/{p}                             {name, pauses, preset, margin}
+    DELETE /v1/longform/projects/{p}                             the project and every take
+    PATCH  /v1/longform/projects/{p}/segments/{s}                {text, voice, instruction, speed, pause}
+    POST   /v1/longform/projects/{p}/segments/{s}/split          {at: character offset}
+    POST   /v1/longform/projects/{p}/segments/{s}/merge          with the next segment
+    POST   /v1/longform/projects/{p}/segments/{s}/regenerate     a new take, new seed
+    POST   /v1/longform/projects/{p}/segments/{s}/takes/{t}/choose
+    GET    /v1/longform/projects/{p}/takes/{t}.wav
+    POST   /v1/longform/projects/{p}/generate                    {segments?: [ids]}; default: all without audio
+    POST   /v1/longform/projects/{p}/cancel
+    GET    /v1/longform/projects/{p}/progress                    {running, total, done, failed, queued, eta, ...}
+    GET    /v1/longform/projects/{p}/export?format=wav&finished=true   wav mp3 flac opus m4b mp4
+    GET    /v1/longform/projects/{p}/subtitles.srt | subtitles.vtt | segments.json
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, File, Form, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+
+from cosyvoice.encoding import encode_audio, file_format
+from cosyvoice.errors import AlreadyExistsError, CosyVoiceError, InvalidInputError, NotFoundError, ResourceLimitError
+from cosyvoice.longform import LongformStudio, script
+from cosyvoice.longform.store import Segment, Take
+from cosyvoice.service import TTSService
+from cosyvoice.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+PAGE = Path(__file__).with_name("longform_page.html")
+MAX_UPLOAD_BYTES = 50 * 1024 * 1024
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class NewProject(_Body):
+    text: str
+    name: str = ""
+    kind: str = "document"
+    voice: str | None = None
+    speakers: dict[str, str] | None = None
+    pauses: dict[str, float] | None = None
+    preset: str | None = "podcast"
+    margin: float | None = None
+
+
+class ProjectChanges(_Body):
+    name: str | None = None
+    pauses: dict[str, float] | None = None
+    preset: str | None = None
+    margin: float | None = None
+
+
+class SegmentChanges(_Body):
+    text: str | None = None
+    voice: str | None = None
+    instruction: str | None = None
+    speed: float | None = None
+    pause: float | None = None
+    default_pause: bool = False  # true: the pause goes back to the project's pause for the segment's break
+
+
+class SplitAt(_Body):
+    at: int
+
+
+class GenerateBody(_Body):
+    segments: list[str] | None = None
+
+
+def longform_router(get_service: Callable[[], TTSService], data_dir: str | Path | None = None,
+                    settings: ServerSettings | None = None) -> APIRouter:
+    """The router; the :class:`LongformStudio` is made on the first request (the model may load after start)."""
+    settings = settings or ServerSettings.from_env()
+    holder: dict[str, LongformStudio] = {}
+    lock = threading.Lock()
+
+    def studio() -> LongformStudio:
+        with lock:
+            if "studio" not in holder:
+                holder["studio"] = LongformStudio(get_service(), data_dir)
+            return holder["studio"]
+
+    class Route(APIRoute):
+        """Errors answered here, so the router behaves the same on any app it is mounted on."""
+
+        def get_route_handler(self) -> Callable:
+            handler = super().get_route_handler()
+
+            async def handle(request: Request) -> Response:
+                try:
+                    return await handler(request)
+                except RequestValidationError as exc:
+                    first = exc.errors()[0] if exc.errors() else {}
+                    field = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path"))
+                    message = f"{field}: {first.get('msg', 'invalid')}" if field else "the request body is invalid"
+                    return http_error(InvalidInputError(message, field or None), settings)
+                except HTTPException:
+                    raise
+                except Exception as exc:
+                    if not isinstance(exc, CosyVoiceError):
+                        logger.exception("%s %s failed", request.method, request.url.path)
+                    return http_error(exc, settings)
+
+            return handle
+
+    router = APIRouter(route_class=Route)
+
+    # -------------------------------------------------------------- the page
+
+    @router.get("/studio/longform", include_in_schema=False)
+    def page() -> HTMLResponse:
+        return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+
+    # -------------------------------------------------------------- projects
+
+    @router.get("/v1/longform/voices")
+    def voices() -> JSONResponse:
+        """Voices a segment can use: built-in and saved ones."""
+        return JSONResponse([{"id": v.id, "name": v.name, "builtin": v.builtin}
+                             for v in studio().service.voices.list() if v.name])
+
+    @router.get("/v1/longform/projects")
+    def projects() -> JSONResponse:
+        s = studio()
+        return JSONResponse([{"id": p.id, "name": p.name, "kind": p.kind, "created": p.created,
+                              "updated": p.updated} for p in s.projects()])
+
+    @router.post("/v1/longform/projects", status_code=201)
+    def create(body: NewProject) -> JSONResponse:
+        s = studio()
+        options = {k: v for k, v in (("pauses", body.pauses), ("margin", body.margin)) if v is not None}
+        project = s.create(body.name, body.text, voice=body.voice, kind=body.kind, speakers=body.speakers,
+                           preset=body.preset, **options)
+        return JSONResponse(detail(s, project.id), 201)
+
+    @router.post("/v1/longform/projects/upload", status_code=201)
+    def upload(file: Annotated[UploadFile, File()], name: Annotated[str, Form()] = "",
+               voice: Annotated[str | None, Form()] = None, kind: Annotated[str, Form()] = "document",
+               speakers: Annotated[str, Form()] = "", preset: Annotated[str, Form()] = "podcast") -> JSONResponse:
+        """A project from a .txt, .md or .epub file (``speakers``: JSON object for dialogue scripts)."""
+        s = studio()
+        data = file.file.read(MAX_UPLOAD_BYTES + 1)
+        if len(data) > MAX_UPLOAD_BYTES:
+            raise InvalidInputError(f"the file is larger than {MAX_UPLOAD_BYTES // 2**20} MB", "file")
+        text, chapters = script.read_document(file.filename or "upload.txt", data)
+        try:
+            mapping = json.loads(speakers) if speakers.strip() else None
+        except ValueError as exc:
+            raise InvalidInputError("speakers must be a JSON object of label -> voice", "speakers") from exc
+        project = s.create(name or Path(file.filename or "").stem, text, voice=voice, kind=kind, speakers=mapping,
+                           chapters=chapters, preset=preset)
+        return JSONResponse(detail(s, project.id), 201)
+
+    @router.get("/v1/longform/projects/{project_id}")
+    def get_project(project_id: str) -> JSONResponse:
+        return JSONResponse(detail(studio(), project_id))
+
+    @router.patch("/v1/longform/projects/{project_id}")
+    def change_project(project_id: str, body: ProjectChanges) -> JSONResponse:
+        s = studio()
+        changes = body.model_dump(exclude_unset=True)
+        s.update_settings(project_id, **changes)
+        return JSONResponse(detail(s, project_id))
+
+    @router.delete("/v1/longform/projects/{project_id}")
+    def delete_project(project_id: str) -> JSONResponse:
+        project = studio().delete(project_id)
+        return JSONResponse({"deleted": project.id, "name": project.name})
+
+    # -------------------------------------------------------------- segments
+
+    @router.patch("/v1/longform/projects/{project_id}/segments/{segment_id}")
+    def change_segment(project_id: str, segment_id: str, body: SegmentChanges) -> JSONResponse:
+        s = studio()
+        changes = body.model_dump(exclude_unset=True)
+        if changes.pop("default_pause", False):
+            changes["pause"] = None
+        s.edit_segment(project_id, segment_id, **changes)
+        return JSONResponse(detail(s, project_id))
+
+    @router.post("/v1/longform/projects/{project_id}/segments/{segment_id}/split")
+    def split(project_id: str, segment_id: str, body: SplitAt) -> JSONResponse:
+        s = studio()
+        s.split_segment(project_id, segment_id, body.at)
+        return JSONResponse(detail(s, project_id))
+
+    @router.post("/v1/longform/projects/{project_id}/segments/{segment_id}/merge")
+    def merge(project_id: str, segment_id: str) -> JSONResponse:
+        s = studio()
+        s.merge_segments(project_id, segment_id)
+        return JSONResponse(detail(s, project_id))
+
+    @router.post("/v1/longform/projects/{project_id}/segments/{segment_id}/regenerate")
+    def regenerate(project_id: str, segment_id: str) -> JSONResponse:
+        return JSONResponse(studio().regenerate(project_id, segment_id))
+
+    @router.post("/v1/longform/projects/{project_id}/segments/{segment_id}/takes/{take_id}/choose")
+    def choose(project_id: str, segment_id: str, take_id: str) -> JSONResponse:
+        s = studio()
+        s.choose_take(project_id, segment_id, take_id)
+        return JSONResponse(detail(s, project_id))
+
+    @router.get("/v1/longform/projects/{project_id}/takes/{take_id}.wav")
+    def take_audio(project_id: str, take_id: str) -> Response:
+        s = studio()
+        take = s.store.take(project_id, take_id)
+        return Response(encode_audio(s.store.take_audio(take), "wav", take.sample_rate), media_type="audio/wav")
+
+    # -------------------------------------------------------------- generation
+
+    @router.post("/v1/longform/projects/{project_id}/generate")
+    def generate(project_id: str, body: GenerateBody | None = None) -> JSONResponse:
+        return JSONResponse(studio().generate(project_id, body.segments if body else None))
+
+    @router.post("/v1/longform/projects/{project_id}/cancel")
+    def cancel(project_id: str) -> JSONResponse:
+        return JSONResponse(studio().cancel(project_id))
+
+    @router.get("/v1/longform/projects/{project_id}/progress")
+    def progress(project_id: str) -> JSONResponse:
+        return JSONResponse(studio().progress(project_id))
+
+    # -------------------------------------------------------------- export
+
+    @router.get("/v1/longform/projects/{project_id}/export")
+    def export(project_id: str, format: str = "wav", finished: bool = True) -> Response:
+        """The mix as a file download (wav, mp3, flac, opus, m4b, mp4), written to a temporary file segment by
+        segment (an audiobook never sits in memory) and deleted once sent."""
+        s = studio()
+        fmt = file_format(format)
+        with tempfile.NamedTemporaryFile(dir=s.store.root, suffix=".export", delete=False) as out:
+            try:
+                s.export_to(out, project_id, fmt.name, finished)
+            except BaseException:
+                out.close()
+                os.unlink(out.name)
+                raise
+        return FileResponse(out.name, media_type=fmt.content_type, background=BackgroundTask(os.unlink, out.name),
+                            headers=_attachment(s.file_name(project_id, fmt.name)))
+
+    @router.get("/v1/longform/projects/{project_id}/subtitles.{kind}")
+    def subtitles(project_id: str, kind: str, finished: bool = True) -> Response:
+        s = studio()
+        text = s.subtitles(project_id, kind, finished)
+        media = "text/vtt" if kind == "vtt" else "application/x-subrip"
+        name = f"{s.project(project_id).name or 'subtitles'}.{kind}"
+        return Response(text, media_type=f"{media}; charset=utf-8", headers=_attachment(name))
+
+    @router.get("/v1/longform/projects/{project_id}/segments.json")
+    def segments_json(project_id: str, finished: bool = True) -> JSONResponse:
+        s = studio()
+        return JSONResponse(s.segments_json(project_id, s.timeline(project_id, finished)))
+
+    return router
+
+
+def http_error(exc: BaseException, settings: ServerSettings) -> JSONResponse:
+    """The REST server's error body (``rest.http_error``'s mapping), kept here because the web UI mounts this
+    router without the REST server's dependencies (prometheus-client)."""
+    retry = {"Retry-After": str(settings.retry_after_seconds)}
+    status, kind, message, field, headers = (
+        (404, "not_found", str(exc), getattr(exc, "field", None), None) if isinstance(exc, NotFoundError) else
+        (409, "conflict", str(exc), exc.field, None) if isinstance(exc, AlreadyExistsError) else
+        (400, "invalid_request_error", str(exc), exc.field, None) if isinstance(exc, InvalidInputError) else
+        (503, "busy", str(exc), None, retry) if isinstance(exc, ResourceLimitError) else
+        (500, "model_error", str(exc), None, None) if isinstance(exc, CosyVoiceError) else
+        (500, "internal_error", "internal error; the server log has the details", None, None))
+    return JSONResponse({"error": {"message": message, "type": kind, "field": field, "param": field}}, status,
+                        headers=headers)
+
+
+def detail(studio: LongformStudio, project_id: str) -> dict[str, Any]:
+    """A project as the page shows it: settings, every segment with its status and takes, the progress."""
+    project = studio.project(project_id)
+    table = studio.table(project_id)
+    names = {v.id: v.name for v in studio.service.voices.list() if v.name}
+    pauses = project.settings["pauses"]
+    return {"id": project.id, "name": project.name, "kind": project.kind, "settings": project.settings,
+            "sample_rate": studio.sample_rate, "progress": studio.progress(project_id),
+            "segments": [_segment(s, takes, status, names, pauses, last=i == len(table) - 1)
+                         for i, (s, takes, status) in enumerate(table)]}
+
+
+def _segment(s: Segment, takes: list[Take], status: str, names: dict[str, str], pauses: dict[str, float],
+             last: bool) -> dict[str, Any]:
+    current = next((t for t in takes if t.id == s.chosen_take and t.matches(s)), None)
+    return {"id": s.id, "index": s.position, "text": s.text, "voice": s.voice, "voice_name": names.get(s.voice),
+            "instruction": s.instruction, "speed": s.speed, "break": s.brk, "pause": s.pause,
+            "pause_seconds": 0.0 if last else s.pause if s.pause is not None else pauses.get(s.brk, 0.0),
+            "chapter": s.chapter, "speaker": s.speaker, "status": status, "error": s.error,
+            "take": current.id if current else None, "flags": current.flags if current else [],
+            "seconds": round(current.samples / current.sample_rate, 2) if current else None,
+            "takes": [{"id": t.id, "seed": t.seed, "flags": t.flags, "current": t.matches(s),
+                       "chosen": t.id == s.chosen_take, "seconds": round(t.samples / t.sample_rate, 2),
+                       "created": t.created} for t in takes]}
+
+
+def _attachment(name: str) -> dict[str, str]:
+    from urllib.parse import quote
+
+    ascii_name = "".join(ch if 32 <= ord(ch) < 127 and ch not in '"\\' else "_" for ch in name)
+    return {"Content-Disposition": f"attachment; filename=\"{ascii_name}\"; filename*=UTF-8''{quote(name)}"}

@@ -1,0 +1,137 @@
+"""The long-form project page in a real browser (Debian's chromium driven by Playwright), served by the web UI
+on loopback with the tiny bundle: paste text, review and edit the table, generate, regenerate one segment,
+export and download. Screenshots go to ``test-artifacts/`` (kept by CI, ignored by git)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import soundfile as sf
+
+pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra")
+sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright (the dev extra)")
+CHROMIUM = Path(os.environ.get("COSYVOICE_CHROMIUM", "/usr/bin/chromium"))
+if not CHROMIUM.is_file():
+    pytest.skip(f"no chromium at {CHROMIUM} (apt-get install chromium, or set COSYVOICE_CHROMIUM)",
+                allow_module_level=True)
+
+from test_webui import make_studio, serving  # noqa: E402
+from test_webui_browser import FLAGS  # noqa: E402
+
+ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+TEXT = "Hi there.\n\nGood day to you.\n\nBye now."
+
+
+@pytest.fixture(scope="module")
+def app(tts, tmp_path_factory: pytest.TempPathFactory, short_prompt_wav: Path) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("longform-browser")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COSYVOICE_DATA_DIR", str(root / "data"))  # read by the router on its first request
+        studio = make_studio(tts, root, builtin_prompt=short_prompt_wav)
+        with serving(studio) as url:
+            yield url
+
+
+@pytest.fixture(scope="module")
+def page(app: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    with sync_api.sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=str(CHROMIUM), headless=True,
+            args=FLAGS, viewport={"width": 1400, "height": 1000}, accept_downloads=True, locale="en-US")
+        page = context.new_page()
+        page.goto(app + "studio/longform")
+        page.wait_for_function("() => window.longformReady === true")
+        yield page
+        context.close()
+
+
+def shot(page, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"longform-{name}.png"), full_page=True)
+
+
+def statuses(page) -> list[str]:
+    return page.locator("#segments tr.segment .status").all_inner_texts()
+
+
+def test_paste_review_generate_regenerate_export_download(page, tmp_path: Path) -> None:
+    # paste a text, pick the built-in narrator, create: the table shows the segments as they will be read
+    page.fill("#new-name", "Browser project")
+    page.select_option("#new-voice", label="Narrator (built-in)")
+    page.fill("#new-text", TEXT)
+    page.click("#create")
+    rows = page.locator("#segments tr.segment")
+    rows.first.wait_for()
+    assert rows.count() == 3
+    assert [rows.nth(i).locator("textarea.text").input_value() for i in range(3)] == \
+        ["Hi there.", "Good day to you.", "Bye now."]
+    assert statuses(page) == ["pending"] * 3
+    # edit one segment: the server normalises it (numbers spelled out as they will be read)
+    text = rows.nth(2).locator("textarea.text")
+    text.fill("Bye, 2 times.")
+    text.blur()
+    page.wait_for_function("() => document.querySelectorAll('#segments tr.segment textarea.text')[2].value"
+                           " === 'Bye, two times.'")
+    shot(page, "1-table")
+
+    # generate, and play along: "Play all" waits for each segment and plays it once it is made
+    page.click("#generate")
+    page.click("#play")
+    page.wait_for_function("() => document.querySelector('#play-state').textContent === 'playing 1 of 3'",
+                           timeout=120_000)
+    assert page.locator("#segments tr.segment.playing").count() == 1
+    page.wait_for_function("() => [...document.querySelectorAll('#segments .status')]"
+                           ".every(s => s.textContent === 'done')", timeout=180_000)
+    page.wait_for_function("() => document.querySelector('#progress-text').textContent"
+                           ".startsWith('3 of 3 segments done')")
+    assert page.locator("#segments audio").count() == 3
+    page.wait_for_function("() => document.querySelector('#play-state').textContent === 'playing 2 of 3'",
+                           timeout=60_000)  # the first take played to its end, then its pause
+    page.click("#play")  # stop
+    assert page.inner_text("#play-state") == "" and page.locator("#segments tr.segment.playing").count() == 0
+    first_take = rows.nth(0).locator("select.takes").input_value()
+    second_take = rows.nth(1).locator("select.takes").input_value()
+    shot(page, "2-generated")
+
+    # regenerate the second segment: a second take, chosen; the others keep theirs
+    rows.nth(1).locator("button.regen").click()
+    page.wait_for_function("() => { const s = document.querySelectorAll('#segments select.takes')[1];"
+                           " return s.options.length === 3 && !s.disabled; }", timeout=120_000)
+    page.wait_for_function("() => [...document.querySelectorAll('#segments .status')]"
+                           ".every(s => s.textContent === 'done')", timeout=60_000)
+    assert rows.nth(0).locator("select.takes").input_value() == first_take
+    new_take = rows.nth(1).locator("select.takes").input_value()
+    assert new_take and new_take != second_take
+    shot(page, "3-regenerated")
+
+    # export WAV: a real file download with the mix, as long as the segment table says
+    page.select_option("#export-format", "wav")
+    with page.expect_download() as download:
+        page.click("#export")
+    page.wait_for_selector("#toast.info")
+    assert page.inner_text("#toast") == "exported Browser-project.wav"
+    saved = tmp_path / download.value.suggested_filename
+    download.value.save_as(saved)
+    assert saved.name == "Browser-project.wav"
+    audio, rate = sf.read(saved)
+    project = page.evaluate("() => current.id")
+    table = page.request.get(f"{page.url.split('/studio')[0]}/v1/longform/projects/{project}/segments.json").json()
+    assert abs(len(audio) / rate - table["duration"]) < 0.01
+    assert [s["take"] for s in table["segments"]][:2] == [first_take, new_take]
+    with page.expect_download() as subtitles:
+        page.click("#download-srt")
+    srt = Path(subtitles.value.path()).read_text()
+    assert "Good day to you." in srt and "Bye, two times." in srt
+    shot(page, "4-exported")
+
+    # bad input: a toast names the problem, nothing changes
+    speed = rows.nth(0).locator("input.speed")
+    speed.fill("9")
+    speed.blur()
+    page.wait_for_selector("#toast:not(.info)")
+    assert page.inner_text("#toast").startswith("speed must be a number")
+    page.wait_for_function("() => document.querySelector('#segments input.speed').value === '1'")
+    shot(page, "5-error")
