@@ -50,7 +50,7 @@ def voiced(path: Path, f0: float, seconds: float = 1.5, sr: int = 16000) -> Path
 @pytest.fixture(scope="module")
 def service(tts, tmp_path_factory: pytest.TempPathFactory) -> TTSService:
     folder = tmp_path_factory.mktemp("longform-voices")
-    svc = TTSService(tts, VoiceLibrary(folder, tts.frontend, model_dir=tts.model_dir),
+    svc = TTSService(tts.model, VoiceLibrary(folder, tts.frontend, model_dir=tts.model_dir),
                      Limits(max_sessions=4, queue_timeout_seconds=60))
     for name, f0 in (("Alice", 220.0), ("Bob", 110.0), ("Carol", 180.0)):
         svc.create_voice(name, voiced(folder / f"{name}.wav", f0), f"Hello, I am {name}.")
@@ -226,7 +226,7 @@ def test_a_busy_service_is_waited_out_and_a_refusal_fails_only_its_segment(servi
     from cosyvoice.service import SynthesisRequest
 
     monkeypatch.setattr(projects, "BUSY_WAIT_SECONDS", 0.2)
-    one = TTSService(service.tts, service.voices, Limits(max_sessions=1, max_queued_requests=0))
+    one = TTSService(service.model, service.voices, Limits(max_sessions=1, max_queued_requests=0))
     reasons: list[str | None] = []
     one.add_listener(lambda outcome: reasons.append(outcome.reason))
     studio = LongformStudio(one, tmp_path)

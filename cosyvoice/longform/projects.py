@@ -110,7 +110,7 @@ class LongformStudio:
     @property
     def frontend(self) -> CosyVoiceFrontend:
         """The model's own text frontend: THE splitter, so the table is what will be read."""
-        return self.service.tts.frontend
+        return self.service.model.frontend
 
     def close(self) -> None:
         for job in list(self._jobs.values()):
