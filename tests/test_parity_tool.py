@@ -16,7 +16,7 @@ from cosyvoice.tools.parity.common import Golden
 def test_every_component_passes_on_the_golden_set(golden: Golden, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--golden", str(golden.root)]) == 0
     out = capsys.readouterr().out
-    for component in ("text", "frontend", "llm", "bistream", "flow", "hift", "t2w"):
+    for component in ("text", "frontend", "llm", "bistream", "flow", "hift", "t2w", "e2e"):
         assert f"({component}:" in out
     assert " FAIL " not in out and "0 failed" in out
 
