@@ -376,7 +376,7 @@ class VoiceLibrary:
         if audio is not None:
             upload = self._decode(audio, prompt_text)  # the same checks an upload gets
         else:
-            upload = _Upload(self._features_id(voice), torch.zeros(1, 0), 0, prompt_text)
+            upload = _Upload(self.features_id(voice), torch.zeros(1, 0), 0, prompt_text)
         upload.voice = voice
         return self._name_upload(upload, name, owner)
 
@@ -391,7 +391,7 @@ class VoiceLibrary:
         """
         ids = voice.prompt_text.reshape(-1).tolist()
         transcript = self.frontend.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
-        upload = _Upload(self._features_id(voice), torch.zeros(1, 0), 0, transcript, voice)
+        upload = _Upload(self.features_id(voice), torch.zeros(1, 0), 0, transcript, voice)
         with self._exclusive():
             if upload.voice_id not in self._index:
                 try:
@@ -416,7 +416,8 @@ class VoiceLibrary:
         """The saved (named) voices, by name (built-ins are not saved voices: spk2info.pt never holds them)."""
         return [i for i in self.list() if i.name and not i.builtin]
 
-    def _features_id(self, voice: Voice) -> str:
+    def features_id(self, voice: Voice) -> str:
+        """The id of a ready voice (e.g. from spk2info.pt): a hash of its tensors."""
         digest = hashlib.sha256(f"{self.model_id}\0features".encode())
         for name, tensor in sorted({**voice.features.tensors(), "prompt_text": voice.prompt_text}.items()):
             t = tensor.detach().cpu().contiguous()

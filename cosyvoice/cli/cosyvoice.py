@@ -24,14 +24,14 @@ import torch
 
 from cosyvoice.bundle import open_model_dir, resolve_model_dir
 from cosyvoice.engine import AudioChunk, CancelToken, Engine
-from cosyvoice.errors import CosyVoiceError, InvalidInputError, ModelBundleError, NotFoundError
+from cosyvoice.errors import CosyVoiceError, InvalidInputError, ModelBundleError
 from cosyvoice.frontend import prompts
 from cosyvoice.frontend.audio import AudioSource, resample
 from cosyvoice.frontend.frontend import CosyVoiceFrontend, ModelInput, Voice
 from cosyvoice.frontend.tokenizer import CosyVoice3Tokenizer
 from cosyvoice.llm.job import TokenStream
 from cosyvoice.settings import Limits, default_voice_dir, parse_precision
-from cosyvoice.spkinfo import SPKINFO_FILE, read_spkinfo, voice_to_official, write_spkinfo
+from cosyvoice.spkinfo import SPKINFO_FILE, SpeakerFile
 from cosyvoice.voices import VoiceLibrary
 
 logger = logging.getLogger(__name__)
@@ -191,8 +191,8 @@ class CosyVoice3:
                              endofprompt_id=self.frontend.tokenizer.end_of_prompt_id)
         self.sample_rate = bundle.config.sample_rate
         self.voices = self._open_voices(Path(voice_dir) if voice_dir is not None else default_voice_dir())
-        self._spk_lock = threading.Lock()
-        self._import_spkinfo()
+        self.speakers = SpeakerFile(Path(self.model_dir) / SPKINFO_FILE, self.voices)
+        self.speakers.load()
 
     # ------------------------------------------------------------------ saved voices (official spk2info)
 
@@ -214,8 +214,7 @@ class CosyVoice3:
 
     def unusable_spks(self) -> dict[str, str]:
         """Entries of ``spk2info.pt`` this model cannot use, with the reason; they are kept and written back."""
-        with self._spk_lock:
-            return dict(self._unusable_reasons)
+        return self.speakers.unusable()
 
     def add_zero_shot_spk(self, prompt_text: str, prompt_wav: AudioSource, zero_shot_spk_id: str) -> bool:
         """Featurise a prompt once and keep it under ``zero_shot_spk_id`` (replacing a voice of that id)."""
@@ -228,76 +227,12 @@ class CosyVoice3:
         return True
 
     def save_spkinfo(self) -> None:
-        """Write the saved voices to ``{model_dir}/spk2info.pt`` in the official format, atomically.
-
-        Entries we could not use are written back unchanged; a file that could not be read is copied
-        aside (``spk2info.pt.unreadable-*``) first.
-        """
-        with self._spk_lock:
-            data: dict[Any, Any] = {}
-            for info in self.voices.named():
-                data[info.name] = voice_to_official(self.voices.get(info.id)[1])
-            for name, entry in self._unusable.items():
-                key = name if name not in data else _free_key(f"{name} (unusable)", data)
-                data[key] = entry
-            backup = write_spkinfo(self._spkinfo_path, data, unreadable=self._spkinfo_unreadable)
-            if backup is not None:
-                logger.warning("saved voices written to %s; the unreadable file it replaced is kept as %s",
-                               self._spkinfo_path, backup)
-            self._spkinfo_unreadable = False
-
-    @property
-    def _spkinfo_path(self) -> Path:
-        return Path(self.model_dir) / SPKINFO_FILE
-
-    def _import_spkinfo(self) -> None:
-        """Bring ``spk2info.pt``'s usable voices into the library; keep everything else for write-back."""
-        found = read_spkinfo(self._spkinfo_path)
-        self._spkinfo_unreadable = found.error is not None
-        self._unusable: dict[Any, Any] = dict(found.unusable)
-        self._unusable_reasons: dict[str, str] = {str(k): v for k, v in found.reasons.items()}
-        if found.error:
-            self._unusable_reasons[SPKINFO_FILE] = found.error
-        for name, voice in found.voices.items():
-            try:
-                held = self._named_voice(name)
-                if held is None:
-                    self.voices.put(name, voice)
-                elif not _same_voice(held, voice):
-                    # a different library voice has this id: the file's voice stays usable under another name
-                    other = _free_key(f"{name} (spk2info.pt)", set(self.list_available_spks()))
-                    self.voices.put(other, voice)
-                    logger.warning("spk2info.pt speaker %r differs from the saved voice of that name; imported as %r",
-                                   name, other)
-            except (CosyVoiceError, OSError) as exc:
-                self._unusable[name] = voice_to_official(voice)
-                self._unusable_reasons[name] = f"could not be added to the voice library: {exc}"
-                logger.warning("spk2info.pt speaker %r kept in the file only: %s", name, exc)
-
-    def _named_voice(self, name: str) -> Voice | None:
-        """The saved (named, not built-in) voice called ``name``; the folder is re-read only on a miss."""
-        key = " ".join(name.split())
-        try:
-            info = self.voices.info(key)
-        except NotFoundError:
-            return None
-        if info.name != key or info.builtin:
-            return None
-        return self.voices.get(info.id)[1]
+        """Write the saved voices to ``{model_dir}/spk2info.pt`` in the official format, atomically, merged
+        with what other processes wrote there meanwhile (:class:`~cosyvoice.spkinfo.SpeakerFile`)."""
+        self.speakers.save()
 
     def _saved_voice(self, spk_id: str) -> Voice:
-        if not isinstance(spk_id, str):
-            raise InvalidInputError(f"a speaker id must be a string, got {type(spk_id).__name__}")
-        voice = self._named_voice(spk_id)
-        if voice is not None:
-            return voice
-        reason = self.unusable_spks().get(spk_id)
-        if reason is not None:
-            raise InvalidInputError(f"speaker {spk_id!r} of spk2info.pt cannot be used with this model ({reason}); "
-                                    "it is kept in the file unchanged")
-        known = self.list_available_spks()
-        raise InvalidInputError(f"unknown speaker id {spk_id!r}; saved voices: {known or 'none'} "
-                                "(add one with add_zero_shot_spk)")
+        return self.speakers.voice(spk_id)
 
     # ------------------------------------------------------------------ synthesis
 
@@ -504,21 +439,6 @@ def _pumped(pieces: Iterable[str], writer: TextStreamWriter, chunks: Iterator[Au
     finally:
         chunks.close()
         writer.close()
-
-
-def _same_voice(a: Voice, b: Voice) -> bool:
-    ta, tb = {**a.features.tensors(), "t": a.prompt_text}, {**b.features.tensors(), "t": b.prompt_text}
-    return all(ta[k].shape == tb[k].shape and torch.equal(ta[k].to(tb[k].dtype), tb[k]) for k in ta)
-
-
-def _free_key(name: str, taken: Iterable[Any]) -> str:
-    """``name``, or ``name 2``, ``name 3``... whichever is not in ``taken``."""
-    taken = set(taken)
-    key, n = name, 1
-    while key in taken:
-        n += 1
-        key = f"{name} {n}"
-    return key
 
 
 def AutoModel(**kwargs) -> CosyVoice3:  # the official factory's (non-PEP8) name
