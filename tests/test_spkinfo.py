@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from voice_worker import Worker
 
 from cosyvoice.cli.cosyvoice import CosyVoice3
 from cosyvoice.errors import ConfigError, InvalidInputError
@@ -151,3 +152,26 @@ def test_an_unusable_voice_folder_stops_the_model_with_a_clear_message(model_dir
     blocked.write_text("a file where the voice folder should be")
     with pytest.raises(ConfigError, match=rf"cannot use the voice folder {blocked / 'voices'} .*COSYVOICE_VOICE_DIR"):
         _open(model_dir, blocked / "voices")  # never a temporary library whose saved voices vanish at exit
+
+
+def test_two_processes_saving_speakers_keep_each_others(model_dir: Path, short_prompt_wav: Path, prompt_wav: Path,
+                                                        tmp_path: Path) -> None:
+    """Two AutoModels on one model folder (each with its own voice folder), in two processes: each one's
+    save_spkinfo() keeps the speakers the other wrote since it started."""
+    first, second = Worker(), Worker()
+    try:
+        for n, worker in enumerate((first, second)):
+            worker.send(open="api", model_dir=str(model_dir), voice_dir=str(tmp_path / f"voices-{n}"))
+        assert first.answer()["ok"] and second.answer()["ok"]  # both read spk2info.pt before anyone saved
+        first(on="api", call="add_zero_shot_spk", args=[PROMPT_TEXT, str(short_prompt_wav), "one"])
+        first(on="api", call="save_spkinfo")
+        second(on="api", call="add_zero_shot_spk", args=[PROMPT_TEXT, str(prompt_wav), "two"])
+        second(on="api", call="save_spkinfo")
+        assert set(torch.load(model_dir / SPKINFO_FILE, weights_only=True)) == {"one", "two"}
+        first(on="api", call="save_spkinfo")  # its library never had "two": the file keeps it all the same
+        written = torch.load(model_dir / SPKINFO_FILE, weights_only=True)
+        assert set(written) == {"one", "two"}
+        assert written["two"]["prompt_speech_feat"].shape[1] > written["one"]["prompt_speech_feat"].shape[1]
+    finally:
+        first.close()
+        second.close()

@@ -5,8 +5,6 @@ the folder is the truth for every one of them (issue 12, items 1 and 4). The oth
 from __future__ import annotations
 
 import json
-import os
-import queue
 import signal
 import subprocess
 import sys
@@ -15,55 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from voice_worker import REPO, Worker, worker_env
 
 from cosyvoice.errors import InvalidInputError, NotFoundError
 from cosyvoice.voices import VoiceLibrary
-
-REPO = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("voice_worker.py")
-
-
-def worker_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-
-
-class Worker:
-    """Another process running voice-library calls (see tests/voice_worker.py)."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, cwd=REPO, env=worker_env())
-        self._answers: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self._answers.put(line)
-        self._answers.put("")
-
-    def send(self, **request: object) -> None:
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-
-    def answer(self, timeout: float = 300) -> dict:
-        line = self._answers.get(timeout=timeout)
-        assert line, f"the worker died (exit code {self.proc.poll()})"
-        return json.loads(line)
-
-    def __call__(self, **request: object) -> object:
-        self.send(**request)
-        answer = self.answer()
-        assert "ok" in answer, answer
-        return answer["ok"]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @pytest.fixture

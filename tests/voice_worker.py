@@ -1,15 +1,66 @@
 """A second process for the voice tests: it opens a voice library or the official API and runs the calls it is
 sent, one JSON object per line on stdin (``{"open": "library"|"api", ...}`` or ``{"call": method, "args": [...],
 "on": "library"|"api"}``), answering one JSON line each: ``{"ok": result}`` or ``{"error": type, "message": ...}``.
-Run: ``python tests/voice_worker.py`` with the repository on PYTHONPATH."""
+The tests drive it through :class:`Worker`."""
 
 from __future__ import annotations
 
 import json
+import os
+import queue
+import subprocess
 import sys
+import threading
 import traceback
 from dataclasses import asdict, is_dataclass
+from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def worker_env() -> dict[str, str]:
+    """This environment, with this checkout first on PYTHONPATH."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
+class Worker:
+    """This script in another process; ``worker(open=...)`` / ``worker(call=..., args=[...])`` return the result."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, cwd=REPO, env=worker_env())
+        self._answers: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._answers.put(line)
+        self._answers.put("")
+
+    def send(self, **request: object) -> None:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self, timeout: float = 300) -> dict:
+        line = self._answers.get(timeout=timeout)
+        assert line, f"the worker died (exit code {self.proc.poll()})"
+        return json.loads(line)
+
+    def __call__(self, **request: object) -> object:
+        self.send(**request)
+        answer = self.answer()
+        assert "ok" in answer, answer
+        return answer["ok"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def _plain(value: Any) -> Any:
