@@ -15,7 +15,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from cosyvoice.errors import InvalidInputError, ResourceLimitError
+from cosyvoice.errors import InvalidInputError, NotFoundError, ResourceLimitError
 from cosyvoice.frontend.prompts import zero_shot_prompt_text
 from cosyvoice.voices import IDENTITY_FILES, VoiceLibrary, model_identity
 
@@ -217,11 +217,25 @@ def test_an_unreadable_saved_voice_is_kept_aside_never_deleted(tts, tmp_path: Pa
     library.save("precious", voice_id)
     damaged = b"\x00" * 10
     (library.dir / f"{voice_id}.safetensors").write_bytes(damaged)
-    with pytest.raises(InvalidInputError, match="could not be read from disk; its files were kept"):
+    with pytest.raises(InvalidInputError, match="could not be read from disk; its files were kept aside") as error:
         library.get("precious")
-    assert (library.dir / f"{voice_id}.safetensors.unreadable").read_bytes() == damaged
+    assert str(tmp_path) not in str(error.value) and "/" not in str(error.value)  # no server path
+    assert (library.dir / f"{voice_id}.safetensors.unreadable").read_bytes() == damaged  # what it says is true
     assert json.loads((library.dir / f"{voice_id}.json.unreadable").read_text())["name"] == "precious"
     assert "precious" not in {i.name for i in library.list()}
+
+
+def test_a_voice_deleted_meanwhile_is_not_found_never_said_to_be_kept(tts, tmp_path: Path) -> None:
+    library, _ = _library(tts, tmp_path)
+    voice_id = library.get_or_create(_tone(160))[0]
+    library.save("gone", voice_id)
+    info = library.info("gone")
+    (library.dir / f"{voice_id}.json").unlink()  # another process deletes it between lookup and read
+    (library.dir / f"{voice_id}.safetensors").unlink()
+    with pytest.raises(NotFoundError, match="voice 'gone' was deleted") as error:
+        library._read(info, "gone")
+    assert "kept" not in str(error.value) and "/" not in str(error.value)
+    assert not list(library.dir.glob("*.unreadable"))
 
 
 def test_voices_saved_or_deleted_by_another_process_are_followed(tts, tmp_path: Path) -> None:
