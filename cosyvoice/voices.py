@@ -202,11 +202,11 @@ class VoiceLibrary:
             with self._exclusive():
                 self._cleanup()
                 self._evict(keep=None)
-        except OSError as exc:
+        except (OSError, StorageError) as exc:
+            cause = _os_error(exc)
             raise ConfigError(
-                f"cannot use the voice folder {root} ({exc.strerror or exc}): this server needs a folder it "
-                "can write; set COSYVOICE_VOICE_DIR (voice_dir= in Python, --voice-dir for the servers) to "
-                "one") from exc
+                f"cannot use the voice folder {root} ({cause.strerror or cause}): this server needs a folder it can "
+                "write; set COSYVOICE_VOICE_DIR (voice_dir= in Python, --voice-dir for the servers) to one") from exc
         if builtin_dir is not None:
             self.add_builtins(builtin_dir)
 
@@ -225,6 +225,9 @@ class VoiceLibrary:
         with self._featurising(upload.voice_id):
             self._load_or_featurise(upload)
             assert upload.voice is not None
+            with self._lock:
+                if self._index_serves(upload.voice_id, owner):  # a hit: nothing to write, no folder lock
+                    return upload.voice_id, upload.voice
             try:
                 with self._exclusive():
                     info = self._index.get(upload.voice_id)
@@ -233,9 +236,13 @@ class VoiceLibrary:
                         self._store_failure = None
                     elif owner is not None and owner not in info.owners and info.name is None:
                         self._write_meta(replace(info, owners=(*info.owners, owner)))
-            except OSError as exc:
-                self._caching_failed(upload.voice_id, exc)
+            except (OSError, StorageError) as exc:
+                self._caching_failed(upload.voice_id, _os_error(exc))
         return upload.voice_id, upload.voice
+
+    def _index_serves(self, voice_id: str, owner: str | None) -> bool:
+        info = self._index.get(voice_id)
+        return info is not None and (owner is None or info.name is not None or owner in info.owners)
 
     def create(self, name: str, prompt_wav: AudioSource, prompt_text: str = "", *,
                owner: str | None = None) -> VoiceInfo:
@@ -511,7 +518,10 @@ class VoiceLibrary:
         """
         with self._lock:
             if self._flock_depth == 0:
-                fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                try:
+                    fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                except OSError as exc:  # e.g. the folder was remounted read-only after start-up
+                    raise _storage_error(exc, "change the voice library") from exc
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX)
                 except BaseException:
@@ -773,6 +783,11 @@ class VoiceLibrary:
                 wav, sample_rate = self.frontend.load_prompt(entry.wav)
                 entry.voice = self.frontend.voice_from(self.frontend.features(wav, sample_rate), entry.prompt_text)
         return entry.voice
+
+
+def _os_error(exc: OSError | StorageError) -> OSError:
+    """The OSError behind a failed write (a StorageError made by :func:`_storage_error` carries it)."""
+    return exc if isinstance(exc, OSError) else exc.__cause__ if isinstance(exc.__cause__, OSError) else OSError(exc)
 
 
 def _storage_error(exc: OSError, action: str) -> StorageError:

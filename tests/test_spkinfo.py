@@ -20,7 +20,8 @@ from cosyvoice.cli.cosyvoice import CosyVoice3
 from cosyvoice.errors import ConfigError, InvalidInputError
 from cosyvoice.frontend.prompts import zero_shot_prompt_text
 from cosyvoice.settings import Limits
-from cosyvoice.spkinfo import SPKINFO_FILE, read_spkinfo, voice_to_official
+from cosyvoice.spkinfo import SPKINFO_FILE, SpeakerFile, read_spkinfo, voice_to_official
+from cosyvoice.voices import VoiceLibrary
 
 PROMPT_TEXT = zero_shot_prompt_text("Hello, this is a short prompt for testing.")
 TEXT = "Good morning to you."
@@ -175,3 +176,35 @@ def test_two_processes_saving_speakers_keep_each_others(model_dir: Path, short_p
     finally:
         first.close()
         second.close()
+
+
+def test_a_save_merges_with_the_file_as_it_is_now_and_never_renames(tts, tmp_path: Path, short_prompt_wav: Path,
+                                                                    prompt_wav: Path) -> None:
+    path = tmp_path / SPKINFO_FILE
+    libraries = [VoiceLibrary(tmp_path / name, tts.frontend, model_dir=tts.model_dir) for name in "abc"]
+    first, second, third = (SpeakerFile(path, library) for library in libraries)
+    first.load()
+    second.load()
+    short, long = (tts.frontend.voice(PROMPT_TEXT, str(wav)) for wav in (short_prompt_wav, prompt_wav))
+    libraries[0].put("alice", short)
+    first.save()
+    libraries[1].put("alice", long)  # another "alice", saved by another program on the same model folder
+    second.save()
+    written = torch.load(path, weights_only=True)
+    assert set(written) == {"alice", "alice (spk2info.pt)"}  # both kept
+    assert all(_same(written["alice"][k], v) for k, v in voice_to_official(long).items())
+    assert all(_same(written["alice (spk2info.pt)"][k], v) for k, v in voice_to_official(short).items())
+    second.save()
+    assert set(torch.load(path, weights_only=True)) == {"alice", "alice (spk2info.pt)"}  # stable
+    libraries[1].rename("alice", "bob")
+    second.save()  # the old name stays in the file: a save never drops an entry
+    assert set(torch.load(path, weights_only=True)) == {"alice", "alice (spk2info.pt)", "bob"}
+
+    third.load()  # "alice" and "bob" hold one voice: the library keeps its one name, the file both
+    named = {i.name for i in libraries[2].named()}
+    [kept] = named - {"alice (spk2info.pt)"}
+    [alias] = third.unusable()
+    assert len(named) == 2 and {kept, alias} == {"alice", "bob"}
+    assert f"saved here as {kept!r}" in third.unusable()[alias]
+    third.save()
+    assert set(torch.load(path, weights_only=True)) == {"alice", "alice (spk2info.pt)", "bob"}

@@ -188,3 +188,24 @@ def test_deleting_frees_space_while_the_voice_is_held(tts, tmp_path: Path) -> No
 def _tone(hz: float = 220, seconds: float = 1.1, sr: int = 16000) -> tuple[np.ndarray, int]:
     t = np.arange(int(seconds * sr)) / sr
     return (0.3 * np.sin(2 * np.pi * hz * t)).astype(np.float32), sr
+
+
+def test_a_folder_turned_read_only_while_serving_costs_only_caching(tts, tmp_path: Path, short_prompt_wav: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "voices"
+    service = TTSService(tts, VoiceLibrary(root, tts.frontend, model_dir=tts.model_dir), Limits(max_sessions=2))
+    saved = service.create_voice("Before", short_prompt_wav.read_bytes(), TRANSCRIPT)
+    with read_only(root, monkeypatch):  # e.g. the disk was remounted read-only after an error
+        request = SynthesisRequest("Good morning.", "zero_shot", prompt_audio=_prompt(short_prompt_wav, 0.5),
+                                   transcript=TRANSCRIPT, seed=1, stream=False)
+        with service.synthesize(request) as session:
+            assert sum(chunk.pcm.numel() for chunk in session) > 0
+        with pytest.raises(StorageError, match="voice folder has become read-only") as refused:
+            service.create_voice("After", _prompt(short_prompt_wav, 0.4), TRANSCRIPT)
+        assert "/" not in str(refused.value)
+        with pytest.raises(StorageError, match="read-only"):
+            service.delete_voice("Before")
+        assert service.get_voice("Before").id == saved.id  # still listed and usable
+        request = SynthesisRequest("Good morning.", "zero_shot", voice="Before", seed=1, stream=False)
+        with service.synthesize(request) as session:
+            assert sum(chunk.pcm.numel() for chunk in session) > 0
