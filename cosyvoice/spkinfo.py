@@ -35,10 +35,11 @@ from typing import Any
 import torch
 
 from cosyvoice.errors import CosyVoiceError, InvalidInputError, NotFoundError
+from cosyvoice.frontend.audio import AudioSource
 from cosyvoice.frontend.frontend import Voice
 from cosyvoice.frontend.prompt import PromptFeatures
 from cosyvoice.utils.fs import atomic_write
-from cosyvoice.voices import VoiceLibrary
+from cosyvoice.voices import VoiceInfo, VoiceLibrary
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +218,16 @@ class SpeakerFile:
             self._unusable[name] = voice_to_official(voice)
             self._reasons[name] = reason
         logger.warning("spk2info.pt speaker %r kept in the file only: %s", name, reason)
+
+    def add(self, prompt_text: str, prompt_wav: AudioSource, spk_id: str) -> VoiceInfo:
+        """The official ``add_zero_shot_spk``: featurise a prompt once (cached) and name it ``spk_id``; a voice
+        holding that id keeps its files, unnamed (the reference overwrites the id)."""
+        if not isinstance(spk_id, str) or not spk_id.strip():
+            raise InvalidInputError("zero_shot_spk_id must be a non-empty name for the saved voice")
+        if not isinstance(prompt_text, str):
+            raise InvalidInputError(f"prompt_text must be a string, got {type(prompt_text).__name__}")
+        voice_id, _ = self.library.get_or_create(prompt_wav, prompt_text)
+        return self.library.assign(spk_id, voice_id, replace_name=True)
 
     def unusable(self) -> dict[str, str]:
         """Entries of the file this model cannot use, with the reason; they are kept and written back."""

@@ -307,15 +307,20 @@ class VoiceLibrary:
             return self._write_name(info, new_name, owner)
 
     def delete(self, key: str, *, owner: str | None = None) -> VoiceInfo:
-        """Forget a voice (by id or name, resolved against the folder as it is now) and remove its files."""
+        """Forget a voice (by id or name, resolved against the folder as it is now) and remove its files. An
+        unsaved upload that others uploaded too is only forgotten for ``owner``: theirs stays."""
         with self._exclusive():
             info = self._held(key, owner)
             if info.builtin:
                 raise InvalidInputError(f"{info.name!r} is a built-in voice and cannot be deleted")
             if info.name is not None:
                 self._check_editor(info, owner, "delete")
+            others = tuple(o for o in info.owners if o != owner)
             try:
-                self._remove(info.id)
+                if info.name is None and owner is not None and others:
+                    self._write_meta(replace(info, owners=others))
+                else:
+                    self._remove(info.id)
             except OSError as exc:
                 raise _storage_error(exc, "delete this voice") from exc
             return replace(info)

@@ -48,8 +48,11 @@ def test_an_unsaved_upload_is_its_uploaders_alone(tts, tmp_path: Path) -> None:
 
     assert library.get_or_create(_tone(110), owner=BOB)[0] == upload  # Bob brings the same recording: his too
     assert [i.id for i in service.list_voices(owner=BOB, include_uploads=True)] == [upload]
-    assert service.delete_voice(upload, owner=BOB).id == upload
-    assert service.list_voices(owner=ALICE, include_uploads=True) == []
+    assert service.delete_voice(upload, owner=BOB).id == upload  # gone for Bob; Alice's stays
+    assert service.list_voices(owner=BOB, include_uploads=True) == []
+    assert [i.id for i in service.list_voices(owner=ALICE, include_uploads=True)] == [upload]
+    service.delete_voice(upload, owner=ALICE)
+    assert service.list_voices(include_uploads=True) == [] and not list(library.dir.glob(f"{upload}.*"))
 
 
 @pytest.mark.parametrize("editors", ["anyone", "creator", "admin"])

@@ -218,12 +218,7 @@ class CosyVoice3:
 
     def add_zero_shot_spk(self, prompt_text: str, prompt_wav: AudioSource, zero_shot_spk_id: str) -> bool:
         """Featurise a prompt once and keep it under ``zero_shot_spk_id`` (replacing a voice of that id)."""
-        if not isinstance(zero_shot_spk_id, str) or not zero_shot_spk_id.strip():
-            raise InvalidInputError("zero_shot_spk_id must be a non-empty name for the saved voice")
-        if not isinstance(prompt_text, str):
-            raise InvalidInputError(f"prompt_text must be a string, got {type(prompt_text).__name__}")
-        voice_id, _ = self.voices.get_or_create(_prompt_source(prompt_wav), prompt_text)
-        self.voices.assign(zero_shot_spk_id, voice_id, replace_name=True)
+        self.speakers.add(prompt_text, _prompt_source(prompt_wav), zero_shot_spk_id)
         return True
 
     def save_spkinfo(self) -> None:
