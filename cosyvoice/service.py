@@ -43,7 +43,6 @@ from cosyvoice.errors import (
     InvalidInputError,
     NotFoundError,
     ResourceLimitError,
-    StorageError,
 )
 from cosyvoice.frontend.audio import AudioSource
 from cosyvoice.frontend.frontend import Voice
@@ -581,13 +580,8 @@ class TTSService:
             with _field("transcript"):
                 self.tts.frontend.check_text(transcript, "transcript")
             prompt_text = zero_shot_prompt_text(transcript)
-        try:
-            with _field("audio"):  # the library names "name" in its errors about the name
-                return self.voices.create(name, audio, prompt_text, owner=owner)
-        except ResourceLimitError as exc:
-            if isinstance(exc, StorageError):  # the server's disk: not the user's to fix
-                raise
-            raise InvalidInputError(str(exc), "name") from exc  # a full library is the user's to fix
+        with _field("audio"):  # the library names "name" in its errors about the name
+            return self.voices.create(name, audio, prompt_text, owner=owner)
 
     def list_voices(self, *, owner: str | None = None, include_uploads: bool = False) -> list[VoiceInfo]:
         """Built-in voices, then saved voices by name; with ``include_uploads`` also ``owner``'s own unsaved
@@ -616,13 +610,8 @@ class TTSService:
 
     def import_voice(self, data: bytes, name: str | None = None, *, owner: str | None = None) -> VoiceInfo:
         """Save an exported voice file under ``name`` (default: the name inside it)."""
-        try:
-            with _field("file"):
-                return self.voices.import_voice(data, name, owner=owner)
-        except ResourceLimitError as exc:
-            if isinstance(exc, StorageError):
-                raise
-            raise InvalidInputError(str(exc), "name") from exc
+        with _field("file"):
+            return self.voices.import_voice(data, name, owner=owner)
 
     def voice_recording(self, key: str, *, owner: str | None = None) -> tuple[int, np.ndarray]:
         """(sample rate, int16 samples) of a voice's prompt recording, for previews."""

@@ -65,7 +65,6 @@ from cosyvoice.errors import (
     InvalidInputError,
     NotFoundError,
     PermissionDeniedError,
-    ResourceLimitError,
     StorageError,
 )
 from cosyvoice.frontend.audio import AudioSource
@@ -710,7 +709,8 @@ class VoiceLibrary:
             raise AlreadyExistsError(f"a voice named {name!r} exists already; delete it or choose another name",
                                      "name")
         if info.name is None and sum(i.name is not None for i in self._index.values()) >= self.max_named:
-            raise ResourceLimitError(f"{self.max_named} voices are saved already; delete one to save another")
+            # a full library is the user's to fix (not a transient overload): a 400, not a 503
+            raise InvalidInputError(f"{self.max_named} voices are saved already; delete one to save another", "name")
         creator = info.creator if info.name is not None else owner
         try:
             self._write_meta(replace(info, name=name, owners=(), creator=creator))
