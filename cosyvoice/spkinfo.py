@@ -268,7 +268,11 @@ class SpeakerFile:
             data: dict[Any, Any] = {}
             voices: dict[Any, Voice] = {}
             for info in self.library.named():
-                voices[info.name] = self.library.get(info.id)[1]
+                try:
+                    voices[info.name] = self.library.get(info.id)[1]
+                except CosyVoiceError as exc:  # unreadable or deleted meanwhile: the file keeps what it has
+                    logger.warning("saved voice %r not written to %s: %s", info.name, self.path.name, exc)
+                    continue
                 data[info.name] = voice_to_official(voices[info.name])
             for name, voice in current.voices.items():
                 if name in voices and same_voice(voices[name], voice):

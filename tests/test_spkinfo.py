@@ -208,3 +208,16 @@ def test_a_save_merges_with_the_file_as_it_is_now_and_never_renames(tts, tmp_pat
     assert f"saved here as {kept!r}" in third.unusable()[alias]
     third.save()
     assert set(torch.load(path, weights_only=True)) == {"alice", "alice (spk2info.pt)", "bob"}
+
+
+def test_a_damaged_library_voice_leaves_its_copy_in_the_file(tts, tmp_path: Path, short_prompt_wav: Path) -> None:
+    path = tmp_path / SPKINFO_FILE
+    library = VoiceLibrary(tmp_path / "voices", tts.frontend, model_dir=tts.model_dir)
+    speakers = SpeakerFile(path, library)
+    speakers.load()
+    speakers.add(PROMPT_TEXT, str(short_prompt_wav), "alice")
+    speakers.save()
+    saved = torch.load(path, weights_only=True)
+    (library.dir / f"{library.info('alice').id}.safetensors").write_bytes(b"\0" * 10)  # damaged on disk
+    speakers.save()  # the library cannot read it: the file keeps the copy it has
+    assert _same(torch.load(path, weights_only=True), saved)
