@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from voice_worker import Worker
 
 from cosyvoice.cli.cosyvoice import CosyVoice3
-from cosyvoice.errors import InvalidInputError
+from cosyvoice.errors import ConfigError, InvalidInputError
 from cosyvoice.frontend.prompts import zero_shot_prompt_text
 from cosyvoice.settings import Limits
-from cosyvoice.spkinfo import SPKINFO_FILE, read_spkinfo, voice_to_official
+from cosyvoice.spkinfo import SPKINFO_FILE, SpeakerFile, read_spkinfo, voice_to_official
+from cosyvoice.voices import VoiceLibrary
 
 PROMPT_TEXT = zero_shot_prompt_text("Hello, this is a short prompt for testing.")
 TEXT = "Good morning to you."
@@ -146,9 +148,76 @@ def test_kill_9_during_a_save_leaves_the_old_or_the_new_file(tmp_path: Path) -> 
     assert interrupted >= 2, "the kills should land inside writes"
 
 
-def test_an_unusable_voice_folder_does_not_stop_the_model(model_dir: Path, tmp_path: Path,
-                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_an_unusable_voice_folder_stops_the_model_with_a_clear_message(model_dir: Path, tmp_path: Path) -> None:
     blocked = tmp_path / "not-a-folder"
     blocked.write_text("a file where the voice folder should be")
-    api = _open(model_dir, blocked / "voices")
-    assert "cannot use the voice folder" in caplog.text and api.list_available_spks() == []
+    with pytest.raises(ConfigError, match=rf"cannot use the voice folder {blocked / 'voices'} .*COSYVOICE_VOICE_DIR"):
+        _open(model_dir, blocked / "voices")  # never a temporary library whose saved voices vanish at exit
+
+
+def test_two_processes_saving_speakers_keep_each_others(model_dir: Path, short_prompt_wav: Path, prompt_wav: Path,
+                                                        tmp_path: Path) -> None:
+    """Two AutoModels on one model folder (each with its own voice folder), in two processes: each one's
+    save_spkinfo() keeps the speakers the other wrote since it started."""
+    first, second = Worker(), Worker()
+    try:
+        for n, worker in enumerate((first, second)):
+            worker.send(open="api", model_dir=str(model_dir), voice_dir=str(tmp_path / f"voices-{n}"))
+        assert first.answer()["ok"] and second.answer()["ok"]  # both read spk2info.pt before anyone saved
+        first(on="api", call="add_zero_shot_spk", args=[PROMPT_TEXT, str(short_prompt_wav), "one"])
+        first(on="api", call="save_spkinfo")
+        second(on="api", call="add_zero_shot_spk", args=[PROMPT_TEXT, str(prompt_wav), "two"])
+        second(on="api", call="save_spkinfo")
+        assert set(torch.load(model_dir / SPKINFO_FILE, weights_only=True)) == {"one", "two"}
+        first(on="api", call="save_spkinfo")  # its library never had "two": the file keeps it all the same
+        written = torch.load(model_dir / SPKINFO_FILE, weights_only=True)
+        assert set(written) == {"one", "two"}
+        assert written["two"]["prompt_speech_feat"].shape[1] > written["one"]["prompt_speech_feat"].shape[1]
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_save_merges_with_the_file_as_it_is_now_and_never_renames(tts, tmp_path: Path, short_prompt_wav: Path,
+                                                                    prompt_wav: Path) -> None:
+    path = tmp_path / SPKINFO_FILE
+    libraries = [VoiceLibrary(tmp_path / name, tts.frontend, model_dir=tts.model_dir) for name in "abc"]
+    first, second, third = (SpeakerFile(path, library) for library in libraries)
+    first.load()
+    second.load()
+    short, long = (tts.frontend.voice(PROMPT_TEXT, str(wav)) for wav in (short_prompt_wav, prompt_wav))
+    libraries[0].put("alice", short)
+    first.save()
+    libraries[1].put("alice", long)  # another "alice", saved by another program on the same model folder
+    second.save()
+    written = torch.load(path, weights_only=True)
+    assert set(written) == {"alice", "alice (spk2info.pt)"}  # both kept
+    assert all(_same(written["alice"][k], v) for k, v in voice_to_official(long).items())
+    assert all(_same(written["alice (spk2info.pt)"][k], v) for k, v in voice_to_official(short).items())
+    second.save()
+    assert set(torch.load(path, weights_only=True)) == {"alice", "alice (spk2info.pt)"}  # stable
+    libraries[1].rename("alice", "bob")
+    second.save()  # the old name stays in the file: a save never drops an entry
+    assert set(torch.load(path, weights_only=True)) == {"alice", "alice (spk2info.pt)", "bob"}
+
+    third.load()  # "alice" and "bob" hold one voice: the library keeps its one name, the file both
+    named = {i.name for i in libraries[2].named()}
+    [kept] = named - {"alice (spk2info.pt)"}
+    [alias] = third.unusable()
+    assert len(named) == 2 and {kept, alias} == {"alice", "bob"}
+    assert f"saved here as {kept!r}" in third.unusable()[alias]
+    third.save()
+    assert set(torch.load(path, weights_only=True)) == {"alice", "alice (spk2info.pt)", "bob"}
+
+
+def test_a_damaged_library_voice_leaves_its_copy_in_the_file(tts, tmp_path: Path, short_prompt_wav: Path) -> None:
+    path = tmp_path / SPKINFO_FILE
+    library = VoiceLibrary(tmp_path / "voices", tts.frontend, model_dir=tts.model_dir)
+    speakers = SpeakerFile(path, library)
+    speakers.load()
+    speakers.add(PROMPT_TEXT, str(short_prompt_wav), "alice")
+    speakers.save()
+    saved = torch.load(path, weights_only=True)
+    (library.dir / f"{library.info('alice').id}.safetensors").write_bytes(b"\0" * 10)  # damaged on disk
+    speakers.save()  # the library cannot read it: the file keeps the copy it has
+    assert _same(torch.load(path, weights_only=True), saved)

@@ -15,7 +15,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from cosyvoice.errors import InvalidInputError, ResourceLimitError
+from cosyvoice.errors import InvalidInputError, NotFoundError
 from cosyvoice.frontend.prompts import zero_shot_prompt_text
 from cosyvoice.voices import IDENTITY_FILES, VoiceLibrary, model_identity
 
@@ -49,6 +49,11 @@ def _tone(hz: float, seconds: float = 1.1, sr: int = 16000) -> tuple[np.ndarray,
 def _library(tts, root: Path, **bounds) -> tuple[VoiceLibrary, CountingFrontend]:
     frontend = CountingFrontend(tts.frontend)
     return VoiceLibrary(root, frontend, model_dir=tts.model_dir, **bounds), frontend
+
+
+def _entry_files(library: VoiceLibrary) -> set[str]:
+    """The entries' file stems (not the folder's hidden lock file)."""
+    return {p.stem for p in library.dir.iterdir() if not p.name.startswith(".")}
 
 
 def _same(a, b) -> bool:
@@ -102,7 +107,7 @@ def test_least_recently_used_uploads_are_evicted_and_named_voices_kept(tts, tmp_
     library.get(c)  # used: now more recent than that upload
     e = library.get_or_create(_tone(550))[0]
     assert [i.id for i in library.list()] == [b, e, c]  # named first, then uploads by recency
-    assert {p.stem for p in library.dir.iterdir()} == {b, c, e}
+    assert _entry_files(library) == {b, c, e}
 
     tiny, _ = _library(tts, tmp_path / "bytes", max_bytes=1)  # every entry is over the bound: the newest stays
     ids = [tiny.get_or_create(_tone(hz))[0] for hz in (110, 220)]
@@ -115,7 +120,7 @@ def test_names_are_unique_bounded_and_deletable(tts, tmp_path: Path) -> None:
     library.save("a", a)
     with pytest.raises(InvalidInputError, match="exists already"):
         library.save("a", b)
-    with pytest.raises(ResourceLimitError, match="delete one"):
+    with pytest.raises(InvalidInputError, match="delete one"):  # the user's to fix: not a "busy"
         library.save("b", b)
     with pytest.raises(InvalidInputError, match="1 to 64 characters"):
         library.save("   ", a)
@@ -151,7 +156,7 @@ def test_concurrent_callers_share_one_computation(tts, tmp_path: Path) -> None:
         distinct = list(pool.map(lambda hz: library.get_or_create(_tone(hz))[0], (220, 330, 440, 550, 660, 770)))
     assert len(set(distinct)) == 6 and frontend.calls == 7
     kept = {i.id for i in library.list()}
-    assert len(kept) == 3 and {p.stem for p in library.dir.iterdir()} == kept
+    assert len(kept) == 3 and _entry_files(library) == kept
 
 
 def test_rename_preview_export_import(tts, prompt_wav: Path, tmp_path: Path) -> None:
@@ -173,7 +178,8 @@ def test_rename_preview_export_import(tts, prompt_wav: Path, tmp_path: Path) -> 
     info = same_model.import_voice(data)
     assert (info.name, info.transcript) == ("Alice B", "Hello, this is a short prompt for testing.")
     assert _same(same_model.get("Alice B")[1], voice) and frontend.calls == 0  # features travelled with the file
-    assert same_model.import_voice(data, name="Copy").name == "Copy"
+    with pytest.raises(InvalidInputError, match="saved already as 'Alice B'"):  # never renames a saved voice
+        same_model.import_voice(data, name="Copy")
     other_model, frontend = _library(tts, tmp_path / "c")
     other_model.model_id = "another-release"  # a library of another model: features are made anew
     assert other_model.import_voice(data).name == "Alice B" and frontend.calls == 1
@@ -211,11 +217,25 @@ def test_an_unreadable_saved_voice_is_kept_aside_never_deleted(tts, tmp_path: Pa
     library.save("precious", voice_id)
     damaged = b"\x00" * 10
     (library.dir / f"{voice_id}.safetensors").write_bytes(damaged)
-    with pytest.raises(InvalidInputError, match="could not be read from disk; its files were kept"):
+    with pytest.raises(InvalidInputError, match="could not be read from disk; its files were kept aside") as error:
         library.get("precious")
-    assert (library.dir / f"{voice_id}.safetensors.unreadable").read_bytes() == damaged
+    assert str(tmp_path) not in str(error.value) and "/" not in str(error.value)  # no server path
+    assert (library.dir / f"{voice_id}.safetensors.unreadable").read_bytes() == damaged  # what it says is true
     assert json.loads((library.dir / f"{voice_id}.json.unreadable").read_text())["name"] == "precious"
     assert "precious" not in {i.name for i in library.list()}
+
+
+def test_a_voice_deleted_meanwhile_is_not_found_never_said_to_be_kept(tts, tmp_path: Path) -> None:
+    library, _ = _library(tts, tmp_path)
+    voice_id = library.get_or_create(_tone(160))[0]
+    library.save("gone", voice_id)
+    info = library.info("gone")
+    (library.dir / f"{voice_id}.json").unlink()  # another process deletes it between lookup and read
+    (library.dir / f"{voice_id}.safetensors").unlink()
+    with pytest.raises(NotFoundError, match="voice 'gone' was deleted") as error:
+        library._read(info, "gone")
+    assert "kept" not in str(error.value) and "/" not in str(error.value)
+    assert not list(library.dir.glob("*.unreadable"))
 
 
 def test_voices_saved_or_deleted_by_another_process_are_followed(tts, tmp_path: Path) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -31,13 +30,13 @@ import torch
 
 from cosyvoice.bundle import resolve_model_dir
 from cosyvoice.engine import AudioChunk, CancelToken, Engine
-from cosyvoice.errors import CosyVoiceError, InvalidInputError, ModelBundleError, NotFoundError
+from cosyvoice.errors import InvalidInputError, ModelBundleError, NotFoundError
 from cosyvoice.frontend.audio import AudioSource
 from cosyvoice.frontend.frontend import CosyVoiceFrontend, Voice
 from cosyvoice.pipeline import Model, TextFeed, TextStreamClosedError
 from cosyvoice.service import TENSOR_PROMPT_RATE, SynthesisRequest, SynthesisSession, TTSService
 from cosyvoice.settings import Limits, default_voice_dir
-from cosyvoice.spkinfo import SPKINFO_FILE, read_spkinfo, voice_to_official, write_spkinfo
+from cosyvoice.spkinfo import SPKINFO_FILE, SpeakerFile
 from cosyvoice.voices import VoiceLibrary
 
 logger = logging.getLogger(__name__)
@@ -118,8 +117,8 @@ class CosyVoice3:
         self.fp16 = self.model.precision == torch.float16
         self.sample_rate = self.model.sample_rate
         self.voices = self.service.voices
-        self._spk_lock = threading.Lock()
-        self._import_spkinfo()
+        self.speakers = SpeakerFile(Path(self.model_dir) / SPKINFO_FILE, self.voices)
+        self.speakers.load()
 
     @property
     def frontend(self) -> CosyVoiceFrontend:
@@ -142,76 +141,17 @@ class CosyVoice3:
 
     def unusable_spks(self) -> dict[str, str]:
         """Entries of ``spk2info.pt`` this model cannot use, with the reason; they are kept and written back."""
-        with self._spk_lock:
-            return dict(self._unusable_reasons)
+        return self.speakers.unusable()
 
     def add_zero_shot_spk(self, prompt_text: str, prompt_wav: AudioSource, zero_shot_spk_id: str) -> bool:
         """Featurise a prompt once and keep it under ``zero_shot_spk_id`` (replacing a voice of that id)."""
-        if not isinstance(zero_shot_spk_id, str) or not zero_shot_spk_id.strip():
-            raise InvalidInputError("zero_shot_spk_id must be a non-empty name for the saved voice")
-        if not isinstance(prompt_text, str):
-            raise InvalidInputError(f"prompt_text must be a string, got {type(prompt_text).__name__}")
-        voice_id, _ = self.voices.get_or_create(_prompt_source(prompt_wav), prompt_text)
-        self.voices.assign(zero_shot_spk_id, voice_id, replace_name=True)
+        self.speakers.add(prompt_text, _prompt_source(prompt_wav), zero_shot_spk_id)
         return True
 
     def save_spkinfo(self) -> None:
-        """Write the saved voices to ``{model_dir}/spk2info.pt`` in the official format, atomically.
-
-        Entries we could not use are written back unchanged; a file that could not be read is copied
-        aside (``spk2info.pt.unreadable-*``) first.
-        """
-        with self._spk_lock:
-            data: dict[Any, Any] = {}
-            for info in self.voices.named():
-                data[info.name] = voice_to_official(self.voices.get(info.id)[1])
-            for name, entry in self._unusable.items():
-                key = name if name not in data else _free_key(f"{name} (unusable)", data)
-                data[key] = entry
-            backup = write_spkinfo(self._spkinfo_path, data, unreadable=self._spkinfo_unreadable)
-            if backup is not None:
-                logger.warning("saved voices written to %s; the unreadable file it replaced is kept as %s",
-                               self._spkinfo_path, backup)
-            self._spkinfo_unreadable = False
-
-    @property
-    def _spkinfo_path(self) -> Path:
-        return Path(self.model_dir) / SPKINFO_FILE
-
-    def _import_spkinfo(self) -> None:
-        """Bring ``spk2info.pt``'s usable voices into the library; keep everything else for write-back."""
-        found = read_spkinfo(self._spkinfo_path)
-        self._spkinfo_unreadable = found.error is not None
-        self._unusable: dict[Any, Any] = dict(found.unusable)
-        self._unusable_reasons: dict[str, str] = {str(k): v for k, v in found.reasons.items()}
-        if found.error:
-            self._unusable_reasons[SPKINFO_FILE] = found.error
-        for name, voice in found.voices.items():
-            try:
-                held = self._named_voice(name)
-                if held is None:
-                    self.voices.put(name, voice)
-                elif not _same_voice(held, voice):
-                    # a different library voice has this id: the file's voice stays usable under another name
-                    other = _free_key(f"{name} (spk2info.pt)", set(self.list_available_spks()))
-                    self.voices.put(other, voice)
-                    logger.warning("spk2info.pt speaker %r differs from the saved voice of that name; imported as %r",
-                                   name, other)
-            except (CosyVoiceError, OSError) as exc:
-                self._unusable[name] = voice_to_official(voice)
-                self._unusable_reasons[name] = f"could not be added to the voice library: {exc}"
-                logger.warning("spk2info.pt speaker %r kept in the file only: %s", name, exc)
-
-    def _named_voice(self, name: str) -> Voice | None:
-        """The saved (named, not built-in) voice called ``name``; the folder is re-read only on a miss."""
-        key = " ".join(name.split())
-        try:
-            info = self.voices.info(key)
-        except NotFoundError:
-            return None
-        if info.name != key or info.builtin:
-            return None
-        return self.voices.get(info.id)[1]
+        """Write the saved voices to ``{model_dir}/spk2info.pt`` in the official format, atomically, merged
+        with what other processes wrote there meanwhile (:class:`~cosyvoice.spkinfo.SpeakerFile`)."""
+        self.speakers.save()
 
     # ------------------------------------------------------------------ synthesis
 
@@ -346,21 +286,6 @@ def _official_errors(spk_id: str, api: CosyVoice3) -> Iterator[None]:
     except InvalidInputError as exc:
         exc.field = _OFFICIAL_FIELDS.get(exc.field, exc.field)
         raise
-
-
-def _same_voice(a: Voice, b: Voice) -> bool:
-    ta, tb = {**a.features.tensors(), "t": a.prompt_text}, {**b.features.tensors(), "t": b.prompt_text}
-    return all(ta[k].shape == tb[k].shape and torch.equal(ta[k].to(tb[k].dtype), tb[k]) for k in ta)
-
-
-def _free_key(name: str, taken: Iterable[Any]) -> str:
-    """``name``, or ``name 2``, ``name 3``... whichever is not in ``taken``."""
-    taken = set(taken)
-    key, n = name, 1
-    while key in taken:
-        n += 1
-        key = f"{name} {n}"
-    return key
 
 
 def AutoModel(**kwargs) -> CosyVoice3:  # the official factory's (non-PEP8) name
