@@ -27,6 +27,15 @@ def default_voice_dir(environ: dict[str, str] | None = None) -> Path:
     return Path(env.get("COSYVOICE_VOICE_DIR") or DEFAULT_VOICE_DIR)
 
 
+def default_data_dir(voice_dir: str | Path | None = None, environ: dict[str, str] | None = None) -> Path:
+    """Where the workbench keeps its database and takes: ``COSYVOICE_DATA_DIR``, else ``.studio`` beside the voice
+    folder (``voice_dir``, default :func:`default_voice_dir`), so voices and takes move together."""
+    env = os.environ if environ is None else environ
+    if env.get("COSYVOICE_DATA_DIR"):
+        return Path(env["COSYVOICE_DATA_DIR"])
+    return Path(voice_dir if voice_dir is not None else default_voice_dir(env)).parent / ".studio"
+
+
 def parse_precision(name: str) -> torch.dtype:
     """``"fp32" | "bf16" | "fp16"`` -> the torch dtype the LLM and flow run in."""
     if name not in PRECISIONS:
