@@ -49,7 +49,7 @@ from cosyvoice.errors import (
 )
 from cosyvoice.server.metrics import ServiceMetrics
 from cosyvoice.service import AsyncSynthesisSession, SynthesisRequest, TextPieces, TTSService, allowed_path
-from cosyvoice.settings import Limits, ServerSettings, add_server_arguments, settings_from_args
+from cosyvoice.settings import Limits, ServerSettings, add_server_arguments, default_data_dir, settings_from_args
 from cosyvoice.voices import VoiceInfo
 
 logger = logging.getLogger(__name__)
@@ -410,6 +410,9 @@ def create_app(settings: ServerSettings | None = None, service: TTSService | Non
             raise ModelNotReady(f"the model failed to load: {state['error']}" if state["error"] else
                                 "the model is still loading; retry shortly")
         return state["service"]
+
+    from cosyvoice.server.workbench import workbench_router  # here: that module imports this one's error mapping
+    app.include_router(workbench_router(default_data_dir(settings.voice_dir), svc, settings=settings))
 
     # -------------------------------------------------------------- error handlers
 

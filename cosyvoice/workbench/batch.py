@@ -202,14 +202,14 @@ def takes_csv_rows(takes: Iterable[Take], files: dict[str, str] | None = None) -
     out = []
     for t in takes:
         p = t.provenance
+        timings = p.get("timings", {})
         out.append({
             "take_id": t.id, "row": t.row, "label": t.label, "file": (files or {}).get(t.id, t.audio),
-            "text": p["text"], "normalised_text": " | ".join(p["segments"]), "mode": p["mode"], "voice": p["voice"],
-            "voice_id": p["voice_id"], "prompt_text": p["prompt_text"], "instruction": p["instruction"],
-            "seed": p["seed"], "speed": p["speed"], "model_id": p["model_id"], "software": p["software"],
-            "sample_rate": t.sample_rate, "audio_seconds": p["timings"]["audio_seconds"],
-            "synthesis_seconds": p["timings"]["synthesis_seconds"],
-            "first_chunk_seconds": p["timings"]["first_chunk_seconds"], "created": round(t.created, 3)})
+            "normalised_text": " | ".join(p.get("segments", [])), "sample_rate": t.sample_rate,
+            "audio_seconds": timings.get("audio_seconds", round(t.seconds, 4)), "created": round(t.created, 3),
+            **{k: p.get(k, "") for k in ("text", "mode", "voice", "voice_id", "prompt_text", "instruction", "seed",
+                                         "speed", "model_id", "software")},
+            **{k: timings.get(k, "") for k in ("synthesis_seconds", "first_chunk_seconds")}})
     return out
 
 
