@@ -34,8 +34,9 @@ from cosyvoice.cli.cosyvoice import CosyVoice3
 from cosyvoice.encoding import audio_format, encode_audio, to_pcm16
 from cosyvoice.engine import AudioChunk
 from cosyvoice.errors import CosyVoiceError, InvalidInputError, ModelBundleError, ResourceLimitError
+from cosyvoice.server.workbench import workbench_router
 from cosyvoice.service import SynthesisRequest, SynthesisSession, TTSService
-from cosyvoice.settings import SPEED_RANGE
+from cosyvoice.settings import SPEED_RANGE, default_data_dir
 from cosyvoice.voices import BUILTIN_VOICE_DIR, EXPORT_SUFFIX, VoiceLibrary
 
 logger = logging.getLogger(__name__)
@@ -741,6 +742,7 @@ def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: 
                                                                 "sans-serif"]),
                 allowed_paths=[str(studio._files)])
     mount(page.app, studio.live, studio.tts.sample_rate)
+    page.app.include_router(workbench_router(default_data_dir(studio.voices.dir.parent), lambda: studio.service))
     if block:
         page.block_thread()
     return page

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from test_rest import Server
 
@@ -76,3 +77,19 @@ def test_batch_over_http_reports_progress_and_bad_rows(app_url: tuple[str, Path]
         assert client.get("/workbench/api/tests/test-nope/results").status_code == 404
         bad = client.post("/workbench/api/tests", json={"kind": "abx", "conditions": ["sysA"]})
         assert bad.status_code == 400 and bad.json()["error"]["field"] == "kind"
+
+
+def test_the_web_ui_serves_the_same_workbench(tts, tmp_path: Path) -> None:
+    pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra")
+    from test_webui import make_studio, serving
+
+    from cosyvoice.workbench.store import WorkbenchStore
+
+    studio = make_studio(tts, tmp_path)
+    store = WorkbenchStore(tmp_path / ".studio")  # beside the studio's voice folder
+    take = store.add_take(np.zeros(2400, np.float32), 24000, {"text": "hi"}, label="sysA", owner="browser:x")
+    with serving(studio) as url, httpx.Client(base_url=url, timeout=30) as client:
+        assert "Listening-test workbench" in client.get("/workbench/").text
+        assert [t["id"] for t in client.get("/workbench/api/takes").json()["takes"]] == [take.id]
+        missing = client.get("/workbench/api/tests/test-nope")
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found"

@@ -48,6 +48,7 @@ from cosyvoice.errors import (
     ResourceLimitError,
 )
 from cosyvoice.server.metrics import ServiceMetrics
+from cosyvoice.server.workbench import workbench_router
 from cosyvoice.service import AsyncSynthesisSession, SynthesisRequest, TextPieces, TTSService, allowed_path
 from cosyvoice.settings import Limits, ServerSettings, add_server_arguments, default_data_dir, settings_from_args
 from cosyvoice.voices import VoiceInfo
@@ -411,8 +412,7 @@ def create_app(settings: ServerSettings | None = None, service: TTSService | Non
                                 "the model is still loading; retry shortly")
         return state["service"]
 
-    from cosyvoice.server.workbench import workbench_router  # here: that module imports this one's error mapping
-    app.include_router(workbench_router(default_data_dir(settings.voice_dir), svc, settings=settings))
+    app.include_router(workbench_router(default_data_dir(settings.voice_dir), svc))
 
     # -------------------------------------------------------------- error handlers
 

@@ -8,7 +8,7 @@ Mounted by the REST server (``create_app``) and by the web UI's Gradio app, so b
   raters, play events, answers, results, ``answers.csv`` and ``takes.csv``.
 
 Raters reach their samples through ``/workbench/api/raters/{rater}/audio/{position}/{slot}``, which names no
-take, so a page never reveals which system it plays. Errors are the REST server's JSON errors.
+take, so a page never reveals which system it plays. Errors have the REST server's JSON shape.
 """
 
 from __future__ import annotations
@@ -25,10 +25,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
-from cosyvoice.errors import CosyVoiceError, InvalidInputError
-from cosyvoice.server.rest import http_error
+from cosyvoice.errors import (
+    AlreadyExistsError,
+    CosyVoiceError,
+    InvalidInputError,
+    NotFoundError,
+    ResourceLimitError,
+)
 from cosyvoice.service import TTSService
-from cosyvoice.settings import ServerSettings
 from cosyvoice.workbench import listening
 from cosyvoice.workbench.batch import TAKES_CSV_COLUMNS, parse_rows, run_batch, takes_csv_rows, write_csv
 from cosyvoice.workbench.store import WorkbenchStore
@@ -39,6 +43,19 @@ PAGES = {"owner": "owner.html", "results": "results.html", "rate": "rate.html"}
 ASSETS = {"workbench.css": "text/css", "common.js": "text/javascript"}
 
 
+# error -> (status, type), as the REST server answers them; here because the web UI mounts this router without the
+# server extra (cosyvoice.server.rest imports prometheus_client)
+_ERRORS = ((NotFoundError, 404, "not_found"), (AlreadyExistsError, 409, "conflict"),
+           (InvalidInputError, 400, "invalid_request_error"), (ResourceLimitError, 503, "busy"),
+           (CosyVoiceError, 500, "model_error"))
+
+
+def error_response(exc: CosyVoiceError) -> JSONResponse:
+    status, kind = next((status, kind) for cls, status, kind in _ERRORS if isinstance(exc, cls))
+    field = getattr(exc, "field", None)
+    return JSONResponse({"error": {"message": str(exc), "type": kind, "field": field, "param": field}}, status)
+
+
 def request_owner(request: Request) -> str | None:
     """The service's owner string of an API-key client (``key:<sha256[:12]>``); None without a key."""
     auth = request.headers.get("authorization", "")
@@ -46,11 +63,9 @@ def request_owner(request: Request) -> str | None:
     return f"key:{hashlib.sha256(token.encode()).hexdigest()[:12]}" if token else None
 
 
-def workbench_router(data_dir: str | Path, service: Callable[[], TTSService], *,
-                     settings: ServerSettings | None = None) -> APIRouter:
+def workbench_router(data_dir: str | Path, service: Callable[[], TTSService]) -> APIRouter:
     """The routes over the store in ``data_dir`` (opened on first use) and the service ``service()`` returns
     (called only for batches, so rating works while a model loads)."""
-    settings = settings or ServerSettings()
     router = APIRouter(prefix="/workbench", include_in_schema=True, tags=["workbench"])
     lock = threading.Lock()
     opened: dict[str, WorkbenchStore] = {}
@@ -66,7 +81,7 @@ def workbench_router(data_dir: str | Path, service: Callable[[], TTSService], *,
         try:
             return fn()
         except CosyVoiceError as exc:
-            return http_error(exc, settings).response()
+            return error_response(exc)
 
     async def body(request: Request) -> dict[str, Any]:
         try:
@@ -172,7 +187,7 @@ def workbench_router(data_dir: str | Path, service: Callable[[], TTSService], *,
         try:
             spec = await body(request)
         except InvalidInputError as exc:
-            return http_error(exc, settings).response()
+            return error_response(exc)
 
         def run() -> Any:
             s, kind = store(), spec.get("kind")
@@ -225,7 +240,7 @@ def workbench_router(data_dir: str | Path, service: Callable[[], TTSService], *,
         try:
             name = (await body(request)).get("name")
         except InvalidInputError as exc:
-            return http_error(exc, settings).response()
+            return error_response(exc)
 
         def run() -> Any:
             rater, resumed = listening.join(store(), test_id, name)
@@ -242,7 +257,7 @@ def workbench_router(data_dir: str | Path, service: Callable[[], TTSService], *,
         try:
             data = await body(request)
         except InvalidInputError as exc:
-            return http_error(exc, settings).response()
+            return error_response(exc)
 
         def run() -> Response:
             listening.record_play(store(), store().rater(rater_id), data.get("position"), data.get("slot"),
@@ -255,7 +270,7 @@ def workbench_router(data_dir: str | Path, service: Callable[[], TTSService], *,
         try:
             data = await body(request)
         except InvalidInputError as exc:
-            return http_error(exc, settings).response()
+            return error_response(exc)
 
         def run() -> Any:
             s = store()
