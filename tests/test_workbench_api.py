@@ -17,6 +17,7 @@ from cosyvoice.server.rest import create_app
 from cosyvoice.service import TTSService
 from cosyvoice.settings import Limits, ServerSettings
 from cosyvoice.voices import VoiceLibrary
+from cosyvoice.workbench.store import WorkbenchStore
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,17 @@ def test_batch_over_http_reports_progress_and_bad_rows(app_url: tuple[str, Path]
         assert client.post(f"/workbench/api/raters/{rater}/events",
                            json={"position": 0, "slot": "C", "event": "play"}).status_code == 400
 
+        # the scorecard of a test over one short take of the Narrator (kept short: DNSMOS and Resemblyzer are slow)
+        short = WorkbenchStore(data_dir).add_take(
+            (0.2 * np.sin(np.arange(12000) / 9)).astype(np.float32), 24000,
+            {"voice_id": takes[0]["provenance"]["voice_id"]},
+            label="tone")
+        mos = client.post("/workbench/api/tests", json={"kind": "mos", "items": [{"takes": [short.id]}]}).json()["id"]
+        card = client.get(f"/workbench/api/tests/{mos}/scorecard", timeout=300)
+        assert card.status_code == 200 and [c["condition"] for c in card.json()["conditions"]] == ["tone"]
+        assert -1 <= card.json()["takes"][0]["sim_campplus"] < 1  # against Narrator's recording
+        assert "mean nothing" in card.json()["note"]
+
         for path in ("/workbench/", f"/workbench/rate/{test_id}", f"/workbench/tests/{test_id}"):
             assert "<script" in client.get(path).text
         assert client.get("/workbench/api/tests/test-nope/results").status_code == 404
@@ -83,13 +95,16 @@ def test_the_web_ui_serves_the_same_workbench(tts, tmp_path: Path) -> None:
     pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra")
     from test_webui import make_studio, serving
 
-    from cosyvoice.workbench.store import WorkbenchStore
-
     studio = make_studio(tts, tmp_path)
     store = WorkbenchStore(tmp_path / ".studio")  # beside the studio's voice folder
     take = store.add_take(np.zeros(2400, np.float32), 24000, {"text": "hi"}, label="sysA", owner="browser:x")
     with serving(studio) as url, httpx.Client(base_url=url, timeout=30) as client:
         assert "Listening-test workbench" in client.get("/workbench/").text
         assert [t["id"] for t in client.get("/workbench/api/takes").json()["takes"]] == [take.id]
+        # a browser's own history (the page keeps its id in local storage): only its takes, only newer ones
+        mine = client.get("/workbench/api/takes", params={"browser": "x"}).json()
+        assert [t["id"] for t in mine["takes"]] == [take.id] and mine["last"] == take.seq
+        assert client.get("/workbench/api/takes", params={"browser": "y"}).json()["takes"] == []
+        assert client.get("/workbench/api/takes", params={"browser": "x", "after": take.seq}).json()["takes"] == []
         missing = client.get("/workbench/api/tests/test-nope")
         assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found"

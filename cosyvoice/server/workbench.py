@@ -35,7 +35,8 @@ from cosyvoice.errors import (
 from cosyvoice.service import TTSService
 from cosyvoice.workbench import listening
 from cosyvoice.workbench.batch import TAKES_CSV_COLUMNS, parse_rows, run_batch, takes_csv_rows, write_csv
-from cosyvoice.workbench.store import WorkbenchStore
+from cosyvoice.workbench.scorecard import Scorer, scorecard
+from cosyvoice.workbench.store import SCORE_METRICS, WorkbenchStore
 
 logger = logging.getLogger(__name__)
 STATIC = Path(__file__).resolve().parents[1] / "workbench" / "static"
@@ -67,7 +68,7 @@ def workbench_router(data_dir: str | Path, service: Callable[[], TTSService]) ->
     """The routes over the store in ``data_dir`` (opened on first use) and the service ``service()`` returns
     (called only for batches, so rating works while a model loads)."""
     router = APIRouter(prefix="/workbench", include_in_schema=True, tags=["workbench"])
-    lock = threading.Lock()
+    lock = threading.RLock()  # scorer() opens the store while holding it
     opened: dict[str, WorkbenchStore] = {}
 
     def store() -> WorkbenchStore:
@@ -120,9 +121,12 @@ def workbench_router(data_dir: str | Path, service: Callable[[], TTSService]) ->
 
     @router.get("/api/takes")
     def takes(request: Request, after: int = 0, batch: str | None = None, mine: bool = False,
-              limit: int = 500) -> Any:
-        """Takes made after ``after`` (a seq): a page asks only for what is new."""
-        items = store().takes(owner=request_owner(request), any_owner=not mine, after=after, batch=batch,
+              browser: str | None = None, limit: int = 500) -> Any:
+        """Takes made after ``after`` (a seq): a page asks only for what is new. ``mine``: only the API key's;
+        ``browser``: only one browser's (the web UI stores its takes with owner ``browser:<id>``, the id a random
+        one the page keeps in its local storage, so the history survives a reload)."""
+        owner = f"browser:{browser}" if browser else request_owner(request)
+        items = store().takes(owner=owner, any_owner=not (mine or browser), after=after, batch=batch,
                               limit=max(1, min(limit, 5000)))
         return {"takes": [t.json() for t in items], "last": items[-1].seq if items else after}
 
@@ -222,6 +226,36 @@ def workbench_router(data_dir: str | Path, service: Callable[[], TTSService]) ->
             write_csv(out, listening.export_rows(store(), test_id), listening.EXPORT_COLUMNS)
             return Response(out.getvalue(), media_type="text/csv",
                             headers={"Content-Disposition": f'attachment; filename="{test_id}-answers.csv"'})
+        return answer(run)
+
+    def test_takes(test_id: str) -> list:
+        s = store()
+        items = s.test(test_id)["spec"]["items"]
+        ids = dict.fromkeys(t for it in items for t in [*it["takes"], *(it[k] for k in ("reference", "anchor")
+                                                                        if it.get(k))])
+        return [s.take(t) for t in ids]
+
+    def scorer() -> Scorer:
+        """The scorecard's models, loaded once (the bundle's CAM++; packaged encoders where installed)."""
+        with lock:
+            if "scorer" not in opened:
+                svc = service()
+                opened["scorer"] = Scorer(store(), svc.status().model_dir, svc.voices.recording)
+            return opened["scorer"]
+
+    @router.get("/api/tests/{test_id}/scorecard")
+    def test_scorecard(test_id: str) -> Any:
+        """Objective measures of the test's takes, per take and per condition (computed now, then kept)."""
+        return answer(lambda: scorecard(scorer(), test_takes(test_id)))
+
+    @router.get("/api/tests/{test_id}/scorecard.csv")
+    def test_scorecard_csv(test_id: str) -> Any:
+        def run() -> Response:
+            card = scorecard(scorer(), test_takes(test_id))
+            out = io.StringIO()
+            write_csv(out, card["takes"], ["take_id", "condition", *SCORE_METRICS])
+            return Response(out.getvalue(), media_type="text/csv",
+                            headers={"Content-Disposition": f'attachment; filename="{test_id}-scorecard.csv"'})
         return answer(run)
 
     # -------------------------------------------------------------- raters

@@ -25,7 +25,7 @@ import numpy as np
 
 from cosyvoice.errors import CosyVoiceError, InvalidInputError
 from cosyvoice.frontend.tokenizer import END_OF_PROMPT
-from cosyvoice.service import SynthesisRequest, TTSService
+from cosyvoice.service import PreparedRequest, SynthesisRequest, TTSService
 from cosyvoice.voices import model_identity
 from cosyvoice.workbench.store import Take, WorkbenchStore
 
@@ -180,21 +180,30 @@ def _run_row(service: TTSService, store: WorkbenchStore, row: Row, batch_id: str
                 first = time.perf_counter() - started
             pieces.append(chunk.pcm.numpy())
         prepared = session.prepared
-    seconds = time.perf_counter() - started
     pcm = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+    timings = {"synthesis_seconds": time.perf_counter() - started, "first_chunk_seconds": first}
+    return store.add_take(pcm, service.sample_rate, provenance(service, request, prepared, pcm.size, timings,
+                                                               model_id=model_id, software=software),
+                          label=row.values.get("label", ""), owner=owner, batch=batch_id, row=row.number)
+
+
+def provenance(service: TTSService, request: SynthesisRequest, prepared: PreparedRequest, samples: int,
+               timings: dict[str, float | None], *, model_id: str | None = None,
+               software: str | None = None) -> dict[str, Any]:
+    """How a take was made, for :meth:`WorkbenchStore.add_take`: any adapter that synthesised ``request``
+    (the web UI too) stores its takes with this. ``prepared`` is the session's; the seed must be explicit."""
+    assert prepared.seed is not None, "draw the seed before the request so that it can be recorded"
     info = service.get_voice(prepared.voice_id)
-    provenance = {
+    return {
         "text": request.text, "segments": normalised_segments(service, prepared.text), "mode": prepared.mode,
         "engine_mode": prepared.engine_mode, "voice": info.name or "", "voice_id": prepared.voice_id,
         "prompt_text": info.transcript, "instruction": request.instruction if prepared.mode == "instruct" else "",
         "seed": prepared.seed, "speed": prepared.speed, "settings": {"stream": prepared.stream},
-        "model_id": model_id, "software": software, "sample_rate": service.sample_rate,
-        "timings": {"synthesis_seconds": round(seconds, 4),
-                    "first_chunk_seconds": None if first is None else round(first, 4),
-                    "audio_seconds": round(pcm.size / service.sample_rate, 4)},
+        "model_id": model_id or model_identity(service.status().model_dir), "software": software or software_version(),
+        "sample_rate": service.sample_rate,
+        "timings": {**{k: None if v is None else round(v, 4) for k, v in timings.items()},
+                    "audio_seconds": round(samples / service.sample_rate, 4)},
     }
-    return store.add_take(pcm, service.sample_rate, provenance, label=row.values.get("label", ""),
-                          owner=owner, batch=batch_id, row=row.number)
 
 
 def takes_csv_rows(takes: Iterable[Take], files: dict[str, str] | None = None) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ from typing import Any
 
 from cosyvoice.errors import InvalidInputError, NotFoundError
 from cosyvoice.workbench import stats
-from cosyvoice.workbench.store import Answer, Rater, Take, WorkbenchStore
+from cosyvoice.workbench.store import SCORE_METRICS, Answer, Rater, Take, WorkbenchStore
 
 KINDS = ("ab", "mos", "cmos", "mushra", "mushra_noref")
 SCALES = {"mos": (1, 5), "cmos": (-3, 3), "mushra": (0, 100), "mushra_noref": (0, 100)}
@@ -32,7 +32,7 @@ HIDDEN_REFERENCE_MIN = 90  # MUSHRA post-screening (ITU-R BS.1534): the hidden r
 LISTEN_TOLERANCE_SECONDS = 0.3  # play start to end may fall this much short of the take's length (clock jitter)
 EXPORT_COLUMNS = ("test", "kind", "rater", "rater_id", "item", "position", "take_ids", "conditions", "shown",
                   "answer", "answer_take", "answer_condition", "score", "seconds", "plays", "check", "check_failed",
-                  "answered_at")
+                  "answered_at", *(f"obj_{m}" for m in SCORE_METRICS))
 DEFAULT_INSTRUCTIONS = {
     "ab": "Listen to both samples, A and B, to the end. Then choose the one that sounds better overall.",
     "mos": "Listen to each sample to the end, then rate its overall quality: 5 Excellent, 4 Good, 3 Fair, "
@@ -310,6 +310,13 @@ def export_rows(store: WorkbenchStore, test_id: str) -> list[dict[str, Any]]:
             takes[take_id] = store.take(take_id)
         return condition(takes[take_id])
 
+    scores = store.scores()
+
+    def objective(take_id: str) -> dict[str, Any]:
+        """The answered take's scorecard (empty until one was computed)."""
+        values = scores.get(take_id, {})
+        return {f"obj_{m}": "" if values.get(m) is None else values[m] for m in SCORE_METRICS}
+
     rows = []
     for a in store.answers(test_id=test_id):
         rater, item = raters[a.rater], test["spec"]["items"][a.item]
@@ -324,15 +331,17 @@ def export_rows(store: WorkbenchStore, test_id: str) -> list[dict[str, Any]]:
         if test["kind"] == "ab":
             chosen = a.answer["choice"]
             rows.append({**base, "answer": a.answer["shown"], "answer_take": "" if chosen == "none" else chosen,
-                         "answer_condition": "none" if chosen == "none" else cond(chosen), "score": ""})
+                         "answer_condition": "none" if chosen == "none" else cond(chosen), "score": "",
+                         **objective(chosen)})
         elif test["kind"] in ("mos", "cmos"):
             rows.append({**base, "answer": a.answer["shown"], "answer_take": item["takes"][0],
-                         "answer_condition": cond(item["takes"][0]), "score": a.answer["score"]})
+                         "answer_condition": cond(item["takes"][0]), "score": a.answer["score"],
+                         **objective(item["takes"][0])})
         else:
             for s in a.answer["scores"]:
                 rows.append({**base, "answer": s["score"], "answer_take": s["take"],
                              "answer_condition": s["role"].replace("_", " ") if s["role"] != "stimulus"
-                             else cond(s["take"]), "score": s["score"]})
+                             else cond(s["take"]), "score": s["score"], **objective(s["take"])})
     return rows
 
 

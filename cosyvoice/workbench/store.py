@@ -29,6 +29,9 @@ from cosyvoice.errors import AlreadyExistsError, InvalidInputError, NotFoundErro
 from cosyvoice.utils.fs import atomic_write
 
 DB_NAME = "workbench.sqlite3"
+# the objective scorecard's measures of a take (cosyvoice.workbench.scorecard), kept with it for the exports
+SCORE_METRICS = ("seconds", "rms_dbfs", "peak_dbfs", "sim_campplus", "sim_resemblyzer", "dnsmos_sig", "dnsmos_bak",
+                 "dnsmos_ovrl")
 AUDIO_DIR = "takes"
 
 SCHEMA = """
@@ -96,6 +99,11 @@ CREATE TABLE IF NOT EXISTS answers (
     check_failed INTEGER,                   -- NULL: not an attention check
     created REAL NOT NULL,
     UNIQUE (rater, position)
+);
+CREATE TABLE IF NOT EXISTS scores (
+    take TEXT PRIMARY KEY REFERENCES takes(id),
+    scores TEXT NOT NULL,                   -- JSON {metric: value or null}
+    created REAL NOT NULL
 );
 """
 
@@ -332,6 +340,18 @@ class WorkbenchStore:
         return [Answer(r["test"], r["rater"], r["position"], r["item"], json.loads(r["answer"]), r["seconds"],
                        r["plays"], None if r["check_failed"] is None else bool(r["check_failed"]), r["created"])
                 for r in self._rows(sql + " ORDER BY id", *args)]
+
+
+    # ------------------------------------------------------------------ objective scores
+
+    def put_scores(self, scores: dict[str, dict[str, float | None]]) -> None:
+        """Each take's scorecard (replacing an older one), in one transaction."""
+        with self._tx() as db:
+            db.executemany("INSERT OR REPLACE INTO scores (take, scores, created) VALUES (?,?,?)",
+                           [(take_id, json.dumps(values), time.time()) for take_id, values in scores.items()])
+
+    def scores(self) -> dict[str, dict[str, float | None]]:
+        return {r["take"]: json.loads(r["scores"]) for r in self._rows("SELECT take, scores FROM scores")}
 
 
 def _take(row: sqlite3.Row) -> Take:
