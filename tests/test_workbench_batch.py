@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import soundfile as sf
 
 from cosyvoice.voices import model_identity
@@ -81,3 +82,22 @@ def test_batch_cli_writes_takes_with_provenance_and_reports_bad_rows(tmp_path: P
 def test_batch_cli_refuses_unknown_columns(tmp_path: Path, tiny_bundle_dir: Path) -> None:
     proc, _ = run_cli(tmp_path, "bad.csv", "text,colour\nhi,red\n", tiny_bundle_dir)
     assert proc.returncode == 1 and "unknown column(s) colour" in proc.stderr
+
+
+def test_rows_from_csv_and_jsonl_read_the_same() -> None:
+    from cosyvoice.errors import InvalidInputError
+    from cosyvoice.workbench.batch import parse_rows, row_request
+
+    csv_rows = parse_rows("\ufefftext,voice,seed,speed,label\nHi.,Ann,7,1.5,sysA\n")
+    jsonl_rows = parse_rows(b'{"text": "Hi.", "voice": "Ann", "seed": 7, "speed": 1.5, "label": "sysA"}\n\n')
+    assert csv_rows == jsonl_rows
+    request = row_request(csv_rows[0], None)
+    assert (request.text, request.voice, request.mode, request.seed, request.speed) == ("Hi.", "Ann", "sft", 7, 1.5)
+    drawn = row_request(parse_rows("text,voice\nHi.,Ann\n")[0], None)
+    assert isinstance(drawn.seed, int) and drawn.seed >= 0  # drawn here, so it can be recorded
+    with pytest.raises(InvalidInputError, match="line 2 is not JSON"):
+        parse_rows('{"text": "a"}\n{oops\n')
+    with pytest.raises(InvalidInputError, match="seed must be a whole number"):
+        row_request(parse_rows("text,seed\nHi.,x\n")[0], None)
+    with pytest.raises(InvalidInputError, match="prompt_audio paths are not accepted here"):
+        row_request(parse_rows("text,prompt_audio\nHi.,/etc/passwd\n")[0], None)

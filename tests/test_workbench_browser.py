@@ -182,6 +182,10 @@ def test_two_raters_finish_ab_and_mos_one_resuming_after_a_restart(setup, browse
     sync_api.expect(owner.locator("#raters tr")).to_have_count(2)
     sync_api.expect(owner.locator("#interval-plot circle")).to_have_count(2)
     owner.screenshot(path=str(ARTIFACTS / "workbench-results.png"), full_page=True)
+    owner.goto(f"{app.url}/workbench/tests/{ab}")
+    owner.wait_for_function("() => window.wbReady")
+    sync_api.expect(owner.locator("#summary table tbody tr")).not_to_have_count(0)  # preference counts, p-value
+    owner.screenshot(path=str(ARTIFACTS / "workbench-results-ab.png"), full_page=True)
     owner.goto(f"{app.url}/workbench/")
     owner.wait_for_function("() => window.wb && window.wb.ready")
     sync_api.expect(owner.locator("#takes tr")).to_have_count(8)
