@@ -189,6 +189,12 @@ def test_two_raters_finish_ab_and_mos_one_resuming_after_a_restart(setup, browse
     owner.goto(f"{app.url}/workbench/")
     owner.wait_for_function("() => window.wb && window.wb.ready")
     sync_api.expect(owner.locator("#takes tr")).to_have_count(8)
+    # texts x voices from the page: a batch over REST, its failures reported per row (this server has no voices)
+    owner.fill("#grid-texts", "Hello there.\nGood morning.")
+    owner.fill("#grid-voices", "nobody")
+    owner.click("#grid-run")
+    sync_api.expect(owner.locator("#batch-status")).to_contain_text("2 of 2 rows · failed: row 1: unknown voice",
+                                                                    timeout=60000)
     owner.screenshot(path=str(ARTIFACTS / "workbench-owner.png"), full_page=True)
     phone.close()
     bob_device.close()
