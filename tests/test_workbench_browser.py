@@ -189,6 +189,13 @@ def test_two_raters_finish_ab_and_mos_one_resuming_after_a_restart(setup, browse
     owner.goto(f"{app.url}/workbench/")
     owner.wait_for_function("() => window.wb && window.wb.ready")
     sync_api.expect(owner.locator("#takes tr")).to_have_count(8)
+    # a new test from the page: MUSHRA without reference over the two conditions, one item per text
+    owner.select_option("#kind", "mushra_noref")
+    owner.check("#conditions input[value='sysA']")
+    owner.check("#conditions input[value='sysB']")
+    owner.click("#create-test")
+    sync_api.expect(owner.locator("#create-status")).to_contain_text("Created with 4 items")
+    sync_api.expect(owner.locator("#tests tr")).to_have_count(3)
     # texts x voices from the page: a batch over REST, its failures reported per row (this server has no voices)
     owner.fill("#grid-texts", "Hello there.\nGood morning.")
     owner.fill("#grid-voices", "nobody")

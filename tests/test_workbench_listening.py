@@ -107,6 +107,9 @@ def test_answers_export_and_summary(store: WorkbenchStore) -> None:
     assert by["sysA"]["mean"] == pytest.approx(4.5) and by["sysA"]["n"] == 4
     # values 4,4,5,5: sd 0.57735, se 0.288675, t(0.975, 3) = 3.182446 -> half-width 0.918693
     assert by["sysA"]["high"] == pytest.approx(4.5 + 0.918693, abs=1e-5)
+    per_rater = {(r["rater"], r["condition"]): (r["mean"], r["n"]) for r in summary["per_rater"]}
+    assert per_rater == {("Ann", "sysA"): (4, 2), ("Ann", "sysB"): (2, 2), ("Bob", "sysA"): (5, 2),
+                         ("Bob", "sysB"): (3, 2)}
     assert summary["agreement"]["measure"] == "Krippendorff's alpha (interval)"
     assert 0 < summary["agreement"]["value"] < 1
 
