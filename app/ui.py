@@ -35,8 +35,9 @@ from cosyvoice.encoding import audio_format, encode_audio, to_pcm16
 from cosyvoice.engine import AudioChunk
 from cosyvoice.errors import CosyVoiceError, InvalidInputError, ModelBundleError, ResourceLimitError
 from cosyvoice.server.longform import longform_router
+from cosyvoice.server.workbench import workbench_router
 from cosyvoice.service import SynthesisRequest, SynthesisSession, TTSService
-from cosyvoice.settings import SPEED_RANGE
+from cosyvoice.settings import SPEED_RANGE, default_data_dir
 from cosyvoice.voices import BUILTIN_VOICE_DIR, EXPORT_SUFFIX, VoiceLibrary
 
 logger = logging.getLogger(__name__)
@@ -742,7 +743,9 @@ def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: 
                                                                 "sans-serif"]),
                 allowed_paths=[str(studio._files)])
     mount(page.app, studio.live, studio.tts.sample_rate)
-    page.app.include_router(longform_router(lambda: studio.service))  # long-form projects: /studio/longform
+    data_dir = default_data_dir(studio.voices.dir.parent)  # workbench takes and long-form projects
+    page.app.include_router(longform_router(lambda: studio.service, data_dir))  # /studio/longform
+    page.app.include_router(workbench_router(data_dir, lambda: studio.service))
     if block:
         page.block_thread()
     return page

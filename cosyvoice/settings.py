@@ -29,11 +29,13 @@ def default_voice_dir(environ: dict[str, str] | None = None) -> Path:
     return Path(env.get("COSYVOICE_VOICE_DIR") or DEFAULT_VOICE_DIR)
 
 
-def default_data_dir(environ: dict[str, str] | None = None) -> Path:
-    """Where the studio's own databases and their audio live (workbench takes, long-form projects):
-    ``COSYVOICE_DATA_DIR``, else ``.studio`` beside the voice folder, so one deployment keeps them together."""
+def default_data_dir(voice_dir: str | Path | None = None, environ: dict[str, str] | None = None) -> Path:
+    """Where the workbench keeps its database and takes: ``COSYVOICE_DATA_DIR``, else ``.studio`` beside the voice
+    folder (``voice_dir``, default :func:`default_voice_dir`), so voices and takes move together."""
     env = os.environ if environ is None else environ
-    return Path(env.get("COSYVOICE_DATA_DIR") or default_voice_dir(env).parent / ".studio")
+    if env.get("COSYVOICE_DATA_DIR"):
+        return Path(env["COSYVOICE_DATA_DIR"])
+    return Path(voice_dir if voice_dir is not None else default_voice_dir(env)).parent / ".studio"
 
 
 def key_owner(api_key: str) -> str:

@@ -385,8 +385,8 @@ def test_a_segment_left_running_by_a_crash_is_pending_after_restart(service: TTS
 
 
 def test_default_data_dir_follows_the_environment() -> None:
-    assert default_data_dir({"COSYVOICE_DATA_DIR": "/x/y"}) == Path("/x/y")
-    assert default_data_dir({"COSYVOICE_VOICE_DIR": "/v/voices"}) == Path("/v/.studio")
+    assert default_data_dir(environ={"COSYVOICE_DATA_DIR": "/x/y"}) == Path("/x/y")
+    assert default_data_dir(environ={"COSYVOICE_VOICE_DIR": "/v/voices"}) == Path("/v/.studio")
 
 
 # ----------------------------------------------------------------------------- dialogue

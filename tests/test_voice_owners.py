@@ -25,7 +25,7 @@ def _tone(hz: float, seconds: float = 1.1, sr: int = 16000) -> tuple[np.ndarray,
 
 def _service(tts, root: Path, editors: str) -> TTSService:
     policy = VoicePolicy(editors, frozenset({ADMIN}))
-    return TTSService(tts, VoiceLibrary(root, tts.frontend, model_dir=tts.model_dir, policy=policy))
+    return TTSService(tts.model, VoiceLibrary(root, tts.frontend, model_dir=tts.model_dir, policy=policy))
 
 
 def test_an_unsaved_upload_is_its_uploaders_alone(tts, tmp_path: Path) -> None:

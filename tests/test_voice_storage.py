@@ -143,7 +143,7 @@ def test_a_full_disk_costs_only_the_caching_and_a_delete_frees_space(
     with capsys.disabled():
         print(f"\n[{small_disk.how}]", end=" ")
     library = VoiceLibrary(small_disk.root, tts.frontend, model_dir=tts.model_dir)
-    service = TTSService(tts, library, Limits(max_sessions=2))
+    service = TTSService(tts.model, library, Limits(max_sessions=2))
     saved = service.create_voice("Kept", short_prompt_wav.read_bytes(), TRANSCRIPT)
 
     small_disk.fill()
@@ -193,7 +193,7 @@ def _tone(hz: float = 220, seconds: float = 1.1, sr: int = 16000) -> tuple[np.nd
 def test_a_folder_turned_read_only_while_serving_costs_only_caching(tts, tmp_path: Path, short_prompt_wav: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "voices"
-    service = TTSService(tts, VoiceLibrary(root, tts.frontend, model_dir=tts.model_dir), Limits(max_sessions=2))
+    service = TTSService(tts.model, VoiceLibrary(root, tts.frontend, model_dir=tts.model_dir), Limits(max_sessions=2))
     saved = service.create_voice("Before", short_prompt_wav.read_bytes(), TRANSCRIPT)
     with read_only(root, monkeypatch):  # e.g. the disk was remounted read-only after an error
         request = SynthesisRequest("Good morning.", "zero_shot", prompt_audio=_prompt(short_prompt_wav, 0.5),

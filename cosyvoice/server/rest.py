@@ -49,8 +49,9 @@ from cosyvoice.errors import (
 )
 from cosyvoice.server.longform import longform_router
 from cosyvoice.server.metrics import ServiceMetrics
+from cosyvoice.server.workbench import workbench_router
 from cosyvoice.service import AsyncSynthesisSession, SynthesisRequest, TextPieces, TTSService, allowed_path
-from cosyvoice.settings import Limits, ServerSettings, add_server_arguments, settings_from_args
+from cosyvoice.settings import Limits, ServerSettings, add_server_arguments, default_data_dir, settings_from_args
 from cosyvoice.voices import VoiceInfo
 
 logger = logging.getLogger(__name__)
@@ -412,6 +413,8 @@ def create_app(settings: ServerSettings | None = None, service: TTSService | Non
                                 "the model is still loading; retry shortly")
         return state["service"]
 
+    app.include_router(workbench_router(default_data_dir(settings.voice_dir), svc))
+
     # -------------------------------------------------------------- error handlers
 
     def respond(request: Request, exc: BaseException) -> JSONResponse:
@@ -640,7 +643,7 @@ def create_app(settings: ServerSettings | None = None, service: TTSService | Non
             if encoder is not None:
                 encoder.close()
 
-    app.include_router(longform_router(svc, settings=settings))  # long-form projects (/v1/longform, /studio/longform)
+    app.include_router(longform_router(svc, default_data_dir(settings.voice_dir), settings=settings))  # /v1/longform
 
     # -------------------------------------------------------------- middleware (outermost last)
 

@@ -1,0 +1,229 @@
+"""Batch generation with provenance: rows of a CSV or JSONL -> takes in the store, each with how it was made.
+
+A row has ``text``, a voice (``voice``: a saved voice's id or name, built-ins included; or ``prompt_audio`` +
+``prompt_text``), and optionally ``mode``, ``instruction``, ``seed``, ``speed`` and ``label`` (the condition /
+system the take belongs to). Every row goes through :meth:`TTSService.synthesize`, like any other request; a
+row without a seed gets one drawn here and stored, so re-running the row with its stored seed gives the same
+samples. A bad row (unknown voice, empty text, a bad speed) is reported with its row number and field, and the
+other rows still run.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import secrets
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cosyvoice.errors import CosyVoiceError, InvalidInputError
+from cosyvoice.frontend.tokenizer import END_OF_PROMPT
+from cosyvoice.service import PreparedRequest, SynthesisRequest, TTSService
+from cosyvoice.voices import model_identity
+from cosyvoice.workbench.store import Take, WorkbenchStore
+
+COLUMNS = ("text", "voice", "prompt_audio", "prompt_text", "mode", "instruction", "seed", "speed", "label")
+TAKES_CSV_COLUMNS = ("take_id", "row", "label", "file", "text", "normalised_text", "mode", "voice", "voice_id",
+                     "prompt_text", "instruction", "seed", "speed", "model_id", "software", "sample_rate",
+                     "audio_seconds", "synthesis_seconds", "first_chunk_seconds", "created")
+SEED_RANGE = 2**31  # drawn seeds stay small enough for any spreadsheet to keep exactly
+
+
+@dataclass(frozen=True)
+class Row:
+    """One input row, as written (``number`` counts data rows from 1, as people number them)."""
+
+    number: int
+    values: dict[str, str]
+
+
+@dataclass(frozen=True)
+class RowError:
+    row: int
+    field: str | None
+    message: str
+
+    def json(self) -> dict[str, Any]:
+        return {"row": self.row, "field": self.field, "message": self.message}
+
+    def __str__(self) -> str:
+        return f"row {self.row}" + (f" ({self.field})" if self.field else "") + f": {self.message}"
+
+
+@dataclass(frozen=True)
+class Progress:
+    done: int
+    failed: int
+    total: int
+    elapsed: float
+    eta_seconds: float | None
+    take: Take | None = None
+    error: RowError | None = None
+
+
+@dataclass
+class BatchResult:
+    batch_id: str
+    takes: list[Take] = field(default_factory=list)
+    errors: list[RowError] = field(default_factory=list)
+
+
+def software_version() -> str:
+    try:
+        return f"cosyvoice3-studio {metadata.version('cosyvoice3-studio')}"
+    except metadata.PackageNotFoundError:
+        return "cosyvoice3-studio (not installed)"
+
+
+def parse_rows(data: str | bytes, name: str = "") -> list[Row]:
+    """Rows of a CSV (header line first) or JSONL (one object per line) file; JSONL when ``name`` ends in
+    ``.jsonl``/``.ndjson`` or the first non-blank character is ``{``. Unknown columns are refused by name."""
+    text = data.decode("utf-8-sig") if isinstance(data, bytes) else data.lstrip("\ufeff")
+    if name.lower().endswith((".jsonl", ".ndjson")) or text.lstrip().startswith("{"):
+        rows = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise InvalidInputError(f"line {i} is not JSON: {exc.msg}", "input") from exc
+            if not isinstance(value, dict):
+                raise InvalidInputError(f"line {i} must be a JSON object", "input")
+            rows.append(value)
+    else:
+        reader = csv.DictReader(io.StringIO(text))
+        rows = [{k: v for k, v in r.items() if k is not None} for r in reader]
+        if reader.fieldnames is None:
+            raise InvalidInputError("the input is empty; its first line names the columns (text, voice, ...)",
+                                    "input")
+    unknown = sorted({k for r in rows for k in r} - set(COLUMNS))
+    if unknown:
+        raise InvalidInputError(f"unknown column(s) {', '.join(unknown)}; use {', '.join(COLUMNS)}", "input")
+    if not rows:
+        raise InvalidInputError("the input has no rows", "input")
+    return [Row(i, {k: "" if v is None else str(v).strip() for k, v in r.items()}) for i, r in enumerate(rows, 1)]
+
+
+def row_request(row: Row, resolve_audio: Callable[[str], Path] | None) -> SynthesisRequest:
+    """A row as a service request (seed drawn if absent); errors name the row's column."""
+    v = row.values
+    mode = v.get("mode") or ("instruct" if v.get("instruction") else "sft" if v.get("voice") else
+                             "zero_shot" if v.get("prompt_text") else "cross_lingual")
+    try:
+        seed = int(v["seed"]) if v.get("seed") else secrets.randbelow(SEED_RANGE)
+    except ValueError as exc:
+        raise InvalidInputError(f"seed must be a whole number, got {v['seed']!r}", "seed") from exc
+    try:
+        speed = float(v["speed"]) if v.get("speed") else 1.0
+    except ValueError as exc:
+        raise InvalidInputError(f"speed must be a number, got {v['speed']!r}", "speed") from exc
+    audio = None
+    if v.get("prompt_audio"):
+        if resolve_audio is None:
+            raise InvalidInputError("prompt_audio paths are not accepted here; save the voice and name it in "
+                                    "'voice'", "prompt_audio")
+        audio = resolve_audio(v["prompt_audio"])
+    return SynthesisRequest(text=v.get("text", ""), mode=mode, voice=v.get("voice") or None, prompt_audio=audio,
+                            transcript=v.get("prompt_text", ""), instruction=v.get("instruction", ""), speed=speed,
+                            seed=seed, stream=False, format="wav")
+
+
+def run_batch(service: TTSService, store: WorkbenchStore, rows: list[Row], *, source: str = "",
+              owner: str | None = None, resolve_audio: Callable[[str], Path] | None = None,
+              on_progress: Callable[[Progress], None] | None = None, batch_id: str | None = None) -> BatchResult:
+    """Synthesise every row, one after another, storing each take as soon as it is made."""
+    result = BatchResult(batch_id or store.start_batch(source, len(rows)))
+    model_id = model_identity(service.status().model_dir)
+    software = software_version()
+    started = time.perf_counter()
+    for n, row in enumerate(rows, 1):
+        take, error = None, None
+        try:
+            take = _run_row(service, store, row, result.batch_id, owner, resolve_audio, model_id, software)
+            result.takes.append(take)
+        except CosyVoiceError as exc:
+            error = RowError(row.number, getattr(exc, "field", None), str(exc))
+            result.errors.append(error)
+        elapsed = time.perf_counter() - started
+        eta = elapsed / n * (len(rows) - n)
+        store.batch_progress(result.batch_id, done=len(result.takes), failed=len(result.errors),
+                             errors=[e.json() for e in result.errors], eta_seconds=eta, finished=n == len(rows))
+        if on_progress is not None:
+            on_progress(Progress(len(result.takes), len(result.errors), len(rows), elapsed, eta, take, error))
+    return result
+
+
+def _run_row(service: TTSService, store: WorkbenchStore, row: Row, batch_id: str, owner: str | None,
+             resolve_audio: Callable[[str], Path] | None, model_id: str, software: str) -> Take:
+    request = row_request(row, resolve_audio)
+    started = time.perf_counter()
+    first: float | None = None
+    pieces: list[np.ndarray] = []
+    with service.synthesize(request) as session:
+        for chunk in session:
+            if first is None and chunk.pcm.numel():
+                first = time.perf_counter() - started
+            pieces.append(chunk.pcm.numpy())
+        prepared = session.prepared
+    pcm = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+    timings = {"synthesis_seconds": time.perf_counter() - started, "first_chunk_seconds": first}
+    return store.add_take(pcm, service.sample_rate, provenance(service, request, prepared, pcm.size, timings,
+                                                               model_id=model_id, software=software),
+                          label=row.values.get("label", ""), owner=owner, batch=batch_id, row=row.number)
+
+
+def provenance(service: TTSService, request: SynthesisRequest, prepared: PreparedRequest, samples: int,
+               timings: dict[str, float | None], *, model_id: str | None = None,
+               software: str | None = None) -> dict[str, Any]:
+    """How a take was made, for :meth:`WorkbenchStore.add_take`: any adapter that synthesised ``request``
+    (the web UI too) stores its takes with this. ``prepared`` is the session's; the seed must be explicit."""
+    assert prepared.seed is not None, "draw the seed before the request so that it can be recorded"
+    info = service.get_voice(prepared.voice_id)
+    return {
+        "text": request.text, "segments": [s.rpartition(END_OF_PROMPT)[2] for s in prepared.segments],  # without the prompt prefix "mode": prepared.mode,
+        "engine_mode": prepared.engine_mode, "voice": info.name or "", "voice_id": prepared.voice_id,
+        "prompt_text": info.transcript, "instruction": request.instruction if prepared.mode == "instruct" else "",
+        "seed": prepared.seed, "speed": prepared.speed, "settings": {"stream": prepared.stream},
+        "model_id": model_id or model_identity(service.status().model_dir), "software": software or software_version(),
+        "sample_rate": service.sample_rate,
+        "timings": {**{k: None if v is None else round(v, 4) for k, v in timings.items()},
+                    "audio_seconds": round(samples / service.sample_rate, 4)},
+    }
+
+
+def takes_csv_rows(takes: Iterable[Take], files: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """One flat row per take (``TAKES_CSV_COLUMNS``): its id and provenance."""
+    out = []
+    for t in takes:
+        p = t.provenance
+        timings = p.get("timings", {})
+        out.append({
+            "take_id": t.id, "row": t.row, "label": t.label, "file": (files or {}).get(t.id, t.audio),
+            "normalised_text": " | ".join(p.get("segments", [])), "sample_rate": t.sample_rate,
+            "audio_seconds": timings.get("audio_seconds", round(t.seconds, 4)), "created": round(t.created, 3),
+            **{k: p.get(k, "") for k in ("text", "mode", "voice", "voice_id", "prompt_text", "instruction", "seed",
+                                         "speed", "model_id", "software")},
+            **{k: timings.get(k, "") for k in ("synthesis_seconds", "first_chunk_seconds")}})
+    return out
+
+
+def write_csv(path: Path | io.StringIO, rows: list[dict[str, Any]], columns: Iterable[str]) -> None:
+    """A CSV with a header (a StringIO for HTTP answers, a path for the CLI)."""
+    def write(f: Any) -> None:
+        writer = csv.DictWriter(f, fieldnames=list(columns))
+        writer.writeheader()
+        writer.writerows(rows)
+
+    if isinstance(path, io.StringIO):
+        write(path)
+    else:
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            write(f)

@@ -1,0 +1,439 @@
+"""Blind listening tests over stored takes: designs, per-rater plans, listen-gating, answers, results.
+
+Kinds: ``ab`` (pairwise preference, "no preference" optional), ``mos`` (ITU-T P.800 ACR, 1–5), ``cmos``
+(−3..+3, a take against a reference), ``mushra`` (0–100 for several takes beside an explicit reference, with
+the reference hidden among them and an optional anchor) and ``mushra_noref`` (the same without any reference,
+so a system that beats the human recording is not penalised).
+
+A test's items are canonical (take ids, no sides); each rater gets a plan drawn from a seed recorded with the
+rater: item order, A/B sides, stimulus order. Raters see slot names only ("A", "B", "1", …), never take ids.
+An answer counts only when the server saw every slot of the item play through to its end (listen-gating by
+the server's clock), and is stored in the canonical form, so sides and order never leak into results.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import secrets
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from cosyvoice.errors import InvalidInputError, NotFoundError
+from cosyvoice.workbench import stats
+from cosyvoice.workbench.store import SCORE_METRICS, Answer, Rater, Take, WorkbenchStore
+
+KINDS = ("ab", "mos", "cmos", "mushra", "mushra_noref")
+SCALES = {"mos": (1, 5), "cmos": (-3, 3), "mushra": (0, 100), "mushra_noref": (0, 100)}
+HIDDEN_REFERENCE_MIN = 90  # MUSHRA post-screening (ITU-R BS.1534): the hidden reference should score >= 90
+LISTEN_TOLERANCE_SECONDS = 0.3  # play start to end may fall this much short of the take's length (clock jitter)
+EXPORT_COLUMNS = ("test", "kind", "rater", "rater_id", "item", "position", "take_ids", "conditions", "shown",
+                  "answer", "answer_take", "answer_condition", "score", "seconds", "plays", "check", "check_failed",
+                  "answered_at", *(f"obj_{m}" for m in SCORE_METRICS))
+DEFAULT_INSTRUCTIONS = {
+    "ab": "Listen to both samples, A and B, to the end. Then choose the one that sounds better overall.",
+    "mos": "Listen to each sample to the end, then rate its overall quality: 5 Excellent, 4 Good, 3 Fair, "
+           "2 Poor, 1 Bad.",
+    "cmos": "Listen to A and B to the end, then say how B compares with A, from -3 (much worse) to +3 (much "
+            "better); 0 means about the same.",
+    "mushra": "Listen to the reference and to every sample to the end. Rate each sample from 0 to 100 for how "
+              "close it is to the reference; one of them is the reference itself.",
+    "mushra_noref": "Listen to every sample to the end. Rate each from 0 (bad) to 100 (excellent) for overall "
+                    "quality, comparing them with each other.",
+}
+
+
+def condition(take: Take) -> str:
+    """A take's condition: its label, else its own id (an unlabelled take is a condition of its own)."""
+    return take.label or take.id
+
+
+# ----------------------------------------------------------------------------- designs
+
+
+def design(kind: str, takes: Sequence[Take], conditions: Sequence[str], *, reference: str | None = None,
+           anchor: str | None = None) -> list[dict[str, Any]]:
+    """Items comparing ``conditions`` (take labels) text by text: takes of the same text are matched in the
+    order they were made. ``reference``: the condition CMOS and MUSHRA compare against; ``anchor``: a condition
+    that must sound worst, used as attention checks (MOS/A/B/CMOS) or as MUSHRA's anchor."""
+    _check_kind(kind)
+    by_text: dict[str, dict[str, list[Take]]] = defaultdict(lambda: defaultdict(list))
+    for take in sorted(takes, key=lambda t: t.seq):
+        by_text[take.provenance.get("text", "")][condition(take)].append(take)
+    conditions = list(dict.fromkeys(conditions))
+    if kind in ("cmos", "mushra") and not reference:
+        raise InvalidInputError(f"a {kind} test needs a reference condition", "reference")
+    items: list[dict[str, Any]] = []
+    for group in by_text.values():
+        ref, anchors = group.get(reference or "", []), group.get(anchor or "", [])
+        if kind == "ab":
+            for a, b in itertools.combinations(conditions, 2):
+                items += [{"takes": [x.id, y.id]} for x, y in zip(group.get(a, []), group.get(b, []), strict=False)]
+            if anchors and group.get(conditions[0]):
+                good = group[conditions[0]][0].id
+                items.append({"takes": [good, anchors[0].id], "check": {"expect": good}})
+        elif kind == "mos":
+            items += [{"takes": [t.id]} for c in conditions for t in group.get(c, [])]
+            items += [{"takes": [t.id], "check": {"max": 2}} for t in anchors[:1]]
+        elif kind == "cmos":
+            if not ref:
+                continue
+            items += [{"takes": [t.id], "reference": ref[0].id} for c in conditions if c != reference
+                      for t in group.get(c, [])]
+            if anchors:
+                items.append({"takes": [anchors[0].id], "reference": ref[0].id, "check": {"max": -1}})
+        else:
+            stimuli = [group[c][0].id for c in conditions if c not in (reference, anchor) and group.get(c)]
+            if not stimuli or (kind == "mushra" and not ref):
+                continue
+            item: dict[str, Any] = {"takes": stimuli}
+            if kind == "mushra":
+                item["reference"] = ref[0].id
+            if anchors:
+                item["anchor"] = anchors[0].id
+            items.append(item)
+    if not items:
+        raise InvalidInputError("no items: no text has takes of the chosen conditions (labels) to compare",
+                                "conditions")
+    return items
+
+
+def check_items(kind: str, items: object, store: WorkbenchStore) -> list[dict[str, Any]]:
+    """Explicit items (REST), validated: the right number of takes per kind, every take stored."""
+    _check_kind(kind)
+    if not isinstance(items, list) or not items:
+        raise InvalidInputError("items must be a non-empty list", "items")
+    out = []
+    for n, item in enumerate(items, 1):
+        if not isinstance(item, dict) or not isinstance(item.get("takes"), list) or not item["takes"]:
+            raise InvalidInputError(f"item {n} needs 'takes', a list of take ids", "items")
+        count = len(item["takes"])
+        want = {"ab": count == 2, "mos": count == 1, "cmos": count == 1}.get(kind, count >= 1)
+        if not want:
+            raise InvalidInputError(f"item {n}: a {kind} item has {'2 takes' if kind == 'ab' else '1 take'}",
+                                    "items")
+        if kind in ("cmos", "mushra") and not isinstance(item.get("reference"), str):
+            raise InvalidInputError(f"item {n}: a {kind} item needs a 'reference' take id", "items")
+        for take_id in [*item["takes"], *(item[k] for k in ("reference", "anchor") if item.get(k))]:
+            try:
+                store.take(str(take_id))
+            except NotFoundError as exc:
+                raise InvalidInputError(f"item {n}: no take {take_id!r}", "items") from exc
+        out.append({k: item[k] for k in ("takes", "reference", "anchor", "check") if k in item})
+    return out
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise InvalidInputError(f"unknown test kind {kind!r}; use one of {', '.join(KINDS)}", "kind")
+
+
+# ----------------------------------------------------------------------------- raters
+
+
+def make_plan(kind: str, items: list[dict[str, Any]], seed: int) -> list[dict[str, Any]]:
+    """A rater's items in their order, each with its slots (name, take, role), all drawn from ``seed``."""
+    rng = random.Random(seed)
+    order = list(range(len(items)))
+    rng.shuffle(order)
+    plan = []
+    for i in order:
+        item = items[i]
+        if kind == "ab":
+            pair = list(item["takes"])
+            if rng.random() < 0.5:
+                pair.reverse()
+            slots = [{"slot": s, "take": t, "role": "stimulus"} for s, t in zip("AB", pair, strict=True)]
+        elif kind == "mos":
+            slots = [{"slot": "X", "take": item["takes"][0], "role": "stimulus"}]
+        elif kind == "cmos":
+            pair = [(item["reference"], "reference"), (item["takes"][0], "stimulus")]
+            if rng.random() < 0.5:
+                pair.reverse()
+            slots = [{"slot": s, "take": t, "role": r} for s, (t, r) in zip("AB", pair, strict=True)]
+        else:
+            stimuli = [(t, "stimulus") for t in item["takes"]]
+            if kind == "mushra":
+                stimuli.append((item["reference"], "hidden_reference"))
+            if item.get("anchor"):
+                stimuli.append((item["anchor"], "anchor"))
+            rng.shuffle(stimuli)
+            slots = [{"slot": str(k), "take": t, "role": r} for k, (t, r) in enumerate(stimuli, 1)]
+            if kind == "mushra":
+                slots.insert(0, {"slot": "ref", "take": item["reference"], "role": "reference"})
+        plan.append({"item": i, "slots": slots})
+    return plan
+
+
+def join(store: WorkbenchStore, test_id: str, name: object) -> tuple[Rater, bool]:
+    """(rater, resumed): a name new to the test starts a rater with its own seed; a known name resumes."""
+    test = store.test(test_id)
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidInputError("enter your name to start", "name")
+    name = " ".join(name.split())[:80]
+    existing = store.rater_named(test_id, name)
+    if existing is not None:
+        return existing, True
+    seed = secrets.randbelow(2**31)
+    return store.add_rater(test_id, name, seed, make_plan(test["kind"], test["spec"]["items"], seed)), False
+
+
+def entry_at(rater: Rater, position: object) -> dict[str, Any]:
+    if not isinstance(position, int) or isinstance(position, bool) or not 0 <= position < len(rater.plan):
+        raise InvalidInputError(f"position must be 0..{len(rater.plan) - 1}", "position")
+    return rater.plan[position]
+
+
+def next_item(store: WorkbenchStore, rater: Rater) -> dict[str, Any]:
+    """What the page shows next: the first unanswered item (its view is recorded: time spent starts), or done."""
+    test = store.test(rater.test)
+    answered = {a.position for a in store.answers(rater_id=rater.id)}
+    total = len(rater.plan)
+    state = {"test": test["id"], "title": test["title"], "kind": test["kind"], "rater": rater.name,
+             "answered": len(answered), "total": total, "allow_none": bool(test["spec"].get("allow_none"))}
+    for position, entry in enumerate(rater.plan):
+        if position not in answered:
+            if not any(kind == "view" for _, kind, _ in store.events(rater.id, position)):
+                store.add_event(rater.id, position, "", "view")
+            lo, hi = SCALES.get(test["kind"], (None, None))
+            slots = [{"slot": s["slot"], "rated": s["role"] != "reference"} for s in entry["slots"]]
+            return {**state, "done": False, "position": position, "slots": slots, "scale": [lo, hi]}
+    return {**state, "done": True}
+
+
+def record_play(store: WorkbenchStore, rater: Rater, position: object, slot: object, kind: object) -> None:
+    """A play or ended event of one slot, on the server's clock."""
+    entry = entry_at(rater, position)
+    if kind not in ("play", "ended"):
+        raise InvalidInputError("event must be 'play' or 'ended'", "event")
+    if slot not in {s["slot"] for s in entry["slots"]}:
+        raise InvalidInputError(f"no sample {slot!r} in this item", "slot")
+    store.add_event(rater.id, position, str(slot), str(kind))
+
+
+def played_through(events: list[tuple[str, str, float]], slot: str, seconds: float) -> bool:
+    """Whether some 'ended' of ``slot`` came at least the take's length (less a small tolerance) after the
+    'play' before it, by the server's clock: a seek to the end or a faster playback rate does not count."""
+    started = None
+    for s, kind, at in events:
+        if s != slot:
+            continue
+        if kind == "play":
+            started = at
+        elif kind == "ended" and started is not None:
+            if at - started >= seconds - LISTEN_TOLERANCE_SECONDS:
+                return True
+            started = None
+    return False
+
+
+def submit(store: WorkbenchStore, rater: Rater, position: object, payload: object) -> Answer:
+    """Check listen-gating and the answer's range, convert it to canonical form, store it (one transaction)."""
+    entry = entry_at(rater, position)
+    test = store.test(rater.test)
+    kind, item = test["kind"], test["spec"]["items"][entry["item"]]
+    events = store.events(rater.id, position)  # type: ignore[arg-type]
+    unplayed = [s["slot"] for s in entry["slots"]
+                if not played_through(events, s["slot"], store.take(s["take"]).seconds)]
+    if unplayed:
+        raise InvalidInputError(f"play {', '.join(unplayed)} to the end first; only then does your rating count",
+                                "answer")
+    if not isinstance(payload, dict):
+        raise InvalidInputError("answer must be an object", "answer")
+    answer, failed = _canonical(kind, entry, item, payload, bool(test["spec"].get("allow_none")))
+    views = [at for s, k, at in events if k == "view"]
+    now = time.time()
+    record = Answer(test["id"], rater.id, position, entry["item"], answer,  # type: ignore[arg-type]
+                    round(now - (views[0] if views else now), 3), sum(k == "play" for _, k, _ in events), failed,
+                    now)
+    store.add_answer(record)
+    return record
+
+
+def _score(value: object, kind: str) -> int | float:
+    lo, hi = SCALES[kind]
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not lo <= value <= hi or (
+            kind != "mushra" and kind != "mushra_noref" and value != int(value)):
+        raise InvalidInputError(f"a rating must be {'a whole number ' if lo < 0 or hi == 5 else ''}from {lo} to "
+                                f"{hi}", "answer")
+    return value
+
+
+def _canonical(kind: str, entry: dict[str, Any], item: dict[str, Any], payload: dict[str, Any],
+               allow_none: bool) -> tuple[dict[str, Any], bool | None]:
+    check = item.get("check")
+    slots = {s["slot"]: s for s in entry["slots"]}
+    if kind == "ab":
+        choice = payload.get("choice")
+        if choice == "none" and allow_none:
+            chosen = "none"
+        elif choice in ("A", "B"):
+            chosen = slots[choice]["take"]
+        else:
+            raise InvalidInputError("choose A or B" + (" or no preference" if allow_none else ""), "answer")
+        return {"choice": chosen, "shown": choice}, None if check is None else chosen != check["expect"]
+    if kind in ("mos", "cmos"):
+        shown = _score(payload.get("score"), kind)
+        # CMOS asks "B compared with A"; canonical: the stimulus compared with the reference
+        score = -shown if kind == "cmos" and slots["A"]["role"] == "stimulus" else shown
+        failed = None if check is None else not check.get("min", -math.inf) <= score <= check.get("max", math.inf)
+        return {"score": score, "shown": shown}, failed
+    given = payload.get("scores")
+    rated = [s for s in entry["slots"] if s["role"] != "reference"]
+    if not isinstance(given, dict) or set(given) != {s["slot"] for s in rated}:
+        raise InvalidInputError("rate every sample", "answer")
+    scores = [{"take": s["take"], "role": s["role"], "score": _score(given[s["slot"]], kind)} for s in rated]
+    failed = None
+    hidden = [s["score"] for s in scores if s["role"] == "hidden_reference"]
+    anchor = [s["score"] for s in scores if s["role"] == "anchor"]
+    if hidden:
+        failed = hidden[0] < HIDDEN_REFERENCE_MIN
+    elif anchor:
+        failed = anchor[0] > min(s["score"] for s in scores if s["role"] == "stimulus")
+    return {"scores": scores}, failed
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def export_rows(store: WorkbenchStore, test_id: str) -> list[dict[str, Any]]:
+    """One row per answer (MUSHRA: per rated sample) with take ids and condition labels (``EXPORT_COLUMNS``)."""
+    test = store.test(test_id)
+    raters = {r.id: r for r in store.raters(test_id)}
+    takes: dict[str, Take] = {}
+
+    def cond(take_id: str) -> str:
+        if take_id not in takes:
+            takes[take_id] = store.take(take_id)
+        return condition(takes[take_id])
+
+    scores = store.scores()
+
+    def objective(take_id: str) -> dict[str, Any]:
+        """The answered take's scorecard (empty until one was computed)."""
+        values = scores.get(take_id, {})
+        return {f"obj_{m}": "" if values.get(m) is None else values[m] for m in SCORE_METRICS}
+
+    rows = []
+    for a in store.answers(test_id=test_id):
+        rater, item = raters[a.rater], test["spec"]["items"][a.item]
+        entry = rater.plan[a.position]
+        ids = [*item["takes"], *(item[k] for k in ("reference", "anchor") if item.get(k))]
+        base = {"test": test_id, "kind": test["kind"], "rater": rater.name, "rater_id": rater.id, "item": a.item,
+                "position": a.position, "take_ids": ";".join(ids), "conditions": ";".join(cond(t) for t in ids),
+                "shown": ";".join(f"{s['slot']}={s['take']}" for s in entry["slots"]), "seconds": a.seconds,
+                "plays": a.plays, "check": "" if item.get("check") is None else _check_text(item["check"]),
+                "check_failed": "" if a.check_failed is None else int(a.check_failed),
+                "answered_at": round(a.created, 3)}
+        if test["kind"] == "ab":
+            chosen = a.answer["choice"]
+            rows.append({**base, "answer": a.answer["shown"], "answer_take": "" if chosen == "none" else chosen,
+                         "answer_condition": "none" if chosen == "none" else cond(chosen), "score": "",
+                         **objective(chosen)})
+        elif test["kind"] in ("mos", "cmos"):
+            rows.append({**base, "answer": a.answer["shown"], "answer_take": item["takes"][0],
+                         "answer_condition": cond(item["takes"][0]), "score": a.answer["score"],
+                         **objective(item["takes"][0])})
+        else:
+            for s in a.answer["scores"]:
+                rows.append({**base, "answer": s["score"], "answer_take": s["take"],
+                             "answer_condition": s["role"].replace("_", " ") if s["role"] != "stimulus"
+                             else cond(s["take"]), "score": s["score"], **objective(s["take"])})
+    return rows
+
+
+def _check_text(check: dict[str, Any]) -> str:
+    return ";".join(f"{k}={v}" for k, v in check.items())
+
+
+def progress(store: WorkbenchStore, test_id: str) -> list[dict[str, Any]]:
+    """Per rater: answered of total, attention checks failed, last answer time."""
+    answers = store.answers(test_id=test_id)
+    out = []
+    for rater in store.raters(test_id):
+        mine = [a for a in answers if a.rater == rater.id]
+        out.append({"rater": rater.name, "rater_id": rater.id, "answered": len(mine), "total": len(rater.plan),
+                    "checks_failed": sum(bool(a.check_failed) for a in mine), "seed": rater.seed,
+                    "last_answer": max((a.created for a in mine), default=None)})
+    return out
+
+
+def summary(store: WorkbenchStore, test_id: str) -> dict[str, Any]:
+    """Per-condition statistics, per-rater tables and agreement, from the export rows (attention-check items are
+    left out of the condition statistics; their failures are counted in ``progress``)."""
+    test = store.test(test_id)
+    rows = [r for r in export_rows(store, test_id) if r["check"] == ""]
+    out: dict[str, Any] = {"kind": test["kind"], "answers": len(rows), "conditions": [], "pairs": [],
+                           "bradley_terry": None, "per_rater": [], "agreement": None}
+    if not rows:
+        return out
+    if test["kind"] == "ab":
+        return {**out, **_ab_summary(rows)}
+    by_condition: dict[str, list[float]] = defaultdict(list)
+    by_rater: dict[tuple[str, str], list[float]] = defaultdict(list)
+    units: dict[tuple[int, str], dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        by_condition[r["answer_condition"]].append(float(r["score"]))
+        by_rater[(r["rater"], r["answer_condition"])].append(float(r["score"]))
+        units[(r["item"], r["answer_take"])][r["rater_id"]] = float(r["score"])
+    for name, values in sorted(by_condition.items()):
+        ci = stats.mean_ci(values)
+        out["conditions"].append({"condition": name, "mean": ci.estimate, "low": _num(ci.low), "high": _num(ci.high),
+                                  "n": ci.n})
+    out["per_rater"] = [{"rater": k[0], "condition": k[1], "mean": sum(v) / len(v), "n": len(v)}
+                        for k, v in sorted(by_rater.items())]
+    out["agreement"] = _agreement(units, "interval")
+    return out
+
+
+def _ab_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    pairs: dict[tuple[str, str], dict[str, int]] = {}
+    comparisons, by_rater = [], defaultdict(lambda: defaultdict(int))
+    units: dict[int, dict[str, str]] = defaultdict(dict)
+    for r in rows:
+        a, b = sorted(r["conditions"].split(";"))
+        counts = pairs.setdefault((a, b), {a: 0, b: 0, "none": 0})
+        chosen = r["answer_condition"]
+        counts[chosen] += 1
+        comparisons.append((a, b, 0.5 if chosen == "none" else float(chosen == a)))
+        by_rater[r["rater"]][chosen] += 1
+        units[r["item"]][r["rater_id"]] = chosen
+    table = []
+    for (a, b), counts in pairs.items():
+        decided = counts[a] + counts[b]
+        table.append({"a": a, "b": b, "wins_a": counts[a], "wins_b": counts[b], "none": counts["none"],
+                      "share_a": counts[a] / decided if decided else None,
+                      "p_value": stats.binomial_test(counts[a], decided)})
+    try:
+        bt = [{"condition": c, "score": i.estimate, "low": i.low, "high": i.high, "n": i.n}
+              for c, i in sorted(stats.bradley_terry(comparisons).items(), key=lambda kv: -kv[1].low)]
+    except ValueError as exc:
+        bt = {"error": str(exc)}
+    per_rater = [{"rater": rater, "condition": c, "chosen": n} for rater, d in sorted(by_rater.items())
+                 for c, n in sorted(d.items())]
+    return {"pairs": table, "bradley_terry": bt, "per_rater": per_rater, "agreement": _agreement(units, "nominal")}
+
+
+def _agreement(units: dict[Any, dict[str, Any]], metric: str) -> dict[str, Any]:
+    raters = sorted({r for u in units.values() for r in u})
+    value = stats.krippendorff_alpha([[u.get(r) for r in raters] for u in units.values()], metric)
+    return {"measure": f"Krippendorff's alpha ({metric})", "value": _num(value), "raters": len(raters)}
+
+
+def _num(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def create_test(store: WorkbenchStore, kind: str, items: list[dict[str, Any]], *, title: str = "",
+                instructions: str = "", allow_none: bool = False) -> str:
+    """Store a test over ``items`` (from :func:`design` or :func:`check_items`); the instructions default to the
+    kind's standard wording."""
+    _check_kind(kind)
+    if not isinstance(title, str) or not isinstance(instructions, str):
+        raise InvalidInputError("title and instructions must be text", "title")
+    return store.add_test(kind, title.strip() or f"{kind.upper()} test", instructions.strip() or
+                          DEFAULT_INSTRUCTIONS[kind], {"allow_none": bool(allow_none) and kind == "ab",
+                                                       "items": items})

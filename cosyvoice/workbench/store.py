@@ -1,0 +1,375 @@
+"""THE workbench store: one SQLite database (takes' metadata, batches, tests, raters, play events, answers) and
+the takes' audio as WAV files beside it.
+
+Every write is one transaction in WAL mode with ``synchronous=FULL``: a committed answer survives ``kill -9``
+(and a power cut); a process killed mid-answer loses at most that answer. A take's audio file is written
+(atomically) before its row, so a row never names a missing file; an orphan file left by a crash between the
+two is harmless. Safe to share between threads (one connection, one lock) and between processes (SQLite's
+own locking, with a busy timeout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cosyvoice.encoding import encode_audio
+from cosyvoice.errors import AlreadyExistsError, InvalidInputError, NotFoundError
+from cosyvoice.utils.fs import atomic_write
+
+DB_NAME = "workbench.sqlite3"
+# the objective scorecard's measures of a take (cosyvoice.workbench.scorecard), kept with it for the exports
+SCORE_METRICS = ("seconds", "rms_dbfs", "peak_dbfs", "sim_campplus", "sim_resemblyzer", "dnsmos_sig", "dnsmos_bak",
+                 "dnsmos_ovrl")
+AUDIO_DIR = "takes"
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS takes (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- the page's history grows by seq: 'after' cursors
+    id TEXT UNIQUE NOT NULL,
+    created REAL NOT NULL,
+    owner TEXT,                             -- the service's owner string; NULL: local (CLI, keyless server)
+    batch TEXT,
+    row INTEGER,
+    label TEXT NOT NULL DEFAULT '',         -- the condition (system) the take belongs to
+    audio TEXT NOT NULL,                    -- file name under takes/
+    sample_rate INTEGER NOT NULL,
+    samples INTEGER NOT NULL,
+    provenance TEXT NOT NULL                -- JSON: how the take was made (see batch.Provenance)
+);
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY,
+    created REAL NOT NULL,
+    source TEXT NOT NULL,
+    total INTEGER NOT NULL,
+    done INTEGER NOT NULL DEFAULT 0,
+    failed INTEGER NOT NULL DEFAULT 0,
+    pid INTEGER NOT NULL,                   -- the process running it: gone while 'running' means interrupted
+    state TEXT NOT NULL DEFAULT 'running',  -- running | finished (read as 'interrupted' once its process died)
+    errors TEXT NOT NULL DEFAULT '[]',      -- JSON [{row, field, message}]
+    eta_seconds REAL,
+    finished REAL
+);
+CREATE TABLE IF NOT EXISTS tests (
+    id TEXT PRIMARY KEY,
+    created REAL NOT NULL,
+    kind TEXT NOT NULL,
+    title TEXT NOT NULL,
+    instructions TEXT NOT NULL,
+    spec TEXT NOT NULL                      -- JSON: options and items (listening.TestSpec)
+);
+CREATE TABLE IF NOT EXISTS raters (
+    id TEXT PRIMARY KEY,
+    test TEXT NOT NULL REFERENCES tests(id),
+    name TEXT NOT NULL,
+    created REAL NOT NULL,
+    seed INTEGER NOT NULL,                  -- drew this rater's order and sides
+    plan TEXT NOT NULL,                     -- JSON: the items in this rater's order, stimuli on their slots
+    UNIQUE (test, name)
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    rater TEXT NOT NULL REFERENCES raters(id),
+    position INTEGER NOT NULL,
+    slot TEXT NOT NULL,                     -- '' for the item being shown
+    kind TEXT NOT NULL,                     -- view | play | ended
+    at REAL NOT NULL                        -- server clock: listen-gating never trusts the page's
+);
+CREATE INDEX IF NOT EXISTS events_by_rater ON events (rater, position);
+CREATE TABLE IF NOT EXISTS answers (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    test TEXT NOT NULL REFERENCES tests(id),
+    rater TEXT NOT NULL REFERENCES raters(id),
+    position INTEGER NOT NULL,
+    item INTEGER NOT NULL,
+    answer TEXT NOT NULL,                   -- JSON, canonical (independent of sides and order)
+    seconds REAL NOT NULL,
+    plays INTEGER NOT NULL,
+    check_failed INTEGER,                   -- NULL: not an attention check
+    created REAL NOT NULL,
+    UNIQUE (rater, position)
+);
+CREATE TABLE IF NOT EXISTS scores (
+    take TEXT PRIMARY KEY REFERENCES takes(id),
+    scores TEXT NOT NULL,                   -- JSON {metric: value or null}
+    created REAL NOT NULL
+);
+"""
+
+
+def new_id(prefix: str) -> str:
+    """A short random id that says what it names (``take-…``, ``test-…``)."""
+    return f"{prefix}-{secrets.token_hex(6)}"
+
+
+@dataclass(frozen=True)
+class Take:
+    seq: int
+    id: str
+    created: float
+    owner: str | None
+    batch: str | None
+    row: int | None
+    label: str
+    audio: str
+    sample_rate: int
+    samples: int
+    provenance: dict[str, Any]
+
+    @property
+    def seconds(self) -> float:
+        return self.samples / self.sample_rate
+
+    def json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "id": self.id, "created": self.created, "batch": self.batch, "row": self.row,
+                "label": self.label, "sample_rate": self.sample_rate, "seconds": round(self.seconds, 3),
+                "provenance": self.provenance}
+
+
+@dataclass(frozen=True)
+class Rater:
+    id: str
+    test: str
+    name: str
+    created: float
+    seed: int
+    plan: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Answer:
+    test: str
+    rater: str
+    position: int
+    item: int
+    answer: Any
+    seconds: float
+    plays: int
+    check_failed: bool | None
+    created: float
+
+
+class WorkbenchStore:
+    """The database and audio folder under ``root`` (created if missing; reopened as it was)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.audio_dir = self.root / AUDIO_DIR
+        self.audio_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.root / DB_NAME
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        with self._lock:
+            self._db.executescript(SCHEMA)  # idempotent: an existing database is opened as it is
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (BEGIN IMMEDIATE: other processes wait instead of failing half-way)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _rows(self, sql: str, *args: Any) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # ------------------------------------------------------------------ takes
+
+    def add_take(self, pcm: np.ndarray, sample_rate: int, provenance: dict[str, Any], *, label: str = "",
+                 owner: str | None = None, batch: str | None = None, row: int | None = None) -> Take:
+        """Write the audio (float samples as the engine makes them -> 16-bit WAV), then the row: a take exists
+        once its row does."""
+        take_id = new_id("take")
+        name = f"{take_id}.wav"
+        data = encode_audio(pcm, "wav", sample_rate)
+        atomic_write(self.audio_dir / name, lambda tmp: Path(tmp).write_bytes(data))
+        created = time.time()
+        with self._tx() as db:
+            seq = db.execute("INSERT INTO takes (id, created, owner, batch, row, label, audio, sample_rate, samples, "
+                             "provenance) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                             (take_id, created, owner, batch, row, label, name, sample_rate, int(pcm.size),
+                              json.dumps(provenance))).lastrowid
+        return Take(seq, take_id, created, owner, batch, row, label, name, sample_rate, int(pcm.size), provenance)
+
+    def take(self, take_id: str) -> Take:
+        rows = self._rows("SELECT * FROM takes WHERE id=?", take_id)
+        if not rows:
+            raise NotFoundError(f"no take {take_id!r}", "take")
+        return _take(rows[0])
+
+    def takes(self, *, owner: str | None = None, any_owner: bool = True, after: int = 0, batch: str | None = None,
+              limit: int = 1000) -> list[Take]:
+        """Takes in the order they were made, those with ``seq > after`` (a page fetches only what is new);
+        ``any_owner=False`` keeps only ``owner``'s (a browser's history)."""
+        sql, args = "SELECT * FROM takes WHERE seq > ?", [after]
+        if not any_owner:
+            sql, args = sql + " AND owner IS ?", [*args, owner]
+        if batch is not None:
+            sql, args = sql + " AND batch = ?", [*args, batch]
+        return [_take(r) for r in self._rows(sql + " ORDER BY seq LIMIT ?", *args, limit)]
+
+    def audio_path(self, take: Take) -> Path:
+        return self.audio_dir / take.audio
+
+    # ------------------------------------------------------------------ batches
+
+    def start_batch(self, source: str, total: int) -> str:
+        batch_id = new_id("batch")
+        with self._tx() as db:
+            db.execute("INSERT INTO batches (id, created, source, total, pid) VALUES (?,?,?,?,?)",
+                       (batch_id, time.time(), source, total, os.getpid()))
+        return batch_id
+
+    def batch_progress(self, batch_id: str, *, done: int, failed: int, errors: list[dict[str, Any]],
+                       eta_seconds: float | None, finished: bool = False) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE batches SET done=?, failed=?, errors=?, eta_seconds=?, state=?, finished=? WHERE id=?",
+                       (done, failed, json.dumps(errors), eta_seconds, "finished" if finished else "running",
+                        time.time() if finished else None, batch_id))
+
+    def batch(self, batch_id: str) -> dict[str, Any]:
+        rows = self._rows("SELECT * FROM batches WHERE id=?", batch_id)
+        if not rows:
+            raise NotFoundError(f"no batch {batch_id!r}", "batch")
+        out = dict(rows[0])
+        out["errors"] = json.loads(out["errors"])
+        if out["state"] == "running" and not _alive(out.pop("pid")):
+            out["state"], out["eta_seconds"] = "interrupted", None  # its finished takes are kept
+        out.pop("pid", None)
+        return out
+
+    # ------------------------------------------------------------------ tests and raters
+
+    def add_test(self, kind: str, title: str, instructions: str, spec: dict[str, Any]) -> str:
+        test_id = new_id("test")
+        with self._tx() as db:
+            db.execute("INSERT INTO tests (id, created, kind, title, instructions, spec) VALUES (?,?,?,?,?,?)",
+                       (test_id, time.time(), kind, title, instructions, json.dumps(spec)))
+        return test_id
+
+    def test(self, test_id: str) -> dict[str, Any]:
+        rows = self._rows("SELECT * FROM tests WHERE id=?", test_id)
+        if not rows:
+            raise NotFoundError(f"no test {test_id!r}", "test")
+        return {**dict(rows[0]), "spec": json.loads(rows[0]["spec"])}
+
+    def tests(self) -> list[dict[str, Any]]:
+        return [{**dict(r), "spec": json.loads(r["spec"])} for r in self._rows("SELECT * FROM tests ORDER BY created")]
+
+    def add_rater(self, test_id: str, name: str, seed: int, plan: list[dict[str, Any]]) -> Rater:
+        """A new rater of ``test_id``; a name already taken in that test raises :class:`AlreadyExistsError`."""
+        rater = Rater(new_id("rater"), test_id, name, time.time(), seed, plan)
+        try:
+            with self._tx() as db:
+                db.execute("INSERT INTO raters (id, test, name, created, seed, plan) VALUES (?,?,?,?,?,?)",
+                           (rater.id, test_id, name, rater.created, seed, json.dumps(plan)))
+        except sqlite3.IntegrityError as exc:
+            raise AlreadyExistsError(f"a rater named {name!r} has started this test already", "name") from exc
+        return rater
+
+    def rater(self, rater_id: str) -> Rater:
+        rows = self._rows("SELECT * FROM raters WHERE id=?", rater_id)
+        if not rows:
+            raise NotFoundError("no such rater: use the test's link to start again", "rater")
+        return _rater(rows[0])
+
+    def rater_named(self, test_id: str, name: str) -> Rater | None:
+        rows = self._rows("SELECT * FROM raters WHERE test=? AND name=?", test_id, name)
+        return _rater(rows[0]) if rows else None
+
+    def raters(self, test_id: str) -> list[Rater]:
+        return [_rater(r) for r in self._rows("SELECT * FROM raters WHERE test=? ORDER BY created", test_id)]
+
+    # ------------------------------------------------------------------ events and answers
+
+    def add_event(self, rater_id: str, position: int, slot: str, kind: str) -> float:
+        at = time.time()
+        with self._tx() as db:
+            db.execute("INSERT INTO events (rater, position, slot, kind, at) VALUES (?,?,?,?,?)",
+                       (rater_id, position, slot, kind, at))
+        return at
+
+    def events(self, rater_id: str, position: int) -> list[tuple[str, str, float]]:
+        """(slot, kind, time) of one item's events, in order."""
+        return [(r["slot"], r["kind"], r["at"]) for r in
+                self._rows("SELECT slot, kind, at FROM events WHERE rater=? AND position=? ORDER BY id", rater_id,
+                           position)]
+
+    def add_answer(self, answer: Answer) -> None:
+        """One answer, in one transaction; a second answer to the same item is refused (answers are final)."""
+        try:
+            with self._tx() as db:
+                db.execute("INSERT INTO answers (test, rater, position, item, answer, seconds, plays, check_failed, "
+                           "created) VALUES (?,?,?,?,?,?,?,?,?)",
+                           (answer.test, answer.rater, answer.position, answer.item, json.dumps(answer.answer),
+                            answer.seconds, answer.plays, None if answer.check_failed is None else
+                            int(answer.check_failed), answer.created))
+        except sqlite3.IntegrityError as exc:
+            raise InvalidInputError("this item is answered already", "position") from exc
+
+    def answers(self, *, test_id: str | None = None, rater_id: str | None = None) -> list[Answer]:
+        sql, args = "SELECT * FROM answers WHERE 1=1", []
+        if test_id is not None:
+            sql, args = sql + " AND test=?", [*args, test_id]
+        if rater_id is not None:
+            sql, args = sql + " AND rater=?", [*args, rater_id]
+        return [Answer(r["test"], r["rater"], r["position"], r["item"], json.loads(r["answer"]), r["seconds"],
+                       r["plays"], None if r["check_failed"] is None else bool(r["check_failed"]), r["created"])
+                for r in self._rows(sql + " ORDER BY id", *args)]
+
+
+    # ------------------------------------------------------------------ objective scores
+
+    def put_scores(self, scores: dict[str, dict[str, float | None]]) -> None:
+        """Each take's scorecard (replacing an older one), in one transaction."""
+        with self._tx() as db:
+            db.executemany("INSERT OR REPLACE INTO scores (take, scores, created) VALUES (?,?,?)",
+                           [(take_id, json.dumps(values), time.time()) for take_id, values in scores.items()])
+
+    def scores(self) -> dict[str, dict[str, float | None]]:
+        return {r["take"]: json.loads(r["scores"]) for r in self._rows("SELECT take, scores FROM scores")}
+
+
+def _take(row: sqlite3.Row) -> Take:
+    return Take(row["seq"], row["id"], row["created"], row["owner"], row["batch"], row["row"], row["label"],
+                row["audio"], row["sample_rate"], row["samples"], json.loads(row["provenance"]))
+
+
+def _rater(row: sqlite3.Row) -> Rater:
+    return Rater(row["id"], row["test"], row["name"], row["created"], row["seed"], json.loads(row["plan"]))
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True

@@ -1,0 +1,227 @@
+"""Raters in a real browser (Debian's chromium via Playwright) against the REST server as a real process.
+
+Two raters complete a 4-item A/B test and a 4-item MOS test through their links; one leaves half-way and resumes
+on another "device" (a fresh browser profile) after the server was killed and started again; the CSV export holds
+exactly their answers with the take ids; listen-gating refuses a rating before playback ends. Screenshots go to
+``test-artifacts/``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright (the dev extra)")
+CHROMIUM = Path(os.environ.get("COSYVOICE_CHROMIUM", "/usr/bin/chromium"))
+if not CHROMIUM.is_file():
+    pytest.skip(f"no chromium at {CHROMIUM} (apt-get install chromium, or set COSYVOICE_CHROMIUM)",
+                allow_module_level=True)
+
+from cosyvoice.workbench import listening  # noqa: E402
+from cosyvoice.workbench.store import WorkbenchStore  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ARTIFACTS = REPO / "test-artifacts"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--autoplay-policy=no-user-gesture-required"]
+SECONDS = 1.0  # each stimulus: long enough that answering before its end is refused
+
+
+class App:
+    """``python -m cosyvoice.server.rest`` on one loopback port; ``restart()`` kills it (-9) and starts it again."""
+
+    def __init__(self, bundle: Path, root: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [sys.executable, "-m", "cosyvoice.server.rest", "--model-dir", str(bundle), "--voice-dir",
+                     str(root / "voices"), "--port", str(self.port), "--device", "cpu", "--log-level", "warning"]
+        self.env = {**os.environ, "PYTHONPATH": str(REPO), "COSYVOICE_DATA_DIR": str(root / "data")}
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.args, env=self.env)
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.proc.poll() is None, "the server exited"
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(30)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[App, str, str]]:
+    root = tmp_path_factory.mktemp("workbench-browser")
+    store = WorkbenchStore(root / "data")
+    for k, text in enumerate(["one", "two", "three", "four"]):
+        for j, label in enumerate(["sysA", "sysB"]):
+            t = np.arange(int(24000 * SECONDS)) / 24000
+            pcm = (0.2 * np.sin(2 * np.pi * (220 + 40 * k + 110 * j) * t)).astype(np.float32)
+            store.add_take(pcm, 24000, {"text": text, "segments": [text], "voice": "tone", "mode": "test", "seed": k},
+                           label=label)
+    ab = listening.create_test(store, "ab", listening.design("ab", store.takes(), ["sysA", "sysB"]), title="A/B")
+    mos_items = listening.design("mos", store.takes(), ["sysA", "sysB"])[:4]
+    mos = listening.create_test(store, "mos", mos_items, title="MOS")
+    store.close()
+    app = App(tiny_bundle_dir, root)
+    yield app, ab, mos
+    app.stop()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    with sync_api.sync_playwright() as playwright:
+        # each call: a fresh profile, i.e. another device (no local storage shared)
+        yield lambda: playwright.chromium.launch_persistent_context(
+            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=str(CHROMIUM), headless=True,
+            args=FLAGS, viewport={"width": 1100, "height": 900}, locale="en-US")
+
+
+def join(context, url: str, name: str):
+    page = context.new_page()
+    page.goto(url)
+    page.wait_for_function("() => window.wb && window.wb.ready")
+    page.fill("#name", name)
+    page.click("#start")
+    sync_api.expect(page.locator("#rating, #done").locator("visible=true")).to_have_count(1)
+    return page
+
+
+def answer_item(page, choice: str) -> None:
+    """Play every sample to its end, then choose and save, as a rater would."""
+    expect = sync_api.expect
+    progress = page.locator("#item-progress").inner_text()
+    for button in page.locator("button.play").all():
+        slot = button.get_attribute("data-slot")
+        button.click()
+        expect(page.locator(f".slot[data-slot='{slot}']")).to_have_class("slot played", timeout=15000)
+    page.check(f"input[value='{choice}']")
+    expect(page.locator("#submit")).to_be_enabled()
+    page.click("#submit")
+    page.wait_for_function("""(before) => !document.getElementById("done").hidden ||
+        document.getElementById("item-progress").textContent !== before""", arg=progress)  # next item, or the end
+
+
+def finish(page, choice: str, items: int) -> None:
+    for _ in range(items):
+        answer_item(page, choice)
+    sync_api.expect(page.locator("#done")).to_be_visible()
+
+
+def test_two_raters_finish_ab_and_mos_one_resuming_after_a_restart(setup, browser) -> None:
+    app, ab, mos = setup
+    ARTIFACTS.mkdir(exist_ok=True)
+    ann_device = browser()
+    ann = join(ann_device, f"{app.url}/workbench/rate/{ab}", "Ann")
+    sync_api.expect(ann.locator("#item-progress")).to_have_text("Item 1 of 4")
+
+    # listen-gating: the page keeps Save disabled, and the server refuses a rating sent before playback ends
+    sync_api.expect(ann.locator("#submit")).to_be_disabled()
+    ann.check("input[value='A']")
+    sync_api.expect(ann.locator("#submit")).to_be_disabled()
+    ann.click("button.play[data-slot='A']")
+    refused = ann.evaluate("""async () => {
+        const r = await fetch(`/workbench/api/raters/${wb.rater}/answers`, {method: "POST",
+            headers: {"Content-Type": "application/json"},
+            body: JSON.stringify({position: wb.state.position, answer: {choice: "A"}})});
+        return [r.status, (await r.json()).error.message]; }""")
+    assert refused[0] == 400 and "to the end first" in refused[1]
+    ann.screenshot(path=str(ARTIFACTS / "workbench-rater.png"), full_page=True)
+
+    answer_item(ann, "A")
+    answer_item(ann, "A")
+    sync_api.expect(ann.locator("#item-progress")).to_have_text("Item 3 of 4")
+    ann_device.close()  # Ann leaves half-way
+
+    app.restart()  # kill -9 and start again: her two answers are on disk
+
+    bob_device = browser()
+    bob = join(bob_device, f"{app.url}/workbench/rate/{ab}", "Bob")
+    finish(bob, "B", 4)
+    bob = join(bob_device, f"{app.url}/workbench/rate/{mos}", "Bob")
+    finish(bob, "3", 4)
+
+    phone = browser()  # Ann again, on another device: her name resumes where she left
+    ann = join(phone, f"{app.url}/workbench/rate/{ab}", "Ann")
+    sync_api.expect(ann.locator("#item-progress")).to_have_text("Item 3 of 4")
+    finish(ann, "A", 2)
+    ann = join(phone, f"{app.url}/workbench/rate/{mos}", "Ann")
+    ann.screenshot(path=str(ARTIFACTS / "workbench-rater-mos.png"), full_page=True)
+    finish(ann, "4", 4)
+
+    # the owner's view: progress per rater and the results with an interval plot
+    owner = phone.new_page()
+    owner.goto(f"{app.url}/workbench/tests/{mos}")
+    owner.wait_for_function("() => window.wbReady")
+    sync_api.expect(owner.locator("#raters tr")).to_have_count(2)
+    sync_api.expect(owner.locator("#interval-plot circle")).to_have_count(2)
+    owner.screenshot(path=str(ARTIFACTS / "workbench-results.png"), full_page=True)
+    owner.goto(f"{app.url}/workbench/tests/{ab}")
+    owner.wait_for_function("() => window.wbReady")
+    sync_api.expect(owner.locator("#summary table tbody tr")).not_to_have_count(0)  # preference counts, p-value
+    owner.screenshot(path=str(ARTIFACTS / "workbench-results-ab.png"), full_page=True)
+    owner.goto(f"{app.url}/workbench/")
+    owner.wait_for_function("() => window.wb && window.wb.ready")
+    sync_api.expect(owner.locator("#takes tr")).to_have_count(8)
+    # a new test from the page: MUSHRA without reference over the two conditions, one item per text
+    owner.select_option("#kind", "mushra_noref")
+    owner.check("#conditions input[value='sysA']")
+    owner.check("#conditions input[value='sysB']")
+    owner.click("#create-test")
+    sync_api.expect(owner.locator("#create-status")).to_contain_text("Created with 4 items")
+    sync_api.expect(owner.locator("#tests tr")).to_have_count(3)
+    # texts x voices from the page: a batch over REST, its failures reported per row (this server has no voices)
+    owner.fill("#grid-texts", "Hello there.\nGood morning.")
+    owner.fill("#grid-voices", "nobody")
+    owner.click("#grid-run")
+    sync_api.expect(owner.locator("#batch-status")).to_contain_text("2 of 2 rows · failed: row 1: unknown voice",
+                                                                    timeout=60000)
+    owner.screenshot(path=str(ARTIFACTS / "workbench-owner.png"), full_page=True)
+    phone.close()
+    bob_device.close()
+
+    store = WorkbenchStore(app.env["COSYVOICE_DATA_DIR"])
+    for test_id, answers in ((ab, {"Ann": "A", "Bob": "B"}), (mos, {"Ann": "4", "Bob": "3"})):
+        text = httpx.get(f"{app.url}/workbench/api/tests/{test_id}/answers.csv").text
+        rows = list(csv.DictReader(io.StringIO(text)))
+        assert len(rows) == 8 and sorted({r["rater"] for r in rows}) == ["Ann", "Bob"]
+        raters = {r.name: r for r in store.raters(test_id)}
+        for rater_name, given in answers.items():
+            mine = sorted((r for r in rows if r["rater"] == rater_name), key=lambda r: int(r["position"]))
+            assert [int(r["position"]) for r in mine] == [0, 1, 2, 3]
+            assert all(r["answer"] == given and int(r["plays"]) >= 1 for r in mine)
+            plan = raters[rater_name].plan
+            for r in mine:
+                shown = {s["slot"]: s["take"] for s in plan[int(r["position"])]["slots"]}
+                assert r["shown"] == ";".join(f"{k}={v}" for k, v in shown.items())
+                if test_id == ab:  # the chosen side's take, as the rater heard it
+                    assert r["answer_take"] == shown[given]
+                    assert sorted(r["take_ids"].split(";")) == sorted(shown.values())
+                else:
+                    assert r["take_ids"] == shown["X"] and r["score"] == given

@@ -1,0 +1,170 @@
+"""Blind listening tests on a real store: designs, per-rater plans, listen-gating, canonical answers, results."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cosyvoice.errors import AlreadyExistsError, InvalidInputError
+from cosyvoice.workbench import listening
+from cosyvoice.workbench.store import Take, WorkbenchStore
+
+SECONDS = 0.8  # take length: long enough that an immediate 'ended' is refused (tolerance 0.3 s)
+
+
+def make_takes(store: WorkbenchStore, labels: list[str], texts: list[str]) -> dict[tuple[str, str], Take]:
+    out = {}
+    for text in texts:
+        for k, label in enumerate(labels):
+            pcm = (0.2 * np.sin(np.arange(int(24000 * SECONDS)) * (0.05 + 0.01 * k))).astype(np.float32)
+            out[(label, text)] = store.add_take(pcm, 24000, {"text": text, "segments": [text]}, label=label)
+    return out
+
+
+def listen(store: WorkbenchStore, rater, position: int) -> None:
+    """Every slot of the item played through (plays overlap, so one wait covers them all)."""
+    slots = [s["slot"] for s in rater.plan[position]["slots"]]
+    for slot in slots:
+        listening.record_play(store, rater, position, slot, "play")
+    time.sleep(SECONDS - listening.LISTEN_TOLERANCE_SECONDS + 0.05)
+    for slot in slots:
+        listening.record_play(store, rater, position, slot, "ended")
+
+
+@pytest.fixture()
+def store(tmp_path: Path) -> WorkbenchStore:
+    return WorkbenchStore(tmp_path)
+
+
+def test_played_through_needs_the_takes_length_on_the_servers_clock() -> None:
+    assert listening.played_through([("A", "play", 10.0), ("A", "ended", 11.0)], "A", 1.2)  # within 0.3 s
+    assert not listening.played_through([("A", "play", 10.0), ("A", "ended", 10.5)], "A", 1.2)  # seeked / sped up
+    assert not listening.played_through([("A", "ended", 12.0)], "A", 1.2)  # no play before it
+    assert not listening.played_through([("B", "play", 10.0), ("B", "ended", 12.0)], "A", 1.2)  # another slot
+    assert listening.played_through([("A", "play", 1.0), ("A", "ended", 1.1), ("A", "play", 5.0),
+                                     ("A", "ended", 6.0)], "A", 1.2)  # a replay counts
+
+
+def test_ab_design_plans_and_gated_answers(store: WorkbenchStore) -> None:
+    takes = make_takes(store, ["sysA", "sysB", "bad"], ["one", "two"])
+    items = listening.design("ab", store.takes(), ["sysA", "sysB"], anchor="bad")
+    assert [it["takes"] for it in items[:1]] == [[takes[("sysA", "one")].id, takes[("sysB", "one")].id]]
+    assert sum("check" in it for it in items) == 2 and len(items) == 4
+    test_id = listening.create_test(store, "ab", items, allow_none=True)
+    ann, resumed = listening.join(store, test_id, "  Ann  ")
+    assert (ann.name, resumed) == ("Ann", False)
+    assert listening.join(store, test_id, "Ann")[0].id == ann.id  # the same name resumes
+    bob, _ = listening.join(store, test_id, "Bob")
+    # each rater's order and sides come from their own recorded seed
+    assert listening.make_plan("ab", items, ann.seed) == ann.plan
+    assert sorted(e["item"] for e in bob.plan) == [0, 1, 2, 3]
+
+    state = listening.next_item(store, ann)
+    assert state["position"] == 0 and [s["slot"] for s in state["slots"]] == ["A", "B"]
+    assert "take" not in str(state["slots"])  # the page never learns which take is where
+    with pytest.raises(InvalidInputError, match="to the end first"):
+        listening.submit(store, ann, 0, {"choice": "A"})
+    listening.record_play(store, ann, 0, "A", "play")
+    listening.record_play(store, ann, 0, "A", "ended")  # at once: not played through
+    with pytest.raises(InvalidInputError, match="play A, B to the end first"):
+        listening.submit(store, ann, 0, {"choice": "A"})
+    listen(store, ann, 0)
+    with pytest.raises(InvalidInputError, match="choose A or B or no preference"):
+        listening.submit(store, ann, 0, {"choice": "C"})
+    answer = listening.submit(store, ann, 0, {"choice": "B"})
+    assert answer.answer == {"choice": ann.plan[0]["slots"][1]["take"], "shown": "B"} and answer.plays == 3
+    with pytest.raises(InvalidInputError, match="answered already"):
+        listening.submit(store, ann, 0, {"choice": "A"})
+    assert listening.next_item(store, ann)["position"] == 1
+
+
+def test_answers_export_and_summary(store: WorkbenchStore) -> None:
+    takes = make_takes(store, ["sysA", "sysB", "bad"], ["one", "two"])
+    items = listening.design("mos", store.takes(), ["sysA", "sysB"], anchor="bad")
+    assert len(items) == 6 and [it["check"] for it in items if "check" in it] == [{"max": 2}, {"max": 2}]
+    test_id = listening.create_test(store, "mos", items)
+    scores = {"sysA": 4, "sysB": 2, "bad": 3}  # Ann fails the anchor checks (3 > 2)
+    for name, shift in (("Ann", 0), ("Bob", 1)):
+        rater, _ = listening.join(store, test_id, name)
+        for position, entry in enumerate(rater.plan):
+            take = store.take(entry["slots"][0]["take"])
+            assert listening.next_item(store, rater)["position"] == position  # the page shows it: time starts
+            listen(store, rater, position)
+            listening.submit(store, rater, position, {"score": min(5, scores[take.label] + shift)})
+    rows = listening.export_rows(store, test_id)
+    assert len(rows) == 12 and set(rows[0]) == set(listening.EXPORT_COLUMNS)
+    assert {r["take_ids"] for r in rows} == {t.id for t in takes.values()}
+    assert [(r["plays"], r["seconds"] > 0) for r in rows] == [(1, True)] * 12
+    assert [r["check_failed"] for r in rows if r["check"]] == [1, 1, 1, 1]  # Ann 3 and Bob 4 both exceed 2
+    progress = {p["rater"]: p for p in listening.progress(store, test_id)}
+    assert progress["Ann"]["answered"] == 6 and progress["Ann"]["checks_failed"] == 2
+    summary = listening.summary(store, test_id)
+    by = {c["condition"]: c for c in summary["conditions"]}
+    assert set(by) == {"sysA", "sysB"}  # attention-check items are not a condition
+    assert by["sysA"]["mean"] == pytest.approx(4.5) and by["sysA"]["n"] == 4
+    # values 4,4,5,5: sd 0.57735, se 0.288675, t(0.975, 3) = 3.182446 -> half-width 0.918693
+    assert by["sysA"]["high"] == pytest.approx(4.5 + 0.918693, abs=1e-5)
+    per_rater = {(r["rater"], r["condition"]): (r["mean"], r["n"]) for r in summary["per_rater"]}
+    assert per_rater == {("Ann", "sysA"): (4, 2), ("Ann", "sysB"): (2, 2), ("Bob", "sysA"): (5, 2),
+                         ("Bob", "sysB"): (3, 2)}
+    assert summary["agreement"]["measure"] == "Krippendorff's alpha (interval)"
+    assert 0 < summary["agreement"]["value"] < 1
+
+
+def test_cmos_is_stored_as_stimulus_against_reference_whatever_the_side(store: WorkbenchStore) -> None:
+    make_takes(store, ["ref", "new"], ["one", "two", "three", "four"])
+    items = listening.design("cmos", store.takes(), ["new"], reference="ref")
+    test_id = listening.create_test(store, "cmos", items)
+    rater, _ = listening.join(store, test_id, "Ann")
+    for position, entry in enumerate(rater.plan):
+        listen(store, rater, position)
+        answer = listening.submit(store, rater, position, {"score": 2})  # "B is better than A"
+        stimulus_is_b = entry["slots"][1]["role"] == "stimulus"
+        assert answer.answer == {"score": 2 if stimulus_is_b else -2, "shown": 2}
+    with pytest.raises(InvalidInputError, match="from -3 to 3"):
+        listening._score(4, "cmos")
+
+
+def test_mushra_hidden_reference_and_anchor(store: WorkbenchStore) -> None:
+    make_takes(store, ["ref", "sysA", "sysB", "anchor"], ["one"])
+    items = listening.design("mushra", store.takes(), ["sysA", "sysB"], reference="ref", anchor="anchor")
+    assert len(items) == 1 and len(items[0]["takes"]) == 2
+    test_id = listening.create_test(store, "mushra", items)
+    rater, _ = listening.join(store, test_id, "Ann")
+    slots = rater.plan[0]["slots"]
+    assert slots[0]["slot"] == "ref" and {s["role"] for s in slots[1:]} == {"stimulus", "hidden_reference", "anchor"}
+    listen(store, rater, 0)
+    with pytest.raises(InvalidInputError, match="rate every sample"):
+        listening.submit(store, rater, 0, {"scores": {"1": 50}})
+    given = {s["slot"]: {"hidden_reference": 70, "anchor": 10}.get(s["role"], 60) for s in slots[1:]}
+    answer = listening.submit(store, rater, 0, {"scores": given})
+    assert answer.check_failed is True  # the hidden reference got 70 < 90
+    rows = listening.export_rows(store, test_id)
+    assert sorted(r["answer_condition"] for r in rows) == ["anchor", "hidden reference", "sysA", "sysB"]
+
+    noref = listening.design("mushra_noref", store.takes(), ["sysA", "sysB"], anchor="anchor")
+    assert "reference" not in noref[0]
+    test2 = listening.create_test(store, "mushra_noref", noref)
+    rater2, _ = listening.join(store, test2, "Ann")
+    assert all(s["role"] != "reference" for s in rater2.plan[0]["slots"])
+
+
+def test_bad_designs_and_names_are_refused(store: WorkbenchStore) -> None:
+    make_takes(store, ["sysA"], ["one"])
+    with pytest.raises(InvalidInputError, match="unknown test kind"):
+        listening.design("abx", store.takes(), ["sysA"])
+    with pytest.raises(InvalidInputError, match="needs a reference"):
+        listening.design("cmos", store.takes(), ["sysA"])
+    with pytest.raises(InvalidInputError, match="no items"):
+        listening.design("ab", store.takes(), ["sysA", "nope"])
+    with pytest.raises(InvalidInputError, match="no take 'take-x'"):
+        listening.check_items("mos", [{"takes": ["take-x"]}], store)
+    test_id = listening.create_test(store, "mos", [{"takes": [store.takes()[0].id]}])
+    with pytest.raises(InvalidInputError, match="enter your name"):
+        listening.join(store, test_id, " ")
+    store.add_rater(test_id, "Zoe", 1, [])
+    with pytest.raises(AlreadyExistsError):
+        store.add_rater(test_id, "Zoe", 2, [])
