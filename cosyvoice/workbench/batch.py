@@ -187,8 +187,9 @@ def provenance(service: TTSService, request: SynthesisRequest, prepared: Prepare
     (the web UI too) stores its takes with this. ``prepared`` is the session's; the seed must be explicit."""
     assert prepared.seed is not None, "draw the seed before the request so that it can be recorded"
     info = service.get_voice(prepared.voice_id)
-    return {
-        "text": request.text, "segments": [s.rpartition(END_OF_PROMPT)[2] for s in prepared.segments],  # without the prompt prefix "mode": prepared.mode,
+    return {  # segments: the normalised text pieces, without CosyVoice3's prompt prefix
+        "text": request.text, "segments": [s.rpartition(END_OF_PROMPT)[2] for s in prepared.segments],
+        "mode": prepared.mode,
         "engine_mode": prepared.engine_mode, "voice": info.name or "", "voice_id": prepared.voice_id,
         "prompt_text": info.transcript, "instruction": request.instruction if prepared.mode == "instruct" else "",
         "seed": prepared.seed, "speed": prepared.speed, "settings": {"stream": prepared.stream},
