@@ -10,10 +10,10 @@ timings are those of the real architecture; ``--model-dir`` measures a real mode
 makes every request decode exactly N speech tokens (the engine's ``fixed_tokens`` option: min = max
 length, stop ids masked), so runs are comparable whatever the weights sample.
 
-Engines: ``fast`` = ``Engine(strategy="batched")`` (one LLM scheduler thread with batched decode and
-sampling, a token-to-wave worker, incremental flow and vocoder); ``baseline`` = ``Engine(strategy="eager",
-incremental_flow=False, incremental_vocoder=False)``: the reference's shape (an LLM thread per request,
-flow and vocoder re-run over the whole utterance per chunk, in the caller's thread).
+Engines: ``fast`` = ``Engine`` (one LLM scheduler thread with batched decode and sampling, a token-to-wave
+worker, incremental flow and vocoder); ``baseline`` = ``ReferenceEngine`` (benchmarks/reference_engine.py):
+the reference's shape (an LLM thread per request, flow and vocoder re-run over the whole utterance per
+chunk, in the caller's thread).
 
 Per (engine, dtype, mode, clients) row: first audio p50 / p90 (request start to its first chunk), RTF
 (mean over requests of wall time / audio seconds), aggregate audio-seconds per wall-second, LLM tokens
@@ -44,20 +44,19 @@ import torch
 
 from cosyvoice.bundle import validate_model_dir
 from cosyvoice.engine import Engine, LLMScheduler, Ticket
-from cosyvoice.engine.scheduler import run_ticket_eager
 from cosyvoice.frontend.frontend import CosyVoiceFrontend
 from cosyvoice.frontend.prompts import zero_shot_prompt_text
 from cosyvoice.settings import PRECISIONS, Limits, parse_precision
 from cosyvoice.tools.make_tiny_bundle import TinyDims, make_tiny_bundle
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, however this file is loaded
+from reference_engine import ReferenceEngine, run_ticket_eager
+
 RELEASED_DIMS = TinyDims(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, pre_lookahead_channels=1024,
                          dit_dim=1024, dit_depth=22, dit_heads=16, dit_dim_head=64, dit_ff_mult=2, hift_channels=512,
                          f0_channels=512)
 TEXT = "Every benchmark request speaks this sentence, which is long enough for a fixed-length run."
-ENGINES = {
-    "fast": {"strategy": "batched"},
-    "baseline": {"strategy": "eager", "incremental_flow": False, "incremental_vocoder": False},
-}
+ENGINES = {"fast": Engine, "baseline": ReferenceEngine}
 
 
 @dataclass
@@ -125,7 +124,7 @@ class _PeakMemory:
         return max(self.peak - self.base, 0) / 2**20
 
 
-def _one_request(engine: Engine, inp, stream: bool, seed: int) -> dict[str, float]:
+def _one_request(engine: Engine | ReferenceEngine, inp, stream: bool, seed: int) -> dict[str, float]:
     start = time.perf_counter()
     first = None
     samples = tokens = 0
@@ -139,7 +138,8 @@ def _one_request(engine: Engine, inp, stream: bool, seed: int) -> dict[str, floa
             "tokens": tokens}
 
 
-def measure(engine: Engine, inp, stream: bool, clients: int, requests: int) -> tuple[list[dict[str, float]], float]:
+def measure(engine: Engine | ReferenceEngine, inp, stream: bool, clients: int,
+            requests: int) -> tuple[list[dict[str, float]], float]:
     results: list[dict[str, float]] = []
     lock = threading.Lock()
     barrier = threading.Barrier(clients + 1)
@@ -180,7 +180,7 @@ def llm_only(llm, batch_sizes: list[int], tokens: int, device: torch.device,
         for name in ("scheduler", "eager threads"):
             done = threading.Semaphore(0)
             tickets = [Ticket(llm.generate_job(prompt, tokens, tokens, ban_stop=True), seed, lambda _t: None,
-                              lambda _e, done=done: done.release(), positions_needed=64 + tokens)
+                              lambda _e, done=done: done.release())
                        for seed in range(batch)]
             scheduler = LLMScheduler(llm, rows=batch, max_positions=64 + tokens, cuda_graphs=cuda_graphs)
             start = time.perf_counter()
@@ -189,7 +189,7 @@ def llm_only(llm, batch_sizes: list[int], tokens: int, device: torch.device,
                     scheduler.submit(t)
             else:
                 for t in tickets:
-                    threading.Thread(target=run_ticket_eager, args=(llm, t)).start()
+                    threading.Thread(target=run_ticket_eager, args=(llm, t, 64 + tokens)).start()
             for _ in tickets:
                 done.acquire()
             if device.type == "cuda":
@@ -273,9 +273,8 @@ def main(argv: list[str] | None = None) -> dict:
         llm, flow = bundle.load_llm(device, dtype), bundle.load_flow(device, dtype)
         for name in args.engines:
             graphs = {"cuda_graphs": args.cuda_graphs} if name == "fast" else {}
-            engine = Engine(bundle.config, llm, flow, hift, device, limits,
-                            endofprompt_id=frontend.tokenizer.end_of_prompt_id, fixed_tokens=fixed, **ENGINES[name],
-                            **graphs)
+            engine = ENGINES[name](bundle.config, llm, flow, hift, device, limits,
+                                   endofprompt_id=frontend.tokenizer.end_of_prompt_id, fixed_tokens=fixed, **graphs)
             for stream in (True, False):
                 mode = "stream" if stream else "nonstream"
                 if mode not in args.modes:
