@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from cosyvoice.config import CosyVoice3Config
-from cosyvoice.engine import AudioChunk, CancelToken, Session, T2WState, Ticket, Token2Wav
+from cosyvoice.engine import AudioChunk, CancelToken, Session, Ticket, Token2Wav
 from cosyvoice.engine.engine import llm_job
 from cosyvoice.flow import CausalMaskedDiffWithDiT
 from cosyvoice.frontend.frontend import ModelInput
@@ -58,7 +58,6 @@ class ReferenceEngine:
             endofprompt_id, fixed_tokens
         self.sample_rate = config.sample_rate
         self.t2w = Token2Wav(config, flow.eval(), hift.eval(), device, incremental_flow, incremental_vocoder)
-        self._lookahead = config.flow.pre_lookahead_len
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._running = 0
@@ -94,7 +93,7 @@ class ReferenceEngine:
         unlink = cancel.subscribe(session.cancel.cancel) if cancel is not None else (lambda: None)
         thread = threading.Thread(target=run_ticket_eager, args=(self.llm, ticket, positions), daemon=True,
                                   name=f"reference-llm-{session.id}")
-        state = T2WState.open(session, self._lookahead)
+        state = self.t2w.open(session)
         with self._lock:
             self._running += 1
         thread.start()

@@ -74,12 +74,19 @@ class Engine:
     ids masked) so benchmark runs of different engines and seeds do the same work; never for real use.
     ``incremental_flow`` / ``incremental_vocoder`` False: the reference's recompute per chunk (benchmarks).
     ``cuda_graphs``: capture the batched decode step per batch bucket (CUDA only; unverified, docs/perf.md).
+    ``t2w_batch``: most sessions' streaming chunks whose DiT steps run packed in one call (1: one at a time).
+    Packing moves a session's mel by float rounding (<= 1e-5) depending on what runs beside it, so by default
+    it is on (8) only on CUDA, where one launch-bound call for many sessions is the point; on the CPU (compute
+    bound, little to gain) a session's audio stays bit-identical whatever else runs.
+    ``trim_leading_silence_ms``: streamed requests (their first segment) send their leading silence only from this
+    many milliseconds before the first audible sample (:mod:`cosyvoice.engine.silence`); None: off.
     """
 
     def __init__(self, config: CosyVoice3Config, llm: CosyVoice3LM, flow: CausalMaskedDiffWithDiT,
                  hift: CausalHiFTGenerator, device: torch.device, limits: Limits | None = None,
                  endofprompt_id: int = ENDOFPROMPT_ID, incremental_flow: bool = True,
-                 incremental_vocoder: bool = True, fixed_tokens: int | None = None, cuda_graphs: bool = False) -> None:
+                 incremental_vocoder: bool = True, fixed_tokens: int | None = None, cuda_graphs: bool = False,
+                 t2w_batch: int | None = None, trim_leading_silence_ms: float | None = None) -> None:
         self.config = config
         self.llm, self.flow, self.hift = llm.eval(), flow.eval(), hift.eval()
         self.device = device
@@ -92,13 +99,14 @@ class Engine:
         self.fixed_tokens = None if fixed_tokens is None else CosyVoice3LM.check_fixed_tokens(fixed_tokens)
         self._ids = itertools.count()
         self.t2w = Token2Wav(config, self.flow, self.hift, device, incremental_flow, incremental_vocoder,
-                             self.flow_cache_share)
+                             self.flow_cache_share, trim_leading_silence_ms)
         self.scheduler = LLMScheduler(llm, self.limits.max_sessions, self.limits.max_llm_positions,
                                       cuda_graphs=cuda_graphs)
         self._open_sessions = _Registry(self.scheduler)  # the worker's callbacks must not hold the engine
         self._sessions = self._open_sessions.sessions
         self.worker = Token2WavWorker(self.t2w, on_release=self._open_sessions.release,
-                                      on_failure=self._open_sessions.stop_llm)
+                                      on_failure=self._open_sessions.stop_llm,
+                                      batch=t2w_batch or (8 if device.type == "cuda" else 1))
         # an engine dropped without close() must not leave its two threads (and the KV pool) behind
         self._finalizer = weakref.finalize(self, _stop_threads, self.scheduler, self.worker)
 

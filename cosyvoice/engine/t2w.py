@@ -4,8 +4,10 @@
 The worker owns the states: it alone decides when a session's next chunk is due (its chunk policy), computes
 it, queues it for the caller and frees the session once nothing works for it any more. Chunk order: first
 chunks first (they decide the time to first audio), in arrival order; then the others by their session's
-playback deadline (when the client will have played everything it was sent), earliest first. On CUDA the
-worker runs on a CUDA stream of its own, so its kernels overlap the LLM scheduler's (default stream).
+playback deadline (when the client will have played everything it was sent), earliest first. Streaming chunks
+due together run their flow step packed into one DiT call (:func:`~cosyvoice.flow.extend_packed`, up to the
+worker's ``batch`` sessions). On CUDA the worker runs on a CUDA stream of its own, so its kernels overlap the LLM
+scheduler's (default stream).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import torch.nn.functional as F
 
 from cosyvoice.config import CosyVoice3Config
 from cosyvoice.engine.session import AudioChunk, ChunkPolicy, ChunkWork, Session
+from cosyvoice.engine.silence import LeadingSilenceTrim
 from cosyvoice.errors import CosyVoiceError, ResourceLimitError
-from cosyvoice.flow import CausalMaskedDiffWithDiT, FlowStream
+from cosyvoice.flow import CausalMaskedDiffWithDiT, FlowStream, PendingExtension, extend_packed
 from cosyvoice.hifigan import CausalHiFTGenerator, HiFTStream
 from cosyvoice.hifigan.speed import MelTimeScale
 
@@ -46,11 +49,16 @@ class T2WState:
     mel_cache: torch.Tensor | None = None  # the recompute (reference) vocoder path's whole mel
     speech_offset: int = 0  # samples of the recompute vocoder path already returned
     flow_fed: int = 0  # tokens given to flow_stream so far
+    trim: LeadingSilenceTrim | None = None  # the request's leading silence, while it is being trimmed
 
     @classmethod
-    def open(cls, session: Session, lookahead: int) -> T2WState:
+    def open(cls, session: Session, lookahead: int, trim_ms: float | None = None,
+             sample_rate: int = 0) -> T2WState:
         policy = ChunkPolicy(prompt_len=session.inp.flow_prompt_speech_token.shape[1], lookahead=lookahead)
-        return cls(policy, session.first_index, session.sample_offset, session.started)
+        state = cls(policy, session.first_index, session.sample_offset, session.started)
+        if trim_ms is not None and session.stream and session.first_index == 0:  # a request's first segment
+            state.trim = LeadingSilenceTrim(sample_rate, trim_ms)
+        return state
 
     def due(self, session: Session) -> bool:
         """Whether a chunk (or the LLM's error) can be sent now."""
@@ -75,6 +83,11 @@ class T2WState:
             tokens = session.tokens[:n]
         return ChunkWork(tokens, self.policy.offset, n, final=True)
 
+    def packable(self, session: Session, t2w: Token2Wav) -> bool:
+        """Whether the due chunk is a streaming chunk whose flow step can join a packed DiT call."""
+        return session.stream and t2w.incremental_flow and (self.flow_stream is None or self.flow_stream.caching) \
+            and self.policy.ready(session.llm_snapshot()[0]) and session.llm_snapshot()[2] is None
+
     def deadline(self, session: Session) -> float:
         """When the client will have played everything sent so far: the next chunk is due by then."""
         return session.started + self.audio_seconds
@@ -90,20 +103,40 @@ class Token2Wav:
 
     def __init__(self, config: CosyVoice3Config, flow: CausalMaskedDiffWithDiT, hift: CausalHiFTGenerator,
                  device: torch.device, incremental_flow: bool = True, incremental_vocoder: bool = True,
-                 flow_cache_share: float = float("inf")) -> None:
+                 flow_cache_share: float = float("inf"), trim_leading_silence_ms: float | None = None) -> None:
         self.config, self.flow, self.hift, self.device = config, flow, hift, device
         self.sample_rate = config.sample_rate
         self.incremental_flow, self.incremental_vocoder = incremental_flow, incremental_vocoder
         self.flow_cache_share = flow_cache_share
         self.fallbacks = 0  # streams switched to recompute by the memory budget
+        self.trim_leading_silence_ms = trim_leading_silence_ms
+
+    def open(self, session: Session) -> T2WState:
+        """A new session's state."""
+        return T2WState.open(session, self.config.flow.pre_lookahead_len, self.trim_leading_silence_ms,
+                             self.sample_rate)
 
     def chunk(self, session: Session, state: T2WState, work: ChunkWork) -> AudioChunk:
         """Compute ``work`` and advance ``state``'s offsets."""
-        if work.tokens:
-            pcm = self.pcm(session, state, torch.tensor([work.tokens], dtype=torch.int64), work.start,
-                           streaming=not work.final, finalize=work.final)
-        else:
-            pcm = torch.zeros(0)  # the LLM stopped at once: nothing to say, but the request still completes
+        return self.chunks([(session, state, work)])[0]
+
+    @torch.inference_mode()
+    def chunks(self, items: list[tuple[Session, T2WState, ChunkWork]]) -> list[AudioChunk]:
+        """Compute several sessions' chunks; their incremental flow steps run as ONE packed DiT call per Euler
+        step (:func:`~cosyvoice.flow.extend_packed`), the rest (vocoder, recompute paths) one session at a time."""
+        mels = [self._flow(session, state, work) for session, state, work in items]
+        pending = [m for m in mels if isinstance(m, PendingExtension)]
+        solved = iter(extend_packed(pending) if len(pending) > 1 else [p.stream.solve(p) for p in pending])
+        mels = [next(solved) if isinstance(m, PendingExtension) else m for m in mels]
+        return [self._emit(session, state, work, mel) for (session, state, work), mel in zip(items, mels, strict=True)]
+
+    def _emit(self, session: Session, state: T2WState, work: ChunkWork, mel: torch.Tensor | None) -> AudioChunk:
+        """Vocode a chunk's new mel and advance ``state``'s offsets."""
+        # no mel: the LLM stopped at once; nothing to say, but the request still completes
+        pcm = torch.zeros(0) if mel is None else self.vocode(state, mel, not work.final, work.final, session.speed)
+        if state.trim is not None:  # held back until the first audible sample (may leave this chunk empty)
+            pcm = state.trim.push(pcm, work.final)
+            state.trim = state.trim if state.trim.waiting else None
         now = time.perf_counter()
         chunk = AudioChunk(pcm, self.sample_rate, state.next_index, state.sample_offset, work.start, work.stop,
                            work.final, now - state.last_output)
@@ -114,38 +147,39 @@ class Token2Wav:
         state.finished = work.final
         return chunk
 
-    @torch.inference_mode()
-    def pcm(self, session: Session, state: T2WState, tokens: torch.Tensor, token_offset: int, streaming: bool,
-            finalize: bool) -> torch.Tensor:
-        """Flow + HiFT for one chunk; only samples after the previous chunk are returned.
+    def _flow(self, session: Session, state: T2WState, work: ChunkWork) -> torch.Tensor | PendingExtension | None:
+        """A chunk's new mel frames, or the incremental flow step that computes them (None: no tokens at all).
 
-        ``tokens`` [1, T] are all tokens so far. A streaming session's flow calls go through its
-        :class:`FlowStream` (given only the new tokens; it reuses the finished chunk-causal chunks instead of
-        recomputing the utterance, equal within float rounding, and falls back to recomputing when the
-        flow-cache budget is spent), and its vocoder calls through its :class:`HiFTStream`, which vocodes a
-        bounded window (the same samples). Otherwise, as the reference: new mel frames join the session's
-        mel cache and the vocoder re-runs over the whole cache.
+        A streaming session's flow calls go through its :class:`FlowStream` (given only the new tokens; it reuses
+        the finished chunk-causal chunks instead of recomputing the utterance, equal within float rounding, and
+        falls back to recomputing when the flow-cache budget is spent). Otherwise, as the reference: the flow
+        over all tokens so far, keeping the frames after the previous chunk.
         """
-        dev, inp, speed = self.device, session.inp, session.speed
+        if not work.tokens:
+            return None
+        dev, inp = self.device, session.inp
+        tokens = torch.tensor([work.tokens], dtype=torch.int64)
+        streaming, finalize = not work.final, work.final
         if self.incremental_flow and (streaming or state.flow_stream is not None):
             if state.flow_stream is None:
                 state.flow_stream = FlowStream(self.flow, inp.flow_prompt_speech_token.to(dev),
                                                inp.prompt_speech_feat.to(dev), inp.flow_embedding.to(dev))
             self._budget_flow_cache(state.flow_stream, tokens.shape[1])
-            mel = state.flow_stream.inference(tokens[:, state.flow_fed:].to(dev), finalize=finalize)
+            step = state.flow_stream.begin(tokens[:, state.flow_fed:].to(dev), finalize=finalize)
             state.flow_fed = tokens.shape[1]
-        else:
-            prompt_token, prompt_feat = inp.flow_prompt_speech_token.to(dev), inp.prompt_speech_feat.to(dev)
-            mel = self.flow.inference(
-                token=tokens.to(dev), token_len=tokens.shape[1], prompt_token=prompt_token,
-                prompt_token_len=prompt_token.shape[1], prompt_feat=prompt_feat, prompt_feat_len=prompt_feat.shape[1],
-                embedding=inp.flow_embedding.to(dev), streaming=streaming, finalize=finalize)
-            mel = mel[:, :, token_offset * self.config.flow.token_mel_ratio:]
-        return self.vocode(state, mel, streaming, finalize, speed)
+            return step
+        prompt_token, prompt_feat = inp.flow_prompt_speech_token.to(dev), inp.prompt_speech_feat.to(dev)
+        mel = self.flow.inference(
+            token=tokens.to(dev), token_len=tokens.shape[1], prompt_token=prompt_token,
+            prompt_token_len=prompt_token.shape[1], prompt_feat=prompt_feat, prompt_feat_len=prompt_feat.shape[1],
+            embedding=inp.flow_embedding.to(dev), streaming=streaming, finalize=finalize)
+        return mel[:, :, work.start * self.config.flow.token_mel_ratio:]
 
     def vocode(self, state: T2WState, mel: torch.Tensor, streaming: bool, finalize: bool,
                speed: float) -> torch.Tensor:
-        """The new mel frames of a chunk -> its new samples (float32 on the CPU)."""
+        """The new mel frames of a chunk -> its new samples (float32 on the CPU). A streaming session's vocoder
+        calls go through its :class:`HiFTStream`, which vocodes a bounded window (the same samples); otherwise,
+        as the reference: the new frames join the session's mel cache and the vocoder re-runs over all of it."""
         if streaming and speed != 1.0 and state.time_scale is None:
             state.time_scale = MelTimeScale(speed)  # streamed speed: each chunk's mel stretched, continuity kept
         if state.time_scale is not None:
@@ -188,14 +222,18 @@ def as_cosyvoice_error(exc: BaseException, stage: str) -> CosyVoiceError:
 class Token2WavWorker:
     """One thread that runs every session's chunks (see the module docstring).
 
-    ``add(session)`` hands a session over; ``notify(session)`` says something changed (tokens, the LLM's end,
-    a cancel). ``on_release(session)`` is called from the worker once the session is finished or cancelled
-    and its LLM done; ``on_failure(session)`` when a chunk failed (the engine stops the session's LLM).
+    Streaming chunks that are due together (the most urgent one first) run their flow step as ONE packed DiT
+    call per Euler step, up to ``batch`` sessions. ``add(session)`` hands a session over; ``notify(session)``
+    says something changed (tokens, the LLM's end, a cancel). ``on_release(session)`` is called from the worker
+    once the session is finished or cancelled and its LLM done; ``on_failure(session)`` when a chunk failed (the
+    engine stops the session's LLM).
     """
 
     def __init__(self, t2w: Token2Wav, on_release: Callable[[Session], None],
-                 on_failure: Callable[[Session], None], name: str = "cosyvoice-t2w") -> None:
+                 on_failure: Callable[[Session], None], batch: int = 8, name: str = "cosyvoice-t2w") -> None:
         self.t2w = t2w
+        self.batch = batch  # most streaming chunks packed into one DiT call (1: one session at a time)
+        self.packed_calls = 0  # chunk computations that packed more than one session (tests, benchmarks)
         self.device = t2w.device
         self.name = name
         self._on_release, self._on_failure = on_release, on_failure
@@ -247,13 +285,13 @@ class Token2WavWorker:
             while True:
                 self._take_news()
                 due = self._due()
-                if due is None:
+                if not due:
                     with self._cond:
                         if self._stop and not self._news:
                             return
                         self._cond.wait_for(lambda: self._news or self._stop)
                     continue
-                self._run(*due)
+                self._run(due)
                 del due  # hold nothing of a finished chunk while asleep
 
     def _take_news(self) -> None:
@@ -261,43 +299,54 @@ class Token2WavWorker:
             news, self._news = self._news, []
         for session in news:
             if session not in self._states and not session.released.is_set():
-                self._states[session] = T2WState.open(session, self.t2w.config.flow.pre_lookahead_len)
+                self._states[session] = self.t2w.open(session)
 
-    def _due(self) -> tuple[Session, T2WState] | None:
-        """Release the sessions nothing works for any more; the one whose chunk is most urgent, if any."""
-        best: tuple[tuple[float, float], Session, T2WState] | None = None
+    def _due(self) -> list[tuple[Session, T2WState]]:
+        """Release the sessions nothing works for any more; the most urgent due chunk, and with it (packing)
+        up to ``batch - 1`` other due streaming chunks, most urgent first. Empty: nothing is due."""
+        due: list[tuple[tuple[float, float], Session, T2WState]] = []
         for session, state in list(self._states.items()):
             if session.cancelled or state.finished:
                 if session.llm_snapshot()[1]:  # the LLM will not touch it again
                     self._release(session)
                 continue
-            if not state.due(session):
-                continue
-            first = state.next_index == session.first_index
-            priority = (0.0, float(session.id)) if first else (1.0, state.deadline(session))
-            if best is None or priority < best[0]:
-                best = (priority, session, state)
-        return None if best is None else best[1:]
+            if state.due(session):
+                first = state.next_index == session.first_index
+                due.append(((0.0, float(session.id)) if first else (1.0, state.deadline(session)), session, state))
+        if not due:
+            return []
+        due.sort(key=lambda d: d[0])
+        _, session, state = due[0]
+        if self.batch == 1 or not state.packable(session, self.t2w):
+            return [(session, state)]
+        return [(s, st) for _, s, st in due if st.packable(s, self.t2w)][:self.batch]
 
-    def _run(self, session: Session, state: T2WState) -> None:
-        """Compute the session's due chunk and queue it (or the error that ends the session)."""
-        work = state.take(session)
-        if isinstance(work, BaseException):
-            state.finished = True
-            session.put(work)
-            return
+    def _run(self, due: list[tuple[Session, T2WState]]) -> None:
+        """Compute the due chunks and queue them (or the errors that end their sessions)."""
+        items = []
+        for session, state in due:
+            work = state.take(session)
+            if isinstance(work, BaseException):
+                state.finished = True
+                session.put(work)
+            else:
+                items.append((session, state, work))
         try:
-            chunk = self.t2w.chunk(session, state, work)
-        except BaseException as exc:  # the session fails, not the worker
-            state.finished = True
-            session.put(as_cosyvoice_error(exc, "speech synthesis"))
-            self._on_failure(session)
+            chunks = self.t2w.chunks(items)
+        except BaseException as exc:  # the sessions fail, not the worker
+            for session, state, _ in items:
+                state.finished = True
+                session.put(as_cosyvoice_error(exc, "speech synthesis"))
+                self._on_failure(session)
             return
         finally:
-            if state.flow_stream is not None:
-                with self._cond:
-                    self._cache_bytes[session.id] = state.flow_stream.cache_bytes
-        session.put(chunk)
+            with self._cond:
+                for session, state, _ in items:
+                    if state.flow_stream is not None:
+                        self._cache_bytes[session.id] = state.flow_stream.cache_bytes
+        self.packed_calls += len(items) > 1
+        for (session, _, _), chunk in zip(items, chunks, strict=True):
+            session.put(chunk)
 
     def _release(self, session: Session) -> None:
         state = self._states.pop(session)

@@ -291,6 +291,21 @@ class DiT(nn.Module):
         cache = DiTCache(length, (tails[0], tails[1]), [(k[:, :, :length], v[:, :, :length]) for k, v in kv])
         return out, cache
 
+    def forward_packed(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
+                       pasts: list[DiTCache | None], lengths: list[int],
+                       keeps: list[int]) -> tuple[Tensor, list[DiTCache]]:
+        """:meth:`forward_cached` for B independent rows in ONE call (chunks of different sessions).
+
+        Row ``b`` continues its own utterance after ``pasts[b]`` (one row's cache, or None) with
+        ``lengths[b]`` real frames, right-padded to the common width ``x.shape[2]``; each real frame gets the
+        velocity that ``forward_cached`` gives it alone (up to float rounding: the padded shapes change
+        reduction sizes), padded frames get garbage. Padding policy: new frames are padded to the widest row,
+        cached keys/values to the longest cache, and the masks of :func:`packed_chunk_mask` keep every real
+        query to its own row's real keys. Returns the velocities [B, mel_dim, width] and each row's new cache
+        (its first ``keeps[b]`` new frames appended).
+        """
+        return _forward_packed(self, x, mu, t, spks, cond, pasts, lengths, keeps)
+
     def _trunk(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor,
                past: DiTCache | None = None) -> tuple[Tensor, tuple[Tensor, Tensor], list[tuple[Tensor, Tensor]]]:
         start = 0 if past is None else past.length
@@ -307,3 +322,98 @@ class DiT(nn.Module):
             kv.append((k, v))
         out = self.proj_out(self.norm_out(h, t_emb)).transpose(1, 2)
         return out, conv_inputs, kv
+
+
+def packed_chunk_mask(starts: list[int], lengths: list[int], past: int, width: int, chunk: int,
+                      device: torch.device) -> Tensor:
+    """Boolean [B, 1, width, past + width] mask of a packed call (see :meth:`DiT.forward_packed`).
+
+    Row ``b``'s keys are its ``past_len`` cached frames, zero-padded to ``past``, then its ``width`` new frames,
+    of which the first ``lengths[b]`` are real. Its real query ``q`` (frame ``starts[b] + q``) sees every cached
+    frame and the real new frames up to the end of its own chunk, exactly as :func:`chunk_causal_mask`; padded
+    queries see only their own cached/new region's first real key, so no row of the softmax is empty (their
+    outputs are discarded, and no real query ever sees a padded key).
+    """
+    rows = []
+    q = torch.arange(width, device=device)
+    k_new = torch.arange(width, device=device)
+    for start, length in zip(starts, lengths, strict=True):
+        past_len = start  # the cache holds every frame before the chunk's start
+        chunk_end = ((start + q) // chunk + 1) * chunk - start  # in new-frame coordinates
+        new = (k_new.unsqueeze(0) < chunk_end.unsqueeze(1)) & (k_new.unsqueeze(0) < length)
+        old = (torch.arange(past, device=device) < past_len).unsqueeze(0).expand(width, -1)
+        mask = torch.cat((old, new), dim=1)
+        mask[length:] = False
+        mask[length:, past] = True  # padded queries: one harmless key
+        rows.append(mask)
+    return torch.stack(rows).unsqueeze(1)
+
+
+def _forward_packed(dit: DiT, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
+                    pasts: list[DiTCache | None], lengths: list[int],
+                    keeps: list[int]) -> tuple[Tensor, list[DiTCache]]:
+    """See :meth:`DiT.forward_packed`."""
+    chunk, context = dit.chunk_size, dit.input_embed.conv_pos_embed.context
+    batch, _, width = x.shape
+    starts = [0 if p is None else p.length for p in pasts]
+    past_width = max(starts)
+    x, mu, cond = x.transpose(1, 2), mu.transpose(1, 2), cond.transpose(1, 2)
+    t_emb = dit.time_embed(t.expand(batch) if t.ndim == 0 else t)
+    emb = dit.input_embed
+    h = emb.proj(torch.cat((x, cond, mu, spks.unsqueeze(1).expand(-1, width, -1)), dim=-1))
+    dim = h.shape[-1]
+    zeros = h.new_zeros(1, dim, context)
+    tails = [(zeros, zeros) if p is None else p.conv_tails for p in pasts]
+    pos_embed = emb.conv_pos_embed
+    first_in = torch.cat((torch.cat([tl[0] for tl in tails]), h.transpose(1, 2)), dim=2)
+    g = pos_embed.conv1[1](conv1d(first_in, pos_embed.conv1[0]))
+    second_in = torch.cat((torch.cat([tl[1] for tl in tails]), g), dim=2)
+    g = pos_embed.conv2[1](conv1d(second_in, pos_embed.conv2[0]))
+    h = g.transpose(1, 2) + h
+    positions = torch.stack([torch.arange(s, s + width, device=x.device) for s in starts])
+    cos, sin = dit.rotary_embed(positions.reshape(-1))
+    cos, sin = cos.view(batch, width, -1).to(h.dtype), sin.view(batch, width, -1).to(h.dtype)
+    mask = packed_chunk_mask(starts, lengths, past_width, width, chunk, x.device)
+    new_kv = []
+    for i, block in enumerate(dit.transformer_blocks):
+        attn = block.attn
+        past_kv = None
+        if past_width:
+            shape = (1, attn.heads, past_width, attn.dim_head)
+            ks, vs = [], []
+            for p in pasts:
+                k, v = (h.new_zeros(shape), h.new_zeros(shape)) if p is None else p.kv[i]
+                pad = past_width - k.shape[2]
+                ks.append(F.pad(k, (0, 0, 0, pad)))
+                vs.append(F.pad(v, (0, 0, 0, pad)))
+            past_kv = (torch.cat(ks), torch.cat(vs))
+        h, k, v = block(h, t_emb, cos, sin, mask, past_kv)
+        new_kv.append((k[:, :, past_width:], v[:, :, past_width:]))
+    out = dit.proj_out(dit.norm_out(h, t_emb)).transpose(1, 2)
+    caches = []
+    for b, (start, keep, past) in enumerate(zip(starts, keeps, pasts, strict=True)):
+        kv = []
+        for i, (k, v) in enumerate(new_kv):
+            ks, vs = k[b:b + 1, :, :keep], v[b:b + 1, :, :keep]
+            if past is not None:
+                ks, vs = torch.cat((past.kv[i][0], ks), dim=2), torch.cat((past.kv[i][1], vs), dim=2)
+            kv.append((ks, vs))
+        conv_tails = (first_in[b:b + 1, :, keep:keep + context], second_in[b:b + 1, :, keep:keep + context])
+        caches.append(DiTCache(start + keep, conv_tails, kv))
+    return out, caches
+
+
+def cache_rows(cache: DiTCache | None, lo: int, hi: int) -> DiTCache | None:
+    """Rows ``lo .. hi-1`` of a cache (views)."""
+    if cache is None:
+        return None
+    return DiTCache(cache.length, (cache.conv_tails[0][lo:hi], cache.conv_tails[1][lo:hi]),
+                    [(k[lo:hi], v[lo:hi]) for k, v in cache.kv])
+
+
+def cache_cat(caches: list[DiTCache]) -> DiTCache:
+    """Stack caches of equal length row-wise."""
+    assert len({c.length for c in caches}) == 1
+    return DiTCache(caches[0].length, tuple(torch.cat([c.conv_tails[i] for c in caches]) for i in range(2)),
+                    [(torch.cat([c.kv[i][0] for c in caches]), torch.cat([c.kv[i][1] for c in caches]))
+                     for i in range(len(caches[0].kv))])
