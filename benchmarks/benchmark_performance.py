@@ -13,7 +13,8 @@ length, stop ids masked), so runs are comparable whatever the weights sample.
 Engines (``--engines``; ``--ablation`` = all of them): ``fast`` = ``Engine`` with every optimisation on
 (continuous-batching LLM scheduler, token-to-wave worker, incremental flow and vocoder, packed DiT batching
 ``t2w_batch=8``, leading-silence trim 40 ms, CUDA-graph decode step on CUDA); ``no-packing``, ``no-trim``,
-``no-graphs``, ``no-incremental`` = ``fast`` with that one switched off; ``baseline`` = ``ReferenceEngine``
+``no-graphs``, ``no-incremental`` = ``fast`` with that one switched off; ``compiled`` = ``fast`` with the DiT
+step compiled per shape bucket (CUDA graphs on CUDA; in ``--ablation`` on CUDA only); ``baseline`` = ``ReferenceEngine``
 (benchmarks/reference_engine.py): the reference's shape (an LLM thread per request, flow and vocoder re-run
 over the whole utterance per chunk, in the caller's thread).
 
@@ -73,6 +74,7 @@ ENGINES: dict[str, tuple[type, dict]] = {
     "no-trim": (Engine, {**FAST, "trim_leading_silence_ms": None}),
     "no-graphs": (Engine, {**FAST, "cuda_graphs": False}),
     "no-incremental": (Engine, {**FAST, "incremental_flow": False, "incremental_vocoder": False}),
+    "compiled": (Engine, {**FAST, "compile_dit": True}),  # CUDA: the DiT step in CUDA graphs per shape bucket
     "baseline": (ReferenceEngine, {}),
 }
 
@@ -330,10 +332,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", type=Path, help="write settings and rows here")
     args = parser.parse_args(argv)
     concurrency = args.concurrency if args.concurrency is not None else ([1, 4] if args.tiny else [1, 4, 16, 64])
-    engines = list(ENGINES) if args.ablation else args.engines
+    device = torch.device(args.device)
+    # the compiled engine only where it pays: inductor's CPU compile takes minutes per bucket on small machines
+    engines = [e for e in ENGINES if e != "compiled" or device.type == "cuda"] if args.ablation else args.engines
     arrivals = 4 if args.tiny and args.arrivals == 32 else args.arrivals
     fixed = args.fixed_tokens or (30 if args.tiny else 250)
-    device = torch.device(args.device)
     dtypes = [d for d in args.dtype if d == "fp32" or device.type == "cuda"]
     skipped = sorted(set(args.dtype) - set(dtypes))
 

@@ -11,14 +11,17 @@ Steps, each recorded with its numbers and a PASS / FAIL / SKIPPED verdict:
 2. ``packed-dit``: packed token-to-wave batching (several sessions' chunks in one DiT call per Euler step) gives
    each session the mel it gets alone, fp32 (tolerance STREAM_MEL_ATOL = 1e-5), and how long one packed call of
    8 sessions takes against 8 calls one at a time.
-3. ``bf16``: bf16 against fp32 on the same tokens: flow mel relative error (bound 5e-2: bf16 operands land at
+3. ``compiled-dit``: the packed DiT step compiled per shape bucket (``Engine(compile_dit=True)``; on CUDA
+   ``mode="reduce-overhead"``, i.e. captured in CUDA graphs) against the eager step on the same buckets, fp32
+   (STREAM_MEL_ATOL), with the compile time and the time of one packed call each way.
+4. ``bf16``: bf16 against fp32 on the same tokens: flow mel relative error (bound 5e-2: bf16 operands land at
    1e-3..1e-2) and LLM log-prob max difference (reported).
-4. ``ablation``: ``benchmarks/benchmark_performance.py --ablation`` (every optimisation switched off in turn, the
+5. ``ablation``: ``benchmarks/benchmark_performance.py --ablation`` (every optimisation switched off in turn, the
    reference strategy beside them), streaming, 250 fixed tokens, closed loop 1 and 16 clients and open-loop
    Poisson arrivals, bf16; its table is copied into the markdown.
-5. ``memory-64``: 64 concurrent streams on the fast engine (bf16): peak memory, memory per stream, the flow-cache
+6. ``memory-64``: 64 concurrent streams on the fast engine (bf16): peak memory, memory per stream, the flow-cache
    bytes at the end of the run and the fallbacks to recompute; and the flow-cache budget arithmetic for 64 x 30 s.
-6. ``export`` (optional): ``--export-step module:function`` is imported and called as ``function(bundle_dir,
+7. ``export`` (optional): ``--export-step module:function`` is imported and called as ``function(bundle_dir,
    device)``; it returns a dict of numbers and ``"ok": bool`` (the export backends' GPU check, once one exists).
 
 Any FAIL makes the exit status 1 and prints ``MISMATCH`` lines last. Results: ``<out>/gpu_suite.json`` and
@@ -168,6 +171,49 @@ class Suite:
                 "second_chunk_ms_one_at_a_time": round(1e3 * times["alone"], 1),
                 "second_chunk_ms_packed": round(1e3 * times["packed"], 1)}
 
+    def compiled_dit(self) -> dict:
+        from cosyvoice.engine.graphs import CompiledDiT, dit_buckets
+
+        flow = self.bundle.load_flow(self.device, torch.float32)
+        vocab = flow.cfg.vocab_size
+
+        def run(trunk=None) -> tuple[list[torch.Tensor], float]:
+            streams = []
+            for seed in range(4):
+                g = torch.Generator().manual_seed(seed)
+                prompt = 25 + 7 * seed
+                streams.append((FlowStream(flow, torch.randint(0, vocab, (1, prompt), generator=g).to(self.device),
+                                           torch.randn(1, 2 * prompt, flow.cfg.output_size, generator=g)
+                                           .to(self.device),
+                                           torch.randn(1, flow.cfg.spk_embed_dim, generator=g).to(self.device)),
+                                torch.randint(0, vocab, (1, 200), generator=g).to(self.device)))
+            out, seconds = [], 0.0
+            for rnd in range(3):
+                steps = []
+                for stream, tokens in streams:
+                    first = 25 + (-stream.prompt_token.shape[1] % 25) + 3
+                    lo, hi = (0, first) if rnd == 0 else (first + 50 * (rnd - 1), first + 50 * rnd)
+                    steps.append(stream.begin(tokens[:, lo:hi], finalize=False))
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                start = time.perf_counter()
+                out += extend_packed(steps, trunk, dit_buckets)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                seconds = time.perf_counter() - start  # the last round: compiled by then
+            return out, seconds
+
+        eager, t_eager = run()
+        compiled = CompiledDiT(self.device, backend="aot_eager" if self.tiny else "inductor")
+        start = time.perf_counter()
+        run(compiled.trunk)  # compiles (captures) every bucket
+        t_compile = time.perf_counter() - start
+        got, t_compiled = run(compiled.trunk)
+        worst = max(float((a - b).abs().max()) for a, b in zip(eager, got, strict=True))
+        return {"ok": worst <= STREAM_MEL_ATOL, "mel_max_abs": worst, "atol": STREAM_MEL_ATOL,
+                "compile_s": round(t_compile, 1), "packed_call_ms_eager": round(1e3 * t_eager, 1),
+                "packed_call_ms_compiled": round(1e3 * t_compiled, 1)}
+
     def bf16(self) -> dict:
         full, half = (self.bundle.load_flow(self.device, d) for d in (torch.float32, torch.bfloat16))
         g = torch.Generator().manual_seed(0)
@@ -261,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     suite = Suite(args.out, device, validate_model_dir(bundle_dir), args.tiny)
     steps: list[tuple[str, Callable[[], dict], bool]] = [
         ("graphed-decode", suite.graphed_decode, True), ("packed-dit", suite.packed_dit, False),
-        ("bf16", suite.bf16, True), ("ablation", suite.ablation, False), ("memory-64", suite.memory_64, False)]
+        ("compiled-dit", suite.compiled_dit, False), ("bf16", suite.bf16, True),
+        ("ablation", suite.ablation, False), ("memory-64", suite.memory_64, False)]
     if args.export_step:
         steps.append(("export", lambda: suite.export(args.export_step), False))
     started = time.perf_counter()

@@ -105,13 +105,14 @@ def test_gpu_suite_smoke_on_cpu_and_loud_failure(tmp_path: Path, capsys) -> None
     threads = torch.get_num_threads()
     try:
         status = suite.main(["--tiny", "--device", "cpu", "--out", str(tmp_path), "--steps", "graphed-decode",
-                             "packed-dit", "memory-64", "export",
+                             "packed-dit", "compiled-dit", "memory-64", "export",
                              "--export-step", f"{__name__}:export_check_that_fails"])
     finally:
         torch.set_num_threads(threads)
     results = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert {k: v["verdict"] for k, v in results.items()} == {
-        "graphed-decode": "SKIPPED", "packed-dit": "PASS", "memory-64": "PASS", "export": "FAIL"}
+        "graphed-decode": "SKIPPED", "packed-dit": "PASS", "compiled-dit": "PASS", "memory-64": "PASS",
+        "export": "FAIL"}
     assert results["packed-dit"]["mel_max_abs"] <= 1e-5 and results["memory-64"]["streams"] == 4
     assert status == 1 and "MISMATCH: export" in capsys.readouterr().err
     assert "| packed-dit | PASS |" in (tmp_path / "gpu_suite.md").read_text()

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from cosyvoice.config import CosyVoice3Config
+from cosyvoice.engine.graphs import CompiledDiT
 from cosyvoice.engine.scheduler import LLMScheduler, Ticket
 from cosyvoice.engine.session import AudioChunk, CancelToken, Session
 from cosyvoice.engine.t2w import Token2Wav, Token2WavWorker, as_cosyvoice_error
@@ -80,13 +81,16 @@ class Engine:
     bound, little to gain) a session's audio stays bit-identical whatever else runs.
     ``trim_leading_silence_ms``: streamed requests (their first segment) send their leading silence only from this
     many milliseconds before the first audible sample (:mod:`cosyvoice.engine.silence`); None: off.
+    ``compile_dit``: every incremental flow step runs the DiT compiled per shape bucket (:mod:`.graphs`; CUDA:
+    in CUDA graphs); a string names the ``torch.compile`` backend (default inductor).
     """
 
     def __init__(self, config: CosyVoice3Config, llm: CosyVoice3LM, flow: CausalMaskedDiffWithDiT,
                  hift: CausalHiFTGenerator, device: torch.device, limits: Limits | None = None,
                  endofprompt_id: int = ENDOFPROMPT_ID, incremental_flow: bool = True,
                  incremental_vocoder: bool = True, fixed_tokens: int | None = None, cuda_graphs: bool = False,
-                 t2w_batch: int | None = None, trim_leading_silence_ms: float | None = None) -> None:
+                 t2w_batch: int | None = None, trim_leading_silence_ms: float | None = None,
+                 compile_dit: bool | str = False) -> None:
         self.config = config
         self.llm, self.flow, self.hift = llm.eval(), flow.eval(), hift.eval()
         self.device = device
@@ -98,8 +102,10 @@ class Engine:
         self.endofprompt_id = endofprompt_id  # the tokenizer's id of <|endofprompt|>, which the LLM requires
         self.fixed_tokens = None if fixed_tokens is None else CosyVoice3LM.check_fixed_tokens(fixed_tokens)
         self._ids = itertools.count()
+        compiled = CompiledDiT(device, compile_dit if isinstance(compile_dit, str) else "inductor") \
+            if compile_dit else None
         self.t2w = Token2Wav(config, self.flow, self.hift, device, incremental_flow, incremental_vocoder,
-                             self.flow_cache_share, trim_leading_silence_ms)
+                             self.flow_cache_share, trim_leading_silence_ms, compiled)
         self.scheduler = LLMScheduler(llm, self.limits.max_sessions, self.limits.max_llm_positions,
                                       cuda_graphs=cuda_graphs)
         self._open_sessions = _Registry(self.scheduler)  # the worker's callbacks must not hold the engine

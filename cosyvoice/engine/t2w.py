@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from cosyvoice.config import CosyVoice3Config
+from cosyvoice.engine.graphs import CompiledDiT
 from cosyvoice.engine.session import AudioChunk, ChunkPolicy, ChunkWork, Session
 from cosyvoice.engine.silence import LeadingSilenceTrim
 from cosyvoice.errors import CosyVoiceError, ResourceLimitError
@@ -85,8 +86,9 @@ class T2WState:
 
     def packable(self, session: Session, t2w: Token2Wav) -> bool:
         """Whether the due chunk is a streaming chunk whose flow step can join a packed DiT call."""
-        return session.stream and t2w.incremental_flow and (self.flow_stream is None or self.flow_stream.caching) \
-            and self.policy.ready(session.llm_snapshot()[0]) and session.llm_snapshot()[2] is None
+        n, _, error = session.llm_snapshot()
+        caching = self.flow_stream is None or self.flow_stream.caching
+        return session.stream and error is None and self.policy.ready(n) and t2w.incremental_flow and caching
 
     def deadline(self, session: Session) -> float:
         """When the client will have played everything sent so far: the next chunk is due by then."""
@@ -103,13 +105,15 @@ class Token2Wav:
 
     def __init__(self, config: CosyVoice3Config, flow: CausalMaskedDiffWithDiT, hift: CausalHiFTGenerator,
                  device: torch.device, incremental_flow: bool = True, incremental_vocoder: bool = True,
-                 flow_cache_share: float = float("inf"), trim_leading_silence_ms: float | None = None) -> None:
+                 flow_cache_share: float = float("inf"), trim_leading_silence_ms: float | None = None,
+                 compiled: CompiledDiT | None = None) -> None:
         self.config, self.flow, self.hift, self.device = config, flow, hift, device
         self.sample_rate = config.sample_rate
         self.incremental_flow, self.incremental_vocoder = incremental_flow, incremental_vocoder
         self.flow_cache_share = flow_cache_share
         self.fallbacks = 0  # streams switched to recompute by the memory budget
         self.trim_leading_silence_ms = trim_leading_silence_ms
+        self.compiled = compiled  # the packed DiT step compiled per shape bucket (every flow step goes through it)
 
     def open(self, session: Session) -> T2WState:
         """A new session's state."""
@@ -126,7 +130,11 @@ class Token2Wav:
         step (:func:`~cosyvoice.flow.extend_packed`), the rest (vocoder, recompute paths) one session at a time."""
         mels = [self._flow(session, state, work) for session, state, work in items]
         pending = [m for m in mels if isinstance(m, PendingExtension)]
-        solved = iter(extend_packed(pending) if len(pending) > 1 else [p.stream.solve(p) for p in pending])
+        if len(pending) > 1 or (pending and self.compiled is not None):
+            compiled = (self.compiled.trunk, self.compiled.buckets) if self.compiled is not None else ()
+            solved = iter(extend_packed(pending, *compiled))
+        else:
+            solved = iter([p.stream.solve(p) for p in pending])
         mels = [next(solved) if isinstance(m, PendingExtension) else m for m in mels]
         return [self._emit(session, state, work, mel) for (session, state, work), mel in zip(items, mels, strict=True)]
 

@@ -21,6 +21,7 @@ caller keeps ``mel[:, :, offset * token_mel_ratio:]``. The last call passes all 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ from torch import Tensor, nn
 from cosyvoice.config import FlowConfig
 from cosyvoice.errors import InvalidInputError
 from cosyvoice.flow.cfm import CausalConditionalCFM, guidance_batch, solve_euler_cfg
-from cosyvoice.flow.dit import DiTCache, cache_cat, cache_rows, conv1d
+from cosyvoice.flow.dit import DiTCache, PackedTrunk, cache_cat, cache_rows, conv1d
 
 
 class PreLookaheadLayer(nn.Module):
@@ -340,13 +341,15 @@ class PendingExtension:
 
 
 @torch.inference_mode()
-def extend_packed(steps: list[PendingExtension]) -> list[Tensor]:
+def extend_packed(steps: list[PendingExtension], trunk: PackedTrunk | None = None,
+                  buckets: Callable[[int, int, int], tuple[int, int, int]] | None = None) -> list[Tensor]:
     """Solve the ODE of several streams' extensions in ONE DiT call per Euler step; each stream's new mel.
 
     Streams of one flow model; each may have its own batch (guidance doubles it), prompt, speaker, cache length
     and chunk length. Rows are right-padded to the widest (``DiT.forward_packed`` states the policy), so every
     step evaluates one [2 x rows, C, width] batch; the Euler update is per element, so each stream's result is
-    what it gets alone up to float rounding.
+    what it gets alone up to float rounding. ``trunk`` / ``buckets``: a compiled DiT core and its shape buckets
+    (:class:`~cosyvoice.engine.graphs.CompiledDiT`).
     """
     flow = steps[0].stream.flow
     cfm = flow.decoder
@@ -371,7 +374,8 @@ def extend_packed(steps: list[PendingExtension]) -> list[Tensor]:
     def velocity(x_in: Tensor, t_in: Tensor, step: int) -> Tensor:
         pasts = [cache_rows(steps[i].stream._caches[step], half * rows[i] + r, half * rows[i] + r + 1)
                  for half in (0, 1) for i, r in owner]
-        out, caches = cfm.estimator.forward_packed(x_in, mu_in, t_in, spks_in, cond_in, pasts, lengths, keeps)
+        out, caches = cfm.estimator.forward_packed(x_in, mu_in, t_in, spks_in, cond_in, pasts, lengths, keeps,
+                                                   trunk, buckets)
         for i, n in enumerate(rows):
             lo = offsets[i]
             new_caches[step][i] = cache_cat(caches[lo:lo + n] + caches[n_rows + lo:n_rows + lo + n])
