@@ -1,8 +1,8 @@
-"""Engine performance: the batched engine (fast path) beside the reference's strategy (baseline), in one run.
+"""Engine performance: the batched engine (fast path), its ablations and the reference's strategy, in one run.
 
     python benchmarks/benchmark_performance.py --tiny                       # seconds on a CPU: a smoke run
-    python benchmarks/benchmark_performance.py --random-full --device cuda --dtype fp32 bf16 \\
-        --concurrency 1 4 16 64 --fixed-tokens 250 --json perf.json        # the issue-6 measurement
+    python benchmarks/benchmark_performance.py --random-full --device cuda --dtype fp32 bf16 --ablation \
+        --concurrency 1 4 16 64 --poisson 2 5 10 --fixed-tokens 250 --llm-only --json perf.json   # issue 16
 
 Bundles: ``--tiny`` writes the tiny test bundle (toy sizes); ``--random-full`` a randomly initialised
 bundle with the released model's sizes (Qwen2-0.5B LLM, 22-block 1024-dim DiT, 512-channel HiFT), so
@@ -10,17 +10,27 @@ timings are those of the real architecture; ``--model-dir`` measures a real mode
 makes every request decode exactly N speech tokens (the engine's ``fixed_tokens`` option: min = max
 length, stop ids masked), so runs are comparable whatever the weights sample.
 
-Engines: ``fast`` = ``Engine(strategy="batched")`` (one LLM scheduler thread with batched decode and
-sampling, a token-to-wave worker, incremental flow and vocoder); ``baseline`` = ``Engine(strategy="eager",
-incremental_flow=False, incremental_vocoder=False)``: the reference's shape (an LLM thread per request,
-flow and vocoder re-run over the whole utterance per chunk, in the caller's thread).
+Engines (``--engines``; ``--ablation`` = all of them): ``fast`` = ``Engine`` with every optimisation on
+(continuous-batching LLM scheduler, token-to-wave worker, incremental flow and vocoder, packed DiT batching
+``t2w_batch=8``, leading-silence trim 40 ms, CUDA-graph decode step on CUDA); ``no-packing``, ``no-trim``,
+``no-graphs``, ``no-incremental`` = ``fast`` with that one switched off; ``compiled`` = ``fast`` with the DiT
+step compiled per shape bucket (CUDA graphs on CUDA; in ``--ablation`` on CUDA only); ``baseline`` = ``ReferenceEngine``
+(benchmarks/reference_engine.py): the reference's shape (an LLM thread per request, flow and vocoder re-run
+over the whole utterance per chunk, in the caller's thread).
 
-Per (engine, dtype, mode, clients) row: first audio p50 / p90 (request start to its first chunk), RTF
-(mean over requests of wall time / audio seconds), aggregate audio-seconds per wall-second, LLM tokens
-per second (all requests' speech tokens / wall time), peak memory (CUDA: max allocated; CPU: peak
-resident set sampled every 5 ms) above the idle engine, and that per stream. ``--llm-only`` adds a table
-of the LLM alone: scheduler decode tokens/s per batch size against eager one-thread-per-request decoding.
-Every client starts at once (a barrier) and sends ``--requests`` requests one after another.
+Loads: ``--concurrency N ...``: N clients at once (a barrier), each sending ``--requests`` requests one after
+another (closed loop); ``--poisson R ...``: open loop, ``--arrivals`` requests arriving as a Poisson process of
+R requests per second (seeded), each starting at its arrival whatever is running: overload shows as growing
+first-packet times, not as a lower request rate.
+
+Per (engine, dtype, mode, load) row: first packet (request start to its first chunk) and first audible sample
+(to the arrival of the chunk holding the first sample at or above -54 dBFS) p50 / p95 / p99; RTF (mean over
+requests of wall time / audio seconds); aggregate audio-seconds per wall-second; simulated playback underruns
+per stream (playback starts at the first audio; a chunk arriving after the playback clock reached its first
+sample is an underrun, and the clock waits for it); LLM tokens per second (all requests' speech tokens / wall
+time); peak memory (CUDA: max allocated; CPU: peak resident set sampled every 5 ms) above the idle engine, and
+that per stream (the most requests in flight at once). ``--llm-only`` adds a table of the LLM alone: scheduler
+decode tokens/s per batch size against eager one-thread-per-request decoding.
 """
 
 from __future__ import annotations
@@ -44,19 +54,28 @@ import torch
 
 from cosyvoice.bundle import validate_model_dir
 from cosyvoice.engine import Engine, LLMScheduler, Ticket
-from cosyvoice.engine.scheduler import run_ticket_eager
 from cosyvoice.frontend.frontend import CosyVoiceFrontend
 from cosyvoice.frontend.prompts import zero_shot_prompt_text
 from cosyvoice.settings import PRECISIONS, Limits, parse_precision
 from cosyvoice.tools.make_tiny_bundle import TinyDims, make_tiny_bundle
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, however this file is loaded
+from reference_engine import ReferenceEngine, run_ticket_eager
+
 RELEASED_DIMS = TinyDims(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, pre_lookahead_channels=1024,
                          dit_dim=1024, dit_depth=22, dit_heads=16, dit_dim_head=64, dit_ff_mult=2, hift_channels=512,
                          f0_channels=512)
 TEXT = "Every benchmark request speaks this sentence, which is long enough for a fixed-length run."
-ENGINES = {
-    "fast": {"strategy": "batched"},
-    "baseline": {"strategy": "eager", "incremental_flow": False, "incremental_vocoder": False},
+AUDIBLE = 10 ** (-54 / 20)  # the first sample at least this loud is the first audible one (the trim's threshold)
+FAST = {"t2w_batch": 8, "trim_leading_silence_ms": 40.0, "cuda_graphs": True}
+ENGINES: dict[str, tuple[type, dict]] = {
+    "fast": (Engine, FAST),
+    "no-packing": (Engine, {**FAST, "t2w_batch": 1}),
+    "no-trim": (Engine, {**FAST, "trim_leading_silence_ms": None}),
+    "no-graphs": (Engine, {**FAST, "cuda_graphs": False}),
+    "no-incremental": (Engine, {**FAST, "incremental_flow": False, "incremental_vocoder": False}),
+    "compiled": (Engine, {**FAST, "compile_dit": True}),  # CUDA: the DiT step in CUDA graphs per shape bucket
+    "baseline": (ReferenceEngine, {}),
 }
 
 
@@ -65,12 +84,19 @@ class Row:
     engine: str
     dtype: str
     mode: str
-    clients: int
+    load: str  # "closed" (fixed concurrency) or "poisson"
+    clients: int  # closed: clients at once; poisson: the most requests in flight at once
+    rate: float  # poisson: requests per second (closed: 0)
     requests: int
-    first_audio_p50_ms: float
-    first_audio_p90_ms: float
+    first_packet_p50_ms: float
+    first_packet_p95_ms: float
+    first_packet_p99_ms: float
+    first_audible_p50_ms: float
+    first_audible_p95_ms: float
+    first_audible_p99_ms: float
     rtf: float
     audio_s_per_wall_s: float
+    underruns_per_stream: float
     llm_tokens_per_s: float
     audio_s_per_request: float
     peak_mem_mib: float
@@ -125,21 +151,41 @@ class _PeakMemory:
         return max(self.peak - self.base, 0) / 2**20
 
 
-def _one_request(engine: Engine, inp, stream: bool, seed: int) -> dict[str, float]:
+def _one_request(engine: Engine | ReferenceEngine, inp, stream: bool, seed: int) -> dict[str, float]:
     start = time.perf_counter()
-    first = None
+    first = audible = None
     samples = tokens = 0
+    arrivals: list[tuple[float, int, int]] = []  # (arrival time, first sample, samples) per non-empty chunk
     for chunk in engine.synthesize(inp, stream=stream, seed=seed):
-        if first is None:
-            first = time.perf_counter() - start  # chunks are on the CPU: the device work is done
+        now = time.perf_counter() - start  # chunks are on the CPU: the device work is done
+        first = now if first is None else first
+        if chunk.pcm.numel():
+            arrivals.append((now, samples, chunk.pcm.numel()))
+            if audible is None and bool((chunk.pcm.abs() >= AUDIBLE).any()):
+                audible = now
         samples += chunk.pcm.numel()
         tokens = chunk.token_end
     total = time.perf_counter() - start
-    return {"first": first if first is not None else total, "total": total, "audio": samples / engine.sample_rate,
-            "tokens": tokens}
+    return {"first": first if first is not None else total, "audible": audible if audible is not None else total,
+            "total": total, "audio": samples / engine.sample_rate, "tokens": tokens,
+            "underruns": playback_underruns(arrivals, engine.sample_rate)}
 
 
-def measure(engine: Engine, inp, stream: bool, clients: int, requests: int) -> tuple[list[dict[str, float]], float]:
+def playback_underruns(arrivals: list[tuple[float, int, int]], sample_rate: int) -> int:
+    """Stalls of a player that starts at the first audio and plays at real time: a chunk that arrives after the
+    clock reached its first sample is an underrun, and the clock waits for it."""
+    underruns, stall = 0, 0.0
+    for t, offset, _ in arrivals[1:]:
+        due = arrivals[0][0] + stall + (offset - arrivals[0][1]) / sample_rate
+        if t > due:
+            underruns += 1
+            stall += t - due
+    return underruns
+
+
+def measure(engine: Engine | ReferenceEngine, inp, stream: bool, clients: int,
+            requests: int) -> tuple[list[dict[str, float]], float, int]:
+    """Closed loop: ``clients`` at once, each sending ``requests`` one after another; (results, wall, in flight)."""
     results: list[dict[str, float]] = []
     lock = threading.Lock()
     barrier = threading.Barrier(clients + 1)
@@ -158,17 +204,49 @@ def measure(engine: Engine, inp, stream: bool, clients: int, requests: int) -> t
     start = time.perf_counter()
     for t in threads:
         t.join()
-    return results, time.perf_counter() - start
+    return results, time.perf_counter() - start, clients
 
 
-def _row(engine: str, dtype: str, mode: str, clients: int, requests: int, results: list[dict[str, float]],
-         wall: float, mem_mib: float) -> Row:
-    firsts = sorted(r["first"] for r in results)
+def measure_poisson(engine: Engine | ReferenceEngine, inp, stream: bool, rate: float,
+                    arrivals: int, seed: int = 0) -> tuple[list[dict[str, float]], float, int]:
+    """Open loop: ``arrivals`` requests at Poisson times of ``rate`` per second; (results, wall, most in flight)."""
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, arrivals)
+    gaps[0] = 0.0
+    results: list[dict[str, float]] = []
+    lock = threading.Lock()
+    in_flight = [0, 0]  # now, most
+
+    def request(k: int) -> None:
+        with lock:
+            in_flight[0] += 1
+            in_flight[1] = max(in_flight[1], in_flight[0])
+        out = _one_request(engine, inp, stream, seed=5000 + k)
+        with lock:
+            results.append(out)
+            in_flight[0] -= 1
+
+    threads = []
+    start = time.perf_counter()
+    for k, at in enumerate(np.cumsum(gaps)):
+        time.sleep(max(0.0, start + at - time.perf_counter()))
+        threads.append(threading.Thread(target=request, args=(k,)))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - start, in_flight[1]
+
+
+def _row(engine: str, dtype: str, mode: str, load: str, clients: int, rate: float,
+         results: list[dict[str, float]], wall: float, mem_mib: float) -> Row:
+    def pct(key: str) -> list[float]:
+        values = [r[key] for r in results]
+        return [1e3 * float(np.percentile(values, q)) for q in (50, 95, 99)]
+
     audio = sum(r["audio"] for r in results)
-    return Row(engine, dtype, mode, clients, len(results), 1e3 * statistics.median(firsts),
-               1e3 * float(np.percentile(firsts, 90)),
+    return Row(engine, dtype, mode, load, clients, rate, len(results), *pct("first"), *pct("audible"),
                statistics.mean(r["total"] / max(r["audio"], 1e-9) for r in results), audio / wall,
-               sum(r["tokens"] for r in results) / wall, audio / len(results), mem_mib, mem_mib / clients)
+               statistics.mean(r["underruns"] for r in results), sum(r["tokens"] for r in results) / wall,
+               audio / len(results), mem_mib, mem_mib / max(clients, 1))
 
 
 def llm_only(llm, batch_sizes: list[int], tokens: int, device: torch.device,
@@ -180,7 +258,7 @@ def llm_only(llm, batch_sizes: list[int], tokens: int, device: torch.device,
         for name in ("scheduler", "eager threads"):
             done = threading.Semaphore(0)
             tickets = [Ticket(llm.generate_job(prompt, tokens, tokens, ban_stop=True), seed, lambda _t: None,
-                              lambda _e, done=done: done.release(), positions_needed=64 + tokens)
+                              lambda _e, done=done: done.release())
                        for seed in range(batch)]
             scheduler = LLMScheduler(llm, rows=batch, max_positions=64 + tokens, cuda_graphs=cuda_graphs)
             start = time.perf_counter()
@@ -189,7 +267,7 @@ def llm_only(llm, batch_sizes: list[int], tokens: int, device: torch.device,
                     scheduler.submit(t)
             else:
                 for t in tickets:
-                    threading.Thread(target=run_ticket_eager, args=(llm, t)).start()
+                    threading.Thread(target=run_ticket_eager, args=(llm, t, 64 + tokens)).start()
             for _ in tickets:
                 done.acquire()
             if device.type == "cuda":
@@ -210,6 +288,23 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def markdown_table(rows: list[Row]) -> str:
+    """The rows as one markdown table (also used by benchmarks/gpu_suite.py)."""
+    lines = ["| engine | dtype | mode | load | clients | rate /s | requests | first packet p50 / p95 / p99 ms "
+             "| first audible p50 / p95 / p99 ms | RTF | audio s / wall s | underruns / stream | LLM tok/s "
+             "| audio s / request | peak MiB | MiB / stream |", "|" + " --- |" * 16]
+    lines += [_table_line(r) for r in rows]
+    return "\n".join(lines)
+
+
+def _table_line(r: Row) -> str:
+    return (f"| {r.engine} | {r.dtype} | {r.mode} | {r.load} | {r.clients} | {r.rate:g} | {r.requests} | "
+            f"{r.first_packet_p50_ms:.0f} / {r.first_packet_p95_ms:.0f} / {r.first_packet_p99_ms:.0f} | "
+            f"{r.first_audible_p50_ms:.0f} / {r.first_audible_p95_ms:.0f} / {r.first_audible_p99_ms:.0f} | "
+            f"{r.rtf:.3f} | {r.audio_s_per_wall_s:.2f} | {r.underruns_per_stream:.2f} | {r.llm_tokens_per_s:.0f} | "
+            f"{r.audio_s_per_request:.2f} | {r.peak_mem_mib:.0f} | {r.mem_per_stream_mib:.1f} |")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     which = parser.add_mutually_exclusive_group()
@@ -219,21 +314,29 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(PRECISIONS), nargs="+", default=["fp32"],
                         help="LLM and flow precision (half precision is CUDA-only; the vocoder is always fp32)")
-    parser.add_argument("--concurrency", type=int, nargs="+", help="clients at once (default 1 4 16 64; tiny: 1 4)")
+    parser.add_argument("--concurrency", type=int, nargs="*", help="closed loop: clients at once "
+                        "(default 1 4 16 64; tiny: 1 4; none: no closed-loop rows)")
+    parser.add_argument("--poisson", type=float, nargs="*", default=[],
+                        help="open loop: Poisson arrival rates, requests per second")
+    parser.add_argument("--arrivals", type=int, default=32, help="requests per Poisson rate (tiny: 4)")
     parser.add_argument("--modes", choices=["stream", "nonstream"], nargs="+", default=["stream", "nonstream"])
-    parser.add_argument("--engines", choices=sorted(ENGINES), nargs="*", default=["fast", "baseline"],
+    parser.add_argument("--engines", choices=list(ENGINES), nargs="*", default=["fast", "baseline"],
                         help="engines to measure (none: with --llm-only, the LLM alone)")
+    parser.add_argument("--ablation", action="store_true", help="every engine: fast, each optimisation off, baseline")
     parser.add_argument("--fixed-tokens", type=int, help="decode exactly N speech tokens per request "
                         "(default 250; tiny: 30)")
     parser.add_argument("--requests", type=int, default=1, help="requests per client, one after another")
     parser.add_argument("--llm-only", action="store_true", help="also measure the LLM decode alone")
     parser.add_argument("--cuda-graphs", action="store_true",
-                        help="fast path: capture the batched decode step in CUDA graphs (CUDA only)")
+                        help="also graph the LLM-only scheduler rows (the engines' graphs follow --engines)")
     parser.add_argument("--json", type=Path, help="write settings and rows here")
     args = parser.parse_args(argv)
-    concurrency = args.concurrency or ([1, 4] if args.tiny else [1, 4, 16, 64])
-    fixed = args.fixed_tokens or (30 if args.tiny else 250)
+    concurrency = args.concurrency if args.concurrency is not None else ([1, 4] if args.tiny else [1, 4, 16, 64])
     device = torch.device(args.device)
+    # the compiled engine only where it pays: inductor's CPU compile takes minutes per bucket on small machines
+    engines = [e for e in ENGINES if e != "compiled" or device.type == "cuda"] if args.ablation else args.engines
+    arrivals = 4 if args.tiny and args.arrivals == 32 else args.arrivals
+    fixed = args.fixed_tokens or (30 if args.tiny else 250)
     dtypes = [d for d in args.dtype if d == "fp32" or device.type == "cuda"]
     skipped = sorted(set(args.dtype) - set(dtypes))
 
@@ -245,7 +348,8 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         model_dir, model = make_tiny_bundle(work / "full", seed=0, dims=RELEASED_DIMS), "released sizes, random"
     bundle = validate_model_dir(model_dir)
-    limits = Limits(max_sessions=max(concurrency), queue_timeout_seconds=600)
+    # rows for every closed-loop client; open-loop requests beyond them wait in the scheduler's queue
+    limits = Limits(max_sessions=max([*concurrency, 16 if args.poisson else 1]), queue_timeout_seconds=600)
     frontend = CosyVoiceFrontend(bundle, limits)
     voice = frontend.voice(zero_shot_prompt_text("A prompt recording of three seconds."), _prompt(work / "p.wav"),
                            text_frontend=False)
@@ -257,42 +361,40 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__, "python": sys.version.split()[0],
         "commit": _git_commit(), "model": model, "fixed_tokens": fixed, "prompt_tokens":
         int(inp.flow_prompt_speech_token.shape[1]), "concurrency": concurrency, "requests_per_client": args.requests,
-        "dtypes": dtypes, "skipped_dtypes (CUDA only)": skipped, "cuda_graphs": args.cuda_graphs,
-        "modes": args.modes, "engines": args.engines,
+        "poisson_rates": args.poisson, "arrivals_per_rate": arrivals, "llm_rows": limits.max_sessions,
+        "dtypes": dtypes, "skipped_dtypes (CUDA only)": skipped, "modes": args.modes, "engines": engines,
+        "engine_options": {name: dict(ENGINES[name][1]) for name in engines},
     }
     print(" | ".join(f"{k} {v}" for k, v in settings.items()), flush=True)
-    header = ("| engine | dtype | mode | clients | requests | first audio p50 ms | p90 ms | RTF | audio s / wall s "
-              "| LLM tok/s | audio s / request | peak MiB | MiB / stream |")
-    print(header)
-    print("|" + " --- |" * (header.count("|") - 1))
+    print(markdown_table([]), flush=True)
     rows: list[Row] = []
     llm_rows: list[dict] = []
     hift = bundle.load_hift(device)
     for dtype_name in dtypes:
         dtype = parse_precision(dtype_name)
         llm, flow = bundle.load_llm(device, dtype), bundle.load_flow(device, dtype)
-        for name in args.engines:
-            graphs = {"cuda_graphs": args.cuda_graphs} if name == "fast" else {}
-            engine = Engine(bundle.config, llm, flow, hift, device, limits,
-                            endofprompt_id=frontend.tokenizer.end_of_prompt_id, fixed_tokens=fixed, **ENGINES[name],
-                            **graphs)
+        for name in engines:
+            cls, options = ENGINES[name]
+            options = {k: v for k, v in options.items() if k != "cuda_graphs" or device.type == "cuda"}
+            engine = cls(bundle.config, llm, flow, hift, device, limits,
+                         endofprompt_id=frontend.tokenizer.end_of_prompt_id, fixed_tokens=fixed, **options)
             for stream in (True, False):
                 mode = "stream" if stream else "nonstream"
                 if mode not in args.modes:
                     continue
                 _one_request(engine, inp, stream, seed=0)  # warm-up: allocator, kernels, noise buffers
-                for clients in concurrency:
+                loads = [("closed", c, 0.0) for c in concurrency] + [("poisson", 0, r) for r in args.poisson]
+                for load, clients, rate in loads:
                     with _PeakMemory(device) as mem:
-                        results, wall = measure(engine, inp, stream, clients, args.requests)
-                    row = _row(name, dtype_name, mode, clients, args.requests, results, wall, mem.used_mib)
-                    rows.append(row)
-                    print(f"| {row.engine} | {row.dtype} | {row.mode} | {row.clients} | {row.requests} | "
-                          f"{row.first_audio_p50_ms:.0f} | {row.first_audio_p90_ms:.0f} | {row.rtf:.3f} | "
-                          f"{row.audio_s_per_wall_s:.2f} | {row.llm_tokens_per_s:.0f} | {row.audio_s_per_request:.2f} "
-                          f"| {row.peak_mem_mib:.0f} | {row.mem_per_stream_mib:.1f} |", flush=True)
+                        if load == "closed":
+                            results, wall, in_flight = measure(engine, inp, stream, clients, args.requests)
+                        else:
+                            results, wall, in_flight = measure_poisson(engine, inp, stream, rate, arrivals)
+                    rows.append(_row(name, dtype_name, mode, load, in_flight, rate, results, wall, mem.used_mib))
+                    print(_table_line(rows[-1]), flush=True)
             engine.close()
         if args.llm_only:
-            for r in llm_only(llm, concurrency, fixed, device, args.cuda_graphs):
+            for r in llm_only(llm, concurrency or [1], fixed, device, args.cuda_graphs):
                 llm_rows.append({"dtype": dtype_name, **r})
         del llm, flow
     if llm_rows:

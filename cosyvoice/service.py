@@ -636,7 +636,7 @@ class TTSService:
         ending = self._admit(request, started, resolve, cancel, has_text=False)
         tokens, inp = pipeline.conversion_input(self.model, source[0], ending.prepared.cond.voice)
         return SynthesisSession(ending, self.model.engine.vocode(tokens, inp, stream=stream,
-                                                                 speed=ending.prepared.speed))
+                                                                 speed=ending.prepared.speed, cancel=ending.token))
 
     def report_failure(self, mode: str, exc: BaseException, started: float | None = None) -> None:
         """Count a synthesis request that failed before it had a session (adapters call this for errors of

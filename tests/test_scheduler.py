@@ -1,5 +1,5 @@
 """The batched LLM scheduler and the engine around it: same tokens as one-at-a-time decoding, waiting jobs,
-cancellation, no leftover state or threads, the asyncio form, and the eager baseline's equality."""
+cancellation, no leftover state or threads, the asyncio form, the flow-cache budget."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import torch
 from memory_probe import live_tensors, rss_bytes
 from toy_lm import EOP, toy_lm
 
-from cosyvoice.engine import CancelToken, Engine, LLMScheduler, Ticket
-from cosyvoice.engine.scheduler import run_ticket_eager
+from cosyvoice.engine import CancelToken, Engine, LLMScheduler, Session, T2WState, Ticket, Token2Wav
 from cosyvoice.flow import FlowStream
 from cosyvoice.llm import CosyVoice3LM, KVCache
-from cosyvoice.llm.job import Step, TokenStream, Wait
+from cosyvoice.llm.job import Step, TokenStream, Wait, run_eager
+from cosyvoice.llm.sampling import SeededSampler
 from cosyvoice.settings import Limits
 
 
@@ -55,8 +55,7 @@ class _Collector:
 
 def _ticket(lm: CosyVoice3LM, i: int, seed: int, collector: _Collector) -> Ticket:
     lm_input, min_len, max_len = lm.prepare(*_request(i), endofprompt_id=EOP)
-    return Ticket(lm.generate_job(lm_input, min_len, max_len), seed, collector.on_tokens, collector.on_done,
-                  positions_needed=lm_input.shape[0] + max_len)
+    return Ticket(lm.generate_job(lm_input, min_len, max_len), seed, collector.on_tokens, collector.on_done)
 
 
 def test_batched_tokens_equal_one_at_a_time_with_sessions_joining_and_leaving(lm: CosyVoice3LM) -> None:
@@ -129,11 +128,11 @@ def test_waiting_jobs_are_parked_and_woken(lm: CosyVoice3LM) -> None:
         stream.close()
 
     # the oracle: the same job alone, eager, blocking on the stream
-    oracle_stream, oracle = TokenStream(), _Collector()
+    oracle_stream = TokenStream()
     writer = threading.Thread(target=feed, args=(oracle_stream, 0.0))
     writer.start()
-    run_ticket_eager(lm, Ticket(_waiting_job(lm, lm_input, oracle_stream), 5, oracle.on_tokens, oracle.on_done,
-                                positions_needed=64), wait=oracle_stream.wait)
+    oracle = list(run_eager(lm, _waiting_job(lm, lm_input, oracle_stream), lm.llm.new_cache(1, 64),
+                            SeededSampler(5, lm.cfg.sampling), wait=oracle_stream.wait))
     writer.join()
 
     scheduler = LLMScheduler(lm, rows=3, max_positions=128)
@@ -149,8 +148,8 @@ def test_waiting_jobs_are_parked_and_woken(lm: CosyVoice3LM) -> None:
     time.sleep(0.3)
     assert scheduler.steps == parked_steps and not waiting.done.is_set()  # parked: no work, no polling steps
     feed(stream, 0.05)
-    assert waiting.done.wait(30) and waiting.error is None and oracle.error is None
-    assert waiting.tokens == oracle.tokens and len(waiting.tokens) == 1 + sum(map(len, script))
+    assert waiting.done.wait(30) and waiting.error is None
+    assert waiting.tokens == oracle and len(waiting.tokens) == 1 + sum(map(len, script))
     assert scheduler.active == 0
     scheduler.close()
 
@@ -212,17 +211,6 @@ def test_sixteen_sessions_half_cancelled_leave_nothing_behind(tts, short_prompt_
     engine.close()
 
 
-def test_eager_baseline_and_batched_engine_give_the_same_audio(tts, short_prompt_wav: Path) -> None:
-    inp = _inp(tts, short_prompt_wav)
-    batched, eager = _engine(tts), _engine(tts, strategy="eager")
-    for stream in (True, False):
-        a = [c.pcm for c in batched.synthesize(inp, stream=stream, seed=3)]
-        b = [c.pcm for c in eager.synthesize(inp, stream=stream, seed=3)]
-        assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-    assert batched.active_sessions == eager.active_sessions == 0
-    batched.close()
-
-
 def test_asynthesize_streams_and_cancels(tts, short_prompt_wav: Path) -> None:
     engine = _engine(tts)
     inp = _inp(tts, short_prompt_wav)
@@ -261,21 +249,26 @@ def test_flow_cache_budget_falls_back_to_recompute(tts, prompt_wav: Path) -> Non
     reference = list(unbounded.vocode(tokens, inp, stream=True))
     share_frames = 400  # the prompt and the first two chunks fit, the third does not
     budget_mb = share_frames * FlowStream.bytes_per_frame(e.flow) / 2**20
-    # the eager strategy computes each chunk in this thread, so reading the cache size between chunks is exact
-    bounded = Engine(e.config, e.llm, e.flow, e.hift, e.device, Limits(max_sessions=1, flow_cache_mb=budget_mb),
-                     strategy="eager")
-    held = []
-    chunks = []
-    for chunk in bounded.vocode(tokens, inp, stream=True):
-        chunks.append(chunk)
-        held.append(bounded.flow_cache_bytes)
+    bounded = Engine(e.config, e.llm, e.flow, e.hift, e.device, Limits(max_sessions=1, flow_cache_mb=budget_mb))
+    chunks = list(bounded.vocode(tokens, inp, stream=True))
     assert bounded.flow_cache_fallbacks == 1 and unbounded.flow_cache_fallbacks == 0
+    assert bounded.flow_cache_bytes == 0 and bounded.active_sessions == 0
+    # the same session driven chunk by chunk in this thread, to read the cache between chunks
+    t2w = Token2Wav(e.config, e.flow, e.hift, e.device, flow_cache_share=bounded.flow_cache_share)
+    session = Session(0, 0, inp, stream=True, speed=1.0)
+    session.add_tokens(tuple(tokens.tolist()))
+    session.llm_finished(None)
+    state = T2WState.open(session, e.config.flow.pre_lookahead_len)
+    held, direct = [], []
+    while state.due(session):
+        direct.append(t2w.chunk(session, state, state.take(session)))
+        held.append(state.flow_stream.cache_bytes)
     assert len(chunks) >= 4 and max(held) <= bounded.flow_cache_share
     assert held[0] > 0 and held[1] > held[0] and held[2:] == [0] * (len(held) - 2)  # dropped at chunk 2 (streaming)
+    assert all(torch.equal(a.pcm, b.pcm) for a, b in zip(chunks, direct, strict=True))
     assert [(c.token_start, c.token_end, c.pcm.numel()) for c in chunks] == \
         [(c.token_start, c.token_end, c.pcm.numel()) for c in reference]
     assert torch.equal(chunks[0].pcm, reference[0].pcm)  # before the fallback: the same computation
-    assert bounded.flow_cache_bytes == 0 and bounded.active_sessions == 0
     unbounded.close()
     bounded.close()
 
@@ -392,3 +385,45 @@ def test_a_row_admitted_below_a_decoding_row_keeps_its_prompt(lm: CosyVoice3LM) 
         assert c.done.wait(30) and c.error is None
     assert collectors["c"].tokens == list(lm.generate(*_request(2), 7, endofprompt_id=EOP))
     scheduler.close()
+
+
+def test_a_cancel_token_ends_asynthesize_and_vocode_from_another_thread(tts, short_prompt_wav: Path) -> None:
+    engine = _engine(tts)
+    inp = _inp(tts, short_prompt_wav)
+    steps: list[int] = []
+    token = CancelToken()
+    steps_at_cancel: list[int] = []
+    token.subscribe(lambda: steps_at_cancel.append(len(steps)))
+
+    async def consume() -> list:
+        got = []
+        async for chunk in engine.asynthesize(inp, stream=True, seed=1, fixed_tokens=2000, cancel=token):
+            got.append(chunk)
+            if len(got) == 1:
+                threading.Timer(0.05, token.cancel).start()  # a Stop button, from another thread
+        return got
+
+    handle = engine.llm.llm_decoder.register_forward_hook(lambda *_: steps.append(1))
+    try:
+        got = asyncio.run(consume())
+        time.sleep(0.2)
+    finally:
+        handle.remove()
+    assert got and not got[-1].final  # ended without its final chunk
+    assert len(steps) - steps_at_cancel[0] <= 1  # the LLM stopped within one step
+    deadline = time.monotonic() + 10
+    while engine.active_sessions and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.active_sessions == 0 and engine.scheduler.active == 0
+
+    tokens = torch.randint(0, engine.config.flow.vocab_size, (400,), generator=torch.Generator().manual_seed(0))
+    whole = list(engine.vocode(tokens, inp, stream=True))
+    stop = CancelToken()
+    chunks = []
+    for chunk in engine.vocode(tokens, inp, stream=True, cancel=stop):
+        chunks.append(chunk)
+        threading.Thread(target=stop.cancel).start()
+        time.sleep(0.1)
+    assert 1 <= len(chunks) < len(whole) and not chunks[-1].final
+    assert torch.equal(chunks[0].pcm, whole[0].pcm) and engine.active_sessions == 0
+    engine.close()

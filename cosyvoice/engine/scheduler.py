@@ -1,23 +1,24 @@
 """The LLM scheduler: the only thread that runs the LLM, for every session at once (continuous batching).
 
 It owns a KV-cache slot pool allocated once (row = session, a static number of positions) and runs
-:mod:`jobs <cosyvoice.llm.job>`. One iteration:
+:mod:`jobs <cosyvoice.llm.job>` in the shape of vLLM v1's engine core, one iteration at a time:
 
-1. admit waiting tickets into free rows (lowest row first, so active rows stay a short prefix),
-   retire cancelled ones, re-poll parked jobs that were woken;
-2. multi-embedding steps (prefill, text-stream extensions) run per row on a row view of the cache;
-3. all one-embedding steps run as ONE batched decode call over the prefix of rows ``0 .. hi-1``
-   (rows without a step get a dummy input written at their own next slot, which their next real
-   step overwrites before anything reads it);
-4. ONE batched sampling call for every row that needs a token, then ONE host sync (``tolist``);
-5. tokens go to the jobs (``send``), emitted tokens to the tickets' listeners; finished, failed and
-   cancelled jobs free their row.
+1. **schedule** (:meth:`LLMScheduler._schedule`): sleep until something can run; admit waiting tickets into
+   free rows (lowest row first, so active rows stay a short prefix); retire cancelled ones; start new jobs
+   and re-poll parked ones that were woken; the rows that step now form a :class:`StepBatch`: multi-embedding
+   steps (prefill, text-stream extensions) and one-embedding decode steps;
+2. **run** (:meth:`LLMScheduler._run`): prefill rows one at a time on a row view of the cache, then ONE batched
+   decode call over the row prefix ``0 .. hi-1`` (rows without a step get a dummy input written at their own
+   next slot, which their next real step overwrites before anything reads it), then ONE batched sampling call
+   and ONE host sync (``tolist``);
+3. **update** (:meth:`LLMScheduler._update`): tokens go to the jobs (``send``), emitted tokens to the tickets'
+   listeners; finished, failed and cancelled jobs free their row; listeners of ended tickets are told.
 
-A job that yields ``Wait`` is parked until :meth:`LLMScheduler.wake` (a text stream's listener); when
-nothing can run, the thread sleeps on a condition variable (no polling). Randomness is per ticket
-(seed + draw counter, :func:`~cosyvoice.llm.sampling.ras_sample_rows`), so a row's tokens do not
-depend on its neighbours. :func:`run_ticket_eager` runs one ticket alone on a thread of its own: the
-reference's strategy, kept as the benchmark baseline.
+Sessions beyond the pool's rows wait in the queue for a row (the engine has no admission of its own: the
+service's is the only one). A job that yields ``Wait`` is parked until :meth:`LLMScheduler.wake` (a text
+stream's listener); when nothing can run, the thread sleeps on a condition variable (no polling).
+Randomness is per ticket (seed + draw counter, :func:`~cosyvoice.llm.sampling.ras_sample_rows`), so a row's
+tokens do not depend on its neighbours.
 """
 
 from __future__ import annotations
@@ -27,15 +28,15 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from cosyvoice.engine.cuda_graphs import GraphedDecoder
 from cosyvoice.errors import ResourceLimitError
 from cosyvoice.llm import CosyVoice3LM, KVCache
-from cosyvoice.llm.job import Job, Step, Wait, run_eager
-from cosyvoice.llm.sampling import SeededSampler, history_tails, ras_sample_rows, to_device
+from cosyvoice.llm.job import Job, Step, Wait
+from cosyvoice.llm.sampling import history_tails, ras_sample_rows, to_device
 
 #: called with tokens to pass on (from the scheduler thread: must not block)
 TokenListener = Callable[[tuple[int, ...]], None]
@@ -53,8 +54,6 @@ class Ticket:
     seed: int
     on_tokens: TokenListener
     on_done: DoneListener
-    positions_needed: int = 0  # upper bound of KV positions: the eager runner's cache size (the scheduler's rows
-    # are fixed; a job that outgrows its row ends with ResourceLimitError at that step)
     cancelled: bool = False
     woken: bool = False
     done: bool = False
@@ -63,6 +62,18 @@ class Ticket:
     position: int = 0
     counter: int = 0
     request: Step | Wait | None = None
+
+
+@dataclass
+class StepBatch:
+    """The rows one iteration runs: multi-embedding steps (one at a time) and one-embedding steps (batched)."""
+
+    prefill: list[Ticket] = field(default_factory=list)
+    decode: list[Ticket] = field(default_factory=list)
+
+    @property
+    def tickets(self) -> list[Ticket]:
+        return self.prefill + self.decode
 
 
 class LLMScheduler:
@@ -137,10 +148,12 @@ class LLMScheduler:
     def _runnable(self, t: Ticket) -> bool:
         return t.cancelled or t.request is None or isinstance(t.request, Step) or t.woken
 
+    @torch.inference_mode()  # jobs build their next inputs in send(): no autograd anywhere in this thread
     def _loop(self) -> None:
-        while (work := self._next_work()) is not None:
-            self._run(*work)
-            del work  # hold no finished ticket (nor its listeners' owners) while asleep
+        while (batch := self._schedule()) is not None:
+            if batch.tickets:
+                self._step(batch)
+            del batch  # hold no finished ticket (nor its listeners' owners) while asleep
             self._notify_done()  # after the step's tensors are gone: a finished session finds nothing held
         with self._cond:
             left = [*self._active.values(), *self._pending]
@@ -153,15 +166,26 @@ class LLMScheduler:
 
     def _notify_done(self) -> None:
         done, self._done = self._done, []
-        while done:
-            t, error = done.pop(0)
+        for t, error in done:
             try:
                 t.on_done(error)
             except Exception:  # a listener's bug must not stop the scheduler
                 logger.exception("LLM ticket listener failed")
 
-    def _next_work(self) -> tuple[list[Ticket], set[Ticket], list[Ticket]] | None:
-        """Sleep until something can run; admit tickets; return (active tickets, woken ones, dropped ones)."""
+    def _step(self, batch: StepBatch) -> None:
+        """Run and update one batch; a failed forward call ends the jobs in it, not the scheduler."""
+        try:
+            tokens = self._run(batch)
+        except BaseException as exc:
+            for t in batch.tickets:
+                self._retire(t, exc)
+            return
+        self._update(batch, tokens)
+
+    # ------------------------------------------------------------------ 1. schedule
+
+    def _schedule(self) -> StepBatch | None:
+        """Sleep until something can run; admit, retire cancelled, start and re-poll jobs; the rows that step."""
         with self._cond:
             while not self._stop and not (self._pending and self._free) and \
                     not any(self._runnable(t) for t in self._active.values()) and \
@@ -182,19 +206,8 @@ class LLMScheduler:
                 if isinstance(t.request, Wait) and t.woken:
                     t.woken = False
                     woken.add(t)
-            return tickets, woken, dropped
-
-    def _run(self, tickets: list[Ticket], woken: set[Ticket], dropped: list[Ticket]) -> None:
         for t in dropped:
             self._retire(t, None)
-        try:
-            self._iterate(tickets, woken)
-        except BaseException as exc:  # a failed forward call ends the jobs in it, not the scheduler
-            for t in tickets:
-                if not t.done:
-                    self._retire(t, exc)
-
-    def _iterate(self, tickets: list[Ticket], woken: set[Ticket]) -> None:
         for t in tickets:
             if t.cancelled:
                 self._retire(t, None)
@@ -202,46 +215,50 @@ class LLMScheduler:
                 self._advance(t, None, first=True)
             elif t in woken:
                 self._advance(t, None)
-        stepping = [t for t in tickets if not t.done and isinstance(t.request, Step)]
-        for t in stepping:
+        batch = StepBatch()
+        for t in tickets:
+            if t.done or not isinstance(t.request, Step):
+                continue
             if t.position + t.request.embeds.shape[0] > self.max_positions:
                 self._retire(t, ResourceLimitError(
                     f"the utterance reached the engine's {self.max_positions} LLM positions per session; split the "
                     "text into shorter segments or raise COSYVOICE_MAX_LLM_POSITIONS"))
-        stepping = [t for t in stepping if not t.done]
-        if not stepping:
-            return
+            elif t.request.embeds.shape[0] == 1:
+                batch.decode.append(t)
+            else:
+                batch.prefill.append(t)
+        return batch
+
+    # ------------------------------------------------------------------ 2. run
+
+    def _run(self, batch: StepBatch) -> dict[Ticket, int | None]:
+        """The model calls of one iteration; each stepping ticket's sampled token (None: the job picks its own)."""
         logps: dict[Ticket, torch.Tensor] = {}
-        with torch.inference_mode():
-            for t in stepping:  # prefill / extend: one row at a time on its view of the pool
-                if t.request.embeds.shape[0] != 1:
-                    _, logp = self.lm.decode_step(t.request.embeds[None], t.position,
-                                                  self._cache.rows(t.row, t.row + 1))
-                    logps[t] = logp[0]
-                    # advanced now: the batched call below writes this row's dummy at its NEXT slot, not over
-                    # the first slot it has just filled
-                    t.position += t.request.embeds.shape[0]
-            decoding = [t for t in stepping if t not in logps]
-            if decoding:
-                logps.update(zip(decoding, self._decode_batch(decoding), strict=True))
-            for t in decoding:
-                t.position += 1
-            self.steps += 1
-            sampling = [t for t in stepping if t.request.sample]
-            tokens: dict[Ticket, int | None] = dict.fromkeys(stepping)
-            if sampling:
-                scores = self.lm.apply_bans(torch.stack([logps[t] for t in sampling]), [t.request for t in sampling])
-                cfg = self.lm.cfg.sampling
-                device = scores.device
-                tails = to_device(history_tails([t.request.history for t in sampling], cfg.win_size), device)
-                seeds = to_device([t.seed for t in sampling], device, torch.int64)
-                counters = to_device([t.counter for t in sampling], device, torch.int64)
-                drawn = ras_sample_rows(scores, tails, seeds, counters, cfg).tolist()  # the step's one host sync
-                for t, token in zip(sampling, drawn, strict=True):
-                    t.counter += 1
-                    tokens[t] = token
-            for t in stepping:
-                self._advance(t, tokens[t])
+        for t in batch.prefill:  # prefill / extend: one row at a time on its view of the pool
+            _, logp = self.lm.decode_step(t.request.embeds[None], t.position, self._cache.rows(t.row, t.row + 1))
+            logps[t] = logp[0]
+            # advanced now: the batched call below writes this row's dummy at its NEXT slot, not over the first
+            # slot it has just filled
+            t.position += t.request.embeds.shape[0]
+        if batch.decode:
+            logps.update(zip(batch.decode, self._decode_batch(batch.decode), strict=True))
+        for t in batch.decode:
+            t.position += 1
+        self.steps += 1
+        sampling = [t for t in batch.tickets if t.request.sample]
+        tokens: dict[Ticket, int | None] = dict.fromkeys(batch.tickets)
+        if sampling:
+            scores = self.lm.apply_bans(torch.stack([logps[t] for t in sampling]), [t.request for t in sampling])
+            cfg = self.lm.cfg.sampling
+            device = scores.device
+            tails = to_device(history_tails([t.request.history for t in sampling], cfg.win_size), device)
+            seeds = to_device([t.seed for t in sampling], device, torch.int64)
+            counters = to_device([t.counter for t in sampling], device, torch.int64)
+            drawn = ras_sample_rows(scores, tails, seeds, counters, cfg).tolist()  # the step's one host sync
+            for t, token in zip(sampling, drawn, strict=True):
+                t.counter += 1
+                tokens[t] = token
+        return tokens
 
     def _decode_batch(self, decoding: list[Ticket]) -> list[torch.Tensor]:
         """One forward call for the one-embedding steps of ``decoding`` over the row prefix; their log-probs."""
@@ -270,6 +287,13 @@ class LLMScheduler:
             hidden = self.lm.llm.forward_cached(embeds, pos, self._cache.rows(0, hi), kv_len=max(positions) + 1)
             logp = self.lm.log_probs(hidden[:, 0])
         return [logp[t.row] for t in decoding]
+
+    # ------------------------------------------------------------------ 3. update
+
+    def _update(self, batch: StepBatch, tokens: dict[Ticket, int | None]) -> None:
+        """Give each job its token; what it emits goes to its listener; ended jobs free their rows."""
+        for t in batch.tickets:
+            self._advance(t, tokens[t])
 
     def _advance(self, t: Ticket, value: int | None, first: bool = False) -> None:
         """Resume the job with ``value`` (its first ``next`` when ``first``); pass on what it emits.
@@ -312,22 +336,3 @@ class LLMScheduler:
             logger.exception("LLM job failed to close")
         self._done.append((t, error))  # told once the step is over (_notify_done)
 
-
-def run_ticket_eager(lm: CosyVoice3LM, ticket: Ticket, wait: Callable[[], None] | None = None) -> None:
-    """Run one ticket alone on the calling thread with a KV cache of its own (the reference's strategy).
-
-    Same job, same sampler at B = 1 (:class:`SeededSampler`), so it gives the scheduler's tokens for a
-    seed; ``cancelled`` is polled before every step.
-    """
-    error: BaseException | None = None
-    try:
-        cache = lm.llm.new_cache(1, ticket.positions_needed)  # a cache of its own, as the reference
-        with torch.inference_mode():
-            for token in run_eager(lm, ticket.job, cache, SeededSampler(ticket.seed, lm.cfg.sampling), wait=wait,
-                                   should_stop=lambda: ticket.cancelled):
-                ticket.on_tokens((token,))
-    except BaseException as exc:  # handed to the listener, which re-raises it in the consumer's thread
-        error = exc
-    finally:
-        ticket.done = True
-        ticket.on_done(error)

@@ -1,10 +1,14 @@
-"""A session: one text segment's state, its output queue and its cancel flag. No thread of its own.
+"""A session: what the caller, the LLM scheduler and the token-to-wave worker share about one text segment.
 
-The LLM scheduler appends tokens (:meth:`Session.add_tokens`, :meth:`Session.llm_finished`); the
-token-to-wave worker takes chunk work (:meth:`Session.take_work`) when the chunk policy allows and
-puts finished chunks in the output queue (:meth:`Session.put`); the caller reads them (:meth:`Session.get`
-blocking, :meth:`Session.aget` in asyncio). ``cancel()`` sets a flag that the scheduler reads between
-steps and the worker before each chunk; ``released`` is set once nothing touches the session any more.
+Each field has one writer (docs/architecture.md, "Engine"):
+
+- the caller (the thread or task that opened it): the request (read-only after opening) and ``cancel``;
+- the LLM scheduler: ``tokens``, ``llm_done``, ``llm_error`` (:meth:`Session.add_tokens`, :meth:`Session.llm_finished`);
+- the token-to-wave worker: the output queue (:meth:`Session.put`) and ``released``.
+
+The caller reads the output (:meth:`Session.get` blocking, :meth:`Session.aget` in asyncio). Everything the
+worker needs to turn tokens into audio (chunk policy, flow and vocoder stream state, offsets) lives in the
+worker's :class:`~cosyvoice.engine.t2w.T2WState`, not here.
 """
 
 from __future__ import annotations
@@ -19,11 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cosyvoice.engine.scheduler import Ticket
-from cosyvoice.flow import FlowStream
 from cosyvoice.frontend.frontend import ModelInput
-from cosyvoice.hifigan import HiFTStream
-from cosyvoice.hifigan.speed import MelTimeScale
 
 
 @dataclass(frozen=True)
@@ -87,138 +87,12 @@ class ChunkWork:
     final: bool
 
 
-@dataclass(eq=False)
-class Session:
-    """Per-request state; every field below ``cond`` is guarded by it."""
-
-    id: int
-    seed: int
-    inp: ModelInput
-    stream: bool
-    speed: float
-    policy: ChunkPolicy
-    sample_offset: int = 0
-    next_index: int = 0
-    started: float = field(default_factory=time.perf_counter)
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    tokens: list[int] = field(default_factory=list)
-    llm_done: bool = False
-    error: BaseException | None = None
-    cancelled: bool = False
-    busy: bool = False  # a chunk is being computed (at most one at a time: the streams are sequential)
-    finished: bool = False  # the final chunk or an error is in the output queue
-    releasing: bool = False  # the engine is freeing it (once)
-    released: threading.Event = field(default_factory=threading.Event)
-    audio_seconds: float = 0.0  # audio put in the queue so far (the playback deadline's clock)
-    last_output: float = 0.0
-    # token-to-wave state, touched only by whoever computes this session's chunks (one at a time)
-    flow_stream: FlowStream | None = None
-    hift_stream: HiFTStream | None = None
-    time_scale: MelTimeScale | None = None  # streamed at speed != 1: the mel stretch carried across chunks
-    mel_cache: torch.Tensor | None = None
-    speech_offset: int = 0
-    flow_fed: int = 0  # tokens given to flow_stream so far
-    _out: deque = field(default_factory=deque)
-    _waker: Callable[[], None] | None = None
-    ticket: Ticket | None = None  # the LLM's handle, once started
-    unsubscribe_text: Callable[[], None] | None = None  # a text stream's wake-up of the scheduler
-    llm_thread: threading.Thread | None = None  # eager strategy only
-
-    # ------------------------------------------------------------------ producers (scheduler, worker)
-
-    def add_tokens(self, tokens: tuple[int, ...]) -> None:
-        with self.cond:
-            self.tokens.extend(tokens)
-            self.cond.notify_all()
-
-    def llm_finished(self, error: BaseException | None) -> None:
-        with self.cond:
-            self.llm_done = True
-            if error is not None and self.error is None:
-                self.error = error
-            self.cond.notify_all()
-
-    def work_ready(self) -> bool:
-        """Whether a chunk (or the final one, or an error) can be produced now. Call with ``cond`` held."""
-        if self.busy or self.finished or self.cancelled:
-            return False
-        if self.error is not None or self.llm_done:
-            return True
-        return self.stream and self.policy.ready(len(self.tokens))
-
-    def take_work(self) -> ChunkWork | BaseException | None:
-        """The next chunk to compute (marks the session busy), its error, or None. Call with ``cond`` held."""
-        if not self.work_ready():
-            return None
-        if self.error is not None:
-            self.finished = True
-            return self.error
-        n = len(self.tokens)
-        self.busy = True
-        if self.stream and self.policy.ready(n):
-            hop = self.policy.current_hop()
-            start, stop = self.policy.advance()
-            return ChunkWork(self.tokens[:start + hop + self.policy.lookahead], start, stop, final=False)
-        return ChunkWork(list(self.tokens), self.policy.offset, n, final=True)
-
-    def put(self, item: AudioChunk | BaseException) -> None:
-        """Queue a chunk (or the error that ends the session) for the caller."""
-        with self.cond:
-            if isinstance(item, AudioChunk):
-                self.audio_seconds += item.pcm.numel() / item.sample_rate
-                self.finished = self.finished or item.final
-            else:
-                self.finished = True
-            self.busy = False
-            self._out.append(item)
-            self.cond.notify_all()
-            waker = self._waker
-        if waker is not None:
-            waker()
-
-    def deadline(self) -> float:
-        """When the client will have played everything sent so far: the next chunk is due by then."""
-        return self.started + self.audio_seconds
-
-    # ------------------------------------------------------------------ the caller
-
-    def cancel(self) -> None:
-        """Ask everything working for this session to stop (the scheduler within one step)."""
-        with self.cond:
-            self.cancelled = True
-            self.cond.notify_all()
-            waker = self._waker
-        if waker is not None:
-            waker()
-
-    def get(self) -> AudioChunk | BaseException | None:
-        """Next output (blocking); None once the session is cancelled and nothing is left to read."""
-        with self.cond:
-            self.cond.wait_for(lambda: self._out or self.cancelled)
-            return self._out.popleft() if self._out else None
-
-    async def aget(self) -> AudioChunk | BaseException | None:
-        """Next output without blocking the event loop; None once cancelled with nothing left to read."""
-        loop = asyncio.get_running_loop()
-        ready = asyncio.Event()
-        with self.cond:
-            if self._out or self.cancelled:
-                return self._out.popleft() if self._out else None
-            self._waker = lambda: loop.call_soon_threadsafe(ready.set)
-        try:
-            await ready.wait()
-        finally:
-            with self.cond:
-                self._waker = None
-        with self.cond:
-            return self._out.popleft() if self._out else None
-
-
 class CancelToken:
     """Cancels one request from any thread: a Stop button, a client that hung up, a server shutting down.
 
     Closing a chunk iterator only works from the thread that iterates it; a token works from anywhere.
-    The engine subscribes the running session; the API stops between text segments.
+    The engine links a session's own token to the caller's (so closing one segment's iterator never
+    cancels the caller's request); the scheduler and the worker listen to the session's.
     """
 
     def __init__(self) -> None:
@@ -252,3 +126,90 @@ class CancelToken:
         with self._lock:
             if listener in self._listeners:
                 self._listeners.remove(listener)
+
+
+@dataclass(eq=False)
+class Session:
+    """One text segment in the engine; see the module docstring for who writes what (``cond`` guards it)."""
+
+    # the request, set by the caller at opening and read-only afterwards
+    id: int
+    seed: int
+    inp: ModelInput
+    stream: bool
+    speed: float
+    sample_offset: int = 0  # of the first chunk in the request's waveform
+    first_index: int = 0  # of the first chunk in the request
+    started: float = field(default_factory=time.perf_counter)
+    cancel: CancelToken = field(default_factory=CancelToken)  # the session's own; a caller's token cancels it
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    # the LLM scheduler's
+    tokens: list[int] = field(default_factory=list)
+    llm_done: bool = False
+    llm_error: BaseException | None = None
+    # the token-to-wave worker's
+    released: threading.Event = field(default_factory=threading.Event)  # nothing touches the session any more
+    _out: deque = field(default_factory=deque)
+    _waker: Callable[[], None] | None = None  # the caller's (aget), called by the worker
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel.cancelled
+
+    # ------------------------------------------------------------------ the LLM scheduler
+
+    def add_tokens(self, tokens: tuple[int, ...]) -> None:
+        with self.cond:
+            self.tokens.extend(tokens)
+
+    def llm_finished(self, error: BaseException | None) -> None:
+        with self.cond:
+            self.llm_done, self.llm_error = True, error
+
+    def llm_snapshot(self) -> tuple[int, bool, BaseException | None]:
+        """(tokens so far, whether the LLM is done, its error): a consistent view for the worker."""
+        with self.cond:
+            return len(self.tokens), self.llm_done, self.llm_error
+
+    # ------------------------------------------------------------------ the token-to-wave worker
+
+    def put(self, item: AudioChunk | BaseException) -> None:
+        """Queue a chunk (or the error that ends the session) for the caller."""
+        with self.cond:
+            self._out.append(item)
+            self.cond.notify_all()
+            waker = self._waker
+        if waker is not None:
+            waker()
+
+    def wake_reader(self) -> None:
+        """Wake a reader blocked in :meth:`get` / :meth:`aget` (the session was cancelled)."""
+        with self.cond:
+            self.cond.notify_all()
+            waker = self._waker
+        if waker is not None:
+            waker()
+
+    # ------------------------------------------------------------------ the caller
+
+    def get(self) -> AudioChunk | BaseException | None:
+        """Next output (blocking); None once the session is cancelled and nothing is left to read."""
+        with self.cond:
+            self.cond.wait_for(lambda: self._out or self.cancelled)
+            return self._out.popleft() if self._out else None
+
+    async def aget(self) -> AudioChunk | BaseException | None:
+        """Next output without blocking the event loop; None once cancelled with nothing left to read."""
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        with self.cond:
+            if self._out or self.cancelled:
+                return self._out.popleft() if self._out else None
+            self._waker = lambda: loop.call_soon_threadsafe(ready.set)
+        try:
+            await ready.wait()
+        finally:
+            with self.cond:
+                self._waker = None
+        with self.cond:
+            return self._out.popleft() if self._out else None

@@ -2,6 +2,7 @@
 
 from cosyvoice.flow.cfm import CausalConditionalCFM
 from cosyvoice.flow.dit import DiT
-from cosyvoice.flow.model import CausalMaskedDiffWithDiT, FlowStream, PreLookaheadLayer
+from cosyvoice.flow.model import CausalMaskedDiffWithDiT, FlowStream, PendingExtension, PreLookaheadLayer, extend_packed
 
-__all__ = ["CausalConditionalCFM", "CausalMaskedDiffWithDiT", "DiT", "FlowStream", "PreLookaheadLayer"]
+__all__ = ["CausalConditionalCFM", "CausalMaskedDiffWithDiT", "DiT", "FlowStream", "PendingExtension",
+           "PreLookaheadLayer", "extend_packed"]

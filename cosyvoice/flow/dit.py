@@ -18,6 +18,7 @@ exploits to extend an utterance without recomputing its finished chunks.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -291,6 +292,24 @@ class DiT(nn.Module):
         cache = DiTCache(length, (tails[0], tails[1]), [(k[:, :, :length], v[:, :, :length]) for k, v in kv])
         return out, cache
 
+    def forward_packed(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
+                       pasts: list[DiTCache | None], lengths: list[int], keeps: list[int],
+                       trunk: PackedTrunk | None = None,
+                       buckets: Callable[[int, int, int], tuple[int, int, int]] | None = None
+                       ) -> tuple[Tensor, list[DiTCache]]:
+        """:meth:`forward_cached` for B independent rows in ONE call (chunks of different sessions).
+
+        Row ``b`` continues its own utterance after ``pasts[b]`` (one row's cache, or None) with
+        ``lengths[b]`` real frames, right-padded to the common width ``x.shape[2]``; each real frame gets the
+        velocity that ``forward_cached`` gives it alone (up to float rounding: the padded shapes change
+        reduction sizes), padded frames get garbage. Padding policy: new frames are padded to the widest row,
+        cached keys/values to the longest cache, and the masks of :func:`packed_chunk_mask` keep every real
+        query to its own row's real keys. Returns the velocities [B, mel_dim, width] and each row's new cache
+        (its first ``keeps[b]`` new frames appended). ``trunk`` / ``buckets``: a compiled tensor core and the shape
+        buckets it was built for (cosyvoice/engine/graphs.py).
+        """
+        return _forward_packed(self, x, mu, t, spks, cond, pasts, lengths, keeps, trunk, buckets)
+
     def _trunk(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor,
                past: DiTCache | None = None) -> tuple[Tensor, tuple[Tensor, Tensor], list[tuple[Tensor, Tensor]]]:
         start = 0 if past is None else past.length
@@ -307,3 +326,125 @@ class DiT(nn.Module):
             kv.append((k, v))
         out = self.proj_out(self.norm_out(h, t_emb)).transpose(1, 2)
         return out, conv_inputs, kv
+
+
+def packed_chunk_mask(starts: list[int], lengths: list[int], past: int, width: int, chunk: int,
+                      device: torch.device) -> Tensor:
+    """Boolean [B, 1, width, past + width] mask of a packed call (see :meth:`DiT.forward_packed`).
+
+    Row ``b``'s keys are its ``past_len`` cached frames, zero-padded to ``past``, then its ``width`` new frames,
+    of which the first ``lengths[b]`` are real. Its real query ``q`` (frame ``starts[b] + q``) sees every cached
+    frame and the real new frames up to the end of its own chunk, exactly as :func:`chunk_causal_mask`; padded
+    queries see only their own cached/new region's first real key, so no row of the softmax is empty (their
+    outputs are discarded, and no real query ever sees a padded key).
+    """
+    rows = []
+    q = torch.arange(width, device=device)
+    k_new = torch.arange(width, device=device)
+    for start, length in zip(starts, lengths, strict=True):
+        past_len = start  # the cache holds every frame before the chunk's start
+        chunk_end = ((start + q) // chunk + 1) * chunk - start  # in new-frame coordinates
+        new = (k_new.unsqueeze(0) < chunk_end.unsqueeze(1)) & (k_new.unsqueeze(0) < length)
+        old = (torch.arange(past, device=device) < past_len).unsqueeze(0).expand(width, -1)
+        mask = torch.cat((old, new), dim=1)
+        mask[length:] = False
+        mask[length:, past] = True  # padded queries: one harmless key
+        rows.append(mask)
+    return torch.stack(rows).unsqueeze(1)
+
+
+#: the tensor core of a packed DiT call (:func:`packed_trunk`, or a compiled/graphed version of it)
+PackedTrunk = Callable[..., tuple[Tensor, Tensor, Tensor, Tensor, Tensor]]
+
+
+def packed_trunk(dit: DiT, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, tails0: Tensor,
+                 tails1: Tensor, past_k: Tensor, past_v: Tensor, positions: Tensor,
+                 mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The DiT on padded, stacked tensors only (no Python lists, no data-dependent shapes), so it can be compiled
+    or captured per shape bucket. ``x``/``mu``/``cond`` [B, C, W]; ``t`` [B]; ``spks`` [B, S]; ``tails*``
+    [B, D, context] (the position convs' left inputs); ``past_k``/``past_v`` [depth, B, H, P, dh]; ``positions``
+    [B, W]; ``mask`` [B, 1, W, P + W]. Returns the velocity [B, mel, W], the new frames' keys and values
+    [depth, B, H, W, dh] and the two position convs' padded inputs (to cut the next tails from)."""
+    batch, _, width = x.shape
+    x, mu, cond = x.transpose(1, 2), mu.transpose(1, 2), cond.transpose(1, 2)
+    t_emb = dit.time_embed(t)
+    emb = dit.input_embed
+    h = emb.proj(torch.cat((x, cond, mu, spks.unsqueeze(1).expand(-1, width, -1)), dim=-1))
+    pos_embed = emb.conv_pos_embed
+    first_in = torch.cat((tails0, h.transpose(1, 2)), dim=2)
+    g = pos_embed.conv1[1](conv1d(first_in, pos_embed.conv1[0]))
+    second_in = torch.cat((tails1, g), dim=2)
+    g = pos_embed.conv2[1](conv1d(second_in, pos_embed.conv2[0]))
+    h = g.transpose(1, 2) + h
+    cos, sin = dit.rotary_embed(positions.reshape(-1))
+    cos, sin = cos.view(batch, width, -1).to(h.dtype), sin.view(batch, width, -1).to(h.dtype)
+    past = past_k.shape[3]
+    new_k, new_v = [], []
+    for i, block in enumerate(dit.transformer_blocks):
+        h, k, v = block(h, t_emb, cos, sin, mask, (past_k[i], past_v[i]) if past else None)
+        new_k.append(k[:, :, past:])
+        new_v.append(v[:, :, past:])
+    out = dit.proj_out(dit.norm_out(h, t_emb)).transpose(1, 2)
+    return out, torch.stack(new_k), torch.stack(new_v), first_in, second_in
+
+
+def _forward_packed(dit: DiT, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
+                    pasts: list[DiTCache | None], lengths: list[int], keeps: list[int],
+                    trunk: PackedTrunk | None = None,
+                    buckets: Callable[[int, int, int], tuple[int, int, int]] | None = None
+                    ) -> tuple[Tensor, list[DiTCache]]:
+    """See :meth:`DiT.forward_packed`. ``buckets(rows, width, past) -> (rows, width, past)``: pad further to a
+    shape bucket (padded rows: one real frame of zeros, no cache), so a compiled ``trunk`` sees few shapes."""
+    chunk, context = dit.chunk_size, dit.input_embed.conv_pos_embed.context
+    batch, _, width = x.shape
+    starts = [0 if p is None else p.length for p in pasts]
+    rows, padded_width, past_width = (buckets or (lambda *shape: shape))(batch, width, max(starts))
+    attn = dit.transformer_blocks[0].attn
+    depth, dim = len(dit.transformer_blocks), dit.proj_out.in_features
+
+    def pad(y: Tensor) -> Tensor:
+        return F.pad(y, (0, padded_width - y.shape[2], 0, 0, 0, rows - batch))
+
+    past_k = x.new_zeros(depth, rows, attn.heads, past_width, attn.dim_head)
+    past_v = torch.zeros_like(past_k)
+    tails = x.new_zeros(2, rows, dim, context)
+    for b, p in enumerate(pasts):
+        if p is not None:
+            tails[0, b], tails[1, b] = p.conv_tails[0][0], p.conv_tails[1][0]
+            for i, (k, v) in enumerate(p.kv):
+                past_k[i, b, :, :p.length], past_v[i, b, :, :p.length] = k[0], v[0]
+    starts += [0] * (rows - batch)
+    positions = torch.stack([torch.arange(s, s + padded_width, device=x.device) for s in starts])
+    mask = packed_chunk_mask(starts, lengths + [1] * (rows - batch), past_width, padded_width, chunk, x.device)
+    t = t.expand(batch) if t.ndim == 0 else t
+    out, new_k, new_v, first_in, second_in = (trunk or packed_trunk)(
+        dit, pad(x), pad(mu), F.pad(t, (0, rows - batch)), F.pad(spks, (0, 0, 0, rows - batch)), pad(cond),
+        tails[0], tails[1], past_k, past_v, positions, mask)
+    caches = []
+    for b, (start, keep, past) in enumerate(zip(starts, keeps, pasts, strict=False)):
+        kv = []
+        for i in range(depth):
+            ks, vs = new_k[i, b:b + 1, :, :keep], new_v[i, b:b + 1, :, :keep]
+            if past is not None:
+                ks, vs = torch.cat((past.kv[i][0], ks), dim=2), torch.cat((past.kv[i][1], vs), dim=2)
+            kv.append((ks.clone(), vs.clone()))
+        conv_tails = (first_in[b:b + 1, :, keep:keep + context].clone(),
+                      second_in[b:b + 1, :, keep:keep + context].clone())
+        caches.append(DiTCache(start + keep, conv_tails, kv))
+    return out[:batch, :, :width], caches
+
+
+def cache_rows(cache: DiTCache | None, lo: int, hi: int) -> DiTCache | None:
+    """Rows ``lo .. hi-1`` of a cache (views)."""
+    if cache is None:
+        return None
+    return DiTCache(cache.length, (cache.conv_tails[0][lo:hi], cache.conv_tails[1][lo:hi]),
+                    [(k[lo:hi], v[lo:hi]) for k, v in cache.kv])
+
+
+def cache_cat(caches: list[DiTCache]) -> DiTCache:
+    """Stack caches of equal length row-wise."""
+    assert len({c.length for c in caches}) == 1
+    return DiTCache(caches[0].length, tuple(torch.cat([c.conv_tails[i] for c in caches]) for i in range(2)),
+                    [(torch.cat([c.kv[i][0] for c in caches]), torch.cat([c.kv[i][1] for c in caches]))
+                     for i in range(len(caches[0].kv))])

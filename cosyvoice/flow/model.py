@@ -21,6 +21,9 @@ caller keeps ``mel[:, :, offset * token_mel_ratio:]``. The last call passes all 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -28,7 +31,7 @@ from torch import Tensor, nn
 from cosyvoice.config import FlowConfig
 from cosyvoice.errors import InvalidInputError
 from cosyvoice.flow.cfm import CausalConditionalCFM, guidance_batch, solve_euler_cfg
-from cosyvoice.flow.dit import DiTCache, conv1d
+from cosyvoice.flow.dit import DiTCache, PackedTrunk, cache_cat, cache_rows, conv1d
 
 
 class PreLookaheadLayer(nn.Module):
@@ -255,6 +258,29 @@ class FlowStream:
         ``streaming`` defaults to ``not finalize``, the reference's calls; ``streaming=True, finalize=True``
         (chunk mask over a zero-padded end) is supported for completeness.
         """
+        step = self.begin(token, finalize, streaming)
+        return step if isinstance(step, Tensor) else self.solve(step)
+
+    @torch.inference_mode()
+    def solve(self, step: PendingExtension) -> Tensor:
+        """The second half of :meth:`inference` for this stream alone: the new mel frames of ``step``."""
+        cfm = self.flow.decoder
+        mu_in, spks_in, cond_in = guidance_batch(step.mu, self.spks, step.cond)
+        past = self._caches
+        caches = list(past)
+
+        def velocity(x_in: Tensor, t_in: Tensor, k: int) -> Tensor:
+            out, caches[k] = cfm.estimator.forward_cached(x_in, mu_in, t_in, spks_in, cond_in, past[k], step.keep)
+            return out
+
+        mel = solve_euler_cfg(velocity, step.noise, cfm.time_grid(step.mu), cfm.cfg_rate)
+        return self._finish(step, mel, caches)
+
+    @torch.inference_mode()
+    def begin(self, token: Tensor, finalize: bool, streaming: bool | None = None) -> Tensor | PendingExtension:
+        """The first half of :meth:`inference`: the new mel when there is nothing to extend (recompute, or no
+        new frame), else the :class:`PendingExtension` that :func:`extend_packed` computes, alone or packed
+        with other streams' (the engine's token-to-wave batching)."""
         flow = self.flow
         streaming = not finalize if streaming is None else streaming
         if self._finalized:
@@ -272,35 +298,90 @@ class FlowStream:
             mel = flow.inference(tokens[:, n_prompt_tokens:], tokens.shape[1] - n_prompt_tokens, self.prompt_token,
                                  n_prompt_tokens, self.prompt_feat, n_prompt, self.embedding, streaming=streaming,
                                  finalize=finalize)
-        else:
-            mel = self._extend(tokens, finalize)
+            return self._new_frames(mel)
+        n_frames = flow._frames_for(tokens.shape[1], finalize)
+        if n_frames <= n_prompt:
+            return self._new_frames(self.prompt_feat.new_zeros(tokens.shape[0], flow.cfg.output_size, 0,
+                                                               dtype=torch.float32))
+        cfm = flow.decoder
+        start = self.finished_frames
+        # frames of whole chunks become final, unless the look-ahead of the last tokens was zero-padded
+        keep = 0 if finalize else n_frames // cfm.estimator.chunk_size * cfm.estimator.chunk_size - start
+        mu = flow.token_condition(tokens, finalize, first_frame=start).transpose(1, 2)
+        cond = flow.prompt_condition(self.prompt_feat, n_frames, first_frame=start)
+        return PendingExtension(self, mu, cond, cfm.start_noise(start, n_frames, mu), keep)
+
+    def _new_frames(self, mel: Tensor) -> Tensor:
+        """The frames after the prompt of ``mel`` (all of them so far) that no earlier call returned."""
         out = mel[:, :, self._returned:]
         self._returned = max(self._returned, mel.shape[2])
         return out
 
-    def _extend(self, tokens: Tensor, finalize: bool) -> Tensor:
-        """Chunk-causal mel after the prompt for all ``tokens`` (prompt included), computing unfinished chunks only."""
-        flow = self.flow
-        n_prompt = self.prompt_feat.shape[1]
-        n_frames = flow._frames_for(tokens.shape[1], finalize)
-        if n_frames <= n_prompt:
-            return self.prompt_feat.new_zeros(tokens.shape[0], flow.cfg.output_size, 0, dtype=torch.float32)
-        cfm = flow.decoder
-        chunk = cfm.estimator.chunk_size
+    def _finish(self, step: PendingExtension, mel: Tensor, caches: list[DiTCache]) -> Tensor:
+        """The second half: take the computed frames ``mel`` [B, mels, n] and caches; the new frames."""
         start = self.finished_frames
-        # frames of whole chunks become final, unless the look-ahead of the last tokens was zero-padded
-        keep = 0 if finalize else n_frames // chunk * chunk - start
-        mu = flow.token_condition(tokens, finalize, first_frame=start).transpose(1, 2)
-        cond = flow.prompt_condition(self.prompt_feat, n_frames, first_frame=start)
-        mu_in, spks_in, cond_in = guidance_batch(mu, self.spks, cond)
-        past = self._caches
-        caches = list(past)
-
-        def velocity(x_in: Tensor, t_in: Tensor, step: int) -> Tensor:
-            out, caches[step] = cfm.estimator.forward_cached(x_in, mu_in, t_in, spks_in, cond_in, past[step], keep)
-            return out
-
-        mel = solve_euler_cfg(velocity, cfm.start_noise(start, n_frames, mu), cfm.time_grid(mu), cfm.cfg_rate)
         mel = torch.cat((self._mel, mel), dim=2)
-        self._caches, self._mel = caches, mel[:, :, :start + keep]
-        return mel[:, :, n_prompt:].float()
+        self._caches, self._mel = caches, mel[:, :, :start + step.keep]
+        return self._new_frames(mel[:, :, self.prompt_feat.shape[1]:].float())
+
+
+@dataclass(eq=False)
+class PendingExtension:
+    """One stream's chunk-causal extension, ready to be solved (alone or packed with others')."""
+
+    stream: FlowStream
+    mu: Tensor  # [B, C, n] token features of the frames to compute
+    cond: Tensor  # [B, mels, n]
+    noise: Tensor  # [B, mels, n] start noise
+    keep: int  # how many of the n frames become final (join the cache)
+
+    @property
+    def frames(self) -> int:
+        return self.mu.shape[2]
+
+
+@torch.inference_mode()
+def extend_packed(steps: list[PendingExtension], trunk: PackedTrunk | None = None,
+                  buckets: Callable[[int, int, int], tuple[int, int, int]] | None = None) -> list[Tensor]:
+    """Solve the ODE of several streams' extensions in ONE DiT call per Euler step; each stream's new mel.
+
+    Streams of one flow model; each may have its own batch (guidance doubles it), prompt, speaker, cache length
+    and chunk length. Rows are right-padded to the widest (``DiT.forward_packed`` states the policy), so every
+    step evaluates one [2 x rows, C, width] batch; the Euler update is per element, so each stream's result is
+    what it gets alone up to float rounding. ``trunk`` / ``buckets``: a compiled DiT core and its shape buckets
+    (:class:`~cosyvoice.engine.graphs.CompiledDiT`).
+    """
+    flow = steps[0].stream.flow
+    cfm = flow.decoder
+    width = max(s.frames for s in steps)
+    rows = [s.mu.shape[0] for s in steps]
+    offsets = [sum(rows[:i]) for i in range(len(steps))]
+    n_rows = sum(rows)
+
+    def pad(x: Tensor) -> Tensor:
+        return F.pad(x, (0, width - x.shape[2]))
+
+    mu = torch.cat([pad(s.mu) for s in steps])
+    mu_in, spks_in, cond_in = guidance_batch(mu, torch.cat([s.stream.spks for s in steps]),
+                                             torch.cat([pad(s.cond) for s in steps]))
+    # guidance row r: stream row r % n_rows of its stream, conditioned (r < n_rows) or not; a stream's cache holds
+    # its conditioned rows first, then its unconditioned ones, as its own guidance batch does
+    owner = [(i, r - offsets[i]) for i, n in enumerate(rows) for r in range(offsets[i], offsets[i] + n)]
+    lengths = [steps[i].frames for i, _ in owner] * 2
+    keeps = [steps[i].keep for i, _ in owner] * 2
+    new_caches: list[list[DiTCache | None]] = [[None] * len(steps) for _ in range(cfm.n_timesteps)]
+
+    def velocity(x_in: Tensor, t_in: Tensor, step: int) -> Tensor:
+        pasts = [cache_rows(steps[i].stream._caches[step], half * rows[i] + r, half * rows[i] + r + 1)
+                 for half in (0, 1) for i, r in owner]
+        out, caches = cfm.estimator.forward_packed(x_in, mu_in, t_in, spks_in, cond_in, pasts, lengths, keeps,
+                                                   trunk, buckets)
+        for i, n in enumerate(rows):
+            lo = offsets[i]
+            new_caches[step][i] = cache_cat(caches[lo:lo + n] + caches[n_rows + lo:n_rows + lo + n])
+        return out
+
+    mel = solve_euler_cfg(velocity, torch.cat([pad(s.noise) for s in steps]), cfm.time_grid(mu), cfm.cfg_rate)
+    return [s.stream._finish(s, mel[offsets[i]:offsets[i] + rows[i], :, :s.frames],
+                             [new_caches[k][i] for k in range(cfm.n_timesteps)])
+            for i, s in enumerate(steps)]
