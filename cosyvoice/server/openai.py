@@ -49,6 +49,6 @@ async def speech(http: Request, body: OpenAISpeech) -> SessionStream:
 
 @router.get("/v1/models")
 async def models(http: Request) -> JSONResponse:
-    model_id = Path(service_of(http).tts.model_dir).name  # the folder's name: never a server path
+    model_id = Path(service_of(http).model_dir).name  # the folder's name: never a server path
     return JSONResponse({"object": "list", "data": [
         {"id": model_id, "object": "model", "created": 0, "owned_by": "cosyvoice"}]})

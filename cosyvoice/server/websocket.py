@@ -15,6 +15,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from cosyvoice.encoding import AudioEncoder
 from cosyvoice.engine import AudioChunk
 from cosyvoice.errors import InvalidInputError
+from cosyvoice.pipeline import TextStreamClosedError
 from cosyvoice.server.common import (
     base64_audio,
     http_error,
@@ -24,7 +25,7 @@ from cosyvoice.server.common import (
     service_of,
     wire_fields,
 )
-from cosyvoice.service import AsyncSynthesisSession, SynthesisRequest, TextPieces
+from cosyvoice.service import AsyncSynthesisSession, SynthesisRequest
 from cosyvoice.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -66,11 +67,12 @@ async def receive_start(ws: WebSocket, seconds: float) -> SynthesisRequest:
     return socket_request(message)
 
 
-async def read_pieces(ws: WebSocket, pieces: TextPieces, session: AsyncSynthesisSession,
-                      problems: list[BaseException], idle_seconds: float) -> None:
-    """Feed ``{"type": "text", "text": ...}`` messages to the session until ``{"type": "end"}``; a disconnect or a
-    bad message cancels it (the bad message is reported once the audio loop ends). With no real text for
-    ``idle_seconds`` (white-space pieces do not count), the text is ended: what was sent is spoken."""
+async def read_pieces(ws: WebSocket, session: AsyncSynthesisSession, problems: list[BaseException],
+                      idle_seconds: float) -> None:
+    """Write ``{"type": "text", "text": ...}`` messages to the session's text until ``{"type": "end"}``, on the
+    event loop (no thread); a disconnect or a bad message cancels the session (the bad message is reported once
+    the audio loop ends). With no real text for ``idle_seconds`` (white-space pieces do not count), the text is
+    ended: what was sent is spoken."""
     loop = asyncio.get_running_loop()
     last_text = loop.time()
     try:
@@ -79,24 +81,27 @@ async def read_pieces(ws: WebSocket, pieces: TextPieces, session: AsyncSynthesis
                 message = await asyncio.wait_for(ws.receive_json(), max(0.0, last_text + idle_seconds - loop.time()))
             except asyncio.TimeoutError:
                 logger.info("WebSocket text stream without text for %g s: ending its text", idle_seconds)
-                pieces.end()
+                session.writer.close()
                 return
             kind = message.get("type") if isinstance(message, dict) else None
             if kind == "text" and isinstance(message.get("text"), str):
-                pieces.put(message["text"])
+                session.writer.write(message["text"])  # over the text limit: the synthesis ends with that error
                 if message["text"].strip():
                     last_text = loop.time()
             elif kind == "end":
-                pieces.end()
+                session.writer.close()
                 return
             else:
                 raise InvalidInputError('expected {"type": "text", "text": "..."} or {"type": "end"}', "type")
-    except WebSocketDisconnect:
+    except (WebSocketDisconnect, TextStreamClosedError):
         pass
-    except (ValueError, KeyError, TypeError) as exc:  # not JSON, or a wrong message
-        problems.append(exc if isinstance(exc, InvalidInputError) else
-                        InvalidInputError("messages must be JSON text frames", "type"))
-    pieces.abort()
+    except InvalidInputError as exc:
+        if exc.field != "text":  # a text error (the limit) ends the synthesis, which reports it
+            problems.append(exc)
+    except (ValueError, KeyError, TypeError):  # not JSON, or not a text frame
+        problems.append(InvalidInputError("messages must be JSON text frames", "type"))
+    else:
+        return
     await session.aclose()
 
 
@@ -128,7 +133,6 @@ async def audio_stream_socket(ws: WebSocket) -> None:
     """Text pieces in, audio chunks out as soon as they exist."""
     state = server_state(ws)
     await ws.accept()
-    pieces = TextPieces()
     session: AsyncSynthesisSession | None = None
     encoder: AudioEncoder | None = None
     reader: asyncio.Task | None = None
@@ -136,12 +140,12 @@ async def audio_stream_socket(ws: WebSocket) -> None:
     try:
         with wire_fields(WEBSOCKET_FIELDS):
             request = await receive_start(ws, state.settings.stream_start_seconds)
-            session = await service_of(ws).asynthesize_text_stream(request, pieces, owner=request_owner(ws))
+            session = await service_of(ws).asynthesize_text_stream(request, owner=request_owner(ws))
         fmt = session.prepared.format
         encoder = AudioEncoder(fmt, session.sample_rate)
         await ws.send_json({"type": "started", "voice": session.prepared.voice_id, "mode": session.prepared.mode,
                             "sample_rate": session.sample_rate, "format": fmt.name, "content_type": fmt.content_type})
-        reader = asyncio.create_task(read_pieces(ws, pieces, session, problems, state.settings.stream_idle_seconds))
+        reader = asyncio.create_task(read_pieces(ws, session, problems, state.settings.stream_idle_seconds))
         chunks = samples = 0
         async for chunk in session:
             await send_audio(ws, encoder.encode(chunk.pcm), chunk)
@@ -158,7 +162,6 @@ async def audio_stream_socket(ws: WebSocket) -> None:
             state.loaded.report_failure("unknown", exc)
         await socket_error(ws, exc, state.settings)
     finally:
-        pieces.abort()
         if reader is not None:
             reader.cancel()
         if session is not None:
