@@ -314,6 +314,23 @@ def test_health_and_ready(url: str) -> None:
     assert ready["status"] == "ready" and ready["sample_rate"] == SR
 
 
+def test_voices_belong_to_the_key_that_saved_them(tts, tmp_path: Path, short_prompt_wav: Path) -> None:
+    """With API keys, the REST voice calls name the key's owner: another key may use a saved voice but not
+    delete it (403); its creator may."""
+    library = VoiceLibrary(tmp_path / "voices", tts.frontend, model_dir=tts.model_dir)
+    server = Server(create_app(ServerSettings(api_keys=("alice-key", "bob-key")), TTSService(tts.model, library)))
+    alice, bob = ({"Authorization": f"Bearer {k}"} for k in ("alice-key", "bob-key"))
+    try:
+        created = httpx.post(f"{server.url}/v1/voices", data={"name": "Alice", "transcript": TRANSCRIPT}, headers=alice,
+                             files={"audio": ("a.wav", short_prompt_wav.read_bytes(), "audio/wav")}, timeout=60)
+        assert created.status_code == 201, created.text
+        assert [v["name"] for v in httpx.get(f"{server.url}/v1/voices", headers=bob).json()["data"]] == ["Alice"]
+        _error(httpx.delete(f"{server.url}/v1/voices/Alice", headers=bob), 403)
+        assert httpx.delete(f"{server.url}/v1/voices/Alice", headers=alice).status_code == 200
+    finally:
+        server.stop()
+
+
 def test_probe_details_only_with_a_key(service: TTSService) -> None:
     """On a server with keys, the open probes say their status and nothing else: no model folder (a server
     path), no load error; a key holder sees the details."""

@@ -9,7 +9,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import hashlib
 import hmac
 import json
 import logging
@@ -34,11 +33,12 @@ from cosyvoice.errors import (
     CosyVoiceError,
     InvalidInputError,
     NotFoundError,
+    PermissionDeniedError,
     ResourceLimitError,
 )
 from cosyvoice.server.metrics import ServiceMetrics
 from cosyvoice.service import AsyncSynthesisSession, TTSService, allowed_path
-from cosyvoice.settings import ServerSettings
+from cosyvoice.settings import ServerSettings, key_owner
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,8 @@ def http_error(exc: BaseException, settings: ServerSettings) -> HttpError:
         return HttpError(503, "loading", str(exc), None, busy)
     if isinstance(exc, ResourceLimitError):
         return HttpError(503, "busy", str(exc), None, busy)
+    if isinstance(exc, PermissionDeniedError):
+        return HttpError(403, "permission_denied", str(exc))
     if isinstance(exc, CosyVoiceError):
         return HttpError(500, "model_error", "synthesis failed; the server log has the details")
     return HttpError(500, "internal_error", "internal error; the server log has the details")
@@ -161,7 +163,10 @@ class ServerState:
     load_error: str | None = None  # the log has it in full; only key holders see it in /health and /ready
 
     def install(self, service: TTSService) -> None:
+        """Serve ``service``: its outcomes feed the metrics; its voice library follows the settings' policy."""
         self.metrics.attach(service)
+        if self.settings.api_keys or self.settings.admin_keys:
+            service.voices.policy = self.settings.voice_policy()
         self.loaded = service
 
     def service(self) -> TTSService:
@@ -196,24 +201,21 @@ def key_is_valid(token: str, keys: tuple[str, ...]) -> bool:
     return bool(token) and any(hmac.compare_digest(token.encode(), key.encode()) for key in keys)
 
 
-def owner_of_key(key: str) -> str:
-    """The service's ``owner`` of an API-key client: a digest, never the key itself."""
-    return "key:" + hashlib.sha256(key.encode()).hexdigest()[:12]
+def accepted_keys(settings: ServerSettings) -> tuple[str, ...]:
+    """The keys a server accepts: its API keys and its admin keys (empty: no authentication)."""
+    return settings.api_keys + settings.admin_keys
 
 
 def request_owner(conn: HTTPConnection) -> str | None:
     """Who makes this request, for the voice library: the key's owner; ``None`` on a server without keys."""
-    settings = server_state(conn).settings
-    if not settings.api_keys:
-        return None
+    keys = accepted_keys(server_state(conn).settings)
     token = presented_key(conn.scope)
-    return owner_of_key(token) if key_is_valid(token, settings.api_keys) else None
+    return key_owner(token) if keys and key_is_valid(token, keys) else None
 
 
 def key_holder(conn: HTTPConnection) -> bool:
     """Whether the request carries a valid key (on a server with keys): it may see server details."""
-    settings = server_state(conn).settings
-    return bool(settings.api_keys) and key_is_valid(presented_key(conn.scope), settings.api_keys)
+    return request_owner(conn) is not None
 
 
 class ApiKeys:

@@ -10,13 +10,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from cosyvoice.server.common import key_holder, server_state
+from cosyvoice.server.common import accepted_keys, key_holder, server_state
 
 router = APIRouter(tags=["operations"])
 
 
 def _may_see_details(http: Request) -> bool:
-    return not server_state(http).settings.api_keys or key_holder(http)
+    return not accepted_keys(server_state(http).settings) or key_holder(http)
 
 
 @router.get("/health")

@@ -28,7 +28,14 @@ import uvicorn
 from fastapi import FastAPI
 
 from cosyvoice.server import bridge, official, openai, operations, voices_api, websocket
-from cosyvoice.server.common import ApiKeys, BodyLimit, ServerState, add_cors, install_error_handlers
+from cosyvoice.server.common import (
+    ApiKeys,
+    BodyLimit,
+    ServerState,
+    accepted_keys,
+    add_cors,
+    install_error_handlers,
+)
 from cosyvoice.server.memory import MemoryKeeper
 from cosyvoice.service import TTSService
 from cosyvoice.settings import Limits, ServerSettings, add_server_arguments, settings_from_args
@@ -67,8 +74,8 @@ def create_app(settings: ServerSettings | None = None, service: TTSService | Non
         app.include_router(router)
     # middleware, outermost last
     app.add_middleware(BodyLimit, max_bytes=state.settings.max_body_bytes)
-    if state.settings.api_keys:
-        app.add_middleware(ApiKeys, keys=state.settings.api_keys)
+    if accepted_keys(state.settings):
+        app.add_middleware(ApiKeys, keys=accepted_keys(state.settings))
     add_cors(app, state.settings)
     return app
 
