@@ -186,6 +186,9 @@ def test_bridge_synthesize_returns_a_wav_with_its_duration(url: str, short_promp
         assert outcomes[-1][1].mode == mode
     _error(httpx.post(f"{url}/synthesize", json={"text": TEXT, "prompt_audio": "../etc/passwd"}), 400, "prompt_audio")
     _error(httpx.post(f"{url}/synthesize", json={"text": TEXT, "prompt_audio": encoded, "speed": 7}), 400, "speed")
+    # base64 of a non-audio file, too long for a file name (the path lookup must not fail with a 500)
+    garbage = base64.b64encode(b"garbage" * 50).decode()
+    _error(httpx.post(f"{url}/synthesize", json={"text": TEXT, "prompt_audio": garbage}), 400, "prompt_audio")
     _error(httpx.post(f"{url}/synthesize", json={"prompt_audio": encoded}), 400, "text")
 
 

@@ -303,7 +303,7 @@ def base64_audio(value: object, name: str) -> bytes:
 def audio_argument(value: object, settings: ServerSettings, name: str) -> bytes | Path:
     """Prompt audio given as a string: a file under the allowed folder, else base64."""
     if isinstance(value, str) and settings.allowed_audio_dir is not None and len(value) < 4096:
-        with contextlib.suppress(InvalidInputError):
+        with contextlib.suppress(InvalidInputError, OSError):  # OSError: base64 too long for a file name
             return allowed_path(value, settings.allowed_audio_dir, name)
     try:
         return base64_audio(value, name)

@@ -21,11 +21,11 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 
 from cosyvoice.server import bridge, official, openai, operations, voices_api, websocket
 from cosyvoice.server.common import (
@@ -46,9 +46,10 @@ ROUTERS = (operations.router, official.router, bridge.router, openai.router, voi
 
 
 def create_app(settings: ServerSettings | None = None, service: TTSService | None = None,
-               loader: Callable[[], TTSService] | None = None) -> FastAPI:
+               loader: Callable[[], TTSService] | None = None, routers: Sequence[APIRouter] = ROUTERS) -> FastAPI:
     """The REST app over a ready ``service``, or one that ``loader`` makes in the background after start-up
-    (``/health`` answers at once, ``/ready`` once the model is loaded)."""
+    (``/health`` answers at once, ``/ready`` once the model is loaded); ``routers`` are the API families
+    served (Ray Serve replicas serve their own), behind the one error mapping, API keys, body limit and CORS."""
     state = ServerState(settings or ServerSettings.from_env())
 
     def load() -> None:
@@ -70,7 +71,7 @@ def create_app(settings: ServerSettings | None = None, service: TTSService | Non
     if service is not None:
         state.install(service)
     install_error_handlers(app)
-    for router in ROUTERS:
+    for router in routers:
         app.include_router(router)
     # middleware, outermost last
     app.add_middleware(BodyLimit, max_bytes=state.settings.max_body_bytes)
