@@ -41,7 +41,7 @@ import torch
 
 from cosyvoice import pipeline
 from cosyvoice.encoding import AudioFormat, audio_format
-from cosyvoice.engine import AudioChunk, CancelToken, Engine
+from cosyvoice.engine import AudioChunk, CancelToken
 from cosyvoice.errors import (
     CosyVoiceError,
     InvalidInputError,
@@ -54,7 +54,7 @@ from cosyvoice.frontend.frontend import Voice
 from cosyvoice.frontend.prompts import user_text, zero_shot_prompt_text
 from cosyvoice.frontend.tokenizer import END_OF_PROMPT
 from cosyvoice.pipeline import Conditioning, Model, TextFeed
-from cosyvoice.settings import Limits
+from cosyvoice.settings import SPEED_RANGE, Limits
 from cosyvoice.voices import VoiceInfo, VoiceLibrary, check_name
 
 logger = logging.getLogger(__name__)
@@ -599,8 +599,8 @@ class TTSService:
                              cancel, has_text=False)
         p = ending.prepared
         ending.feed = self._feed(p)
-        chunks = pipeline.run_text_stream(self.model, p.cond, ending.feed, stream=True, speed=p.speed, seed=p.seed,
-                                          cancel=ending.token)
+        chunks = pipeline.run_text_stream(self.model, p.cond, ending.feed, stream=p.stream, speed=p.speed,
+                                          seed=p.seed, cancel=ending.token)
         session = SynthesisSession(ending, chunks)
         if pieces is not None:
             _pump(pieces, ending.feed)
@@ -614,8 +614,8 @@ class TTSService:
         ending = await self._aadmit(request, started, owner, cancel, has_text=False)
         p = ending.prepared
         ending.feed = self._feed(p)
-        chunks = pipeline.arun_text_stream(self.model, p.cond, ending.feed, stream=True, speed=p.speed, seed=p.seed,
-                                           cancel=ending.token)
+        chunks = pipeline.arun_text_stream(self.model, p.cond, ending.feed, stream=p.stream, speed=p.speed,
+                                           seed=p.seed, cancel=ending.token)
         session = AsyncSynthesisSession(ending, chunks)
         if pieces is not None:
             _pump(pieces, ending.feed)
@@ -800,11 +800,10 @@ class TTSService:
 
     def _resolve(self, request: SynthesisRequest, checked: _Checked, owner: str | None = None,
                  text: bool = True) -> PreparedRequest:
-        """The voice, and with it the engine mode, the conditioning and the text's segments."""
-        voice_id, voice = self._voice(checked.mode, request)
-        if not request.prompt_conventions:  # after the voice, as the official API reports its errors
-            _check_model_form(checked.mode, request, text)
+        """The voice, and with it the engine mode, the conditioning and the text's segments (the text first: a
+        saved voice is a cheap look-up, an upload is decoded only for a request whose text can be spoken)."""
         if checked.mode == "sft":
+            voice_id, voice = self._voice(checked.mode, request)
             engine_mode = _ENGINE_MODES["zero_shot" if voice.prompt_text.numel() else "cross_lingual"]
         else:
             engine_mode = _ENGINE_MODES[checked.mode]
@@ -814,6 +813,10 @@ class TTSService:
                 segments = pipeline.text_segments(self.model.frontend, engine_mode, request.text,
                                                   text_frontend=request.text_frontend,
                                                   split_prefixed=request.split_prefixed)
+        if checked.mode != "sft":
+            voice_id, voice = self._voice(checked.mode, request)
+        if not request.prompt_conventions:  # after the voice, as the official API reports its errors
+            _check_model_form(checked.mode, request, text)
         cond = pipeline.conditioning(self.model.frontend, engine_mode, voice, checked.instruction)
         return PreparedRequest(checked.mode, engine_mode, voice_id, cond, tuple(segments), checked.stream,
                                checked.speed, checked.seed, checked.format)
@@ -834,13 +837,20 @@ class TTSService:
         seed = request.seed
         if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
             seed = int(seed)  # numpy integers from adapters
-        with _field("seed"):
-            Engine.check_options(False, 1.0, seed)
-        with _field("speed"):
-            speed = Engine.check_options(request.stream, request.speed)
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
+                                 or not 0 <= seed < pipeline.SEED_SPACE):
+            raise InvalidInputError(f"seed must be an integer in [0, 2**63), got {request.seed!r}", "seed")
+        lo, hi = SPEED_RANGE
+        speed = request.speed
+        # any real scalar is a speed: int, float, numpy, or a one-element array or tensor
+        if (isinstance(speed, torch.Tensor) and speed.numel() == 1 and not speed.is_complex()) or (
+                isinstance(speed, np.ndarray) and speed.size == 1):
+            speed = speed.item()
+        if not isinstance(speed, numbers.Real) or isinstance(speed, bool) or not lo <= float(speed) <= hi:
+            raise InvalidInputError(f"speed must be between {lo:g} and {hi:g}, got {request.speed!r}", "speed")
         if seed is None:
             seed = int(torch.randint(0, pipeline.SEED_SPACE - 1, (), dtype=torch.int64))
-        return request.stream, speed, seed
+        return request.stream, float(speed), seed
 
     def _instruction(self, mode: str, instruction: object) -> str:
         """The instruction as the user wrote it (the pipeline wraps it where its token ids are made)."""

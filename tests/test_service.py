@@ -256,11 +256,122 @@ def test_text_stream_speaks_before_the_text_ends(service: TTSService, short_prom
         service.delete_voice(name)
 
 
-def test_complete_sentences() -> None:
-    from cosyvoice.service import complete_sentences
+def test_text_feed_hands_over_complete_sentences(tts) -> None:
+    from cosyvoice.engine import CancelToken
+    from cosyvoice.pipeline import TextFeed
 
-    assert list(complete_sentences(["Hel", "lo. It costs 3", ".14 now! 你好。", "Bye"])) == \
-        ["Hello.", "It costs 3.14 now!", "你好。", "Bye"]
+    feed = TextFeed(tts.frontend, 100, "sentences")
+    for piece in ["Hel", "lo. It costs 3", ".14 now! 你好。", "Bye"]:
+        feed.write(piece)
+    feed.close()
+    assert list(feed.sentences(CancelToken())) == ["Hello.", "It costs 3.14 now!", "你好。", "Bye"]
+    feed = TextFeed(tts.frontend, 100, "sentences")
     with pytest.raises(InvalidInputError) as info:
-        list(complete_sentences(["ok", 5]))
+        feed.write(5)
     assert info.value.field == "text"
+    with pytest.raises(InvalidInputError):  # the reader fails with the writer's error
+        list(feed.sentences(CancelToken()))
+
+
+@pytest.mark.parametrize(("text", "mode"), [("<|endofprompt|>", "cross_lingual"),
+                                           ("Hello there.<|endofprompt|>  ", "zero_shot"),
+                                           ("You are a helpful assistant.<|endofprompt|>", "cross_lingual")])
+def test_text_with_only_a_prompt_marker_names_the_field(service: TTSService, text: str, mode: str) -> None:
+    request = SynthesisRequest(text, mode, prompt_audio=b"never decoded", transcript=TRANSCRIPT)
+    with pytest.raises(InvalidInputError, match="nothing to speak after <\\|endofprompt\\|>") as info:
+        service.synthesize(request)
+    assert info.value.field == "text"
+
+
+def test_admission_serves_threads_and_tasks_in_arrival_order() -> None:
+    """One queue for threads and asyncio tasks: a freed slot goes to the longest waiter (no overtaking)."""
+    from cosyvoice.service import Admission
+
+    admission = Admission(max_active=1, max_waiting=3, timeout=30)
+    admission.acquire()
+    order: list[str] = []
+
+    def thread_waiter(name: str) -> threading.Thread:
+        def run() -> None:
+            admission.acquire()
+            order.append(name)
+        t = threading.Thread(target=run)
+        t.start()
+        while admission.waiting < int(name[-1]):  # queued in this order
+            t.join(0.005)
+        return t
+
+    async def scenario() -> None:
+        first = thread_waiter("thread-1")
+        task = asyncio.create_task(admission.aacquire())
+        while admission.waiting < 2:
+            await asyncio.sleep(0.005)
+        third = thread_waiter("thread-3")
+        with pytest.raises(ResourceLimitError, match="busy"):  # the queue (3) is full
+            admission.acquire()
+        admission.release()  # -> thread-1
+        first.join(5)
+        admission.release()  # -> the task
+        await asyncio.wait_for(task, 5)
+        order.append("task-2")
+        admission.release()  # -> thread-3
+        third.join(5)
+        admission.release()
+
+    asyncio.run(scenario())
+    assert order == ["thread-1", "task-2", "thread-3"]
+    assert admission.active == 0 and admission.waiting == 0
+
+
+def test_a_cancelled_async_wait_leaves_no_slot_behind() -> None:
+    from cosyvoice.service import Admission
+
+    admission = Admission(max_active=1, max_waiting=2, timeout=30)
+
+    async def scenario() -> None:
+        admission.acquire()
+        task = asyncio.create_task(admission.aacquire())
+        while admission.waiting == 0:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        admission.release()
+
+    asyncio.run(scenario())
+    assert admission.active == 0 and admission.waiting == 0
+
+
+def test_drain_refuses_new_requests_then_cancels_running_ones(tts, library: VoiceLibrary,
+                                                              short_prompt_wav: Path) -> None:
+    service = TTSService(tts.model, library, Limits(max_sessions=2, max_queued_requests=2, queue_timeout_seconds=30))
+    seen: list[Outcome] = []
+    service.add_listener(seen.append)
+    request = SynthesisRequest(TEXT * 4, "cross_lingual", prompt_audio=short_prompt_wav.read_bytes(), seed=3)
+
+    async def scenario() -> list:
+        running = await service.asynthesize(request)
+        await running.__anext__()  # mid-stream, and nobody reads further: only the drain can end it
+        drain = asyncio.create_task(service.drain(grace_seconds=0.2))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ResourceLimitError, match="shutting down"):
+            await service.asynthesize(request)
+        await asyncio.wait_for(drain, 10)
+        rest = [chunk async for chunk in running]  # the engine stopped it: the iteration ends
+        return rest
+
+    rest = asyncio.run(scenario())
+    assert not any(c.final for c in rest)
+    assert service.active_sessions == 0 and "cancelled" in [o.reason for o in seen]
+    assert tts.engine.active_sessions == 0 or _eventually(lambda: tts.engine.active_sessions == 0)
+
+
+def _eventually(condition, seconds: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()

@@ -82,6 +82,9 @@ class CosyVoiceFrontend:
         sentence instead of as one very long segment.
         """
         head, marker, body = text.rpartition(END_OF_PROMPT)
+        if marker and not body.strip():
+            raise InvalidInputError(f"text has nothing to speak after {END_OF_PROMPT}: the marker ends a prompt "
+                                    "(a system prompt or an instruction); leave it out of the text to speak")
         if not (split_prefixed and marker):
             self.check_text(text)
             head, marker, body = "", "", text
