@@ -91,6 +91,11 @@ class Limits:
     max_prompt_seconds: float = TOKENIZER_MAX_SECONDS
     min_prompt_sample_rate: int = 16000
     max_prompt_bytes: int = 50 * 1024 * 1024  # an encoded upload, before decoding
+    # checked from the header before decoding: with max_prompt_seconds they bound a decode's memory to
+    # max_prompt_sample_rate * (max_prompt_seconds + 1) float32 samples (24 MB) + the encoded input
+    # (frontend/audio.py; a 255-channel Ogg of 0.3 MB would otherwise decode to gigabytes)
+    max_prompt_channels: int = 8
+    max_prompt_sample_rate: int = 192000
     max_sessions: int = 8  # concurrently synthesising requests on one engine
     max_queued_requests: int = 32  # requests waiting for a session slot; beyond this a request is "busy" at once
     queue_timeout_seconds: float = 30.0  # wait this long for a free session slot, then "busy"

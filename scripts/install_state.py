@@ -1,7 +1,9 @@
-"""Whether the project's virtual environment already holds what scripts/setup.sh would install.
+"""Whether the project's virtual environment already holds what scripts/setup.sh would install, and which
+torch build it should install.
 
     python scripts/install_state.py check VENV EXTRAS   # exit 0 when up to date, 1 otherwise
     python scripts/install_state.py mark VENV EXTRAS    # record a successful install of EXTRAS
+    python scripts/install_state.py torch-plan          # line 1: what will be downloaded; then pip's arguments
 
 Run with the venv's own interpreter. The stamp holds a hash of what decides the install (pyproject.toml,
 scripts/setup.sh, this interpreter's version and location) and the extras installed under it, so a second
@@ -13,8 +15,13 @@ UI starts without pip after the tests' install. Standard library only: it runs b
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import shutil
 import sys
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +75,70 @@ def mark(venv: Path, extras: str, root: Path = ROOT) -> None:
     (venv / STAMP).write_text(f"{new_key}\n{','.join(sorted(done))}\n")
 
 
+# ----------------------------------------------------------------------------- which torch build
+
+TORCH_REQUIREMENT = "torch==2.13.0"
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # PyTorch's own index of CPU-only wheels
+
+
+@dataclass(frozen=True)
+class TorchPlan:
+    """How setup.sh installs torch: ``build`` is cpu, cuda or configured (pip's configured indexes)."""
+
+    build: str
+    pip_args: tuple[str, ...]
+    message: str
+
+
+def has_nvidia_gpu(environ: Mapping[str, str], proc: Path = Path("/proc")) -> bool:
+    """An NVIDIA driver is loaded (``/proc/driver/nvidia``) or its ``nvidia-smi`` is on PATH."""
+    return (proc / "driver" / "nvidia").exists() or shutil.which("nvidia-smi", path=environ.get("PATH", "")) is not None
+
+
+def index_reachable(url: str, timeout: float = 5.0) -> bool:
+    """The index answers for torch (``<url>/torch/``) within ``timeout`` seconds."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/torch/", timeout=timeout) as reply:
+            return reply.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+def torch_plan(environ: Mapping[str, str], gpu: bool, reachable: Callable[[str], bool] = index_reachable) -> TorchPlan:
+    """The CUDA build where an NVIDIA GPU is seen; elsewhere the CPU build from PyTorch's CPU index (~200 MB
+    instead of several GB of CUDA libraries), or pip's configured indexes where that index cannot be reached
+    (an offline mirror, or a local wheel as on the CI). ``COSYVOICE_TORCH=cpu|cuda|configured`` decides
+    instead; ``COSYVOICE_TORCH_CPU_INDEX`` names another CPU index (a mirror)."""
+    index = environ.get("COSYVOICE_TORCH_CPU_INDEX") or CPU_INDEX
+    choice = environ.get("COSYVOICE_TORCH", "").strip().lower()
+    if choice not in ("", "cpu", "cuda", "configured"):
+        raise ValueError(f"COSYVOICE_TORCH={choice!r}: use cpu, cuda or configured")
+    if choice == "cuda" or (not choice and gpu):
+        why = "COSYVOICE_TORCH=cuda" if choice else "an NVIDIA GPU was found"
+        return TorchPlan("cuda", (), f"{why}: downloading {TORCH_REQUIREMENT} with CUDA (about 3 GB of wheels; "
+                                     "COSYVOICE_TORCH=cpu installs the 200 MB CPU build instead)")
+    if choice == "configured":
+        return TorchPlan("configured", (), f"COSYVOICE_TORCH=configured: {TORCH_REQUIREMENT} from pip's configured "
+                                           "indexes")
+    if reachable(index):
+        why = "COSYVOICE_TORCH=cpu" if choice else "no NVIDIA GPU found"
+        return TorchPlan("cpu", ("--index-url", index),
+                         f"{why}: downloading the CPU build of {TORCH_REQUIREMENT} from {index} (about 200 MB; "
+                         "COSYVOICE_TORCH=cuda installs the CUDA build instead)")
+    return TorchPlan("configured", (), f"no NVIDIA GPU found, but {index} cannot be reached: {TORCH_REQUIREMENT} "
+                                       "from pip's configured indexes (from PyPI on Linux that is the CUDA build, "
+                                       "about 3 GB; COSYVOICE_TORCH_CPU_INDEX=<a reachable CPU index> avoids it)")
+
+
 def main(argv: list[str]) -> int:
+    if argv == ["torch-plan"]:
+        try:
+            plan = torch_plan(os.environ, has_nvidia_gpu(os.environ))
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        print("\n".join([plan.message, *plan.pip_args, TORCH_REQUIREMENT]))
+        return 0
     if len(argv) != 3 or argv[0] not in ("check", "mark"):
         print(__doc__, file=sys.stderr)
         return 2

@@ -8,9 +8,16 @@
 # pyproject.toml, this script and the venv's Python, listing the extras installed) it makes no pip call and
 # no network access at all.
 #
+# torch: a torch already in range is kept (a GPU box's own build included). Otherwise the CUDA build where an
+# NVIDIA GPU is seen (nvidia-smi or /proc/driver/nvidia), else the ~200 MB CPU build from PyTorch's CPU index
+# instead of PyPI's multi-GB CUDA build, or pip's configured indexes where that index cannot be reached (the CI
+# takes its local CPU wheel that way). scripts/install_state.py decides (torch_plan) and says what it downloads.
+#
 # Environment: PYTHON (base interpreter, default python3), COSYVOICE_VENV (default .venv),
-# COSYVOICE_EXTRAS (default dev; scripts/webui.sh asks for ui). Used by scripts/test.sh, scripts/webui.sh,
-# .ci/run. `bash scripts/setup.sh --check` only reports what is missing (exit 1 when anything is).
+# COSYVOICE_EXTRAS (default dev; scripts/webui.sh asks for ui), COSYVOICE_TORCH (cpu, cuda or configured:
+# overrides the choice above), COSYVOICE_TORCH_CPU_INDEX (a mirror of the CPU index). Used by scripts/test.sh,
+# scripts/webui.sh, .ci/run. `bash scripts/setup.sh --check` only reports what is missing (exit 1 when anything
+# is).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,12 +31,11 @@ export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1  # tests drive Debian's /usr/bin/chrom
 log() { echo "[setup] $*" >&2; }
 
 # ---- system packages (apt), each only where missing ------------------------------------------------
-# ffmpeg: decodes prompt uploads libsndfile cannot read (browser WebM/Opus, M4A/AAC: frontend/audio.py).
+# (Prompt uploads libsndfile cannot read, WebM/Opus and M4A/AAC, are decoded by PyAV in process: no ffmpeg.)
 # chromium + fonts-noto-cjk: the browser tests (Playwright drives /usr/bin/chromium; CJK text renders).
 # python3.X-venv: Debian ships venv's pip bootstrap (ensurepip) separately.
 py_mm=$("$BASE_PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 missing_apt=()
-command -v ffmpeg >/dev/null 2>&1 || missing_apt+=(ffmpeg)
 if [[ ",$EXTRAS," == *",dev,"* ]]; then
   [ -x /usr/bin/chromium ] || missing_apt+=(chromium)
   if command -v dpkg-query >/dev/null 2>&1; then
@@ -60,8 +66,7 @@ if [ ${#missing_apt[@]} -gt 0 ]; then
         log "WARNING: apt-get could not install ${missing_apt[*]}"
       fi
     else
-      log "WARNING: missing ${missing_apt[*]} and no apt-get/root to install them: install them yourself" \
-          "(without ffmpeg, WebM and M4A prompt recordings are refused)"
+      log "WARNING: missing ${missing_apt[*]} and no apt-get/root to install them: install them yourself"
     fi
   fi
 fi
@@ -99,11 +104,12 @@ if ! venv_usable; then
 fi
 PY="$VENV/bin/python"
 
-# torch first and pinned: 2.13.0 is the CPU build on local disk here; any other request pulls a
-# multi-GB CUDA build. A torch already in our range is kept (GPU boxes).
+# torch first and pinned, in the build torch-plan chose (line 1: what it downloads; then pip's arguments).
 if ! torch_in_range "$PY"; then
-  log "installing torch==2.13.0"
-  "$PY" -m pip install -q torch==2.13.0
+  plan_text=$("$PY" scripts/install_state.py torch-plan)
+  mapfile -t plan <<< "$plan_text"
+  log "torch: ${plan[0]}"
+  "$PY" -m pip install -q "${plan[@]:1}"
 fi
 # No other package may move torch (a CUDA wheel is several GB): pin the installed version for the rest.
 torch_pin="$VENV/torch-constraint.txt"

@@ -13,7 +13,7 @@ import soundfile as sf
 import torch
 
 from cosyvoice.cli.cosyvoice import TextStreamClosedError
-from cosyvoice.errors import CosyVoiceError, InvalidInputError
+from cosyvoice.errors import CosyVoiceError, InvalidInputError, ModelBundleError
 from cosyvoice.frontend.prompts import instruct_text, zero_shot_prompt_text
 from cosyvoice.hifigan.speed import MelTimeScale
 from cosyvoice.utils.common import set_all_random_seed
@@ -234,3 +234,26 @@ def test_text_stream_writer_tokenises_pieces_and_enforces_the_text_limit(tts) ->
         stream.take()  # the LLM side fails with the same error
     with pytest.raises(TextStreamClosedError):
         writer.write("more")
+
+
+# ----------------------------------------------------------------------------- older generations' class names
+
+
+@pytest.mark.parametrize("cls_name", ["CosyVoice", "CosyVoice2"])
+def test_older_class_names_import_and_say_what_to_use(cls_name: str, tiny_bundle_dir: Path, tmp_path: Path) -> None:
+    """The official FAQ and scripts import CosyVoice/CosyVoice2; constructing one names the class to use instead."""
+    from cosyvoice.cli import cosyvoice as api
+
+    cls = getattr(api, cls_name)
+    with pytest.raises(ModelBundleError, match=r"holds a CosyVoice3 model.*Use CosyVoice3\(.*\) or AutoModel"):
+        cls(str(tiny_bundle_dir))
+    for yaml, kind in (("cosyvoice.yaml", "CosyVoice"), ("cosyvoice2.yaml", "CosyVoice2")):
+        folder = tmp_path / kind
+        folder.mkdir()
+        (folder / yaml).write_text("sample_rate: 24000\n")
+        with pytest.raises(ModelBundleError, match=rf"runs CosyVoice3 only: .* holds a {kind} model"):
+            cls(str(folder), load_jit=False, load_trt=False, fp16=False)
+    # a ModelScope id of an older model is refused without downloading anything
+    with pytest.raises(ModelBundleError, match=rf"runs CosyVoice3 only: {cls_name} models are not supported"):
+        cls("iic/CosyVoice2-0.5B")
+    assert not Path("pretrained_models/CosyVoice2-0.5B").exists()

@@ -52,7 +52,6 @@ def _setup(env_dir: Path, extras: str, *args: str) -> subprocess.CompletedProces
                           timeout=120)
 
 
-@pytest.mark.skipif(shutil.which("ffmpeg") is None, reason="setup.sh would install ffmpeg with apt first")
 def test_a_current_stamp_means_no_pip_call(tmp_path: Path) -> None:
     # A venv without pip: if setup.sh ran pip at all it would fail with "No module named pip".
     env_dir = tmp_path / "venv"
@@ -83,3 +82,81 @@ def test_space_requirements_equal_pyproject() -> None:
     expected = _names(project["dependencies"] + extras["ui"] + extras["download"])
     lines = (ROOT / "requirements.txt").read_text().splitlines()
     assert _names([ln for ln in lines if ln.strip() and not ln.startswith("#")]) == expected
+
+
+# ----------------------------------------------------------------------------- which torch build (issue 12 item 20)
+
+
+def test_torch_plan_picks_cpu_without_a_gpu_and_cuda_with_one() -> None:
+    asked: list[str] = []
+
+    def reachable(url: str) -> bool:
+        asked.append(url)
+        return True
+
+    plan = install_state.torch_plan({}, gpu=False, reachable=reachable)
+    assert plan.build == "cpu" and plan.pip_args == ("--index-url", install_state.CPU_INDEX)
+    assert asked == [install_state.CPU_INDEX] and "about 200 MB" in plan.message
+    cuda = install_state.torch_plan({}, gpu=True, reachable=reachable)
+    assert cuda.build == "cuda" and cuda.pip_args == () and "about 3 GB" in cuda.message
+    assert asked == [install_state.CPU_INDEX]  # a GPU box never probes the CPU index
+    # where PyTorch's CPU index cannot be reached (this CI: a local CPU wheel), pip's own configuration decides
+    offline = install_state.torch_plan({}, gpu=False, reachable=lambda url: False)
+    assert offline.build == "configured" and offline.pip_args == () and "cannot be reached" in offline.message
+    # the user decides over what was seen; a mirror replaces the CPU index
+    assert install_state.torch_plan({"COSYVOICE_TORCH": "cpu"}, gpu=True, reachable=reachable).build == "cpu"
+    assert install_state.torch_plan({"COSYVOICE_TORCH": "cuda"}, gpu=False, reachable=reachable).build == "cuda"
+    assert install_state.torch_plan({"COSYVOICE_TORCH": "configured"}, gpu=False, reachable=reachable).pip_args == ()
+    mirror = install_state.torch_plan({"COSYVOICE_TORCH_CPU_INDEX": "https://mirror.example/cpu"}, gpu=False,
+                                      reachable=reachable)
+    assert mirror.pip_args == ("--index-url", "https://mirror.example/cpu")
+    with pytest.raises(ValueError, match="use cpu, cuda or configured"):
+        install_state.torch_plan({"COSYVOICE_TORCH": "rocm"}, gpu=False, reachable=reachable)
+
+
+def test_an_nvidia_gpu_is_seen_by_its_driver_or_nvidia_smi(tmp_path: Path) -> None:
+    proc, bin_dir = tmp_path / "proc", tmp_path / "bin"
+    proc.mkdir()
+    bin_dir.mkdir()
+    assert not install_state.has_nvidia_gpu({"PATH": str(bin_dir)}, proc)
+    (proc / "driver" / "nvidia").mkdir(parents=True)
+    assert install_state.has_nvidia_gpu({"PATH": str(bin_dir)}, proc)
+    (proc / "driver" / "nvidia").rmdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n")
+    smi.chmod(0o755)
+    assert install_state.has_nvidia_gpu({"PATH": str(bin_dir)}, proc)
+
+
+def _torch_plan_cli(env: dict[str, str]) -> list[str]:
+    done = subprocess.run([sys.executable, "scripts/install_state.py", "torch-plan"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60, check=True)
+    return done.stdout.strip().splitlines()
+
+
+def test_torch_plan_command_as_setup_sh_reads_it(tmp_path: Path) -> None:
+    """The command setup.sh runs, in fake environments: a CPU index served on loopback, one that is down, a
+    fake nvidia-smi on PATH. Line 1 is the message setup.sh prints, the rest are pip's arguments."""
+    import http.server
+    import socketserver
+    import threading
+
+    (tmp_path / "whl" / "cpu" / "torch").mkdir(parents=True)
+    handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=str(tmp_path))  # noqa: E731
+    with socketserver.TCPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        index = f"http://127.0.0.1:{server.server_address[1]}/whl/cpu"
+        base = {"PATH": "/usr/bin:/bin", "COSYVOICE_TORCH_CPU_INDEX": index}
+        if install_state.has_nvidia_gpu(base):
+            pytest.skip("this machine has an NVIDIA driver: the no-GPU cases cannot be faked here")
+        lines = _torch_plan_cli(base)
+        assert lines[1:] == ["--index-url", index, install_state.TORCH_REQUIREMENT] and "CPU build" in lines[0]
+        server.shutdown()
+    down = _torch_plan_cli(base)  # the server is gone: nothing answers on that port
+    assert down[1:] == [install_state.TORCH_REQUIREMENT] and "cannot be reached" in down[0]
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "nvidia-smi").write_text("#!/bin/sh\n")
+    (fake_bin / "nvidia-smi").chmod(0o755)
+    gpu = _torch_plan_cli({**base, "PATH": f"{fake_bin}:/usr/bin:/bin"})
+    assert gpu[1:] == [install_state.TORCH_REQUIREMENT] and "NVIDIA GPU was found" in gpu[0]

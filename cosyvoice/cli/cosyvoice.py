@@ -373,3 +373,7 @@ def AutoModel(**kwargs) -> CosyVoice3:  # the official factory's (non-PEP8) name
             raise ModelBundleError(f"{model_dir} holds a CosyVoice1/2 model ({name}); this engine runs CosyVoice3 "
                                    "(Fun-CosyVoice3-0.5B-2512) only")
     raise ModelBundleError(f"{model_dir} has no cosyvoice3.yaml: not a CosyVoice3 model directory")
+
+
+# the official module also defines the older generations' classes; official scripts import them (issue 12 item 15)
+from cosyvoice.cli.legacy import CosyVoice, CosyVoice2  # noqa: E402, F401

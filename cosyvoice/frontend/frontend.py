@@ -115,7 +115,8 @@ class CosyVoiceFrontend:
         limits = self.limits
         return load_prompt_audio(prompt_wav, min_sample_rate=limits.min_prompt_sample_rate,
                                  min_seconds=limits.min_prompt_seconds, max_seconds=limits.max_prompt_seconds,
-                                 max_bytes=limits.max_prompt_bytes)
+                                 max_bytes=limits.max_prompt_bytes, max_channels=limits.max_prompt_channels,
+                                 max_sample_rate=limits.max_prompt_sample_rate)
 
     def features(self, wav: torch.Tensor, sample_rate: int) -> PromptFeatures:
         """Prompt features of audio that :meth:`load_prompt` accepted."""

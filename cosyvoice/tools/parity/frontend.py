@@ -19,7 +19,7 @@ from cosyvoice.frontend.features import WHISPER_SAMPLE_RATE, MelParams, kaldi_fb
 from cosyvoice.frontend.onnx_models import CampPlus, SpeechTokenizer
 from cosyvoice.frontend.prompt import extract_prompt_features
 from cosyvoice.tools.parity.common import Golden, Result, compare, compare_exact
-from cosyvoice.tools.parity.tolerances import FEATURE_ATOL
+from cosyvoice.tools.parity.tolerances import FEATURE_ATOL, FEATURE_RTOL
 
 COMPONENT = "frontend"
 FILE = "frontend.safetensors"
@@ -78,7 +78,7 @@ def check(golden: Golden) -> list[Result]:
         if ref[name].dtype.kind in "iu":
             results.append(compare_exact(COMPONENT, name, value, ref[name]))
             continue
-        result = compare(COMPONENT, name, value, ref[name], FEATURE_ATOL)
+        result = compare(COMPONENT, name, value, ref[name], FEATURE_ATOL, FEATURE_RTOL)
         if not result.passed and os.environ.get("MKL_CBWR") is None:
             result = dataclasses.replace(result, note=_MKL_HINT)
         results.append(result)
