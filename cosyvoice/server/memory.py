@@ -1,12 +1,14 @@
 """Keeping a server's resident memory bounded under load (glibc malloc).
 
-Where it went, measured with tests/test_load.py (120 requests, 16 at a time, a third abandoned): not live
-objects or tensors (their counts return to the baseline) but freed memory the allocator keeps. glibc gives
-each thread that allocates concurrently an arena of its own (up to 8 per core) and returns an arena's freed
-pages to the system only from its top; requests' short-lived buffers (decoded uploads, features, PCM,
-encoders) freed in the middle of many arenas stay resident as high-water marks. Two remedies, both here:
-fewer arenas (``M_ARENA_MAX``, as ``MALLOC_ARENA_MAX`` would set it before start-up) and ``malloc_trim(0)``
-once the server is idle, which hands the free pages of every arena back. Elsewhere than glibc: no-ops.
+Where it goes: not live objects or tensors (a load test's counts of both return to their baseline) but freed
+memory the allocator keeps. glibc gives each thread that allocates concurrently an arena of its own (up to 8
+per core) and returns an arena's freed pages to the system only from its top, so the short-lived buffers of
+requests (decoded uploads, features, PCM, encoders) freed in the middle of many arenas stay resident as
+high-water marks; the more threads touch requests, the more arenas (a thread per request, as the service had
+before its sessions moved onto the event loop, grew a REST server from 338 to 1,255 MB over 120 requests).
+Two remedies, both here: few arenas (``M_ARENA_MAX``, as ``MALLOC_ARENA_MAX`` would set it at start-up) and
+``malloc_trim(0)`` once the server is idle, which hands the free pages of every arena back. tests/test_load.py
+states the bound and the measured figures (docs/servers.md, "Memory"). Elsewhere than glibc: no-ops.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter
-DEFAULT_ARENAS = 2  # measured: 2 arenas cost no throughput on the load test and cut its growth most
+DEFAULT_ARENAS = 2  # the load test ran no slower with 2 (2 cores); its settled RSS was ~70 MiB lower
 TRIM_EVERY_SECONDS = 2.0
 
 
