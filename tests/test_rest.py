@@ -334,6 +334,19 @@ def test_voices_belong_to_the_key_that_saved_them(tts, tmp_path: Path, short_pro
         server.stop()
 
 
+def test_server_errors_say_no_internals() -> None:
+    """A model failure's or an unexpected error's text (paths, internals) stays in the log, never in the answer."""
+    from cosyvoice.errors import ModelBundleError
+    from cosyvoice.server.common import http_error
+
+    settings = ServerSettings()
+    for exc in (ModelBundleError("/srv/models/cv3/flow.pt is corrupt"), OSError("/tmp/cosyvoice-x: disk full"),
+                KeyError("llm.model.layers.3")):
+        error = http_error(exc, settings)
+        assert error.status == 500 and "/srv" not in error.message and "/tmp" not in error.message
+        assert "llm." not in error.message and "the server log has the details" in error.message
+
+
 def test_probe_details_only_with_a_key(service: TTSService) -> None:
     """On a server with keys, the open probes say their status and nothing else: no model folder (a server
     path), no load error; a key holder sees the details."""
