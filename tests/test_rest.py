@@ -419,6 +419,31 @@ def test_busy_is_503_with_retry_after_and_disconnect_cancels(tts, library: Voice
         server.stop()
 
 
+def test_a_client_that_leaves_while_queued_frees_its_place(tts, library: VoiceLibrary, saved_voice: dict,
+                                                            audio_dir: Path) -> None:
+    """Waiting for a slot, a client that disconnects leaves the queue at once (not when a slot frees up or the
+    queue timeout passes)."""
+    import json
+
+    from websockets.sync.client import connect
+
+    service = TTSService(tts.model, library, Limits(max_sessions=1, max_queued_requests=1, queue_timeout_seconds=60))
+    server = Server(create_app(ServerSettings(allowed_audio_dir=str(audio_dir)), service))
+    try:
+        with connect(_ws_url(server.url)) as ws:  # an open text stream holds the one slot until it ends
+            ws.send(json.dumps({"type": "start", "voice": "Ada"}))
+            assert json.loads(ws.recv(timeout=60))["type"] == "started"
+            for path, request in (("/synthesize", {"text": TEXT, "prompt_audio": "prompt.wav"}),
+                                  ("/v1/audio/speech", {"input": TEXT, "voice": "Ada"})):
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(f"{server.url}{path}", json=request, timeout=httpx.Timeout(30, read=2))
+                assert service.active_sessions == 1
+                _wait_for(lambda: service.queued_requests == 0, timeout=3)
+        _wait_for(lambda: service.active_sessions == 0, timeout=20)
+    finally:
+        server.stop()
+
+
 def test_api_keys_cors_and_body_limit(service: TTSService, short_prompt_wav: Path) -> None:
     closed = Server(create_app(ServerSettings(), service))
     keyed = Server(create_app(ServerSettings(api_keys=("s3cret",), cors_origins=("https://app.example",),

@@ -17,6 +17,7 @@ from cosyvoice.server.common import (
     request_owner,
     server_state,
     service_of,
+    while_connected,
     whole_file,
     wire_fields,
 )
@@ -64,7 +65,7 @@ async def synthesize(http: Request, body: BridgeSynthesis) -> Response:
         if not body.prompt_audio:
             raise InvalidInputError(PROMPT_AUDIO_REQUIRED, "prompt_audio")
         request = bridge_request(body, audio_argument(body.prompt_audio, state.settings, "prompt_audio"))
-        session = await service_of(http).asynthesize(request, owner=request_owner(http))
+        session = await while_connected(http.receive, service_of(http).asynthesize(request, owner=request_owner(http)))
     return await whole_file(session, "wav", http.receive)
 
 

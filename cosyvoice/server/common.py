@@ -12,10 +12,10 @@ import contextlib
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 import torch
@@ -55,6 +55,10 @@ CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by the 
 
 class ModelNotReady(CosyVoiceError):
     """Requests that arrive while the model is still loading (or failed to load)."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer began (e.g. while it waited for a synthesis slot)."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,10 @@ def install_error_handlers(app: FastAPI) -> None:
             return respond(request, exc)
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "error")
         return HttpError(exc.status_code, kind, str(exc.detail), headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(ClientGone)
+    async def on_client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=CLIENT_GONE)  # nobody reads it; the access log shows the hang-up
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -318,6 +326,30 @@ def audio_argument(value: object, settings: ServerSettings, name: str) -> bytes 
 async def _until_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+Session = TypeVar("Session", bound=AsyncSynthesisSession)
+
+
+async def while_connected(receive: Receive, start: Coroutine[Any, Any, Session]) -> Session:
+    """``await start`` (a service call: validation, a wait for a slot, featurising an upload), abandoned the
+    moment the client disconnects: its place in the queue or its slot goes back at once, and :class:`ClientGone`
+    is raised. Call once the request body has been read."""
+    call = asyncio.ensure_future(start)
+    watcher = asyncio.ensure_future(_until_disconnect(receive))
+    try:
+        await asyncio.wait((call, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not call.done():
+        call.cancel()  # the service's wait ends; a cancelled wait leaves no slot
+    with contextlib.suppress(asyncio.CancelledError):
+        session = await call
+        if not watcher.cancelled() and watcher.done():  # started, but nobody is left to hear it
+            await session.aclose()
+            raise ClientGone
+        return session
+    raise ClientGone
 
 
 class SessionStream(StreamingResponse):

@@ -7,7 +7,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, File, Form, Request, UploadFile
 
-from cosyvoice.server.common import SessionStream, audio_stream, request_owner, service_of, wire_fields
+from cosyvoice.server.common import (
+    SessionStream,
+    audio_stream,
+    request_owner,
+    service_of,
+    while_connected,
+    wire_fields,
+)
 from cosyvoice.service import SynthesisRequest
 
 router = APIRouter(tags=["official"])
@@ -21,7 +28,7 @@ OFFICIAL_FIELDS = {"text": "tts_text", "transcript": "prompt_text", "prompt_audi
 
 async def _speak(http: Request, request: SynthesisRequest) -> SessionStream:
     with wire_fields(OFFICIAL_FIELDS):
-        session = await service_of(http).asynthesize(request, owner=request_owner(http))
+        session = await while_connected(http.receive, service_of(http).asynthesize(request, owner=request_owner(http)))
     return audio_stream(session, "pcm")
 
 

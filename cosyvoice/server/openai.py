@@ -9,7 +9,14 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from cosyvoice.errors import InvalidInputError
-from cosyvoice.server.common import SessionStream, audio_stream, request_owner, service_of, wire_fields
+from cosyvoice.server.common import (
+    SessionStream,
+    audio_stream,
+    request_owner,
+    service_of,
+    while_connected,
+    wire_fields,
+)
 from cosyvoice.service import SynthesisRequest
 
 router = APIRouter(tags=["openai"])
@@ -43,7 +50,7 @@ async def speech(http: Request, body: OpenAISpeech) -> SessionStream:
         request = SynthesisRequest(body.input, "instruct" if instructed else "sft", voice=voice,
                                    instruction=body.instructions or "", speed=body.speed, seed=body.seed,
                                    stream=True, format=body.response_format)
-        session = await service_of(http).asynthesize(request, owner=request_owner(http))
+        session = await while_connected(http.receive, service_of(http).asynthesize(request, owner=request_owner(http)))
     return audio_stream(session, session.prepared.format, sse=body.stream_format == "sse")
 
 

@@ -40,7 +40,15 @@ from starlette.datastructures import UploadFile
 
 from cosyvoice.encoding import audio_format
 from cosyvoice.errors import InvalidInputError
-from cosyvoice.server.common import audio_argument, audio_stream, server_state, service_of, whole_file, wire_fields
+from cosyvoice.server.common import (
+    audio_argument,
+    audio_stream,
+    server_state,
+    service_of,
+    while_connected,
+    whole_file,
+    wire_fields,
+)
 from cosyvoice.service import SynthesisRequest, TTSService
 from cosyvoice.settings import Limits, ServerSettings
 from cosyvoice.voices import BUILTIN_VOICE_DIR
@@ -142,7 +150,7 @@ async def _speak(route: str, http: Request) -> Response:
     """Streamed (cancelled when the client goes away) or collected then encoded whole."""
     request = synthesis_request(route, await read_body(http), server_state(http).settings)  # names body fields
     with wire_fields(RAY_FIELDS):
-        session = await service_of(http).asynthesize(request)
+        session = await while_connected(http.receive, service_of(http).asynthesize(request))
     if session.prepared.stream:
         return audio_stream(session, MP3)
     return await whole_file(session, MP3, http.receive)
