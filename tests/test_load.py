@@ -12,12 +12,14 @@ failure, leave no session or queued request behind, and keep its resident memory
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -113,6 +115,29 @@ def _memory(process: subprocess.Popen) -> tuple[int, int]:
             if key in ("VmRSS", "VmHWM"):
                 values[key] = int(rest.split()[0]) * 1024
     return values["VmRSS"], values["VmHWM"]
+
+
+def _threads(process: subprocess.Popen) -> int:
+    """How many threads the server process has now."""
+    return len(os.listdir(f"/proc/{process.pid}/task"))
+
+
+@contextlib.contextmanager
+def _most_threads(process: subprocess.Popen) -> Iterator[list[int]]:
+    """The most threads the server had while the block ran (sampled every 50 ms), in the yielded list."""
+    most, stop = [_threads(process)], threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.05):
+            most[0] = max(most[0], _threads(process))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield most
+    finally:
+        stop.set()
+        sampler.join()
 
 
 Call = Callable[[httpx.Client], tuple[int, bool]]  # -> (final status, the audio is what it should be)
@@ -273,12 +298,15 @@ def test_bounded_load_leaves_nothing_behind(server: tuple[str, subprocess.Popen]
     _run(url, voice, prompt, decode_bomb, WARM_UP)
     _wait_idle(url)
     rss_before, _ = _memory(process)
+    threads_before = _threads(process)
 
     started = time.perf_counter()
-    results, busy = _run(url, voice, prompt, decode_bomb, REQUESTS)
+    with _most_threads(process) as most:
+        results, busy = _run(url, voice, prompt, decode_bomb, REQUESTS)
     seconds = time.perf_counter() - started
     _wait_idle(url)
     rss_after, rss_peak = _memory(process)
+    threads_after = _threads(process)
 
     statuses = Counter((kind, status) for kind, status, _ in results)
     assert len(results) == REQUESTS
@@ -293,9 +321,15 @@ def test_bounded_load_leaves_nothing_behind(server: tuple[str, subprocess.Popen]
     assert busy > 0, "16 clients over 4 sessions + 10 queued: the busy path should have been taken"
     metrics = httpx.get(f"{url}/metrics").text
     assert "tts_active_sessions 0.0" in metrics and "tts_queue_depth 0.0" in metrics
+    # no thread per request: the service hands audio to the event loop and text streams are written from it;
+    # what may grow is asyncio's default pool (min(32, cores + 4) threads), which featurises uploads, and 2 spare
+    # (measured 18 -> 24 on 2 cores; 16 clients with a thread each would add 14 or more)
+    assert most[0] - threads_before <= min(32, (os.cpu_count() or 1) + 4) + 2, (threads_before, most[0])
+    assert threads_after <= most[0]
     growth = rss_after - rss_before
     print(f"\n{REQUESTS} requests in {seconds:.1f} s, {busy} busy answers retried; server RSS "
           f"{rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB ({growth / 2**20:+.0f}), peak "
-          f"{rss_peak / 2**20:.0f} MiB; {dict(statuses)}")
+          f"{rss_peak / 2**20:.0f} MiB; threads {threads_before} -> at most {most[0]} -> {threads_after}; "
+          f"{dict(statuses)}")
     assert growth < RSS_GROWTH_LIMIT, f"resident memory grew by {growth / 2**20:.0f} MiB"
     assert rss_peak < RSS_PEAK_LIMIT, f"resident memory peaked at {rss_peak / 2**20:.0f} MiB"
