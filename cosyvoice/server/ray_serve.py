@@ -43,6 +43,7 @@ from cosyvoice.errors import InvalidInputError
 from cosyvoice.server.common import (
     audio_argument,
     audio_stream,
+    request_owner,
     server_state,
     service_of,
     while_connected,
@@ -150,7 +151,8 @@ async def _speak(route: str, http: Request) -> Response:
     """Streamed (cancelled when the client goes away) or collected then encoded whole."""
     request = synthesis_request(route, await read_body(http), server_state(http).settings)  # names body fields
     with wire_fields(RAY_FIELDS):
-        session = await while_connected(http.receive, service_of(http).asynthesize(request))
+        session = await while_connected(http.receive,
+                                        service_of(http).asynthesize(request, owner=request_owner(http)))
     if session.prepared.stream:
         return audio_stream(session, MP3)
     return await whole_file(session, MP3, http.receive)
