@@ -160,3 +160,44 @@ def test_torch_plan_command_as_setup_sh_reads_it(tmp_path: Path) -> None:
     (fake_bin / "nvidia-smi").chmod(0o755)
     gpu = _torch_plan_cli({**base, "PATH": f"{fake_bin}:/usr/bin:/bin"})
     assert gpu[1:] == [install_state.TORCH_REQUIREMENT] and "NVIDIA GPU was found" in gpu[0]
+
+
+def test_setup_on_a_fresh_machine_without_gpu_asks_the_cpu_index(tmp_path: Path) -> None:
+    """setup.sh end to end on a fake fresh machine (a Python without torch, no NVIDIA driver, a CPU index served
+    on loopback with no wheels in it): it says what it will download, and pip asks that index for torch."""
+    import http.server
+    import socketserver
+    import threading
+
+    base_python = shutil.which("python3", path="/usr/bin:/bin")
+    if base_python is None or subprocess.run([base_python, "-c", "import torch"], capture_output=True).returncode == 0:
+        pytest.skip("needs a system python3 without torch (a fresh machine's)")
+    if install_state.has_nvidia_gpu({"PATH": "/usr/bin:/bin"}):
+        pytest.skip("this machine has an NVIDIA driver: the no-GPU case cannot be faked here")
+    (tmp_path / "whl" / "cpu" / "torch").mkdir(parents=True)
+    asked: list[tuple[str, str]] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args) -> None:
+            super().__init__(*args, directory=str(tmp_path))
+
+        def do_GET(self) -> None:
+            asked.append((self.path, self.headers.get("User-Agent", "")))
+            super().do_GET()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        index = f"http://127.0.0.1:{server.server_address[1]}/whl/cpu"
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": base_python,
+               "COSYVOICE_VENV": str(tmp_path / "venv"), "COSYVOICE_EXTRAS": "ui", "COSYVOICE_TORCH_CPU_INDEX": index,
+               "PIP_CONFIG_FILE": os.devnull}  # pip's own configuration (this CI's local wheels) is not used
+        done = subprocess.run(["bash", "scripts/setup.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+        server.shutdown()
+    assert done.returncode != 0  # the fake index holds no torch
+    assert f"[setup] torch: no NVIDIA GPU found: downloading the CPU build of torch==2.13.0 from {index}" in done.stderr
+    assert ("/whl/cpu/torch/", asked[0][1]) == asked[0] and asked[0][1].startswith("Python-urllib")  # the probe
+    assert any(path.startswith("/whl/cpu/torch") and agent.startswith("pip/") for path, agent in asked), asked

@@ -169,8 +169,9 @@ def _check_header(channels: int, sample_rate: int, frames: int | None, limits: D
 
 def _check_size(inp: _Input, limits: DecodeLimits) -> None:
     if limits.max_bytes is not None and (inp.truncated or inp.size > limits.max_bytes):
+        seconds = f" of up to {limits.max_seconds:g} s" if limits.max_seconds is not None else ""
         raise InvalidInputError(f"{inp.label} is larger than {limits.max_bytes / 2**20:.0f} MiB, the upload limit; "
-                                "a voice prompt of up to 30 s needs far less (WAV at 48 kHz: under 6 MiB)")
+                                f"a voice prompt{seconds} needs far less (30 s of 48 kHz WAV: under 6 MiB)")
 
 
 def _frame_budget(sample_rate: int, limits: DecodeLimits) -> int | None:
