@@ -47,6 +47,7 @@ from grpc_reflection.v1alpha import reflection
 from cosyvoice.encoding import to_pcm16
 from cosyvoice.errors import ConfigError, CosyVoiceError, InvalidInputError, NotFoundError, ResourceLimitError
 from cosyvoice.server.common import key_is_valid
+from cosyvoice.server.memory import MemoryKeeper
 from cosyvoice.server.metrics import ServiceMetrics
 from cosyvoice.server.proto import cosyvoice_pb2 as pb
 from cosyvoice.server.proto import cosyvoice_pb2_grpc as pb_grpc
@@ -305,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.metrics_port is not None:
         port = server.serve_metrics(settings.host, args.metrics_port)
         logger.info("metrics on http://%s:%d/metrics", settings.host, port)
-    stopped.wait()
+    with MemoryKeeper(lambda: server.servicer.service):
+        stopped.wait()
     logger.info("shutting down: running streams may finish within %g s", settings.shutdown_grace_seconds)
     server.stop(settings.shutdown_grace_seconds)
     return 0

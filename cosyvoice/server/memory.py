@@ -17,7 +17,8 @@ import ctypes
 import ctypes.util
 import logging
 import threading
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from cosyvoice.service import TTSService
@@ -51,17 +52,13 @@ def trim() -> bool:
     return bool(_LIBC is not None and _LIBC.malloc_trim(0))
 
 
-class _Loaded(Protocol):
-    loaded: TTSService | None
-
-
 class MemoryKeeper:
     """While the ``with`` block runs: few arenas, and a trim whenever requests ran and the server is idle again
     (checked every ``TRIM_EVERY_SECONDS`` by one thread; a busy server is never trimmed, so trimming costs
     no request time)."""
 
-    def __init__(self, state: _Loaded, arenas: int = DEFAULT_ARENAS) -> None:
-        self.state, self.arenas = state, arenas
+    def __init__(self, service: Callable[[], TTSService | None], arenas: int = DEFAULT_ARENAS) -> None:
+        self.service, self.arenas = service, arenas  # ``service()``: the server's service, None while loading
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="cosyvoice-memory")
 
@@ -78,7 +75,7 @@ class MemoryKeeper:
         ended = threading.Event()  # a request ended since the last trim
         watched = None
         while not self._stop.wait(TRIM_EVERY_SECONDS):
-            service = self.state.loaded
+            service = self.service()
             if service is None:
                 continue
             if service is not watched:

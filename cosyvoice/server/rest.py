@@ -105,7 +105,7 @@ def serve(app: FastAPI, settings: ServerSettings, log_level: str = "info") -> No
     # uvicorn's own bound is a backstop a little past the drain (which cancels every session at ``grace``)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
                             timeout_graceful_shutdown=max(1, round(grace + 5)))
-    with MemoryKeeper(app.state.server):
+    with MemoryKeeper(lambda: app.state.server.loaded):
         DrainingServer(config, app.state.server, grace).run()
 
 
