@@ -4,8 +4,10 @@ One table (:data:`FORMATS`) names each format's content type and file extension;
 float32 chunks into bytes as they arrive, so a server can send the first MP3 frames while the model is still
 speaking. Compressed formats go through PyAV (FFmpeg's libraries, in process): never an ``ffmpeg`` subprocess
 per request. Containers are chosen so that a file streamed from its first byte is playable: MP3 frames, Ogg
-(Opus), native FLAC, AAC in ADTS frames (what OpenAI's ``aac`` responses are), and WAV with the
-"unknown length" sizes that players read to the end of the stream.
+(Opus), AAC in ADTS frames (what OpenAI's ``aac`` responses are), and WAV with the "unknown length" sizes
+that players read to the end of the stream. FLAC is the exception: its STREAMINFO header holds the total
+sample count, which libsndfile needs (it refuses a FLAC that says 0 samples), and the muxer writes it by
+seeking back when the file ends; so a FLAC answer is produced whole, at ``finish()``, never in pieces.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class AudioFormat:
     bit_rate: int | None = None
     options: dict[str, str] = field(default_factory=dict)  # muxer options
     pcm16_input: bool = False  # feed the codec our PCM16 samples (lossless formats then equal the PCM bytes)
+    whole_file: bool = False  # the muxer seeks back to complete its header: bytes come only at ``finish()``
 
 
 FORMATS: dict[str, AudioFormat] = {f.name: f for f in (
@@ -46,7 +49,7 @@ FORMATS: dict[str, AudioFormat] = {f.name: f for f in (
     AudioFormat("mp3", "audio/mpeg", "mp3", "mp3", "libmp3lame", 64_000),
     # Ogg pages are flushed every 20 ms instead of the muxer's default 1 s, so streamed Opus is not held back
     AudioFormat("opus", "audio/ogg", "opus", "ogg", "libopus", 32_000, {"page_duration": "20000"}),
-    AudioFormat("flac", "audio/flac", "flac", "flac", "flac", pcm16_input=True),
+    AudioFormat("flac", "audio/flac", "flac", "flac", "flac", pcm16_input=True, whole_file=True),
     AudioFormat("aac", "audio/aac", "aac", "adts", "aac", 64_000),
 )}
 
@@ -102,7 +105,7 @@ class AudioEncoder:
         self.samples = 0  # samples fed so far
         self._header_sent = False
         self._finished = False
-        self._sink = _Sink()
+        self._sink: _Sink | io.BytesIO = io.BytesIO() if self.format.whole_file else _Sink()
         self._container: av.container.OutputContainer | None = None
         self._stream = None
         if self.format.container is not None:
@@ -123,7 +126,7 @@ class AudioEncoder:
         if x.size:
             for packet in self._stream.encode(_frame(x, self.format, self.sample_rate)):
                 self._container.mux(packet)
-        return self._sink.take()
+        return b"" if self.format.whole_file else self._sink.take()
 
     def finish(self) -> bytes:
         """Flush the codec and close the container; the returned bytes complete the file."""
@@ -136,7 +139,7 @@ class AudioEncoder:
             self._container.mux(packet)
         self._container.close()
         self._container = None
-        return self._sink.take()
+        return self._sink.getvalue() if isinstance(self._sink, io.BytesIO) else self._sink.take()
 
     def close(self) -> None:
         """Drop the encoder without completing the file (a cancelled stream)."""
@@ -144,7 +147,7 @@ class AudioEncoder:
         if self._container is not None:
             self._container.close()
             self._container = None
-        self._sink.take()
+        self._sink = _Sink()  # drops what was written
 
     def __enter__(self) -> AudioEncoder:
         return self

@@ -152,16 +152,20 @@ class ServerSettings:
     max_body_bytes: int = 72 * 1024 * 1024  # one request body: a max-size prompt upload, base64-encoded, fits
     allowed_audio_dir: str | None = None  # prompt audio given as a server path must lie under it; None: refused
     retry_after_seconds: int = 5  # the Retry-After of a "busy" answer
-    stream_idle_seconds: float = 60.0  # a WebSocket text stream with no new message for this long is ended
+    stream_idle_seconds: float = 60.0  # a WebSocket text stream without new text (not white space) this long is ended
+    stream_start_seconds: float = 10.0  # a WebSocket that sends no start message within this is closed
+    shutdown_grace_seconds: float = 30.0  # on SIGTERM: running requests may finish this long, then are cancelled
+    default_voice: str = "en-allison"  # Ray Serve's voice when a body names none (or "qwen", the contract's alias)
     voice_editors: str = ""  # who may rename/export/delete saved voices (anyone|creator|admin; "": VoicePolicy's)
     admin_keys: tuple[str, ...] = ()  # keys whose holders may edit every saved voice (also accepted as API keys)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
-        if self.max_body_bytes <= 0 or self.retry_after_seconds < 0 or self.stream_idle_seconds <= 0:
-            raise ConfigError("max_body_bytes and stream_idle_seconds must be positive, retry_after_seconds not "
-                              "negative")
+        if (self.max_body_bytes <= 0 or self.retry_after_seconds < 0 or self.stream_idle_seconds <= 0
+                or self.stream_start_seconds <= 0 or self.shutdown_grace_seconds < 0):
+            raise ConfigError("max_body_bytes, stream_idle_seconds and stream_start_seconds must be positive, "
+                              "retry_after_seconds and shutdown_grace_seconds not negative")
         if self.voice_editors and self.voice_editors not in VOICE_EDITORS:
             raise ConfigError(f"voice_editors must be one of {', '.join(VOICE_EDITORS)}, got {self.voice_editors!r}")
         if "*" in self.cors_origins and self.api_keys:

@@ -266,6 +266,19 @@ def test_metrics_count_success_and_failure(server: GrpcServer, stub, saved_voice
         _counter(before, "tts_requests_error_total", mode="cross_lingual", reason="invalid_input") + 1
 
 
+def test_metrics_port_needs_the_key_when_keys_are_set(service: TTSService) -> None:
+    srv = GrpcServer("127.0.0.1", 0, api_keys=("s3cret",))
+    srv.serve(service)
+    try:
+        url = f"http://127.0.0.1:{srv.serve_metrics('127.0.0.1', 0)}/metrics"
+        assert httpx.get(url, timeout=10).status_code == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer wrong"}, timeout=10).status_code == 401
+        scraped = httpx.get(url, headers={"Authorization": "Bearer s3cret"}, timeout=10)
+        assert scraped.status_code == 200 and "tts_requests_success" in scraped.text
+    finally:
+        srv.stop(0)
+
+
 def test_voice_registered_over_rest_is_usable_over_grpc(service: TTSService, stub, prompt_wav: Path) -> None:
     """One voice library behind both servers: POST /v1/voices, then speak it over gRPC by id and by name."""
     rest = Server(create_app(ServerSettings(), service))

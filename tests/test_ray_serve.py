@@ -24,6 +24,7 @@ from cosyvoice.voices import VoiceLibrary
 TEXT = "Hi there."
 TRANSCRIPT = "Hello, this is a short prompt for testing."
 APP = "cosyvoice-test"
+ORIGIN = "https://app.example"
 
 
 def _free_port() -> int:
@@ -42,8 +43,11 @@ def app(tts, tiny_bundle_dir: Path, short_prompt_wav: Path, tmp_path_factory: py
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
+        audio_dir = tmp_path_factory.mktemp("ray_audio")
+        (audio_dir / "prompt.wav").write_bytes(short_prompt_wav.read_bytes())
         args = ServeArgs(model_dir=str(tiny_bundle_dir), voice_dir=str(voice_dir), device="cpu", num_gpus=0,
-                         num_cpus=0.5, num_replicas=2, limits={"max_sessions": 4}, max_body_bytes=500_000)
+                         num_cpus=0.5, num_replicas=2, limits={"max_sessions": 4}, max_body_bytes=500_000,
+                         allowed_audio_dir=str(audio_dir), cors_origins=[ORIGIN])
         serve.run(app_builder(args), name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}{ROUTE_PREFIX}", saved
     finally:
@@ -105,8 +109,9 @@ def test_stream_sends_mp3_chunk_by_chunk(app) -> None:
 
 def test_healthcheck_and_errors_name_the_field(app, reference_b64: str) -> None:
     url, _ = app
-    health = httpx.get(f"{url}/healthcheck", timeout=30)
-    assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["device"] == "cpu"
+    for method in ("GET", "POST"):  # the seed contract: POST, and GET for probes
+        health = httpx.request(method, f"{url}/healthcheck", timeout=30)
+        assert health.status_code == 200 and health.json() == {"status": "healthy"}
     cases = [
         ("tts", {"text": "", "reference_audio": reference_b64}, 400, "text"),
         ("cross_lingual", {"text": TEXT, "reference_audio": "not base64!"}, 400, "reference_audio"),
@@ -125,6 +130,33 @@ def test_healthcheck_and_errors_name_the_field(app, reference_b64: str) -> None:
     assert bad_json.status_code == 400 and bad_json.json()["error"]["field"] == "body"
     huge = httpx.post(f"{url}/tts", json={"text": "a" * 600_000, "voice_type": "Ray Voice"}, timeout=30)
     assert huge.status_code == 413 and huge.json()["error"]["type"] == "payload_too_large"
+
+
+def test_seed_contract_default_voice_paths_uploads_and_cors(app, short_prompt_wav: Path) -> None:
+    """``voice_type`` optional (the default voice; ``"qwen"`` its alias), ``reference_audio`` as a path in the
+    allowed folder or as a multipart upload, CORS for the configured origin."""
+    url, _ = app
+    for body in ({"text": TEXT}, {"text": TEXT, "voice_type": "qwen"},
+                 {"text": TEXT, "reference_audio": "prompt.wav"},
+                 {"text": TEXT, "reference_audio": "prompt.wav", "reference_text": TRANSCRIPT}):
+        response = httpx.post(f"{url}/tts", json=body, timeout=120)
+        assert response.status_code == 200, (body, response.text)
+        assert _decode_mp3(response.content)[0] > 0
+    upload = httpx.post(f"{url}/zero_shot", data={"text": TEXT, "reference_text": TRANSCRIPT, "speed": "1.1",
+                                                  "stream": "true"},
+                        files={"reference_audio": ("p.wav", short_prompt_wav.read_bytes(), "audio/wav")}, timeout=120)
+    assert upload.status_code == 200, upload.text
+    assert _decode_mp3(upload.content)[0] > 0
+    bad = httpx.post(f"{url}/tts", json={"text": TEXT, "reference_audio": "../../etc/passwd"}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["field"] == "reference_audio"
+    assert "/etc" not in bad.json()["error"]["message"].replace("../../etc/passwd", "")
+    bad_form = httpx.post(f"{url}/tts", data={"text": TEXT, "speed": "fast"}, timeout=30)
+    assert bad_form.status_code == 400 and bad_form.json()["error"]["field"] == "speed"
+    preflight = httpx.options(f"{url}/tts", headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == ORIGIN
+    other = httpx.options(f"{url}/tts", headers={"Origin": "https://evil.example",
+                                                 "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in other.headers
 
 
 def test_replicas_follow_the_cluster_gpus() -> None:

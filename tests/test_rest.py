@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import socket
 import threading
@@ -21,7 +22,7 @@ from cosyvoice.server.rest import create_app
 from cosyvoice.service import Outcome, TTSService
 from cosyvoice.settings import Limits, ServerSettings
 from cosyvoice.voices import VoiceLibrary
-from tests.test_encoding import SLACK, _decode
+from tests.test_encoding import SLACK, SOUNDFILE_FORMATS, _decode
 
 TEXT = "Hello there, my friend."
 TRANSCRIPT = "Hello, this is a short prompt for testing."
@@ -185,7 +186,39 @@ def test_bridge_synthesize_returns_a_wav_with_its_duration(url: str, short_promp
         assert outcomes[-1][1].mode == mode
     _error(httpx.post(f"{url}/synthesize", json={"text": TEXT, "prompt_audio": "../etc/passwd"}), 400, "prompt_audio")
     _error(httpx.post(f"{url}/synthesize", json={"text": TEXT, "prompt_audio": encoded, "speed": 7}), 400, "speed")
+    # base64 of a non-audio file, too long for a file name (the path lookup must not fail with a 500)
+    garbage = base64.b64encode(b"garbage" * 50).decode()
+    _error(httpx.post(f"{url}/synthesize", json={"text": TEXT, "prompt_audio": garbage}), 400, "prompt_audio")
     _error(httpx.post(f"{url}/synthesize", json={"prompt_audio": encoded}), 400, "text")
+
+
+def test_bridge_contract_speaker_is_the_instruction_and_prompt_audio_is_required(url: str, short_prompt_wav: Path,
+                                                                                  outcomes: list) -> None:
+    """The seed contract: ``instruct = request.instruct or request.speaker or "Speak naturally in English."``
+    (``speaker`` is no saved voice here), and no ``prompt_audio`` is a 400 with the contract's message."""
+    encoded = base64.b64encode(short_prompt_wav.read_bytes()).decode()
+    for body in ({"text": TEXT, "prompt_audio": encoded, "speaker": "A calm, deep narrator."},
+                 {"text": TEXT, "prompt_audio": encoded, "speaker": "Cheerful.", "prompt_text": TRANSCRIPT}):
+        response = httpx.post(f"{url}/synthesize", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert outcomes[-1][1].mode == "instruct"
+    for body in ({"text": TEXT}, {"text": TEXT, "prompt_audio": "", "speaker": "Calm."}):
+        message = _error(httpx.post(f"{url}/synthesize", json=body), 400, "prompt_audio")
+        assert message == "prompt_audio is required for CosyVoice3 synthesis"
+
+
+def test_bridge_client_that_leaves_cancels_its_synthesis(url: str, service: TTSService, short_prompt_wav: Path,
+                                                          outcomes: list) -> None:
+    """A non-streamed answer: the client's disconnect ends the session at once, not when the WAV is done
+    (a ~100 s generation here)."""
+    body = {"text": "Hello there, my friend. " * 20, "prompt_audio": "prompt.wav", "instruct": "Speak."}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/synthesize", json=body, timeout=httpx.Timeout(60, read=3))
+    left = time.perf_counter()
+    _wait_for(lambda: outcomes, timeout=30)
+    ended, outcome = outcomes[-1]
+    assert outcome.reason == "cancelled" and ended - left < 10, (outcome, ended - left)
+    _wait_for(lambda: service.active_sessions == 0, timeout=10)
 
 
 def test_speakers_lists_saved_voices(url: str, saved_voice: dict) -> None:
@@ -206,6 +239,9 @@ def test_openai_speech_every_format_decodes(url: str, saved_voice: dict, fmt: st
     decoded, rate = _decode(response.content, fmt)
     expected = outcomes[-1][1].audio_seconds
     assert expected > 0 and abs(decoded.size / rate - expected) <= SLACK[fmt] / SR + 1e-9
+    if fmt in SOUNDFILE_FORMATS:  # libsndfile too: a FLAC must say its length (STREAMINFO) to be read at all
+        samples, rate = sf.read(io.BytesIO(response.content))
+        assert rate == SR and abs(samples.size / rate - expected) <= SLACK[fmt] / SR + 1e-9
 
 
 def test_openai_instructions_sse_and_errors(url: str, saved_voice: dict, outcomes: list) -> None:
@@ -256,14 +292,19 @@ def _metric(url: str, sample: str) -> float:
 
 
 def test_metrics_move_on_success_and_failure(url: str, saved_voice: dict) -> None:
+    """Counters as prometheus-client names them (``_total``) and, for the bridge contract, exactly
+    ``tts_requests_success`` / ``tts_requests_error`` (the Rust ``metrics`` exporter's names)."""
     ok, total = 'tts_requests_success_total{mode="sft"}', 'tts_requests_total{mode="sft"}'
     bad = 'tts_requests_error_total{mode="sft",reason="invalid_input"}'
-    before = [_metric(url, s) for s in (ok, total, bad)]
+    bare_ok, bare_bad = 'tts_requests_success{mode="sft"}', 'tts_requests_error{mode="sft",reason="invalid_input"}'
+    samples = (ok, total, bad, bare_ok, bare_bad)
+    before = [_metric(url, s) for s in samples]
     assert httpx.post(f"{url}/inference_sft", data={"tts_text": TEXT, "spk_id": "Ada"}, timeout=120).status_code == 200
     assert httpx.post(f"{url}/inference_sft", data={"tts_text": "", "spk_id": "Ada"}).status_code == 400
     assert httpx.post(f"{url}/inference_sft", data={"spk_id": "Ada"}).status_code == 400  # before the service
-    after = [_metric(url, s) for s in (ok, total, bad)]
-    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 3, 2]
+    after = [_metric(url, s) for s in samples]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 3, 2, 1, 2]
+    assert after[3] == after[0] and after[4] == after[2]
     text = httpx.get(f"{url}/metrics").text
     for family in ("tts_synthesis_duration_seconds_count", "tts_rtf_count", "tts_first_chunk_seconds_count",
                    "tts_active_sessions", "tts_queue_depth"):
@@ -274,6 +315,61 @@ def test_health_and_ready(url: str) -> None:
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     ready = httpx.get(f"{url}/ready").json()
     assert ready["status"] == "ready" and ready["sample_rate"] == SR
+
+
+def test_voices_belong_to_the_key_that_saved_them(tts, tmp_path: Path, short_prompt_wav: Path) -> None:
+    """With API keys, the REST voice calls name the key's owner: another key may use a saved voice but not
+    delete it (403); its creator may."""
+    library = VoiceLibrary(tmp_path / "voices", tts.frontend, model_dir=tts.model_dir)
+    server = Server(create_app(ServerSettings(api_keys=("alice-key", "bob-key")), TTSService(tts.model, library)))
+    alice, bob = ({"Authorization": f"Bearer {k}"} for k in ("alice-key", "bob-key"))
+    try:
+        created = httpx.post(f"{server.url}/v1/voices", data={"name": "Alice", "transcript": TRANSCRIPT}, headers=alice,
+                             files={"audio": ("a.wav", short_prompt_wav.read_bytes(), "audio/wav")}, timeout=60)
+        assert created.status_code == 201, created.text
+        assert [v["name"] for v in httpx.get(f"{server.url}/v1/voices", headers=bob).json()["data"]] == ["Alice"]
+        _error(httpx.delete(f"{server.url}/v1/voices/Alice", headers=bob), 403)
+        assert httpx.delete(f"{server.url}/v1/voices/Alice", headers=alice).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_server_errors_say_no_internals() -> None:
+    """A model failure's or an unexpected error's text (paths, internals) stays in the log, never in the answer."""
+    from cosyvoice.errors import ModelBundleError
+    from cosyvoice.server.common import http_error
+
+    settings = ServerSettings()
+    for exc in (ModelBundleError("/srv/models/cv3/flow.pt is corrupt"), OSError("/tmp/cosyvoice-x: disk full"),
+                KeyError("llm.model.layers.3")):
+        error = http_error(exc, settings)
+        assert error.status == 500 and "/srv" not in error.message and "/tmp" not in error.message
+        assert "llm." not in error.message and "the server log has the details" in error.message
+
+
+def test_probe_details_only_with_a_key(service: TTSService) -> None:
+    """On a server with keys, the open probes say their status and nothing else: no model folder (a server
+    path), no load error; a key holder sees the details."""
+    keyed = Server(create_app(ServerSettings(api_keys=("s3cret",)), service))
+
+    def broken() -> TTSService:
+        raise FileNotFoundError("/secret/models/cosyvoice3.yaml is missing")
+
+    failed = Server(create_app(ServerSettings(api_keys=("s3cret",)), loader=broken))
+    auth = {"Authorization": "Bearer s3cret"}
+    try:
+        assert httpx.get(f"{keyed.url}/ready").json() == {"status": "ready"}
+        detailed = httpx.get(f"{keyed.url}/ready", headers=auth).json()
+        assert detailed["model_dir"] == str(service.model_dir) and detailed["max_sessions"] == 4
+        _wait_for(lambda: httpx.get(f"{failed.url}/health").status_code == 503)
+        for path in ("/health", "/ready"):
+            assert "/secret" not in httpx.get(f"{failed.url}{path}").text
+            assert "/secret" in httpx.get(f"{failed.url}{path}", headers=auth).text
+        refused = httpx.post(f"{failed.url}/v1/audio/speech", json={"input": TEXT, "voice": "Ada"}, headers=auth)
+        assert refused.status_code == 503 and "/secret" not in refused.text
+    finally:
+        keyed.stop()
+        failed.stop()
 
 
 def test_ready_only_once_the_model_is_loaded(service: TTSService) -> None:
@@ -319,6 +415,31 @@ def test_busy_is_503_with_retry_after_and_disconnect_cancels(tts, library: Voice
         # leaving the block closed the connection mid-stream: the session must end, not run to completion
         _wait_for(lambda: service.status().active_sessions == 0, timeout=20)
         assert [o.reason for o in seen] == ["busy", "cancelled"]
+    finally:
+        server.stop()
+
+
+def test_a_client_that_leaves_while_queued_frees_its_place(tts, library: VoiceLibrary, saved_voice: dict,
+                                                            audio_dir: Path) -> None:
+    """Waiting for a slot, a client that disconnects leaves the queue at once (not when a slot frees up or the
+    queue timeout passes)."""
+    import json
+
+    from websockets.sync.client import connect
+
+    service = TTSService(tts.model, library, Limits(max_sessions=1, max_queued_requests=1, queue_timeout_seconds=60))
+    server = Server(create_app(ServerSettings(allowed_audio_dir=str(audio_dir)), service))
+    try:
+        with connect(_ws_url(server.url)) as ws:  # an open text stream holds the one slot until it ends
+            ws.send(json.dumps({"type": "start", "voice": "Ada"}))
+            assert json.loads(ws.recv(timeout=60))["type"] == "started"
+            for path, request in (("/synthesize", {"text": TEXT, "prompt_audio": "prompt.wav"}),
+                                  ("/v1/audio/speech", {"input": TEXT, "voice": "Ada"})):
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(f"{server.url}{path}", json=request, timeout=httpx.Timeout(30, read=2))
+                assert service.active_sessions == 1
+                _wait_for(lambda: service.queued_requests == 0, timeout=3)
+        _wait_for(lambda: service.active_sessions == 0, timeout=20)
     finally:
         server.stop()
 
@@ -414,6 +535,117 @@ def test_websocket_errors_and_disconnect(url: str, service: TTSService, saved_vo
         while json.loads(ws.recv(timeout=120))["bytes"] == 0:
             pass  # until MP3 bytes flow
     _wait_for(lambda: service.status().active_sessions == 0, timeout=20)  # the disconnect ended the session
+
+
+def test_websocket_start_deadline_and_idle_limit_ignore_keep_alives(service: TTSService, saved_voice: dict) -> None:
+    """A socket that never starts is closed at the start deadline; one that sends only white space every
+    0.4 s has its text ended after the idle limit (keep-alives are not text), so its slot is freed."""
+    import json
+
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    server = Server(create_app(ServerSettings(stream_start_seconds=1, stream_idle_seconds=1.5), service))
+    try:
+        with connect(_ws_url(server.url)) as ws:
+            began = time.monotonic()
+            error = json.loads(ws.recv(timeout=10))
+            assert error["type"] == "error" and error["error"]["field"] == "type"
+            assert "start" in error["error"]["message"]
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(timeout=10)
+            assert closed.value.rcvd.code == 1008 and time.monotonic() - began < 5
+        with connect(_ws_url(server.url)) as ws:
+            ws.send(json.dumps({"type": "start", "voice": "Ada"}))
+            assert json.loads(ws.recv(timeout=60))["type"] == "started"
+            ws.send(json.dumps({"type": "text", "text": "Hi."}))
+            began, done = time.monotonic(), None
+            while done is None and time.monotonic() - began < 30:
+                ws.send(json.dumps({"type": "text", "text": " "}))
+                with contextlib.suppress(TimeoutError):
+                    while True:
+                        message = ws.recv(timeout=0.4)
+                        if isinstance(message, str) and json.loads(message)["type"] == "done":
+                            done = time.monotonic() - began
+                            break
+            assert done is not None and done < 20, "white-space keep-alives held the stream open"
+        _wait_for(lambda: service.active_sessions == 0, timeout=10)
+    finally:
+        server.stop()
+
+
+def test_each_router_serves_alone(service: TTSService, short_prompt_wav: Path) -> None:
+    """An API family is one router: mounted alone on a bare app (with the shared error mapping)."""
+    from fastapi import FastAPI
+
+    from cosyvoice.server import bridge
+    from cosyvoice.server.common import ServerState, install_error_handlers
+
+    app = FastAPI()
+    app.state.server = ServerState(ServerSettings())
+    app.state.server.install(service)
+    install_error_handlers(app)
+    app.include_router(bridge.router)
+    server = Server(app)
+    try:
+        encoded = base64.b64encode(short_prompt_wav.read_bytes()).decode()
+        response = httpx.post(f"{server.url}/synthesize", json={"text": TEXT, "prompt_audio": encoded}, timeout=120)
+        assert response.status_code == 200 and sf.read(io.BytesIO(response.content))[0].size > 0
+        _error(httpx.post(f"{server.url}/synthesize", json={"text": TEXT}), 400, "prompt_audio")
+        assert httpx.get(f"{server.url}/v1/voices").status_code == 404  # the voices router is not mounted
+    finally:
+        server.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_sigterm_drains_then_cancels_within_the_grace(tiny_bundle_dir: Path, tmp_path: Path,
+                                                     short_prompt_wav: Path) -> None:
+    """SIGTERM: running streams get ``--shutdown-grace-seconds``, then are cancelled; the server exits (uvicorn
+    alone would wait for this ~100 s stream to finish)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    env = {**os.environ, "COSYVOICE_DEVICE": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    process = subprocess.Popen([sys.executable, "-m", "cosyvoice.server.rest", "--model-dir", str(tiny_bundle_dir),
+                                "--port", str(port), "--voice-dir", str(tmp_path / "voices"), "--log-level",
+                                "warning", "--shutdown-grace-seconds", "2"], env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def ready() -> bool:
+            assert process.poll() is None, "the server exited"
+            try:
+                return httpx.get(f"{url}/ready").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        _wait_for(ready, timeout=180)
+        voice = httpx.post(f"{url}/v1/voices", data={"name": "Ada", "transcript": TRANSCRIPT}, timeout=60,
+                           files={"audio": ("a.wav", short_prompt_wav.read_bytes(), "audio/wav")})
+        assert voice.status_code == 201, voice.text
+        body = {"input": "Hello there, my friend. " * 20, "voice": "Ada", "response_format": "pcm"}
+        with httpx.Client(timeout=120) as client, \
+                client.stream("POST", f"{url}/v1/audio/speech", json=body) as response:
+            audio = response.iter_raw()
+            next(audio)
+            process.send_signal(signal.SIGTERM)
+            sent = time.monotonic()
+            with contextlib.suppress(httpx.HTTPError):
+                for _ in audio:
+                    pass
+        assert process.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
+        assert time.monotonic() - sent < 2 + 6, "the drain did not end the stream at the grace"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
 
 
 def test_command_line_serves_the_model_of_cosyvoice_model_dir(tiny_bundle_dir: Path, tmp_path: Path) -> None:

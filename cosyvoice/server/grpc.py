@@ -14,7 +14,11 @@ service errors into status codes (messages are one line, never a traceback):
 * ``RESOURCE_EXHAUSTED`` busy: every synthesis slot is taken and the wait queue is full (retry later);
 * ``UNAVAILABLE`` the model is still loading; ``UNAUTHENTICATED`` API keys are configured and none was sent;
 * ``CANCELLED`` is what a client that went away sees; its session is cancelled and its slot freed;
-* ``INTERNAL`` the model failed.
+* ``INTERNAL`` the model failed (the message says no more; the server log has the details).
+
+With API keys configured, the Prometheus port (``--metrics-port``) wants the same ``Authorization: Bearer``
+key. On SIGTERM the server refuses new calls, gives running streams ``--shutdown-grace-seconds``, then
+cancels them (each engine session stops within one LLM step).
 
 The standard health service (``grpc.health.v1.Health``) reports SERVING for ``""`` and
 ``cosyvoice.CosyVoice`` once the model is loaded, NOT_SERVING while loading and while shutting down;
@@ -24,7 +28,6 @@ server reflection lets ``grpcurl`` call it without the .proto file.
 from __future__ import annotations
 
 import argparse
-import hmac
 import logging
 import os
 import signal
@@ -33,21 +36,23 @@ import threading
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 import numpy as np
-import prometheus_client
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cosyvoice.encoding import to_pcm16
 from cosyvoice.errors import ConfigError, CosyVoiceError, InvalidInputError, NotFoundError, ResourceLimitError
+from cosyvoice.server.common import key_is_valid
+from cosyvoice.server.memory import MemoryKeeper
 from cosyvoice.server.metrics import ServiceMetrics
 from cosyvoice.server.proto import cosyvoice_pb2 as pb
 from cosyvoice.server.proto import cosyvoice_pb2_grpc as pb_grpc
 from cosyvoice.service import SynthesisRequest, TTSService
-from cosyvoice.settings import add_server_arguments, settings_from_args
+from cosyvoice.settings import add_server_arguments, key_owner, settings_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +62,7 @@ DEFAULT_PORT = 50000
 DEFAULT_MAX_CONC = 4
 SPARE_THREADS = 4  # beyond --max_conc: health checks and "busy" answers never wait for a running stream
 MAX_AUDIO_MESSAGE_BYTES = 1 << 20  # ~22 s of audio; gRPC clients refuse messages over 4 MiB by default
+INTERNAL_MESSAGE = "synthesis failed; the server log has the details"  # never a path or an exception's text
 
 
 def prompt_audio(data: bytes) -> tuple[np.ndarray, int] | None:
@@ -124,7 +130,7 @@ def status_of(exc: CosyVoiceError, request: pb.Request) -> tuple[grpc.StatusCode
         return code, f"{path}: {exc}" if path else str(exc)
     if isinstance(exc, ResourceLimitError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    return grpc.StatusCode.INTERNAL, str(exc)
+    return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
 
 
 class CosyVoiceServicer(pb_grpc.CosyVoiceServicer):
@@ -132,21 +138,24 @@ class CosyVoiceServicer(pb_grpc.CosyVoiceServicer):
 
     def __init__(self, api_keys: tuple[str, ...] = ()) -> None:
         self.service: TTSService | None = None
-        self._api_keys = tuple(key.encode() for key in api_keys)
+        self._api_keys = api_keys
 
     def Inference(self, request: pb.Request, context: grpc.ServicerContext) -> Iterator[pb.Response]:
-        self._authorize(context)
+        owner = self._authorize(context)
         service = self.service
         if service is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry once the health "
                                                        "service reports SERVING")
         try:
-            session = service.synthesize(synthesis_request(request))  # validated and admitted, or raises
+            # validated and admitted, or raises
+            session = service.synthesize(synthesis_request(request), owner=owner)
         except Exception as exc:
             service.report_failure(_MODES.get(request.WhichOneof("RequestPayload"), "unknown"), exc)
             if not isinstance(exc, CosyVoiceError):
                 logger.exception("gRPC Inference failed")
-                context.abort(grpc.StatusCode.INTERNAL, f"synthesis failed: {type(exc).__name__}")
+                context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+            if status_of(exc, request)[0] == grpc.StatusCode.INTERNAL:
+                logger.error("gRPC Inference failed", exc_info=exc)
             context.abort(*status_of(exc, request))
         # the client went away (cancel, deadline, dropped connection): the engine stops within one LLM step
         if not context.add_callback(session.cancel):
@@ -156,20 +165,24 @@ class CosyVoiceServicer(pb_grpc.CosyVoiceServicer):
                 for chunk in session:
                     yield from audio_messages(chunk.pcm)
         except CosyVoiceError as exc:
+            if status_of(exc, request)[0] == grpc.StatusCode.INTERNAL:
+                logger.error("gRPC Inference failed", exc_info=exc)
             context.abort(*status_of(exc, request))
-        except Exception as exc:
+        except Exception:
             logger.exception("gRPC Inference failed")
-            context.abort(grpc.StatusCode.INTERNAL, f"synthesis failed: {type(exc).__name__}")
+            context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
 
-    def _authorize(self, context: grpc.ServicerContext) -> None:
-        """With API keys configured, ``authorization: Bearer <key>`` metadata must carry one of them."""
+    def _authorize(self, context: grpc.ServicerContext) -> str | None:
+        """With API keys configured, ``authorization: Bearer <key>`` metadata must carry one of them; returns
+        the caller's ``owner`` for the service (``None`` without keys)."""
         if not self._api_keys:
-            return
+            return None
         given = dict(context.invocation_metadata()).get("authorization", "")
         scheme, _, key = given.partition(" ")
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(key.encode(), k) for k in self._api_keys):
+        if scheme.lower() != "bearer" or not key_is_valid(key, self._api_keys):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key: send metadata "
                                                            "'authorization: Bearer <key>'")
+        return key_owner(key)
 
 
 class GrpcServer:
@@ -178,6 +191,7 @@ class GrpcServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_streams: int = DEFAULT_MAX_CONC,
                  api_keys: tuple[str, ...] = ()) -> None:
+        self.api_keys = api_keys
         # every admitted or queued stream holds a thread; beyond them gRPC refuses at once (RESOURCE_EXHAUSTED)
         workers = max_streams + SPARE_THREADS
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cosyvoice-grpc"),
@@ -210,17 +224,47 @@ class GrpcServer:
             self._metrics_server.server_close()
 
     def serve_metrics(self, host: str, port: int) -> int:
-        """Prometheus metrics of the service (the REST server's families) on ``http://host:port/metrics``;
-        call after :meth:`serve`. Returns the port."""
+        """Prometheus metrics of the service (the REST server's families) on ``http://host:port/metrics``, behind
+        the server's API keys when it has some; call after :meth:`serve`. Returns the port."""
         assert self.servicer.service is not None, "serve() first"
         metrics = ServiceMetrics()
         metrics.attach(self.servicer.service)
-        self._metrics_server, _ = prometheus_client.start_http_server(port, host, registry=metrics.registry)
+        self._metrics_server = ThreadingHTTPServer((host, port), _metrics_handler(metrics, self.api_keys))
+        self._metrics_server.daemon_threads = True
+        threading.Thread(target=self._metrics_server.serve_forever, daemon=True, name="cosyvoice-metrics").start()
         return self._metrics_server.server_port
 
     def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
+
+
+def _metrics_handler(metrics: ServiceMetrics, api_keys: tuple[str, ...]) -> type[BaseHTTPRequestHandler]:
+    """``GET /metrics`` (``Authorization: Bearer KEY`` when ``api_keys``), nothing else."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            auth = self.headers.get("Authorization", "")
+            if self.path.split("?")[0] != "/metrics":
+                self._answer(404, b"not found\n", "text/plain")
+            elif api_keys and not (auth[:7].lower() == "bearer " and key_is_valid(auth[7:].strip(), api_keys)):
+                self._answer(401, b"missing or wrong API key: send 'Authorization: Bearer KEY'\n", "text/plain",
+                             {"WWW-Authenticate": "Bearer"})
+            else:
+                self._answer(200, metrics.exposition(), metrics.content_type)
+
+        def _answer(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+            self.send_response(status)
+            for name, value in {"Content-Type": content_type, "Content-Length": str(len(body)),
+                                **(headers or {})}.items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass  # scrapes every few seconds would flood the log
+
+    return Handler
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         if max_conc is not None:
             limits = replace(limits, max_sessions=max_conc)
         server = GrpcServer(settings.host, settings.port, max_streams=limits.max_sessions + limits.max_queued_requests,
-                            api_keys=settings.api_keys)
+                            api_keys=settings.api_keys + settings.admin_keys)
     except CosyVoiceError as exc:
         logger.error("%s", exc)
         return 2
@@ -250,7 +294,10 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stopped.set())
     logger.info("gRPC listening on %s; loading %s", server.address, settings.model_dir)
     try:
-        server.serve(TTSService.load(settings.model_dir, settings.voice_dir, device=settings.device, limits=limits))
+        service = TTSService.load(settings.model_dir, settings.voice_dir, device=settings.device, limits=limits)
+        if settings.api_keys or settings.admin_keys:
+            service.voices.policy = settings.voice_policy()
+        server.serve(service)
     except CosyVoiceError as exc:
         logger.error("cannot load the model: %s", exc)
         server.stop(0)
@@ -259,9 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.metrics_port is not None:
         port = server.serve_metrics(settings.host, args.metrics_port)
         logger.info("metrics on http://%s:%d/metrics", settings.host, port)
-    stopped.wait()
-    logger.info("shutting down")
-    server.stop()
+    with MemoryKeeper(lambda: server.servicer.service):
+        stopped.wait()
+    logger.info("shutting down: running streams may finish within %g s", settings.shutdown_grace_seconds)
+    server.stop(settings.shutdown_grace_seconds)
     return 0
 
 

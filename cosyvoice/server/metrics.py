@@ -3,13 +3,19 @@
 Each server (app) owns its registry, so two apps in one process (tests, a REST and a gRPC server side by
 side) never share or double-register metrics. Families (prometheus-client adds ``_total`` to counter
 samples): ``tts_requests`` (by mode), ``tts_requests_success`` (by mode), ``tts_requests_error`` (by mode,
-reason), histograms ``tts_synthesis_duration_seconds``, ``tts_rtf``, ``tts_first_chunk_seconds`` (by mode,
+reason); the last two also as samples named exactly ``tts_requests_success`` and ``tts_requests_error``
+(untyped, no ``_total``), the names the bridge contract's Rust ``metrics`` exporter gives them; histograms
+``tts_synthesis_duration_seconds``, ``tts_rtf``, ``tts_first_chunk_seconds`` (by mode,
 successful requests), gauges ``tts_active_sessions`` and ``tts_queue_depth``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 from cosyvoice.service import Outcome, TTSService
 
@@ -37,6 +43,7 @@ class ServiceMetrics:
                                      ["mode"], buckets=_SECONDS, registry=r)
         self.active = Gauge("tts_active_sessions", "Requests synthesising now", registry=r)
         self.queued = Gauge("tts_queue_depth", "Requests waiting for a synthesis slot", registry=r)
+        r.register(_Unsuffixed((self.success, self.error)))
 
     def attach(self, service: TTSService) -> None:
         """Count ``service``'s outcomes and read its load at every scrape."""
@@ -58,3 +65,22 @@ class ServiceMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Unsuffixed(Collector):
+    """The ``_total`` samples of ``counters`` again, named without the suffix (an untyped family each).
+
+    No ``describe()``: the registry then does not reserve the names, which the counters' own families
+    (``<name>_total``) already hold in its bookkeeping."""
+
+    def __init__(self, counters: tuple[Counter, ...]) -> None:
+        self.counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        for counter in self.counters:
+            for family in counter.collect():
+                metric = Metric(family.name, family.documentation, "unknown")
+                for sample in family.samples:
+                    if sample.name == family.name + "_total":
+                        metric.add_sample(family.name, sample.labels, sample.value)
+                yield metric

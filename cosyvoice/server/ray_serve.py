@@ -1,56 +1,70 @@
 """Ray Serve deployment: CosyVoice3 replicas (one per GPU, or CPU replicas) behind Serve's HTTP proxy.
 
-Each replica owns one :class:`~cosyvoice.service.TTSService` (the model on its device and the voice library);
-this module only translates JSON bodies into service requests and the audio into MP3 through
-:mod:`cosyvoice.encoding`. Routes (POST, JSON; answer ``audio/mpeg``)::
+Each replica owns one :class:`~cosyvoice.service.TTSService` (the model on its device and the voice library)
+and serves :data:`router` through the REST server's app (:func:`cosyvoice.server.rest.create_app`: the same
+error mapping, body limit, API keys and CORS), built in the replica from its settings. Routes (answer
+``audio/mpeg``)::
 
-    /v1/model/cosyvoice/tts            a voice speaks: instruction -> instruct, voice_type -> its saved voice
-                                       (zero-shot if it has a transcript), reference_text -> zero-shot,
-                                       else cross-lingual
-    /v1/model/cosyvoice/zero_shot      clone reference_audio (+ reference_text) or voice_type
-    /v1/model/cosyvoice/cross_lingual  any language in the voice of reference_audio or voice_type
-    /v1/model/cosyvoice/instruct       follow instruction, in the voice of reference_audio or voice_type
-    /v1/model/cosyvoice/healthcheck    GET: the replica's status (JSON)
+    POST /v1/model/cosyvoice/tts            a voice speaks: instruction -> instruct, voice_type -> its saved
+                                            voice (zero-shot if it has a transcript), reference_text ->
+                                            zero-shot, else cross-lingual
+    POST /v1/model/cosyvoice/zero_shot      clone reference_audio (+ reference_text) or voice_type
+    POST /v1/model/cosyvoice/cross_lingual  any language in the voice of reference_audio or voice_type
+    POST /v1/model/cosyvoice/instruct       follow instruction, in the voice of reference_audio or voice_type
+    GET|POST /v1/model/cosyvoice/healthcheck  {"status": "healthy"}
 
-Body fields: ``text``, ``voice_type`` (a saved or built-in voice, by id or name), ``reference_audio``
-(base64 of an audio file: WAV, FLAC, MP3, ...), ``reference_text``, ``instruction``, ``speed``, ``seed``,
-``stream`` (true: MP3 frames are sent chunk by chunk as the model speaks). Featurised reference audio is
-cached by the voice library, so a client that sends the same recording again skips the featurisation.
+Bodies are JSON, or forms (multipart/form-data with ``reference_audio`` as a file). Fields: ``text``, ``voice_type``
+(a saved or built-in voice, by id or name; optional: ``default_voice``, whose alias is ``"qwen"``, speaks when
+neither it nor ``reference_audio`` is given), ``reference_audio`` (base64 of an audio file, a path inside
+``allowed_audio_dir``, or the uploaded file), ``reference_text``, ``instruction``, ``speed``, ``seed``,
+``stream`` (true: MP3 frames are sent chunk by chunk as the model speaks).
 
 Run it with ``serve run cosyvoice.server.ray_serve:app_builder model_dir=DIR`` or deploy
 ``cosyvoice/server/ray_serve.yaml`` (``serve deploy``); :class:`ServeArgs` lists the arguments.
 """
 
-# no "from __future__ import annotations": FastAPI must see the real types through serve.ingress
-import base64
-import binascii
+from __future__ import annotations
+
 import json
 import logging
-from dataclasses import asdict, fields
+from dataclasses import fields
+from typing import Any
 
 import ray
 import torch
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 from ray import serve
+from starlette.datastructures import UploadFile
 
-from cosyvoice.encoding import audio_format, encode_audio
-from cosyvoice.errors import CosyVoiceError, InvalidInputError
-from cosyvoice.server.rest import HttpError, audio_stream, http_error, wire_fields
+from cosyvoice.encoding import audio_format
+from cosyvoice.errors import InvalidInputError
+from cosyvoice.server.common import (
+    audio_argument,
+    audio_stream,
+    request_owner,
+    server_state,
+    service_of,
+    while_connected,
+    whole_file,
+    wire_fields,
+)
 from cosyvoice.service import SynthesisRequest, TTSService
 from cosyvoice.settings import Limits, ServerSettings
+from cosyvoice.voices import BUILTIN_VOICE_DIR
 
 logger = logging.getLogger(__name__)
 
 ROUTE_PREFIX = "/v1/model/cosyvoice"
 MP3 = audio_format("mp3")
 BODY_FIELDS = ("text", "voice_type", "reference_audio", "reference_text", "instruction", "speed", "seed", "stream")
+DEFAULT_VOICE_ALIAS = "qwen"  # the Ray seed contract's name for its default voice
 # service field -> body field, so that errors name what the client sent
 RAY_FIELDS = {"voice": "voice_type", "prompt_audio": "reference_audio", "transcript": "reference_text"}
 _ROUTE_MODES = {"zero_shot": "zero_shot", "cross_lingual": "cross_lingual", "instruct": "instruct"}
 
-api = FastAPI(title="CosyVoice3 on Ray Serve", docs_url=None, redoc_url=None)
+router = APIRouter(prefix=ROUTE_PREFIX, tags=["ray"])
 
 
 class ServeArgs(BaseModel):
@@ -68,27 +82,34 @@ class ServeArgs(BaseModel):
     max_replicas: int | None = None  # None: one per GPU in the cluster (1 without GPUs)
     limits: dict[str, int | float] = {}  # Limits overrides per replica, e.g. {"max_sessions": 8}
     max_body_bytes: int | None = None  # one request body (base64 audio included)
+    default_voice: str | None = None  # spoken when a body names no voice (COSYVOICE_DEFAULT_VOICE)
+    allowed_audio_dir: str | None = None  # reference_audio given as a path must lie in it
+    cors_origins: list[str] | None = None  # browser origins allowed to call (COSYVOICE_CORS_ORIGINS)
+
+    def settings(self) -> dict[str, Any]:
+        """The :class:`ServerSettings` overrides these arguments make."""
+        given = {"max_body_bytes": self.max_body_bytes, "default_voice": self.default_voice,
+                 "allowed_audio_dir": self.allowed_audio_dir,
+                 "cors_origins": None if self.cors_origins is None else tuple(self.cors_origins)}
+        return {k: v for k, v in given.items() if v is not None}
 
 
-def synthesis_request(route: str, body: object) -> SynthesisRequest:
-    """A JSON body of ``route`` -> the service request (the service validates values and types)."""
+def synthesis_request(route: str, body: object, settings: ServerSettings) -> SynthesisRequest:
+    """A body of ``route`` -> the service request (the service validates values and types)."""
     if not isinstance(body, dict):
         raise InvalidInputError("the body must be a JSON object", "body")
     unknown = sorted(set(body) - set(BODY_FIELDS))
     if unknown:
         raise InvalidInputError(f"unknown field(s) {', '.join(unknown)}; use {', '.join(BODY_FIELDS)}", unknown[0])
     audio = body.get("reference_audio")
-    if audio is not None:
-        if not isinstance(audio, str):
-            raise InvalidInputError("reference_audio must be a base64 string of an audio file", "reference_audio")
-        try:
-            audio = base64.b64decode(audio, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise InvalidInputError(f"reference_audio is not valid base64 ({exc})", "reference_audio") from exc
+    if audio is not None and not isinstance(audio, bytes):  # an uploaded file arrives as bytes
+        audio = audio_argument(audio, settings, "reference_audio")
     voice = body.get("voice_type")
+    if voice == DEFAULT_VOICE_ALIAS or (voice is None and audio is None):
+        voice = settings.default_voice
     text, instruction = body.get("text", ""), body.get("instruction") or ""
     if route == "tts":
-        mode = ("instruct" if instruction else "sft" if voice is not None and audio is None
+        mode = ("instruct" if instruction else "sft" if audio is None
                 else "zero_shot" if body.get("reference_text") else "cross_lingual")
     else:
         mode = _ROUTE_MODES[route]
@@ -97,93 +118,95 @@ def synthesis_request(route: str, body: object) -> SynthesisRequest:
                             stream=body.get("stream", False), format=MP3.name)
 
 
-class BodyTooLarge(InvalidInputError):
-    """A request body over ``max_body_bytes``: 413, as from the REST server."""
-
-
-async def _read_json(request: Request, max_bytes: int) -> object:
-    """The JSON body, refused once it grows past ``max_bytes`` (while reading, not after)."""
-    declared = request.headers.get("content-length")
-    too_large = f"request body larger than {max_bytes} bytes (COSYVOICE_MAX_BODY_BYTES / max_body_bytes)"
-    if declared and declared.isdigit() and int(declared) > max_bytes:
-        raise BodyTooLarge(too_large)
-    data = bytearray()
-    async for part in request.stream():
-        data += part
-        if len(data) > max_bytes:
-            raise BodyTooLarge(too_large)
+async def read_body(http: Request) -> dict[str, Any]:
+    """A JSON body, or a form (multipart with ``reference_audio`` as a file, or url-encoded; numbers and booleans
+    as text). The app's body limit bounds them while they are read."""
+    if http.headers.get("content-type", "").startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+        form = await http.form(max_files=1, max_fields=len(BODY_FIELDS))
+        return {key: await value.read() if isinstance(value, UploadFile) else _form_value(key, value)
+                for key, value in form.multi_items()}
     try:
-        return json.loads(data)
+        return json.loads(await http.body())
     except ValueError as exc:
         raise InvalidInputError(f"the body is not valid JSON ({exc})", "body") from exc
 
 
+def _form_value(name: str, value: str) -> object:
+    """A form field's text as the JSON value it stands for."""
+    try:
+        if name == "speed":
+            return float(value)
+        if name == "seed":
+            return int(value)
+    except ValueError as exc:
+        raise InvalidInputError(f"{name} must be a number, got {value!r}", name) from exc
+    if name == "stream":
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise InvalidInputError(f"stream must be true or false, got {value!r}", name)
+        return value.lower() in ("true", "1")
+    return value
+
+
+async def _speak(route: str, http: Request) -> Response:
+    """Streamed (cancelled when the client goes away) or collected then encoded whole."""
+    request = synthesis_request(route, await read_body(http), server_state(http).settings)  # names body fields
+    with wire_fields(RAY_FIELDS):
+        session = await while_connected(http.receive,
+                                        service_of(http).asynthesize(request, owner=request_owner(http)))
+    if session.prepared.stream:
+        return audio_stream(session, MP3)
+    return await whole_file(session, MP3, http.receive)
+
+
+@router.api_route("/healthcheck", methods=["GET", "POST"])
+async def healthcheck() -> dict[str, str]:
+    return {"status": "healthy"}
+
+
+@router.post("/tts")
+async def tts(http: Request) -> Response:
+    return await _speak("tts", http)
+
+
+@router.post("/zero_shot")
+async def zero_shot(http: Request) -> Response:
+    return await _speak("zero_shot", http)
+
+
+@router.post("/cross_lingual")
+async def cross_lingual(http: Request) -> Response:
+    return await _speak("cross_lingual", http)
+
+
+@router.post("/instruct")
+async def instruct(http: Request) -> Response:
+    return await _speak("instruct", http)
+
+
 # Serve pickles the class when it is decorated: whatever its methods call must be defined above it.
 @serve.deployment(name="CosyVoice3", health_check_period_s=10, graceful_shutdown_timeout_s=30)
-@serve.ingress(api)
+@serve.ingress()
 class CosyVoiceDeployment:
-    """One replica: the model on this replica's device (its GPU, else CPU) and the voice library."""
+    """One replica: the model on this replica's device (its GPU, else CPU), the voice library (with the
+    built-in voices, so that a default voice exists) and the app serving :data:`router`."""
 
     def __init__(self, model_dir: str, voice_dir: str, device: str | None = None,
-                 limits: dict[str, int | float] | None = None, max_body_bytes: int | None = None) -> None:
-        self.settings = ServerSettings.from_env()
+                 limits: dict[str, int | float] | None = None, settings: dict[str, Any] | None = None) -> None:
+        self.settings = ServerSettings.from_env(**(settings or {}))
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")  # CPU fallback without a GPU
         self.limits = Limits.from_env(**(limits or {}))
-        self.max_body_bytes = max_body_bytes or self.settings.max_body_bytes
         self.service = TTSService.load(model_dir, voice_dir, device=self.device, limits=self.limits)
+        self.service.voices.add_builtins(BUILTIN_VOICE_DIR)
         logger.info("CosyVoice3 replica ready on %s (%s)", self.device, model_dir)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        from cosyvoice.server.rest import create_app
+
+        return create_app(self.settings, self.service, routers=(router,))
 
     def check_health(self) -> None:
         """Ray's replica health check: the engine must still answer (a replica that raises is replaced)."""
         _ = self.service.active_sessions
-
-    @api.get(f"{ROUTE_PREFIX}/healthcheck")
-    async def healthcheck(self) -> dict:
-        status = self.service.status()
-        return {"status": "ok", "device": self.device, "replica": serve.get_replica_context().replica_id.unique_id,
-                **asdict(status)}
-
-    @api.post(f"{ROUTE_PREFIX}/tts")
-    async def tts(self, request: Request) -> Response:
-        return await self._speak("tts", request)
-
-    @api.post(f"{ROUTE_PREFIX}/zero_shot")
-    async def zero_shot(self, request: Request) -> Response:
-        return await self._speak("zero_shot", request)
-
-    @api.post(f"{ROUTE_PREFIX}/cross_lingual")
-    async def cross_lingual(self, request: Request) -> Response:
-        return await self._speak("cross_lingual", request)
-
-    @api.post(f"{ROUTE_PREFIX}/instruct")
-    async def instruct(self, request: Request) -> Response:
-        return await self._speak("instruct", request)
-
-    async def _speak(self, route: str, request: Request) -> Response:
-        """Errors answer as the REST server's do (one JSON shape, busy 503 with Retry-After); a streamed answer
-        is cancelled when the client goes away."""
-        try:
-            synthesis = synthesis_request(route, await _read_json(request, self.max_body_bytes))
-        except BodyTooLarge as exc:
-            return HttpError(413, "payload_too_large", str(exc)).response()
-        except CosyVoiceError as exc:
-            return http_error(exc, self.settings).response()
-        try:
-            with wire_fields(RAY_FIELDS):
-                session = await self.service.asynthesize(synthesis)  # validated and admitted, or raises
-                if session.prepared.stream:
-                    return audio_stream(session, MP3.name)
-                try:
-                    pcm = [chunk.pcm async for chunk in session]
-                finally:
-                    await session.aclose()
-        except CosyVoiceError as exc:
-            error = http_error(exc, self.settings)
-            if error.status >= 500:
-                logger.error("%s failed: %s", route, exc)
-            return error.response()
-        audio = encode_audio(torch.cat(pcm) if pcm else torch.zeros(0), MP3, session.sample_rate)
-        return Response(audio, media_type=MP3.content_type)
 
 
 def _cluster_gpus() -> float:
@@ -223,4 +246,4 @@ def app_builder(args: ServeArgs | dict | None = None) -> serve.Application:
     settings = ServerSettings.from_env()
     return CosyVoiceDeployment.options(**deployment_options(args, _cluster_gpus())).bind(
         args.model_dir or settings.model_dir, args.voice_dir or settings.voice_dir, args.device,
-        dict(args.limits), args.max_body_bytes)
+        dict(args.limits), args.settings())

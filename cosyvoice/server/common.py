@@ -1,0 +1,449 @@
+"""What every HTTP adapter (the REST routers, Ray Serve) shares: the error mapping, API keys and owners, the
+body limit, prompt audio given as base64 or a path, and the two ways a session's audio leaves (streamed as it
+is produced, or collected then encoded whole), both cancelling the session the moment its client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import parse_qs
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import HTTPConnection
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from cosyvoice.encoding import AudioEncoder, AudioFormat, audio_format, encode_audio
+from cosyvoice.errors import (
+    AlreadyExistsError,
+    CosyVoiceError,
+    InvalidInputError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceLimitError,
+)
+from cosyvoice.server.metrics import ServiceMetrics
+from cosyvoice.service import AsyncSynthesisSession, TTSService, allowed_path
+from cosyvoice.settings import ServerSettings, key_owner
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = ("/health", "/ready")  # probes answer without an API key (their details need one)
+# synthesis routes and the mode their failures count under before the request is parsed
+SYNTHESIS_ROUTES = {"/inference_sft": "sft", "/inference_zero_shot": "zero_shot",
+                    "/inference_cross_lingual": "cross_lingual", "/inference_instruct": "instruct",
+                    "/inference_instruct2": "instruct", "/synthesize": "unknown", "/v1/audio/speech": "unknown"}
+CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by the client
+
+
+# ----------------------------------------------------------------------------- errors: the one mapping
+
+
+class ModelNotReady(CosyVoiceError):
+    """Requests that arrive while the model is still loading (or failed to load)."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer began (e.g. while it waited for a synthesis slot)."""
+
+
+@dataclass(frozen=True)
+class HttpError:
+    status: int
+    type: str
+    message: str
+    field: str | None = None
+    headers: dict[str, str] | None = None
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "field": self.field, "param": self.field}}
+        return JSONResponse(body, self.status, headers=self.headers)
+
+
+def http_error(exc: BaseException, settings: ServerSettings) -> HttpError:
+    """The HTTP form of any exception. Only input and limit errors say what happened (their messages are
+    written for users); a model failure's message may hold server paths or internals, so it stays in the log."""
+    busy = {"Retry-After": str(settings.retry_after_seconds)}
+    if isinstance(exc, HTTPException) and exc.status_code == 413:
+        return HttpError(413, "payload_too_large", str(exc.detail))
+    if isinstance(exc, NotFoundError):
+        return HttpError(404, "not_found", str(exc), exc.field)
+    if isinstance(exc, AlreadyExistsError):
+        return HttpError(409, "conflict", str(exc), exc.field)
+    if isinstance(exc, InvalidInputError):
+        return HttpError(400, "invalid_request_error", str(exc), exc.field)
+    if isinstance(exc, ModelNotReady):
+        return HttpError(503, "loading", str(exc), None, busy)
+    if isinstance(exc, ResourceLimitError):
+        return HttpError(503, "busy", str(exc), None, busy)
+    if isinstance(exc, PermissionDeniedError):
+        return HttpError(403, "permission_denied", str(exc))
+    if isinstance(exc, CosyVoiceError):
+        return HttpError(500, "model_error", "synthesis failed; the server log has the details")
+    return HttpError(500, "internal_error", "internal error; the server log has the details")
+
+
+def log_error(error: HttpError, exc: BaseException, where: str) -> None:
+    if error.status == 503:  # busy or loading: a declared, expected answer under load, not a failure to trace
+        logger.info("%s: %s (503)", where, error.type)
+    elif error.status >= 500:
+        logger.error("%s failed", where, exc_info=exc)
+
+
+@contextlib.contextmanager
+def wire_fields(names: dict[str, str]) -> Iterator[None]:
+    """Rename the service's field names to the wire's in errors raised inside."""
+    try:
+        yield
+    except InvalidInputError as exc:
+        exc.field = names.get(exc.field, exc.field)
+        raise
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error of every router answers through :func:`http_error` (once, here): a JSON body, never a
+    traceback; failures of synthesis routes are counted in the metrics under their mode."""
+
+    def respond(request: Request, exc: BaseException) -> JSONResponse:
+        state = server_state(request)
+        mode = SYNTHESIS_ROUTES.get(request.url.path)
+        if mode is not None and state.loaded is not None:
+            state.loaded.report_failure(mode, exc)
+        error = http_error(exc, state.settings)
+        log_error(error, exc, f"{request.method} {request.url.path}")
+        return error.response()
+
+    @app.exception_handler(CosyVoiceError)
+    async def on_cosyvoice_error(request: Request, exc: CosyVoiceError) -> JSONResponse:
+        return respond(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            reason = first.get("ctx", {}).get("error", "")
+            return respond(request, InvalidInputError(f"the body is not valid JSON: {reason}"))
+        loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
+        name = ".".join(loc) or None
+        message = f"{name}: {first.get('msg', 'invalid')}" if name else str(first.get("msg", "invalid request"))
+        return respond(request, InvalidInputError(message, name))
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 413:
+            return respond(request, exc)
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "error")
+        return HttpError(exc.status_code, kind, str(exc.detail), headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(ClientGone)
+    async def on_client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=CLIENT_GONE)  # nobody reads it; the access log shows the hang-up
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return respond(request, exc)
+
+
+# ----------------------------------------------------------------------------- the app's state
+
+
+@dataclass
+class ServerState:
+    """One REST app's settings, metrics and service (``None`` while the model loads)."""
+
+    settings: ServerSettings
+    metrics: ServiceMetrics = field(default_factory=ServiceMetrics)
+    loaded: TTSService | None = None
+    load_error: str | None = None  # the log has it in full; only key holders see it in /health and /ready
+
+    def install(self, service: TTSService) -> None:
+        """Serve ``service``: its outcomes feed the metrics; its voice library follows the settings' policy."""
+        self.metrics.attach(service)
+        if self.settings.api_keys or self.settings.admin_keys:
+            service.voices.policy = self.settings.voice_policy()
+        self.loaded = service
+
+    def service(self) -> TTSService:
+        if self.loaded is None:
+            raise ModelNotReady("the model failed to load; the server log says why" if self.load_error else
+                                "the model is still loading; retry shortly")
+        return self.loaded
+
+
+def server_state(conn: HTTPConnection) -> ServerState:
+    """The :class:`ServerState` of the app serving ``conn`` (``app.state.server``)."""
+    return conn.app.state.server
+
+
+def service_of(conn: HTTPConnection) -> TTSService:
+    return server_state(conn).service()
+
+
+# ----------------------------------------------------------------------------- API keys and owners
+
+
+def presented_key(scope: Scope) -> str:
+    """The Bearer token of a request (a WebSocket may pass ``?api_key=``: browsers cannot set its headers)."""
+    auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+    token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    if not token and scope["type"] == "websocket":
+        token = (parse_qs(scope.get("query_string", b"").decode()).get("api_key") or [""])[0]
+    return token
+
+
+def key_is_valid(token: str, keys: tuple[str, ...]) -> bool:
+    return bool(token) and any(hmac.compare_digest(token.encode(), key.encode()) for key in keys)
+
+
+def accepted_keys(settings: ServerSettings) -> tuple[str, ...]:
+    """The keys a server accepts: its API keys and its admin keys (empty: no authentication)."""
+    return settings.api_keys + settings.admin_keys
+
+
+def request_owner(conn: HTTPConnection) -> str | None:
+    """Who makes this request, for the voice library: the key's owner; ``None`` on a server without keys."""
+    keys = accepted_keys(server_state(conn).settings)
+    token = presented_key(conn.scope)
+    return key_owner(token) if keys and key_is_valid(token, keys) else None
+
+
+def key_holder(conn: HTTPConnection) -> bool:
+    """Whether the request carries a valid key (on a server with keys): it may see server details."""
+    return request_owner(conn) is not None
+
+
+class ApiKeys:
+    """Bearer API keys on every path but the probes."""
+
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS
+                or key_is_valid(presented_key(scope), self.keys)):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008, "reason": "missing or wrong API key"})
+        response = HttpError(401, "unauthorized", "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                             headers={"WWW-Authenticate": "Bearer"}).response()
+        await response(scope, receive, send)
+
+
+def add_cors(app: FastAPI, settings: ServerSettings) -> None:
+    """CORS for the configured origins (none: closed); preflights are answered."""
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Audio-Duration", "X-Sample-Rate"],
+                           allow_credentials="*" not in settings.cors_origins)
+
+
+# ----------------------------------------------------------------------------- the body limit
+
+
+def too_large(max_bytes: int) -> HTTPException:
+    return HTTPException(413, f"request body larger than {max_bytes} bytes")
+
+
+def limit_receive(scope: Scope, receive: Receive, max_bytes: int) -> Receive:
+    """``receive`` refusing a body over ``max_bytes``: by Content-Length up front, else once the bytes received
+    pass the bound (a handler never sees more than ``max_bytes``). Raises a 413 ``HTTPException``."""
+    with contextlib.suppress(ValueError):
+        if int(dict(scope.get("headers") or []).get(b"content-length", b"0")) > max_bytes:
+            raise too_large(max_bytes)
+    received = 0
+
+    async def limited() -> Message:
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > max_bytes:
+                raise too_large(max_bytes)
+        return message
+
+    return limited
+
+
+class BodyLimit:
+    """:func:`limit_receive` for every HTTP request of an app."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        try:
+            limited = limit_receive(scope, receive, self.max_bytes)
+        except HTTPException as exc:
+            return await HttpError(413, "payload_too_large", str(exc.detail)).response()(scope, receive, send)
+        await self.app(scope, limited, send)
+
+
+# ----------------------------------------------------------------------------- prompt audio on the wire
+
+
+def base64_audio(value: object, name: str) -> bytes:
+    """Base64 audio (a ``data:audio/...;base64,`` URL too) -> its bytes."""
+    if not isinstance(value, str):
+        raise InvalidInputError(f"{name} must be a base64 string of an audio file", name)
+    payload = value.split(",", 1)[1] if value.startswith("data:") else value
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidInputError(f"{name} is not valid base64 audio", name) from exc
+
+
+def audio_argument(value: object, settings: ServerSettings, name: str) -> bytes | Path:
+    """Prompt audio given as a string: a file under the allowed folder, else base64."""
+    if isinstance(value, str) and settings.allowed_audio_dir is not None and len(value) < 4096:
+        with contextlib.suppress(InvalidInputError, OSError):  # OSError: base64 too long for a file name
+            return allowed_path(value, settings.allowed_audio_dir, name)
+    try:
+        return base64_audio(value, name)
+    except InvalidInputError as exc:
+        where = "a file in the allowed audio folder" if settings.allowed_audio_dir else "a path (none are allowed)"
+        raise InvalidInputError(f"{name} is neither base64 audio nor {where}", name) from exc
+
+
+# ----------------------------------------------------------------------------- audio out
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+Session = TypeVar("Session", bound=AsyncSynthesisSession)
+
+
+async def while_connected(receive: Receive, start: Coroutine[Any, Any, Session]) -> Session:
+    """``await start`` (a service call: validation, a wait for a slot, featurising an upload), abandoned the
+    moment the client disconnects: its place in the queue or its slot goes back at once, and :class:`ClientGone`
+    is raised. Call once the request body has been read."""
+    call = asyncio.ensure_future(start)
+    watcher = asyncio.ensure_future(_until_disconnect(receive))
+    try:
+        await asyncio.wait((call, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not call.done():
+        call.cancel()  # the service's wait ends; a cancelled wait leaves no slot
+    with contextlib.suppress(asyncio.CancelledError):
+        session = await call
+        if not watcher.cancelled() and watcher.done():  # started, but nobody is left to hear it
+            await session.aclose()
+            raise ClientGone
+        return session
+    raise ClientGone
+
+
+class SessionStream(StreamingResponse):
+    """Stream a synthesis session's encoded audio; a client disconnect cancels the session at once (its
+    ``http.disconnect`` is watched while audio is produced, not only when the next bytes are sent)."""
+
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], media_type: str,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(body, 200, headers, media_type)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def watch() -> None:
+            await _until_disconnect(receive)
+            await self.on_close()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for data in self.body_iterator:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the client went away while we were sending
+            pass
+        except Exception:  # after the headers: end the connection without completing the body
+            logger.exception("synthesis failed mid-stream; closing the response unfinished")
+        finally:
+            watcher.cancel()
+            await self.on_close()
+
+
+def audio_stream(session: AsyncSynthesisSession, fmt: str | AudioFormat, headers: dict[str, str] | None = None,
+                 sse: bool = False) -> SessionStream:
+    """A session encoded as ``fmt``, sent as it is produced (or as OpenAI's ``speech.audio.delta`` events)."""
+    encoder = AudioEncoder(fmt, session.sample_rate)
+
+    async def body() -> AsyncIterator[bytes]:
+        async for chunk in session:
+            data = encoder.encode(chunk.pcm)
+            if data:
+                yield _sse_delta(data) if sse else data
+        tail = encoder.finish()
+        if tail:
+            yield _sse_delta(tail) if sse else tail
+        if sse:
+            yield _sse({"type": "speech.audio.done", "usage": {"input_tokens": 0, "output_tokens": 0,
+                                                               "total_tokens": 0}})
+
+    async def close() -> None:
+        await session.aclose()
+        encoder.close()
+
+    media_type = "text/event-stream" if sse else encoder.format.content_type
+    return SessionStream(body(), close, media_type,
+                         {"X-Sample-Rate": str(session.sample_rate), "Cache-Control": "no-store", **(headers or {})})
+
+
+async def collect(session: AsyncSynthesisSession, receive: Receive) -> torch.Tensor | None:
+    """All of a session's samples, or ``None`` when the client went away first: its disconnect cancels the
+    session at once (the LLM stops within one step), not when the audio would have been sent."""
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        await _until_disconnect(receive)
+        gone = True
+        await session.aclose()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        pieces = [chunk.pcm async for chunk in session]
+    finally:
+        watcher.cancel()
+        await session.aclose()
+    if gone:
+        return None
+    return torch.cat(pieces) if pieces else torch.zeros(0)
+
+
+async def whole_file(session: AsyncSynthesisSession, fmt: str | AudioFormat, receive: Receive) -> Response:
+    """Collect the session, then encode it as one complete file (exact sizes, ``X-Audio-Duration``)."""
+    fmt = fmt if isinstance(fmt, AudioFormat) else audio_format(fmt)
+    pcm = await collect(session, receive)
+    if pcm is None:
+        return Response(status_code=CLIENT_GONE)  # nobody reads it; the access log shows the hang-up
+    seconds = pcm.numel() / session.sample_rate
+    encoded = encode_audio(pcm, fmt, session.sample_rate)
+    return Response(encoded, media_type=fmt.content_type,
+                    headers={"X-Audio-Duration": f"{seconds:.3f}", "X-Sample-Rate": str(session.sample_rate)})
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(event)}\n\n".encode()
+
+
+def _sse_delta(data: bytes) -> bytes:
+    return _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})

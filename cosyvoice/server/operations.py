@@ -1,0 +1,55 @@
+"""Operations: ``GET /health`` (liveness), ``GET /ready`` (readiness and load), ``GET /metrics`` (Prometheus).
+
+The probes answer without an API key, but say no more than their status to a caller without one on a server
+with keys: the model's folder and a load failure's message (which may name server paths) are for key holders
+(and the log) only; the load counters are shown where no keys are configured.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from cosyvoice.server.common import accepted_keys, key_holder, server_state
+
+router = APIRouter(tags=["operations"])
+
+
+def _may_see_details(http: Request) -> bool:
+    return not accepted_keys(server_state(http).settings) or key_holder(http)
+
+
+@router.get("/health")
+async def health(http: Request) -> JSONResponse:
+    """Liveness: the process serves (503 only when the model failed to load)."""
+    state = server_state(http)
+    if state.load_error:
+        body = {"status": "failed", "error": state.load_error if key_holder(http) else "see the server log"}
+        return JSONResponse(body, 503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/ready")
+async def ready(http: Request) -> JSONResponse:
+    """Readiness: the model is loaded; with the current load (and, for a key holder, the model folder)."""
+    state = server_state(http)
+    if state.loaded is None:
+        body = {"status": "failed" if state.load_error else "loading"}
+        if state.load_error:
+            body["error"] = state.load_error if key_holder(http) else "see the server log"
+        return JSONResponse(body, 503)
+    body = {"status": "ready"}
+    if _may_see_details(http):
+        s = state.loaded.status()
+        body |= {"sample_rate": s.sample_rate, "active_sessions": s.active_sessions,
+                 "queued_requests": s.queued_requests, "max_sessions": s.max_sessions,
+                 "max_queued_requests": s.max_queued_requests, "saved_voices": s.saved_voices}
+        if key_holder(http):
+            body["model_dir"] = str(s.model_dir)
+    return JSONResponse(body)
+
+
+@router.get("/metrics")
+async def prometheus(http: Request) -> Response:
+    metrics = server_state(http).metrics
+    return Response(metrics.exposition(), media_type=metrics.content_type)
