@@ -82,7 +82,8 @@ class Model:
         providers = ["CPUExecutionProvider"] if device.type == "cpu" else None
         frontend = CosyVoiceFrontend(bundle, limits, providers=providers)
         engine = Engine(bundle.config, bundle.load_llm(device, precision), bundle.load_flow(device, precision),
-                        bundle.load_hift(device), device, limits, endofprompt_id=frontend.tokenizer.end_of_prompt_id)
+                        bundle.load_hift(device), device, limits, endofprompt_id=frontend.tokenizer.end_of_prompt_id,
+                        trim_leading_silence_ms=limits.trim_leading_silence_ms or None)
         return cls(str(bundle.root), device, precision, limits, frontend, engine)
 
     def close(self) -> None:

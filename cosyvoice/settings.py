@@ -115,11 +115,15 @@ class Limits:
     # all streams' incremental flow caches together; each stream gets flow_cache_mb / max_sessions and
     # recomputes (the reference's path) beyond it (docs/architecture.md, "Memory")
     flow_cache_mb: float = 32768.0
+    # audible first sound: a streamed request's leading silence is sent only from this many ms before its first
+    # audible sample (cosyvoice/engine/silence.py; nothing audible is ever removed); 0: off
+    trim_leading_silence_ms: float = 40.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if value < 0 or (value == 0 and f.name not in ("queue_timeout_seconds", "max_queued_requests")):
+            if value < 0 or (value == 0 and f.name not in ("queue_timeout_seconds", "max_queued_requests",
+                                                            "trim_leading_silence_ms")):
                 raise ConfigError(f"limit {f.name} must be positive, got {value}")
         if self.min_prompt_seconds > self.max_prompt_seconds:
             raise ConfigError("min_prompt_seconds must not exceed max_prompt_seconds")
