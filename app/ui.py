@@ -26,7 +26,9 @@ from typing import Any
 
 import gradio as gr
 import numpy as np
+from starlette.middleware import Middleware
 
+from app.auth import ApiKeys, KeyGate
 from app.i18n import I18N, t
 from app.live import LiveHub, head_html, mount
 from cosyvoice.bundle import DEFAULT_MODEL_ID, validate_model_dir
@@ -43,7 +45,6 @@ logger = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]  # paths resolve from the repository, not the working directory
 DEFAULT_MODEL_DIR = REPO / "pretrained_models" / "Fun-CosyVoice3-0.5B"
 DEMO_MODEL_DIR = REPO / "pretrained_models" / ".tiny-demo"
-DEFAULT_VOICE_DIR = REPO / "pretrained_models" / ".voices"
 _MODEL_IN_REPO = DEFAULT_MODEL_DIR.relative_to(REPO)  # the page names repository paths, never the server's
 DEMO_WARNING = (
     f"DEMO MODE: no model was found at {_MODEL_IN_REPO}, so this UI runs a tiny RANDOMLY INITIALISED model "
@@ -705,14 +706,15 @@ def _api(studio: Studio, max_sessions: int) -> None:
 # ----------------------------------------------------------------------------- start-up
 
 
-def load_studio(model_dir: str | Path | None = None, *, voice_dir: str | Path = DEFAULT_VOICE_DIR,
+def load_studio(model_dir: str | Path | None = None, *, voice_dir: str | Path | None = None,
                 demo_dir: str | Path = DEMO_MODEL_DIR, builtin_dir: str | Path | None = BUILTIN_VOICE_DIR,
                 device: str | None = None) -> Studio:
     """The engine and voice library to serve.
 
     An explicit ``model_dir`` (a folder or a ModelScope id) must load. Without one, the repository's default
     folder is used if present; otherwise a tiny random model is generated (once) into ``demo_dir`` so the UI
-    still starts, and that is said loudly in the log and on the page.
+    still starts, and that is said loudly in the log and on the page. Voices are kept in ``voice_dir``, by
+    default the servers' folder (:func:`cosyvoice.settings.default_voice_dir`): one library for all of them.
     """
     demo = model_dir is None and not DEFAULT_MODEL_DIR.is_dir()
     if demo:
@@ -731,15 +733,22 @@ def load_studio(model_dir: str | Path | None = None, *, voice_dir: str | Path = 
     return Studio(TTSService(tts, tts.voices), demo=demo)  # one library: the page, the API and spk2info
 
 
-def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: bool = True) -> gr.Blocks:
-    """Serve the page and the live-audio route (``block=False`` returns at once, the server in a thread)."""
+def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: bool = True,
+           api_keys: tuple[str, ...] = ()) -> gr.Blocks:
+    """Serve the page and the live-audio route (``block=False`` returns at once, the server in a thread).
+
+    With ``api_keys`` nothing answers without one of them (:mod:`app.auth`): not the page, its events, its
+    files, the live audio or the named API."""
     page = build_ui(studio)
     page.queue(default_concurrency_limit=studio.tts.limits.max_sessions)
+    keys = ApiKeys(api_keys) if api_keys else None
+    gate = {} if keys is None else {"auth_dependency": keys.owner,
+                                    "app_kwargs": {"middleware": [Middleware(KeyGate, keys=keys)]}}
     page.launch(server_name=host, server_port=port, prevent_thread_lock=True, show_error=False, ssr_mode=False,
                 max_file_size=studio.tts.limits.max_prompt_bytes, quiet=not block, i18n=I18N, css=CSS,
                 head=head_html(), theme=gr.themes.Default(font=["ui-sans-serif", "system-ui", "Noto Sans CJK SC",
                                                                 "sans-serif"]),
-                allowed_paths=[str(studio._files)])
+                allowed_paths=[str(studio._files)], **gate)
     mount(page.app, studio.live, studio.tts.sample_rate)
     if block:
         page.block_thread()

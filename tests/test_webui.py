@@ -40,12 +40,12 @@ def make_studio(tts, root: Path, builtin_prompt: Path | None = None) -> Studio:
 
 
 @contextlib.contextmanager
-def serving(studio: Studio) -> Iterator[str]:
+def serving(studio: Studio, **kwargs: object) -> Iterator[str]:
     """The app on a free loopback port, as ``webui.py`` serves it; yields its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    page = launch(studio, host="127.0.0.1", port=port, block=False)
+    page = launch(studio, host="127.0.0.1", port=port, block=False, **kwargs)
     try:
         yield f"http://127.0.0.1:{port}/"
     finally:
@@ -160,12 +160,14 @@ def test_paths_resolve_from_the_repository(tiny_bundle_dir: Path, tmp_path: Path
                                            caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.chdir(tmp_path)  # started from another folder: the defaults still point into the repository
     repo = Path(__file__).resolve().parents[1]
-    for path in (ui.DEFAULT_MODEL_DIR, ui.DEMO_MODEL_DIR, ui.DEFAULT_VOICE_DIR, ui.BUILTIN_VOICE_DIR):
+    for path in (ui.DEFAULT_MODEL_DIR, ui.DEMO_MODEL_DIR, ui.BUILTIN_VOICE_DIR):
         assert path.is_absolute() and path.is_relative_to(repo)
     monkeypatch.setattr(ui, "DEFAULT_MODEL_DIR", tmp_path / "absent")
+    monkeypatch.setenv("COSYVOICE_VOICE_DIR", str(tmp_path / "shared-voices"))  # the servers' voice folder
     with caplog.at_level(logging.WARNING, logger="app.ui"):
-        studio = load_studio(voice_dir=tmp_path / "voices", demo_dir=tiny_bundle_dir, device="cpu")
+        studio = load_studio(demo_dir=tiny_bundle_dir, device="cpu")
     assert studio.demo and Path(studio.tts.model_dir) == tiny_bundle_dir
+    assert studio.service.voices.dir.is_relative_to(tmp_path / "shared-voices")
     assert "RANDOMLY INITIALISED" in caplog.text and "modelscope download" in caplog.text
 
 
