@@ -1,4 +1,4 @@
-// CosyVoice3 Studio live player: reads a take's PCM16 stream (GET studio/live/<id>) and schedules each
+// CosyVoice3 Studio live player: reads a take's PCM16 chunks (WebSocket studio/live/<id>) and schedules each
 // piece on an AudioContext right after the previous one, so playback starts with the first chunk and has no
 // gaps unless the audio arrives later than it plays. window.cvStudio.takes keeps each take's timings
 // (epoch milliseconds) for the page's status line and the browser tests.
@@ -69,32 +69,26 @@ window.cvStudio = (() => {
     if (current === take) show(state === "done" ? "idle" : state, (words[state] || ["", ""])[ZH ? 1 : 0]);
   }
 
-  async function run(take) {
-    let carry = null;
-    try {
-      const response = await fetch(`${base()}/studio/live/${take.id}`, { cache: "no-store", signal: take.abort.signal });
-      take.rate = Number(response.headers.get("X-Sample-Rate")) || take.rate;
-      const reader = response.body.getReader();
-      for (;;) {
-        const { value, done } = await reader.read();
-        if (done) break;
-        if (take.firstByteAt === null) take.firstByteAt = now();
-        let bytes = value;
-        if (carry !== null) {
-          bytes = new Uint8Array(carry.length + value.length);
-          bytes.set(carry);
-          bytes.set(value, carry.length);
-          carry = null;
-        }
-        const even = bytes.length - (bytes.length % 2);
-        if (bytes.length > even) carry = bytes.slice(even);
-        if (even) schedule(take, new Int16Array(bytes.buffer.slice(bytes.byteOffset, bytes.byteOffset + even)));
+  function run(take) {
+    const url = new URL(`${base()}/studio/live/${take.id}`, window.location.href);
+    url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
+    const socket = new WebSocket(url);
+    socket.binaryType = "arraybuffer";
+    take.socket = socket;
+    socket.onmessage = (event) => {
+      if (typeof event.data === "string") {  // the header: {"sample_rate": N}
+        take.rate = JSON.parse(event.data).sample_rate || take.rate;
+        return;
       }
+      if (take.firstByteAt === null) take.firstByteAt = now();
+      if (event.data.byteLength) schedule(take, new Int16Array(event.data));
+    };
+    socket.onclose = (event) => {
+      if (take.stopped) return finish(take, "stopped");
+      if (event.code !== 1000) return finish(take, "failed");
       take.streamDone = true;
       if (!take.sources.length || ctx.currentTime >= take.next) finish(take, "done");
-    } catch (err) {
-      finish(take, take.stopped ? "stopped" : "failed");
-    }
+    };
   }
 
   return {
@@ -106,7 +100,7 @@ window.cvStudio = (() => {
       const take = {
         id, rate, clickAt: now(), firstByteAt: null, firstSoundAt: null, endAt: null, state: "waiting",
         stalls: 0, gapsMs: [], samples: 0, next: 0, sources: [], streamDone: false, stopped: false,
-        abort: new AbortController(),
+        socket: null,
       };
       takes[id] = take;
       current = take;
@@ -115,20 +109,26 @@ window.cvStudio = (() => {
       run(take);
       return id;
     },
+    // Stop the current take's playback; returns its id (the server stops it too), "" when there is none.
     stop() {
       const take = current;
-      if (!take || take.endAt !== null) return;
+      if (!take) return "";
+      if (take.endAt !== null) return take.id;
       take.stopped = true;
-      take.abort.abort();
+      if (take.socket) take.socket.close();
       for (const source of take.sources) {
         try { source.stop(); } catch (err) { /* not started yet */ }
       }
       finish(take, "stopped");
+      return take.id;
+    },
+    current() {
+      return current ? current.id : "";
     },
     summary(id) {
       const t = takes[id];
       if (!t) return null;
-      const { abort, sources, ...plain } = t;
+      const { socket, sources, ...plain } = t;
       return plain;
     },
   };

@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 import zipfile
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -57,6 +58,7 @@ DOWNLOAD_FORMATS = ("wav", "mp3", "flac", "opus")
 MAX_SEED = 2**31 - 1
 FILE_LIFETIME_SECONDS = 86400  # takes, exports and ZIPs stay downloadable this long (also Gradio's cache)
 KEEP_TAKE_TIMES = 1024  # server times of recent takes, for measurements
+KEEP_SESSIONS = 10000  # take histories of this many browser sessions (Gradio keeps as many session states)
 
 try:  # a Hugging Face ZeroGPU Space: the GPU is attached per call to the functions wrapped by spaces.GPU
     import spaces
@@ -154,6 +156,7 @@ class Studio:
     times: dict[str, TakeTimes] = field(default_factory=dict)
     _running: dict[str, tuple[SynthesisSession | GpuSession, queue.Queue]] = field(default_factory=dict)
     _stopped_early: set[str] = field(default_factory=set)  # Stop clicked while the take was still queued
+    _histories: OrderedDict[str, list[dict]] = field(default_factory=OrderedDict)  # session -> takes
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _files: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cosyvoice-takes-")))
 
@@ -306,7 +309,7 @@ class Studio:
                 session = GpuSession(self.service.prepare(request), _gpu_chunks(self.service, request))
         except InvalidInputError as exc:
             if exc.field == "voice" and not voice_key and not prompt:  # say it in the page's words
-                limits = self.tts.limits
+                limits = self.service.limits
                 message = (f"upload or record a prompt voice ({limits.min_prompt_seconds:g} to "
                            f"{limits.max_prompt_seconds:g} s of speech), or pick a voice")
                 raise InvalidInputError(message, "voice") from exc
@@ -321,13 +324,14 @@ class Studio:
         session's engine work stops within one LLM step (closing it frees the slot), whether or not Gradio
         still reads ``events``."""
         times = self.times[take_id]
+        channel = self.live.channel(take_id)
         try:
             with contextlib.closing(session):
                 for chunk in session:
                     now = time.time()
                     times.first_chunk = times.first_chunk or now
                     times.chunks.append((now, chunk.pcm.numel()))
-                    self.live.channel(take_id).put(to_pcm16(chunk.pcm).tobytes())
+                    channel.put(to_pcm16(chunk.pcm).tobytes())
                     events.put(("chunk", chunk.pcm.numpy()))
             events.put(("done", None))
         except BaseException as exc:  # handed to the handler, which reports it
@@ -358,9 +362,9 @@ class Studio:
         try:
             while True:
                 kind, detail = events.get()
+                finished = kind != "chunk"  # the caller stops reading after the last event
                 yield kind, detail
-                if kind != "chunk":
-                    finished = True
+                if finished:
                     return
         finally:
             if not finished:  # Gradio dropped the handler (a closed tab): stop the work too
@@ -381,20 +385,31 @@ class Studio:
         session.cancel()
         events.put(("stopped", None))
 
-    def begin(self, take_id: str) -> tuple:
-        """The Generate click: lock Generate, unlock Stop (the take id came from the page's player)."""
-        return take_id, gr.update(interactive=False), gr.update(interactive=True)
+    @staticmethod
+    def begin() -> tuple:
+        """The Generate click, at once (not queued): lock Generate, unlock Stop, also while the take waits."""
+        return gr.update(interactive=False), gr.update(interactive=True)
+
+    def history(self, request: gr.Request | None) -> list[dict]:
+        """The takes of one browser session (page load), newest first; kept here, not in the page."""
+        session = "" if request is None else request.session_hash or ""
+        with self._lock:
+            takes = self._histories.setdefault(session, [])
+            self._histories.move_to_end(session)
+            while len(self._histories) > KEEP_SESSIONS:  # as Gradio's own session states
+                self._histories.popitem(last=False)
+            return takes
 
     def generate(self, take_id: str, mode: str, text: str, prompt: str | None, transcript: str, instruction: str,
                  voice_key: str | None, seed: float | None, speed: float, stream: bool, fmt: str,
-                 history: list[dict]) -> Iterator[tuple]:
-        """The page's Generate: yields (status, download, history, generate button, stop button)."""
+                 request: gr.Request | None = None) -> Iterator[tuple]:
+        """The page's Generate: yields (status, download, number of takes, generate button, stop button)."""
         take_id = take_id or secrets.token_hex(8)
         with self._lock:
             self.times[take_id] = TakeTimes(start=time.time())
             while len(self.times) > KEEP_TAKE_TIMES:  # the oldest go first (dicts keep insertion order)
                 del self.times[next(iter(self.times))]
-        idle = (gr.update(interactive=True), gr.update(interactive=False))
+        idle = self.idle()
         with self._lock:
             stopped_early = take_id in self._stopped_early
             self._stopped_early.discard(take_id)
@@ -439,13 +454,16 @@ class Studio:
             yield "Stopped." if outcome == "stopped" else "The model produced no audio.", gr.skip(), gr.skip(), *idle
             return
         samples = np.concatenate(pieces)
+        history = self.history(request)
         take = self._keep(len(history) + 1, samples, fmt, text=text, voice=voice, mode=mode, seed=used_seed,
                           speed=float(speed), stream=bool(stream), first_audio=first_audio, wall=wall,
                           stopped=outcome != "done")
         status = (f"Take {take.number}: {take.seconds:.1f} s of audio in {wall:.1f} s"
                   + (f", first audio after {first_audio:.2f} s" if first_audio is not None else "")
                   + f" · seed {used_seed} · voice: {voice}" + (" · stopped" if take.stopped else ""))
-        yield status, gr.update(value=take.file, visible=True), [asdict(take), *history], *idle
+        with self._lock:
+            history.insert(0, asdict(take))
+        yield status, gr.update(value=take.file, visible=True), len(history), *idle
 
     def _keep(self, number: int, samples: np.ndarray, fmt: str, **meta: Any) -> Take:
         """Encode a take in its download format under a name that says what it is."""
@@ -456,17 +474,19 @@ class Studio:
         return Take(number=number, file=str(path), format=audio.name, seconds=samples.size / self.tts.sample_rate,
                     **meta)
 
-    def history_zip(self, history: list[dict]) -> dict:
-        """The session's takes as one ZIP: every audio file plus takes.json (text, voice, mode, seed, settings)."""
+    def history_zip(self, request: gr.Request | None = None) -> str | None:
+        """The session's takes as one ZIP, made when asked for: every audio file plus takes.json (text, voice,
+        mode, seed, settings)."""
+        history = list(self.history(request))
         if not history:
-            return gr.update(visible=False)
+            return None
         path = Path(self._folder()) / f"cosyvoice-takes-{len(history)}.zip"
         with zipfile.ZipFile(path, "w") as archive:
             for take in history:
                 archive.write(take["file"], Path(take["file"]).name)
             archive.writestr("takes.json", json.dumps([{**take, "file": Path(take["file"]).name} for take in history],
                                                       ensure_ascii=False, indent=2))
-        return gr.update(value=str(path), visible=True)
+        return str(path)
 
     def stop_clicked(self, take_id: str) -> tuple:
         self.stop(take_id)
@@ -535,6 +555,16 @@ body, .gradio-container { font-family: ui-sans-serif, system-ui, "Noto Sans", "N
                           "Noto Sans CJK JP", sans-serif; }
 """
 
+DOWNLOAD_JS = """(file) => {
+  if (!file || !file.url) return;
+  const link = document.createElement("a");
+  link.href = file.url;
+  link.download = file.orig_name || "takes.zip";
+  document.body.appendChild(link);
+  link.click();
+  link.remove();
+}"""
+
 COUNTER_JS = """(text) => {
   const limit = %d, n = [...(text || "")].length, zh = (navigator.language || "").startsWith("zh");
   const fmt = (x) => x.toLocaleString("en-US");
@@ -556,7 +586,7 @@ def _history_markdown(take: dict) -> str:
 
 
 def build_ui(studio: Studio) -> gr.Blocks:
-    limits = studio.tts.limits
+    limits = studio.service.limits
     rate = studio.tts.sample_rate
     with gr.Blocks(title="CosyVoice3 Studio", analytics_enabled=False,
                    delete_cache=(3600, FILE_LIFETIME_SECONDS)) as page:
@@ -565,9 +595,11 @@ def build_ui(studio: Studio) -> gr.Blocks:
                     f'border-radius:8px;font-weight:600">{html.escape(DEMO_WARNING)}</div>')
         gr.Markdown("# CosyVoice3 Studio")
         gr.Markdown(t("intro"))
-        mode = gr.State("zero_shot")
+        # no gr.State: it would make every tab hold a heartbeat connection, and browsers allow only six per
+        # server; three waiting tabs would then starve each other's clicks (the takes are kept by the Studio)
+        mode = gr.Textbox("zero_shot", visible=False, elem_id="mode")
         take_id = gr.Textbox(visible=False, elem_id="take-id")
-        history = gr.State([])
+        takes_count = gr.Number(0, visible=False, elem_id="takes-count")
         with gr.Row():
             with gr.Column(scale=3):
                 text = gr.Textbox(label=t("text"), placeholder=t("text_placeholder"), lines=5, elem_id="text")
@@ -622,10 +654,12 @@ def build_ui(studio: Studio) -> gr.Blocks:
                                        elem_id="import")
         with gr.Row():
             gr.Markdown(t("history"), elem_id="history-heading")
-            takes_zip = gr.DownloadButton(t("download_all"), visible=False, size="sm", elem_id="download-all")
+            takes_zip = gr.Button(t("download_all"), visible=False, size="sm", elem_id="download-all")
+        zip_file = gr.File(visible=False, elem_id="takes-zip")
 
-        @gr.render(inputs=history)
-        def show_history(takes: list[dict]) -> None:
+        @gr.render(inputs=takes_count)
+        def show_history(count: float, request: gr.Request) -> None:
+            takes = studio.history(request)
             if not takes:
                 gr.Markdown(t("no_takes"), elem_classes="no-takes")
             for take in takes:
@@ -641,7 +675,9 @@ def build_ui(studio: Studio) -> gr.Blocks:
         _api(studio, limits.max_sessions)  # first, so that the endpoints get their names unsuffixed
         # -------- wiring: the page's events are private; the API is the named endpoints of _api
         private = {"api_visibility": "private"}
-        history.change(studio.history_zip, history, takes_zip, show_progress="hidden", **private)
+        takes_count.change(lambda n: gr.update(visible=bool(n)), takes_count, takes_zip, queue=False, **private)
+        takes_zip.click(studio.history_zip, None, zip_file, show_progress="hidden", **private).then(
+            None, zip_file, None, js=DOWNLOAD_JS, **private)
         for tab, name in ((zero_shot_tab, "zero_shot"), (cross_lingual_tab, "cross_lingual"),
                           (instruct_tab, "instruct2")):
             tab.select(lambda name=name: name, None, mode, queue=False, **private)
@@ -649,17 +685,18 @@ def build_ui(studio: Studio) -> gr.Blocks:
         page.load(None, text, counter, js=COUNTER_JS % limits.max_text_chars, **private)
         dice.click(lambda: secrets.randbelow(MAX_SEED), None, seed, queue=False, **private)
 
-        started = generate.click(studio.begin, take_id, [take_id, generate, stop], queue=False,
-                                 show_progress="hidden", js=f"() => [window.cvStudio.begin({rate})]", **private)
+        # one click, two events: the buttons change at once, and the take joins the queue straight away (its
+        # place in the queue is the click's: first come, first served); the take id comes from the player
+        generate.click(studio.begin, None, [generate, stop], queue=False, show_progress="hidden", **private)
         # the progress (queue position) shows on the status line only, never over the other controls
-        running = started.then(studio.generate,
-                               [take_id, mode, text, prompt, transcript, instruction, voice, seed, speed, stream, fmt,
-                                history],
-                               [status, download, history, generate, stop], concurrency_limit=limits.max_sessions,
-                               concurrency_id="synthesis", show_progress="full", show_progress_on=[status], **private)
+        running = generate.click(
+            studio.generate, [take_id, mode, text, prompt, transcript, instruction, voice, seed, speed, stream, fmt],
+            [status, download, takes_count, generate, stop], concurrency_limit=limits.max_sessions,
+            concurrency_id="synthesis", show_progress="full", show_progress_on=[status],
+            js=f"(...inputs) => [window.cvStudio.begin({rate}), ...inputs.slice(1)]", **private)
         running.then(studio.idle, None, [generate, stop], queue=False, show_progress="hidden", **private)
         stop.click(studio.stop_clicked, take_id, [generate, stop], queue=False, show_progress="hidden",
-                   js="(take) => { window.cvStudio.stop(); return [take]; }", **private)
+                   js="() => [window.cvStudio.stop()]", **private)
 
         # toasts travel on the queue's stream: handlers that may warn are queued (the default)
         prompt.upload(studio.check_upload, prompt, prompt, show_progress="hidden", **private)
@@ -740,12 +777,12 @@ def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: 
     With ``api_keys`` nothing answers without one of them (:mod:`app.auth`): not the page, its events, its
     files, the live audio or the named API."""
     page = build_ui(studio)
-    page.queue(default_concurrency_limit=studio.tts.limits.max_sessions)
+    page.queue(default_concurrency_limit=studio.service.limits.max_sessions)
     keys = ApiKeys(api_keys) if api_keys else None
     gate = {} if keys is None else {"auth_dependency": keys.owner,
                                     "app_kwargs": {"middleware": [Middleware(KeyGate, keys=keys)]}}
     page.launch(server_name=host, server_port=port, prevent_thread_lock=True, show_error=False, ssr_mode=False,
-                max_file_size=studio.tts.limits.max_prompt_bytes, quiet=not block, i18n=I18N, css=CSS,
+                max_file_size=studio.service.limits.max_prompt_bytes, quiet=not block, i18n=I18N, css=CSS,
                 head=head_html(), theme=gr.themes.Default(font=["ui-sans-serif", "system-ui", "Noto Sans CJK SC",
                                                                 "sans-serif"]),
                 allowed_paths=[str(studio._files)], **gate)

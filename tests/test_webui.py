@@ -60,8 +60,7 @@ def studio(tts, tmp_path: Path) -> Studio:
 def _generate(studio: Studio, mode: str = "zero_shot", text: str = TEXT, prompt: str | None = None,
               transcript: str = TRANSCRIPT, instruction: str = "", voice: str | None = None, seed: int = 5,
               speed: float = 1.0, stream: bool = True, fmt: str = "wav", take_id: str = "take-0001") -> list[tuple]:
-    return list(studio.generate(take_id, mode, text, prompt, transcript, instruction, voice, seed, speed, stream, fmt,
-                                []))
+    return list(studio.generate(take_id, mode, text, prompt, transcript, instruction, voice, seed, speed, stream, fmt))
 
 
 def test_page_builds_with_the_demo_banner(studio: Studio) -> None:
@@ -74,8 +73,9 @@ def test_a_take_streams_live_pcm_and_is_kept_in_the_history(studio: Studio, shor
     channel = studio.live.channel("take-0001")  # the page's player subscribes before (or after) the take runs
     *progress, last = _generate(studio, prompt=str(short_prompt_wav))
     assert len(progress) >= 2 and all(p[0].startswith("Generating… ") for p in progress)
-    status, download, history, generate, stop = last
-    [take] = history
+    status, download, count, generate, stop = last
+    [take] = studio.history(None)
+    assert count == 1
     assert generate["interactive"] is True and stop["interactive"] is False
     assert take["seed"] == 5 and take["mode"] == "zero_shot" and take["text"] == TEXT and "seed 5" in status
     assert Path(take["file"]).name == "take-1-seed5.wav" and download["value"] == take["file"]
@@ -91,8 +91,9 @@ def test_a_take_streams_live_pcm_and_is_kept_in_the_history(studio: Studio, shor
 
 
 def test_random_seed_is_shown_and_formats_are_named(studio: Studio, short_prompt_wav: Path) -> None:
-    *_, (status, _, [take], _, _) = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), seed=-1,
-                                              stream=False, fmt="opus")
+    *_, (status, _, _, _, _) = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), seed=-1,
+                                         stream=False, fmt="opus")
+    [take] = studio.history(None)
     assert 0 <= take["seed"] < 2**31 and f"seed {take['seed']}" in status
     assert Path(take["file"]).name == f"take-1-seed{take['seed']}.opus"
     import av
@@ -152,8 +153,8 @@ def test_voice_library_controls(studio: Studio, prompt_wav: Path, tmp_path: Path
     assert dropdown["choices"] == [] and row["visible"] is False
     dropdown, _ = studio.import_voice(exported)
     assert dropdown["choices"][0][0] == "Alice Smith"
-    *_, last = _generate(studio, voice="Alice Smith", stream=False)
-    assert last[2][0]["voice"] == "Alice Smith"
+    _generate(studio, voice="Alice Smith", stream=False)
+    assert studio.history(None)[0]["voice"] == "Alice Smith"
 
 
 def test_paths_resolve_from_the_repository(tiny_bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -223,12 +224,11 @@ def test_the_session_history_downloads_as_one_zip(studio: Studio, short_prompt_w
     import json
     import zipfile
 
-    *_, (_, _, history, _, _) = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), stream=False,
-                                          fmt="mp3")
-    history = [*list(studio.generate("take-0002", "cross_lingual", TEXT, str(short_prompt_wav), "", "", None, 9, 1.0,
-                                     False, "flac", history))[-1][2]]
-    assert studio.history_zip([])["visible"] is False
-    with zipfile.ZipFile(studio.history_zip(history)["value"]) as archive:
+    assert studio.history_zip() is None  # no takes yet: nothing to download
+    _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), stream=False, fmt="mp3")
+    _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), seed=9, stream=False, fmt="flac",
+              take_id="take-0002")
+    with zipfile.ZipFile(studio.history_zip()) as archive:
         takes = json.loads(archive.read("takes.json"))
         assert sorted(archive.namelist()) == sorted(["takes.json", "take-1-seed5.mp3", "take-2-seed9.flac"])
     assert [(t["number"], t["seed"], t["mode"], t["text"], t["format"]) for t in takes] == [
@@ -237,13 +237,14 @@ def test_the_session_history_downloads_as_one_zip(studio: Studio, short_prompt_w
 
 def test_stop_before_the_first_chunk_and_while_queued(studio: Studio, short_prompt_wav: Path) -> None:
     studio.stop("take-queued")  # Stop clicked while the take still waited in Gradio's queue
-    [(status, _, history, generate, _)] = _generate(studio, prompt=str(short_prompt_wav), take_id="take-queued")
-    assert status == "Stopped before it started." and history == gr.skip() and generate["interactive"] is True
+    [(status, _, count, generate, _)] = _generate(studio, prompt=str(short_prompt_wav), take_id="take-queued")
+    assert status == "Stopped before it started." and count == gr.skip() and generate["interactive"] is True
     takes = studio.generate("take-running", "cross_lingual", TEXT * 4, str(short_prompt_wav), "", "", None, 5, 1.0,
-                            True, "wav", [])
+                            True, "wav")
     assert next(takes)[0].startswith("Generating… ")  # the first chunk is out
     studio.stop("take-running")
-    *_, (status, _, [take], generate, _) = list(takes)  # the handler ends at once, keeping what was made
+    *_, (status, _, _, generate, _) = list(takes)  # the handler ends at once, keeping what was made
+    [take] = studio.history(None)
     assert take["stopped"] and "stopped" in status and generate["interactive"] is True
     deadline = time.time() + 10
     while (studio.service.status().active_sessions or studio._running) and time.time() < deadline:
@@ -257,5 +258,6 @@ def test_speed_applies_while_streaming(studio: Studio, short_prompt_wav: Path) -
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "plays when it is complete" fallback: the engine streams at speed
         outs = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), speed=1.5, stream=True)
-    *progress, (_, _, [take], _, _) = outs
+    *progress, _ = outs
+    [take] = studio.history(None)
     assert len(progress) >= 2 and take["speed"] == 1.5 and take["stream"] is True

@@ -292,3 +292,53 @@ def test_chinese_page(browser, app: tuple) -> None:
         page.close()
     finally:
         ctx.close()
+
+
+def test_three_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path: Path,
+                                                         short_prompt_wav: Path) -> None:
+    """COSYVOICE_MAX_SESSIONS=1 and three tabs clicking Generate together: the waiting tabs show their place in
+    the queue with Generate locked and Stop enabled; they are served in click order; Stop works while waiting."""
+    from dataclasses import replace
+
+    from test_webui import make_studio
+
+    from app.ui import Studio
+    from cosyvoice.service import TTSService
+
+    library = make_studio(tts, tmp_path).service.voices
+    studio = Studio(TTSService(tts, library, limits=replace(tts.limits, max_sessions=1)), demo=True)
+    ctx = browser(locale="en-US")
+    try:
+        with serving(studio) as url:
+            pages = []
+            for n in range(3):
+                page = open_page(ctx, url)
+                page.get_by_role("tab", name=TABS["cross_lingual"]).click()
+                upload_prompt(page, short_prompt_wav)
+                page.fill("#text textarea", LONG_TEXT[: 120 + 20 * n])
+                pages.append(page)
+            for page in pages:  # as fast as three people can click
+                page.click("#generate")
+            ids = [take_summary(page)["id"] for page in pages]
+            for n, page in enumerate(pages[1:], start=2):  # waiting: locked Generate, Stop ready, the place shown
+                sync_api.expect(page.locator("#generate")).to_be_disabled()
+                sync_api.expect(page.locator("#stop")).to_be_enabled()
+                sync_api.expect(page.locator("#status")).to_contain_text(f"{n - 1}/", timeout=15000)
+            ARTIFACTS.mkdir(exist_ok=True)
+            pages[2].screenshot(path=str(ARTIFACTS / "webui-queued.png"), full_page=True)
+            pages[2].click("#stop")  # Stop while waiting: the tab is free at once and its take never runs
+            sync_api.expect(pages[2].locator("#generate")).to_be_enabled(timeout=5000)
+            sync_api.expect(pages[2].locator("#stop")).to_be_disabled()
+            for page, number in ((pages[0], 1), (pages[1], 1)):
+                sync_api.expect(page.locator("#status")).to_contain_text(f"Take {number}:", timeout=120000)
+                sync_api.expect(page.locator("#generate")).to_be_enabled()
+            starts = [studio.times[i].start for i in ids[:2]]
+            assert starts[0] < starts[1], starts  # first come, first served
+            assert studio.times[ids[0]].finished <= starts[1] + 0.5  # one session at a time
+            deadline = time.time() + 10
+            while ids[2] in studio.times and studio.times[ids[2]].finished is None and time.time() < deadline:
+                time.sleep(0.05)
+            assert ids[2] not in studio.times or studio.times[ids[2]].first_chunk is None  # the stopped one
+            assert studio.service.status().active_sessions == 0 and not studio._running
+    finally:
+        ctx.close()
