@@ -46,3 +46,11 @@ class AlreadyExistsError(InvalidInputError):
 
 class ResourceLimitError(CosyVoiceError):
     """A configured limit (sessions, lengths) stops the request; retry later or shorten it."""
+
+
+class StorageError(ResourceLimitError):
+    """The server cannot write what was asked (disk full, folder read-only): nothing was saved, nothing lost."""
+
+
+class PermissionDeniedError(CosyVoiceError):
+    """The caller may not do this to this thing (e.g. rename, export or delete another user's saved voice)."""

@@ -33,21 +33,23 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 from cosyvoice.cli.cosyvoice import CosyVoice3
 from cosyvoice.encoding import AudioFormat, audio_format
 from cosyvoice.engine import AudioChunk, CancelToken, Engine
 from cosyvoice.errors import (
-    AlreadyExistsError,
     CosyVoiceError,
     InvalidInputError,
     NotFoundError,
     ResourceLimitError,
+    StorageError,
 )
 from cosyvoice.frontend.audio import AudioSource
 from cosyvoice.frontend.frontend import Voice
 from cosyvoice.frontend.prompts import cross_lingual_text, instruct_text, user_text, zero_shot_prompt_text
 from cosyvoice.settings import Limits
-from cosyvoice.voices import VoiceInfo, VoiceLibrary
+from cosyvoice.voices import VoiceInfo, VoiceLibrary, check_name
 
 logger = logging.getLogger(__name__)
 
@@ -559,8 +561,12 @@ class TTSService:
                     index, offset = index + 1, offset + chunk.pcm.numel()
 
     # ------------------------------------------------------------------ voices
+    # ``owner`` (HELPERS "owner"): who asks; None is a local, unrestricted caller. Unsaved uploads are their
+    # owner's alone; saved voices are everyone's to use, and the library's policy says who may edit them
+    # (PermissionDeniedError otherwise). Entries an owner may not see are reported as not found.
 
-    def create_voice(self, name: str, audio: AudioSource, transcript: str = "") -> VoiceInfo:
+    def create_voice(self, name: str, audio: AudioSource, transcript: str = "", *,
+                     owner: str | None = None) -> VoiceInfo:
         """Save a recording (and its transcript: optional, zero-shot cloning needs it) under ``name``.
 
         A taken name, or a recording + transcript already saved under another name, is refused
@@ -569,40 +575,59 @@ class TTSService:
         with _field("name"):
             if not isinstance(name, str) or not name.strip():
                 raise InvalidInputError("a voice needs a name")
-            name = " ".join(name.split())
-            with contextlib.suppress(NotFoundError):  # taken: refuse before featurising the upload
-                if self.voices.info(name).name == name:
-                    raise AlreadyExistsError(f"a voice named {name!r} exists already; delete it or choose another "
-                                             "name")
+            name = check_name(name)
         prompt_text = ""
         if isinstance(transcript, str) and user_text(transcript):
             with _field("transcript"):
                 self.tts.frontend.check_text(transcript, "transcript")
             prompt_text = zero_shot_prompt_text(transcript)
-        with _field("audio"):
-            voice_id, _ = self.voices.get_or_create(audio, prompt_text)
-            holder = self.voices.info(voice_id).name
-            if holder and holder != name:
-                raise AlreadyExistsError(f"this recording with this transcript is saved already as {holder!r}")
-        with _field("name"):
-            try:
-                return self.voices.save(name, voice_id)
-            except ResourceLimitError as exc:  # a full library is the user's to fix, not a transient overload
-                raise InvalidInputError(str(exc)) from exc
+        try:
+            with _field("audio"):  # the library names "name" in its errors about the name
+                return self.voices.create(name, audio, prompt_text, owner=owner)
+        except ResourceLimitError as exc:
+            if isinstance(exc, StorageError):  # the server's disk: not the user's to fix
+                raise
+            raise InvalidInputError(str(exc), "name") from exc  # a full library is the user's to fix
 
-    def list_voices(self) -> list[VoiceInfo]:
-        """Saved (named) voices, by name."""
-        return self.voices.named()
+    def list_voices(self, *, owner: str | None = None, include_uploads: bool = False) -> list[VoiceInfo]:
+        """Built-in voices, then saved voices by name; with ``include_uploads`` also ``owner``'s own unsaved
+        uploads, most recent first."""
+        return [i for i in self.voices.list(owner=owner) if include_uploads or i.name]
 
-    def get_voice(self, key: str) -> VoiceInfo:
-        """A voice by id or name; :class:`NotFoundError` (field ``voice``) if there is none."""
+    def get_voice(self, key: str, *, owner: str | None = None) -> VoiceInfo:
+        """A voice by id or name; :class:`NotFoundError` (field ``voice``) if there is none ``owner`` may see."""
         with _field("voice"):
-            return self.voices.info(key)
+            return self.voices.info(key, owner=owner)
 
-    def delete_voice(self, key: str) -> VoiceInfo:
+    def rename_voice(self, key: str, new_name: str, *, owner: str | None = None) -> VoiceInfo:
+        """Give a saved voice another name (unique; never one that looks like an id)."""
+        with _field("voice"):
+            return self.voices.rename(key, new_name, owner=owner)
+
+    def delete_voice(self, key: str, *, owner: str | None = None) -> VoiceInfo:
         """:class:`NotFoundError` if there is none; a built-in voice cannot be deleted (:class:`InvalidInputError`)."""
         with _field("voice"):
-            return self.voices.delete(key)
+            return self.voices.delete(key, owner=owner)
+
+    def export_voice(self, key: str, *, owner: str | None = None) -> tuple[str, bytes]:
+        """(file name, bytes) of one portable voice file: features, transcript and recording."""
+        with _field("voice"):
+            return self.voices.export(key, owner=owner)
+
+    def import_voice(self, data: bytes, name: str | None = None, *, owner: str | None = None) -> VoiceInfo:
+        """Save an exported voice file under ``name`` (default: the name inside it)."""
+        try:
+            with _field("file"):
+                return self.voices.import_voice(data, name, owner=owner)
+        except ResourceLimitError as exc:
+            if isinstance(exc, StorageError):
+                raise
+            raise InvalidInputError(str(exc), "name") from exc
+
+    def voice_recording(self, key: str, *, owner: str | None = None) -> tuple[int, np.ndarray]:
+        """(sample rate, int16 samples) of a voice's prompt recording, for previews."""
+        with _field("voice"):
+            return self.voices.recording(key, owner=owner)
 
     # ------------------------------------------------------------------ validation
 
@@ -658,17 +683,17 @@ class TTSService:
             self.tts.frontend.check_text(instruction, "instruction")
             return instruct_text(instruction)
 
-    def _voice(self, mode: str, request: SynthesisRequest) -> tuple[str, Voice]:
-        """(voice id, voice): a saved voice (looked up now), else the uploaded recording (through the library)."""
+    def _voice(self, mode: str, request: SynthesisRequest, owner: str | None = None) -> tuple[str, Voice]:
+        """(voice id, voice): a saved voice (looked up now), else the uploaded recording (through the library,
+        cached for ``owner``; a full disk only skips the caching)."""
         saved, audio = request.voice, request.prompt_audio
         if saved is not None and audio is not None:
             raise InvalidInputError("give a saved voice or a prompt recording, not both", "voice")
         if saved is not None:
             if not isinstance(saved, str) or not saved.strip():
                 raise InvalidInputError("voice must be a saved voice's id or name", "voice")
-            info = self.get_voice(saved)
             with _field("voice"):
-                _, voice = self.voices.get(info.id)
+                info, voice = self.voices.get(saved, owner=owner)
             if mode == "zero_shot" and not voice.prompt_text.numel():
                 raise InvalidInputError(f"voice {saved!r} has no transcript, which zero-shot cloning needs; use "
                                         "cross_lingual or instruct mode with it, or save it again with its "
@@ -688,7 +713,7 @@ class TTSService:
                 self.tts.frontend.check_text(request.transcript, "transcript")
             prompt_text = zero_shot_prompt_text(request.transcript)
         with _field("prompt_audio"):
-            return self.voices.get_or_create(audio, prompt_text)
+            return self.voices.get_or_create(audio, prompt_text, owner=owner)
 
 
 async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:

@@ -7,6 +7,7 @@ in one place (``COSYVOICE_MAX_TEXT_CHARS=20000``) rather than in each entry poin
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -19,12 +20,59 @@ DEFAULT_VOICE_DIR = "pretrained_models/.voices"  # the voice library's folder (C
 SPEED_RANGE = (0.5, 2.0)  # speed factors: the mel is stretched linearly before the vocoder (streamed: per chunk)
 TOKENIZER_MAX_SECONDS = 30.0  # speech_tokenizer_v3 refuses longer audio
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+VOICE_EDITORS = ("anyone", "creator", "admin")  # who may rename, export or delete a saved voice
 
 
 def default_voice_dir(environ: dict[str, str] | None = None) -> Path:
     """Where saved voices live unless a caller says otherwise: ``COSYVOICE_VOICE_DIR`` or ``DEFAULT_VOICE_DIR``."""
     env = os.environ if environ is None else environ
     return Path(env.get("COSYVOICE_VOICE_DIR") or DEFAULT_VOICE_DIR)
+
+
+def key_owner(api_key: str) -> str:
+    """The owner of what an API-key client makes: ``key:`` + 12 hex digits of the key's sha256 (never the key)."""
+    return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class VoicePolicy:
+    """Who may rename, export or delete a saved (named) voice; everyone may list and speak with it.
+
+    ``editors``: ``anyone``; ``creator`` (the owner who saved it, see HELPERS "owner"); or ``admin`` only.
+    Holders of an admin key and local callers (owner ``None``: the Python API, a server without keys) always
+    may. Unsaved uploads belong to their uploader whatever the policy; built-in voices are read-only.
+    """
+
+    editors: str = "anyone"
+    admin_owners: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.editors not in VOICE_EDITORS:
+            raise ConfigError(f"COSYVOICE_VOICE_EDITORS must be one of {', '.join(VOICE_EDITORS)}, "
+                              f"got {self.editors!r}")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, *, editors: str | None = None,
+                 admin_keys: tuple[str, ...] | None = None, api_keys: tuple[str, ...] | None = None) -> VoicePolicy:
+        """``COSYVOICE_VOICE_EDITORS`` and ``COSYVOICE_ADMIN_KEYS`` (explicit arguments win). Unset editors:
+        ``anyone`` on a server without API keys (one trusted user), ``creator`` once keys are configured."""
+        env = os.environ if environ is None else environ
+
+        def keys(value: tuple[str, ...] | None, name: str) -> tuple[str, ...]:
+            if value is not None:
+                return value
+            return tuple(k.strip() for k in env.get(name, "").split(",") if k.strip())
+
+        editors = editors or env.get("COSYVOICE_VOICE_EDITORS", "").strip().lower()
+        if not editors:
+            editors = "creator" if keys(api_keys, "COSYVOICE_API_KEYS") else "anyone"
+        return cls(editors, frozenset(key_owner(k) for k in keys(admin_keys, "COSYVOICE_ADMIN_KEYS")))
+
+    def may_edit(self, owner: str | None, creator: str | None) -> bool:
+        """Whether ``owner`` may rename, export or delete a saved voice that ``creator`` saved."""
+        if owner is None or owner in self.admin_owners or self.editors == "anyone":
+            return True
+        return self.editors == "creator" and creator == owner
 
 
 def parse_precision(name: str) -> torch.dtype:
@@ -91,6 +139,8 @@ class ServerSettings:
     allowed_audio_dir: str | None = None  # prompt audio given as a server path must lie under it; None: refused
     retry_after_seconds: int = 5  # the Retry-After of a "busy" answer
     stream_idle_seconds: float = 60.0  # a WebSocket text stream with no new message for this long is ended
+    voice_editors: str = ""  # who may rename/export/delete saved voices (anyone|creator|admin; "": VoicePolicy's)
+    admin_keys: tuple[str, ...] = ()  # keys whose holders may edit every saved voice (also accepted as API keys)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -98,6 +148,8 @@ class ServerSettings:
         if self.max_body_bytes <= 0 or self.retry_after_seconds < 0 or self.stream_idle_seconds <= 0:
             raise ConfigError("max_body_bytes and stream_idle_seconds must be positive, retry_after_seconds not "
                               "negative")
+        if self.voice_editors and self.voice_editors not in VOICE_EDITORS:
+            raise ConfigError(f"voice_editors must be one of {', '.join(VOICE_EDITORS)}, got {self.voice_editors!r}")
         if "*" in self.cors_origins and self.api_keys:
             raise ConfigError("CORS origin '*' with API keys would let any web page use a visitor's key; "
                               "list the allowed origins instead")
@@ -106,6 +158,11 @@ class ServerSettings:
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> ServerSettings:
         """Defaults, then ``COSYVOICE_*`` environment variables, then explicit keyword overrides."""
         return replace(cls(**_env_values(cls, environ)), **overrides)
+
+    def voice_policy(self) -> VoicePolicy:
+        """The voice library's :class:`VoicePolicy` of these settings (``library.policy = ...``)."""
+        return VoicePolicy.from_env({}, editors=self.voice_editors or None, admin_keys=self.admin_keys,
+                                    api_keys=self.api_keys + self.admin_keys)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,10 +7,27 @@ text and the model's identity, so re-encoding a recording to another format stil
 (other tokenizer or speaker encoder) never reuses features it did not make.
 
 On disk, one folder per model identity holds ``<id>.safetensors`` (the tensors) and ``<id>.json`` (name,
-transcript, creation time). The JSON is written last, so an entry exists once its JSON does; its mtime is
-the last use. Unnamed entries are a cache: the least recently used go when there are more than
-``max_entries`` of them or they take more than ``max_bytes``. Named entries (saved voices) stay until deleted.
-Each entry also keeps its prompt recording (16-bit, as decoded) so that a voice can be previewed and exported.
+transcript, creation time, who uploaded it and who saved it). The JSON is written last, so an entry exists once
+its JSON does; its mtime is the last use. Unnamed entries are a cache: the least recently used go when there are
+more than ``max_entries`` of them or they take more than ``max_bytes``. Named entries (saved voices) stay until
+deleted. Each entry also keeps its prompt recording (16-bit, as decoded) so that a voice can be previewed and
+exported.
+
+The folder is the truth for every process that shares it (servers, web UI, the Python API): each process's index
+is only a cache of it, re-read when the folder changes. Every change (store, name, rename, delete, eviction) is
+made under an exclusive ``flock`` of ``<folder>/.lock`` after re-reading the folder, and every file is replaced
+atomically. ``flock`` rather than O_EXCL name files: the kernel releases it when a process dies, even by
+``kill -9``, so a crash never leaves a stale lock or a stale name claim behind. Hence names are unique across
+processes, eviction never deletes a voice another process has named, and a delete removes the voice its key
+names now. Names never look like ids (32 hex digits), so a key is never ambiguous.
+
+Ownership: an unnamed upload is visible only to the owners that uploaded it (``owner`` strings, see
+:class:`~cosyvoice.settings.VoicePolicy`; ``None`` is a local, unrestricted caller that sees everything). Named
+voices are visible to everyone; who may rename, export or delete one is the library's ``policy``.
+
+Caching is optional: when the disk is full or the folder turns read-only, a new upload is used without being
+cached (logged once); saving a named voice then fails with :class:`~cosyvoice.errors.StorageError`. Tensors are
+read into memory (never memory-mapped), so deleting a voice frees its space at once.
 
 Built-in voices come from a read-only folder of ``<name>.wav`` + ``<name>.txt`` (its transcript), e.g. the
 repository's ``assets/voices``; they are listed first, featurised on first use, and cannot be renamed or
@@ -22,27 +39,40 @@ model recomputes the features from the recording, so the file stays portable acr
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load, load_file, save, save_file
+from safetensors import SafetensorError
+from safetensors.torch import load, save
 
 from cosyvoice.bundle import ONNX_INPUTS, TOKENIZER_FILES
 from cosyvoice.encoding import to_pcm16
-from cosyvoice.errors import AlreadyExistsError, InvalidInputError, NotFoundError, ResourceLimitError
+from cosyvoice.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    InvalidInputError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceLimitError,
+    StorageError,
+)
 from cosyvoice.frontend.audio import AudioSource
 from cosyvoice.frontend.frontend import CosyVoiceFrontend, Voice
 from cosyvoice.frontend.prompt import PromptFeatures
 from cosyvoice.frontend.prompts import user_text, zero_shot_prompt_text
+from cosyvoice.settings import VoicePolicy
 from cosyvoice.utils.fs import atomic_write
 
 logger = logging.getLogger(__name__)
@@ -54,6 +84,10 @@ EXPORT_FORMAT = "cosyvoice3-voice/1"  # the metadata tag of an exported voice fi
 EXPORT_SUFFIX = ".voice.safetensors"
 # The files a voice's tensors depend on: the mel settings (yaml), the two ONNX models, the text tokenizer.
 IDENTITY_FILES = ("cosyvoice3.yaml", *ONNX_INPUTS, *TOKENIZER_FILES)
+LOCK_FILE = ".lock"
+BUILTIN_PREFIX = "builtin-"
+_ID_SHAPED = re.compile(r"[0-9a-fA-F]{32}")  # what a voice id looks like; names never do
+_RACY_NS = 2_000_000_000  # a folder changed this recently may change again within its mtime's granularity
 
 
 def model_identity(model_dir: str | Path) -> str:
@@ -69,6 +103,20 @@ def model_identity(model_dir: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def check_name(name: object) -> str:
+    """A voice name, whitespace-normalised; :class:`InvalidInputError` for one that is empty, too long or could
+    be mistaken for an id (then a delete by that string could remove another voice)."""
+    if not isinstance(name, str):
+        raise InvalidInputError(f"a voice name must be text, got {type(name).__name__}", "name")
+    name = " ".join(name.split())
+    if not name or len(name) > MAX_NAME_CHARS:
+        raise InvalidInputError(f"a voice name must have 1 to {MAX_NAME_CHARS} characters, got {len(name)}", "name")
+    if _ID_SHAPED.fullmatch(name) or name.startswith(BUILTIN_PREFIX):
+        raise InvalidInputError(f"{name!r} looks like a voice id (32 hexadecimal digits, or {BUILTIN_PREFIX}...); "
+                                "choose a name people can tell from an id", "name")
+    return name
+
+
 @dataclass
 class VoiceInfo:
     """What the library knows of an entry without reading its tensors."""
@@ -80,6 +128,8 @@ class VoiceInfo:
     last_used: float
     nbytes: int
     builtin: bool = False  # from the read-only built-in folder: listed first, never renamed or deleted
+    owners: tuple[str, ...] = ()  # who uploaded this recording: an unnamed entry is visible to them alone
+    creator: str | None = None  # the owner who saved it under its name (None: a local caller, or unknown)
 
     @property
     def label(self) -> str:
@@ -88,6 +138,9 @@ class VoiceInfo:
             return self.name
         words = self.transcript if len(self.transcript) <= 40 else self.transcript[:39] + "…"
         return f"recent upload: {words}" if words else "recent upload (no transcript)"
+
+    def visible_to(self, owner: str | None) -> bool:
+        return owner is None or self.builtin or self.name is not None or owner in self.owners
 
 
 @dataclass
@@ -100,164 +153,199 @@ class _Builtin:
     voice: Voice | None = None
 
 
+@dataclass
+class _Stamp:
+    """What identifies one version of an entry's JSON: a rewrite (atomic rename) or a use (utime) changes it."""
+
+    ino: int
+    size: int
+    ctime_ns: int
+
+
+@dataclass
+class _Upload:
+    """A decoded upload: its samples, rate and id, and its voice once loaded or featurised."""
+
+    voice_id: str
+    wav: torch.Tensor
+    sample_rate: int
+    prompt_text: str
+    voice: Voice | None = field(default=None, repr=False)
+
+
 class VoiceLibrary:
-    """Prompt voices of one model, persisted under ``root``; safe to share between threads."""
+    """Prompt voices of one model, persisted under ``root``; safe to share between threads and processes.
+
+    A folder it cannot use (not creatable, read-only, holding leftovers it cannot remove) raises
+    :class:`ConfigError` naming the folder and the setting to change: never a silent temporary library.
+    """
 
     def __init__(self, root: str | Path, frontend: CosyVoiceFrontend, *, model_dir: str | Path,
                  max_entries: int = 64, max_bytes: int = 256 << 20, max_named: int = 256,
-                 builtin_dir: str | Path | None = None) -> None:
+                 builtin_dir: str | Path | None = None, policy: VoicePolicy | None = None) -> None:
         self.model_id = model_identity(model_dir)
         self.dir = Path(root) / self.model_id
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.frontend = frontend
         self.max_entries, self.max_bytes, self.max_named = max_entries, max_bytes, max_named
-        self._lock = threading.RLock()  # guards _index and _computing; features and tensor files: outside it
+        self.policy = policy if policy is not None else VoicePolicy.from_env()
+        self._lock = threading.RLock()  # guards the index and the folder lock's depth; features: outside it
         self._computing: dict[str, threading.Lock] = {}  # voice id -> lock held while its features are made
-        self._index = self._scan()
+        self._index: dict[str, VoiceInfo] = {}
+        self._stamps: dict[str, _Stamp] = {}
+        self._dir_mtime: int | None = None  # the folder's mtime at the last scan; None: scan next time
+        self._flock_fd: int | None = None
+        self._flock_depth = 0
+        self._store_failure: int | None = None  # errno of the last failed caching, logged once
         self._builtins: dict[str, _Builtin] = {}
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            with self._exclusive():
+                self._cleanup()
+                self._evict(keep=None)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot use the voice folder {root} ({exc.strerror or exc}): this server needs a folder it "
+                "can write; set COSYVOICE_VOICE_DIR (voice_dir= in Python, --voice-dir for the servers) to "
+                "one") from exc
         if builtin_dir is not None:
             self.add_builtins(builtin_dir)
-        with self._lock:
-            self._evict(keep=None)
 
     # ------------------------------------------------------------------ public API
 
-    def get_or_create(self, prompt_wav: AudioSource, prompt_text: str = "") -> tuple[str, Voice]:
-        """The voice of a recording and its prompt text (already in CosyVoice3's form, or ``''``).
+    def get_or_create(self, prompt_wav: AudioSource, prompt_text: str = "", *,
+                      owner: str | None = None) -> tuple[str, Voice]:
+        """The voice of a recording and its prompt text (already in CosyVoice3's form, or ``''``), cached for
+        ``owner`` (the cache entry is visible to its uploaders alone until someone saves it under a name).
 
         The audio is decoded and validated first (so bad uploads fail with the frontend's message); features
         are computed only on a miss, and once even when several requests bring the same recording at once.
+        A full disk costs only the caching, not the request.
         """
-        prompt_text = " ".join(prompt_text.split())  # the cached voice is a function of its id alone
-        wav, sample_rate = self.frontend.load_prompt(prompt_wav)
-        voice_id = self._voice_id(wav, sample_rate, prompt_text)
-        with self._lock:
-            computing = self._computing.setdefault(voice_id, threading.Lock())
-        try:
-            with computing:
-                voice = self._load(voice_id)
-                if voice is None:
-                    voice = self.frontend.voice_from(self.frontend.features(wav, sample_rate), prompt_text)
-                    self._store(voice_id, voice, prompt_text, (wav, sample_rate))
-        finally:
-            with self._lock:
-                if self._computing.get(voice_id) is computing:
-                    del self._computing[voice_id]
-        return voice_id, voice
+        upload = self._decode(prompt_wav, prompt_text)
+        with self._featurising(upload.voice_id):
+            self._load_or_featurise(upload)
+            assert upload.voice is not None
+            try:
+                with self._exclusive():
+                    info = self._index.get(upload.voice_id)
+                    if info is None:
+                        self._store(upload, None, owner)
+                        self._store_failure = None
+                    elif owner is not None and owner not in info.owners and info.name is None:
+                        self._write_meta(replace(info, owners=(*info.owners, owner)))
+            except OSError as exc:
+                self._caching_failed(upload.voice_id, exc)
+        return upload.voice_id, upload.voice
 
-    def get(self, key: str) -> tuple[VoiceInfo, Voice]:
-        """A voice by id or by name; :class:`InvalidInputError` if unknown or unreadable."""
-        info = self.info(key)
+    def create(self, name: str, prompt_wav: AudioSource, prompt_text: str = "", *,
+               owner: str | None = None) -> VoiceInfo:
+        """Save a recording under ``name`` in one step (featurised unless cached). A taken name, or this
+        recording + text saved already under another name, is refused (:class:`AlreadyExistsError`)."""
+        name = check_name(name)
+        self._check_free(name)  # before featurising: a taken name fails fast
+        upload = self._decode(prompt_wav, prompt_text)
+        with self._featurising(upload.voice_id):
+            self._load_or_featurise(upload)
+            return self._name_upload(upload, name, owner)
+
+    def get(self, key: str, *, owner: str | None = None) -> tuple[VoiceInfo, Voice]:
+        """A voice by id or by name; :class:`NotFoundError` if unknown, :class:`InvalidInputError` if unreadable."""
+        info = self.info(key, owner=owner)
         if info.builtin:
             return info, self._builtin_voice(info.id)
-        voice = self._load(info.id)
-        if voice is None:
-            kept = f"; its files were kept as {info.id}.*.unreadable in {self.dir}" if info.name else ""
-            raise InvalidInputError(f"voice {key!r} could not be read from disk{kept}; upload it again")
-        return info, voice
+        return info, self._read(info, key)
 
-    def info(self, key: str) -> VoiceInfo:
+    def info(self, key: str, *, owner: str | None = None) -> VoiceInfo:
+        """The entry ``key`` (an id, else a name) as the folder has it now, if ``owner`` may see it."""
         with self._lock:
-            info = self._find(key)
-            if info is None:  # perhaps saved since by another process sharing the folder (REST, gRPC, web UI)
-                self._refresh()
-                info = self._find(key)
+            self._sync()
+            info = self._find(key, owner)
             if info is None:
                 names = [i.name for i in self._entries() if i.name]
                 raise NotFoundError(f"unknown voice {key!r}; saved voices: {', '.join(names) or 'none'}")
-            return info
+            return replace(info)
 
-    def _entries(self) -> list[VoiceInfo]:
-        return [*(b.info for b in self._builtins.values()), *self._index.values()]
-
-    def _find(self, key: str) -> VoiceInfo | None:
-        entries = self._entries()
-        return next((i for i in entries if i.id == key), None) or next((i for i in entries if i.name == key), None)
-
-    def _refresh(self) -> None:
-        """Follow the folder: entries other processes saved appear, entries they deleted go (call with the lock)."""
-        on_disk = self._scan(cleanup=False)
-        for voice_id in [v for v in self._index if v not in on_disk]:
-            del self._index[voice_id]
-        for voice_id, info in on_disk.items():
-            self._index.setdefault(voice_id, info)
-
-    def list(self) -> list[VoiceInfo]:
-        """Built-in voices, then named voices by name, then cached uploads, most recently used first (the
-        folder is re-read, so voices other processes saved are listed too)."""
+    def list(self, *, owner: str | None = None) -> list[VoiceInfo]:
+        """Built-in voices, then named voices by name, then the uploads ``owner`` may see, most recently used
+        first (the folder is re-read, so voices other processes saved, renamed or deleted are followed)."""
         with self._lock:
-            self._refresh()
-            infos = list(self._index.values())
-            builtins = [b.info for b in self._builtins.values()]
+            self._sync()
+            infos = [replace(i) for i in self._index.values() if i.visible_to(owner)]
+            builtins = [replace(b.info) for b in self._builtins.values()]
         named = sorted((i for i in infos if i.name), key=lambda i: i.name.casefold())
         return builtins + named + sorted((i for i in infos if not i.name), key=lambda i: -i.last_used)
 
-    def save(self, name: str, voice_id: str) -> VoiceInfo:
-        """Keep ``voice_id`` under ``name`` (renaming it if it had one); named voices are never evicted."""
-        name = " ".join(str(name).split())
-        if not name or len(name) > MAX_NAME_CHARS:
-            raise InvalidInputError(f"a voice name must have 1 to {MAX_NAME_CHARS} characters, got {len(name)}")
-        with self._lock:
-            info = self.info(voice_id)
+    def save(self, name: str, voice_id: str, *, owner: str | None = None) -> VoiceInfo:
+        """Keep the entry ``voice_id`` under ``name`` (renaming it if it had one, which the policy must allow
+        ``owner``); named voices are never evicted and are visible to everyone."""
+        name = check_name(name)
+        with self._exclusive():
+            info = self._held(voice_id, owner)
             if info.builtin:
                 raise InvalidInputError(f"{info.name!r} is a built-in voice; it is always available under its name")
-            holder = next((i for i in self._entries() if i.name == name), None)
-            if holder is not None and holder.id != info.id:
-                raise AlreadyExistsError(f"a voice named {name!r} exists already; delete it or choose another name")
-            if info.name is None and sum(i.name is not None for i in self._index.values()) >= self.max_named:
-                raise ResourceLimitError(f"{self.max_named} voices are saved already; delete one to save another")
-            self._write_meta(replace(info, name=name))  # disk first: a failed write leaves the entry as it was
-            info.name = name
-            return info
+            if info.name is not None and info.name != name:
+                self._check_editor(info, owner, "rename")
+            return self._write_name(info, name, owner)
 
-    def rename(self, key: str, new_name: str) -> VoiceInfo:
+    def rename(self, key: str, new_name: str, *, owner: str | None = None) -> VoiceInfo:
         """Give a saved voice (by id or name) another name; the same checks as :meth:`save`."""
-        info = self.info(key)
-        if not info.name:
-            raise InvalidInputError("only saved voices can be renamed; save this one under a name first")
-        return self.save(new_name, info.id)
+        new_name = check_name(new_name)
+        with self._exclusive():
+            info = self._held(key, owner)
+            if info.builtin:
+                raise InvalidInputError(f"{info.name!r} is a built-in voice; it cannot be renamed")
+            if not info.name:
+                raise InvalidInputError("only saved voices can be renamed; save this one under a name first")
+            self._check_editor(info, owner, "rename")
+            return self._write_name(info, new_name, owner)
 
-    def delete(self, key: str) -> VoiceInfo:
-        """Forget a voice (by id or name) and remove its files."""
-        with self._lock:
-            info = self.info(key)
+    def delete(self, key: str, *, owner: str | None = None) -> VoiceInfo:
+        """Forget a voice (by id or name, resolved against the folder as it is now) and remove its files."""
+        with self._exclusive():
+            info = self._held(key, owner)
             if info.builtin:
                 raise InvalidInputError(f"{info.name!r} is a built-in voice and cannot be deleted")
-            self._remove(info.id)
-            return info
+            if info.name is not None:
+                self._check_editor(info, owner, "delete")
+            try:
+                self._remove(info.id)
+            except OSError as exc:
+                raise _storage_error(exc, "delete this voice") from exc
+            return replace(info)
 
-    def recording(self, key: str) -> tuple[int, np.ndarray]:
+    def recording(self, key: str, *, owner: str | None = None) -> tuple[int, np.ndarray]:
         """(sample rate, int16 samples) of a voice's prompt recording, for previews."""
-        info = self.info(key)
+        info = self.info(key, owner=owner)
         if info.builtin:
             wav, sample_rate = self.frontend.load_prompt(self._builtins[info.id].wav)
             return sample_rate, to_pcm16(wav.reshape(-1))
-        try:
-            with safe_open(self._paths(info.id)[0], framework="pt") as f:
-                if "prompt_audio" not in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
-                    raise InvalidInputError(f"voice {info.label!r} was stored without its recording; "
-                                            "upload it again to hear it")
-                return int(f.get_tensor("prompt_audio_rate")), f.get_tensor("prompt_audio").numpy()
-        except (OSError, SafetensorError) as exc:
-            raise InvalidInputError(f"voice {info.label!r} could not be read from disk") from exc
+        tensors = self._tensors(info, key)
+        if "prompt_audio" not in tensors:
+            raise InvalidInputError(f"voice {info.label!r} was stored without its recording; upload it again to "
+                                    "hear it")
+        return int(tensors["prompt_audio_rate"]), tensors["prompt_audio"].numpy()
 
-    def export(self, key: str) -> tuple[str, bytes]:
+    def export(self, key: str, *, owner: str | None = None) -> tuple[str, bytes]:
         """(file name, bytes): one portable file with the voice's features, transcript and recording."""
-        info, voice = self.get(key)
-        tensors = {**voice.features.tensors(), "prompt_text": voice.prompt_text}
-        try:
+        info = self.info(key, owner=owner)
+        if info.name is not None and not info.builtin:
+            self._check_editor(info, owner, "export")
+        if info.builtin:
+            voice = self._builtin_voice(info.id)
+            tensors = {**voice.features.tensors(), "prompt_text": voice.prompt_text}
             sample_rate, pcm = self.recording(info.id)
             tensors.update(prompt_audio=torch.from_numpy(pcm), prompt_audio_rate=torch.tensor(sample_rate))
-        except InvalidInputError:  # e.g. a voice imported from spk2info.pt: features only (this model's)
-            pass
+        else:  # as stored (without a recording for a voice imported from spk2info.pt: this model's features only)
+            tensors = self._tensors(info, key)
         meta = {"format": EXPORT_FORMAT, "name": info.name or "", "transcript": info.transcript,
                 "model": self.model_id}
         stem = "".join(c if c.isalnum() or c in "-_" else "_" for c in (info.name or info.id[:8]))
         return stem + EXPORT_SUFFIX, save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta)
 
-    def import_voice(self, data: bytes, name: str | None = None) -> VoiceInfo:
+    def import_voice(self, data: bytes, name: str | None = None, *, owner: str | None = None) -> VoiceInfo:
         """Add an exported voice under ``name`` (default: its own). Files of another model are featurised
-        again from their recording; a name already taken is refused before anything is stored."""
+        again from their recording; a name already taken, or a voice saved already under another name, is
+        refused before anything is stored."""
         try:
             meta = _metadata(data)
             tensors = load(data)
@@ -267,37 +355,30 @@ class VoiceLibrary:
             transcript = str(meta.get("transcript", ""))
         except (SafetensorError, ValueError, KeyError, TypeError) as exc:
             raise InvalidInputError(f"this is not a voice file exported by CosyVoice3 Studio ({exc})") from exc
-        name = " ".join(str(name or meta.get("name") or "").split())
-        if not name:
+        if not " ".join(str(name or meta.get("name") or "").split()):
             raise InvalidInputError("the voice file has no name; give it one")
-        with self._lock:
-            if any(i.name == name for i in self.list()):
-                raise InvalidInputError(f"a voice named {name!r} exists already; choose another name")
+        name = check_name(str(name or meta.get("name")))
+        self._check_free(name)
         prompt_text = zero_shot_prompt_text(transcript) if transcript else ""
         audio = None
         if has_audio:
             wav = (tensors["prompt_audio"].to(torch.float32) / 32768.0).reshape(1, -1)
-            audio = (wav, int(tensors["prompt_audio_rate"]))
-            self.frontend.load_prompt((wav.numpy()[0], audio[1]))  # the same checks an upload gets
-        if meta.get("model") == self.model_id:  # same model: the stored features are exactly ours
-            try:
-                voice = Voice(PromptFeatures.from_tensors(tensors), tensors["prompt_text"].to(torch.int32))
-            except KeyError as exc:
-                raise InvalidInputError(f"the voice file lacks {exc}") from exc
-            if audio is not None:
-                voice_id = self._voice_id(audio[0], audio[1], " ".join(prompt_text.split()))
-            else:
-                voice_id = self._features_id(voice)
-            with self._lock:
-                known = voice_id in self._index
-            if not known:
-                self._store(voice_id, voice, prompt_text, audio)
-        elif audio is not None:  # another model: featurise the recording anew
-            voice_id, _ = self.get_or_create((audio[0].numpy()[0], audio[1]), prompt_text)
+            audio = (wav.numpy()[0], int(tensors["prompt_audio_rate"]))
+        if meta.get("model") != self.model_id:  # another model: featurise the recording anew
+            if audio is None:
+                raise InvalidInputError("this voice file was made by another model and holds no recording to "
+                                        "featurise again; export it from a library of this model")
+            return self.create(name, audio, prompt_text, owner=owner)
+        try:  # same model: the stored features are exactly ours
+            voice = Voice(PromptFeatures.from_tensors(tensors), tensors["prompt_text"].to(torch.int32))
+        except KeyError as exc:
+            raise InvalidInputError(f"the voice file lacks {exc}") from exc
+        if audio is not None:
+            upload = self._decode(audio, prompt_text)  # the same checks an upload gets
         else:
-            raise InvalidInputError("this voice file was made by another model and holds no recording to "
-                                    "featurise again; export it from a library of this model")
-        return self.save(name, voice_id)
+            upload = _Upload(self._features_id(voice), torch.zeros(1, 0), 0, prompt_text)
+        upload.voice = voice
+        return self._name_upload(upload, name, owner)
 
     # ------------------------------------------------------------------ the official API's saved voices
 
@@ -308,26 +389,27 @@ class VoiceLibrary:
         ``replace_name`` a name held by another voice moves to this one (that voice stays, unnamed), as the
         official ``add_zero_shot_spk`` overwrites a speaker id; without it that is an error.
         """
-        voice_id = self._features_id(voice)
-        with self._lock:
-            known = voice_id in self._index
-        if not known:
-            ids = voice.prompt_text.reshape(-1).tolist()
-            transcript = self.frontend.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
-            self._store(voice_id, voice, transcript)
-            with self._lock:
-                if voice_id not in self._index:
-                    raise OSError(f"voice library: could not write voice {name!r} to {self.dir}")
-        return self.assign(name, voice_id, replace_name=replace_name)
+        ids = voice.prompt_text.reshape(-1).tolist()
+        transcript = self.frontend.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
+        upload = _Upload(self._features_id(voice), torch.zeros(1, 0), 0, transcript, voice)
+        with self._exclusive():
+            if upload.voice_id not in self._index:
+                try:
+                    self._store(upload, None, None)
+                except OSError as exc:
+                    raise _storage_error(exc, f"store voice {name!r}") from exc
+            return self.assign(name, upload.voice_id, replace_name=replace_name)
 
     def assign(self, name: str, voice_id: str, *, replace_name: bool = False) -> VoiceInfo:
         """:meth:`save`, and with ``replace_name`` the name is taken from the voice holding it (kept, unnamed)."""
-        key = " ".join(str(name).split())
-        with self._lock:
+        key = check_name(name)
+        with self._exclusive():
             holder = next((i for i in self._index.values() if i.name == key), None)
             if replace_name and holder is not None and holder.id != voice_id:
-                self._write_meta(replace(holder, name=None))
-                holder.name = None
+                try:
+                    self._write_meta(replace(holder, name=None, creator=None))
+                except OSError as exc:
+                    raise _storage_error(exc, f"move the name {key!r}") from exc
             return self.save(key, voice_id)
 
     def named(self) -> list[VoiceInfo]:
@@ -342,7 +424,187 @@ class VoiceLibrary:
             digest.update(t.numpy().tobytes())
         return digest.hexdigest()[:32]
 
-    # ------------------------------------------------------------------ storage
+    # ------------------------------------------------------------------ lookups and permissions
+
+    def _entries(self) -> list[VoiceInfo]:
+        return [*(b.info for b in self._builtins.values()), *self._index.values()]
+
+    def _find(self, key: str, owner: str | None) -> VoiceInfo | None:
+        """By id first, then by name (names never look like ids); entries ``owner`` may not see are not found."""
+        entries = [i for i in self._entries() if i.visible_to(owner)]
+        return next((i for i in entries if i.id == key), None) or next((i for i in entries if i.name == key), None)
+
+    def _held(self, key: str, owner: str | None) -> VoiceInfo:
+        """Under the folder lock: the index entry ``key`` as the folder has it now (not a copy)."""
+        assert self._flock_depth > 0
+        info = self._find(key, owner)
+        if info is None:
+            return self.info(key, owner=owner)  # raises NotFoundError with the names
+        return info
+
+    def _check_editor(self, info: VoiceInfo, owner: str | None, action: str) -> None:
+        if not self.policy.may_edit(owner, info.creator):
+            who = {"creator": "the one who saved it", "admin": "an administrator"}[self.policy.editors]
+            raise PermissionDeniedError(f"you may not {action} the voice {info.name!r}: only {who} may")
+
+    def _check_free(self, name: str) -> None:
+        with self._lock:
+            self._sync()
+            holder = next((i for i in self._entries() if i.name == name), None)
+        if holder is not None:
+            raise AlreadyExistsError(f"a voice named {name!r} exists already; delete it or choose another name",
+                                     "name")
+
+    # ------------------------------------------------------------------ features
+
+    def _decode(self, prompt_wav: AudioSource, prompt_text: str) -> _Upload:
+        prompt_text = " ".join(prompt_text.split())  # the cached voice is a function of its id alone
+        wav, sample_rate = self.frontend.load_prompt(prompt_wav)
+        return _Upload(self._voice_id(wav, sample_rate, prompt_text), wav, sample_rate, prompt_text)
+
+    @contextlib.contextmanager
+    def _featurising(self, voice_id: str) -> Iterator[None]:
+        """Held while one upload's features are loaded or made: concurrent callers of the same recording wait."""
+        with self._lock:
+            computing = self._computing.setdefault(voice_id, threading.Lock())
+        try:
+            with computing:
+                yield
+        finally:
+            with self._lock:
+                if self._computing.get(voice_id) is computing:
+                    del self._computing[voice_id]
+
+    def _load_or_featurise(self, upload: _Upload) -> None:
+        with self._lock:
+            self._sync()
+            info = self._index.get(upload.voice_id)
+        if upload.voice is None and info is not None:
+            with contextlib.suppress(InvalidInputError, NotFoundError):  # unreadable or gone: made anew below
+                upload.voice = self._read(info, upload.voice_id)
+        if upload.voice is None:
+            upload.voice = self.frontend.voice_from(self.frontend.features(upload.wav, upload.sample_rate),
+                                                    upload.prompt_text)
+
+    def _name_upload(self, upload: _Upload, name: str, owner: str | None) -> VoiceInfo:
+        """Store (if new) and name an upload in one step under the folder lock."""
+        with self._exclusive():
+            info = self._index.get(upload.voice_id)
+            if info is not None and info.name is not None and info.name != name:
+                raise AlreadyExistsError(f"this voice is saved already as {info.name!r}")
+            if info is None:
+                try:
+                    info = self._store(upload, name, owner)
+                except OSError as exc:
+                    raise _storage_error(exc, f"save the voice {name!r}") from exc
+                return replace(info)
+            return self._write_name(info, name, owner)
+
+    # ------------------------------------------------------------------ the folder
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """This thread alone in this process, this process alone on the folder, with the index re-read from it.
+
+        Reentrant. ``flock`` of ``<folder>/.lock``: released by the kernel if the process dies, even by kill -9.
+        """
+        with self._lock:
+            if self._flock_depth == 0:
+                fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self._flock_fd = fd
+            self._flock_depth += 1
+            try:
+                if self._flock_depth == 1:
+                    self._sync(force=True)  # other processes' changes, seen before any decision
+                yield
+            finally:
+                self._flock_depth -= 1
+                if self._flock_depth == 0:
+                    fd, self._flock_fd = self._flock_fd, None
+                    os.close(fd)  # closing releases the flock
+
+    def _sync(self, force: bool = False) -> None:
+        """Re-read the folder if it changed since the last scan (any create, rename or delete in it changes its
+        mtime; a scan within the mtime's granularity of a change is repeated next time). Call with the lock."""
+        try:
+            mtime = os.stat(self.dir).st_mtime_ns
+        except OSError:
+            mtime = None
+        if not force and mtime is not None and mtime == self._dir_mtime:
+            return
+        started = time.time_ns()
+        self._scan()
+        self._dir_mtime = None if mtime is None or started - mtime < _RACY_NS else mtime
+
+    def _scan(self) -> None:
+        """Make the index what the folder holds: new entries appear, renamed ones change, deleted ones go. An
+        unreadable JSON is skipped with a log line, never fatal (call with the lock)."""
+        seen: set[str] = set()
+        try:
+            listing = list(os.scandir(self.dir))
+        except OSError as exc:
+            logger.warning("voice library: cannot read its folder (%s)", exc)
+            return
+        for entry in listing:
+            if entry.name.startswith(".") or not entry.name.endswith(".json"):
+                continue
+            voice_id = entry.name[:-len(".json")]
+            try:
+                st = entry.stat()
+            except FileNotFoundError:
+                continue
+            seen.add(voice_id)
+            stamp = _Stamp(st.st_ino, st.st_size, st.st_ctime_ns)
+            info = self._index.get(voice_id)
+            if info is not None and self._stamps.get(voice_id) == stamp:
+                continue
+            try:
+                info = self._read_meta(voice_id, st.st_mtime)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                if not os.path.exists(entry.path):  # deleted meanwhile by another process
+                    seen.discard(voice_id)
+                    continue
+                if self._stamps.get(voice_id) != stamp:
+                    logger.warning("voice library: skipping %s (%s: %s)", entry.path, type(exc).__name__, exc)
+                self._stamps[voice_id] = stamp
+                self._index.pop(voice_id, None)
+                continue
+            self._index[voice_id] = info
+            self._stamps[voice_id] = stamp
+        for voice_id in [v for v in self._index if v not in seen]:
+            del self._index[voice_id]
+        for voice_id in [v for v in self._stamps if v not in seen]:
+            del self._stamps[voice_id]
+
+    def _read_meta(self, voice_id: str, mtime: float) -> VoiceInfo:
+        tensors_path, meta_path = self._paths(voice_id)
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        if meta["name"] and _ID_SHAPED.fullmatch(str(meta["name"])):
+            logger.warning("voice library: voice %s is named like an id (%r); use it by its id", voice_id,
+                           meta["name"])
+        return VoiceInfo(
+            id=voice_id, name=str(meta["name"]) if meta["name"] else None, transcript=str(meta["transcript"]),
+            created=float(meta["created"]), last_used=mtime,
+            nbytes=meta_path.stat().st_size + tensors_path.stat().st_size,
+            owners=tuple(str(o) for o in meta.get("owners") or ()), creator=meta.get("creator"))
+
+    def _cleanup(self) -> None:
+        """Remove what interrupted writes left (under the folder lock, so no live writer is mid-way); a leftover
+        that cannot be removed means a folder this server cannot write: an OSError, which stops start-up."""
+        for leftover in [*self.dir.glob(".*.tmp"), *self.dir.glob("*.safetensors")]:
+            if leftover.suffix == ".tmp" or not leftover.with_suffix(".json").exists():
+                leftover.unlink(missing_ok=True)
+        probe = self.dir / f".probe.{os.getpid()}.tmp"  # a folder that only looks writable (e.g. chattr +i)
+        probe.write_bytes(b"")
+        probe.unlink()
+
+    def _paths(self, voice_id: str) -> tuple[Path, Path]:
+        return self.dir / f"{voice_id}.safetensors", self.dir / f"{voice_id}.json"
 
     def _voice_id(self, wav: torch.Tensor, sample_rate: int, prompt_text: str) -> str:
         text = prompt_text.encode()
@@ -350,28 +612,140 @@ class VoiceLibrary:
         digest.update(wav.contiguous().numpy().tobytes())
         return digest.hexdigest()[:32]
 
-    def _paths(self, voice_id: str) -> tuple[Path, Path]:
-        return self.dir / f"{voice_id}.safetensors", self.dir / f"{voice_id}.json"
+    def _tensors(self, info: VoiceInfo, key: str) -> dict[str, torch.Tensor]:
+        """An entry's tensors, read into memory (no mapping: deleting the voice frees its space at once).
 
-    def _scan(self, cleanup: bool = True) -> dict[str, VoiceInfo]:
-        """Index the entries on disk; an unreadable one is skipped with a log line, never fatal. ``cleanup``
-        (at start-up only: later, another process may be writing) removes what interrupted writes left."""
-        for leftover in [*self.dir.glob(".*.tmp"), *self.dir.glob("*.safetensors")] if cleanup else []:
-            if leftover.suffix == ".tmp" or not leftover.with_suffix(".json").exists():
-                leftover.unlink(missing_ok=True)  # from a run that stopped while writing
-        index: dict[str, VoiceInfo] = {}
-        for meta_path in sorted(self.dir.glob("*.json")):
-            tensors_path = meta_path.with_suffix(".safetensors")
+        An unreadable cache entry is dropped (the upload recreates it); a named voice's files are kept aside as
+        ``*.unreadable``, never deleted. Errors name the voice, never a server path.
+        """
+        tensors_path, meta_path = self._paths(info.id)
+        try:
+            return load(tensors_path.read_bytes())
+        except (OSError, SafetensorError, ValueError) as exc:
+            failure = exc
+        with self._exclusive():
+            now = self._index.get(info.id)
+            if now is None or not meta_path.exists():  # deleted by another process sharing the folder
+                raise NotFoundError(f"voice {key!r} was deleted") from failure
+            kept = ""
             try:
-                meta = json.loads(meta_path.read_text(encoding="utf-8"))
-                stat = meta_path.stat()
-                index[meta_path.stem] = VoiceInfo(
-                    id=meta_path.stem, name=str(meta["name"]) if meta["name"] else None,
-                    transcript=str(meta["transcript"]), created=float(meta["created"]), last_used=stat.st_mtime,
-                    nbytes=stat.st_size + tensors_path.stat().st_size)
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                logger.warning("voice library: skipping %s (%s: %s)", meta_path, type(exc).__name__, exc)
-        return index
+                if now.name is None:
+                    logger.warning("voice library: dropping unreadable cached voice %s (%s: %s)", info.id,
+                                   type(failure).__name__, failure)
+                    self._remove(info.id)
+                else:
+                    logger.error("voice library: saved voice %r is unreadable (%s: %s); its files are kept as "
+                                 "%s.*.unreadable in %s", now.name, type(failure).__name__, failure, info.id, self.dir)
+                    for path in (meta_path, tensors_path):  # the JSON first: without it the entry no longer exists
+                        with contextlib.suppress(FileNotFoundError):
+                            path.rename(path.with_name(path.name + ".unreadable"))
+                    self._index.pop(info.id, None)
+                    kept = "; its files were kept aside for the server's operator"
+            except OSError as exc:
+                logger.error("voice library: cannot set aside the unreadable voice %s (%s)", info.id, exc)
+            raise InvalidInputError(f"voice {key!r} could not be read from disk{kept}; upload it again") from failure
+
+    def _read(self, info: VoiceInfo, key: str) -> Voice:
+        tensors = self._tensors(info, key)
+        try:
+            voice = Voice(PromptFeatures.from_tensors(tensors), tensors["prompt_text"].to(torch.int32))
+        except (KeyError, ValueError) as exc:
+            raise InvalidInputError(f"voice {key!r} is incomplete on disk ({exc}); upload it again") from exc
+        try:
+            os.utime(self._paths(info.id)[1])  # persists the use for eviction order
+        except OSError as exc:
+            logger.debug("voice library: cannot mark %s as used (%s)", info.id, exc)
+        with self._lock:
+            if info.id in self._index:
+                self._index[info.id].last_used = time.time()
+        return voice
+
+    def _store(self, upload: _Upload, name: str | None, owner: str | None) -> VoiceInfo:
+        """Write a new entry (with its recording, where there is one), then evict; under the folder lock. A
+        failed write leaves no partial entry and raises the OSError."""
+        assert self._flock_depth > 0 and upload.voice is not None
+        voice = upload.voice
+        tensors = {**voice.features.tensors(), "prompt_text": voice.prompt_text}
+        if upload.wav.numel():
+            tensors.update(prompt_audio=torch.from_numpy(to_pcm16(upload.wav.reshape(-1))),
+                           prompt_audio_rate=torch.tensor(upload.sample_rate))
+        data = save({k: v.contiguous() for k, v in tensors.items()})
+        now = time.time()
+        info = VoiceInfo(upload.voice_id, name, user_text(upload.prompt_text), now, now, 0,
+                         owners=() if owner is None or name else (owner,), creator=owner if name else None)
+        tensors_path, _ = self._paths(upload.voice_id)
+        try:
+            atomic_write(tensors_path, lambda tmp: Path(tmp).write_bytes(data))
+            self._write_meta(info)
+        except OSError:
+            tensors_path.unlink(missing_ok=True)  # no JSON: not an entry; its space is given back
+            raise
+        info = self._index[upload.voice_id]
+        self._evict(keep=upload.voice_id)
+        return info
+
+    def _write_name(self, info: VoiceInfo, name: str, owner: str | None) -> VoiceInfo:
+        """Name the entry ``info`` (under the folder lock, index fresh): unique, bounded, written atomically."""
+        assert self._flock_depth > 0
+        if info.name == name:
+            return replace(info)
+        holder = next((i for i in self._entries() if i.name == name), None)
+        if holder is not None and holder.id != info.id:
+            raise AlreadyExistsError(f"a voice named {name!r} exists already; delete it or choose another name",
+                                     "name")
+        if info.name is None and sum(i.name is not None for i in self._index.values()) >= self.max_named:
+            raise ResourceLimitError(f"{self.max_named} voices are saved already; delete one to save another")
+        creator = info.creator if info.name is not None else owner
+        try:
+            self._write_meta(replace(info, name=name, owners=(), creator=creator))
+        except OSError as exc:
+            raise _storage_error(exc, f"save the voice {name!r}") from exc
+        return replace(self._index[info.id])
+
+    def _write_meta(self, info: VoiceInfo) -> None:
+        """Replace an entry's JSON atomically and index it as written (under the folder lock)."""
+        assert self._flock_depth > 0
+        data = json.dumps({"name": info.name, "transcript": info.transcript, "created": info.created,
+                           "owners": list(info.owners), "creator": info.creator}, ensure_ascii=False).encode()
+        tensors_path, meta_path = self._paths(info.id)
+        atomic_write(meta_path, lambda tmp: Path(tmp).write_bytes(data))
+        st = meta_path.stat()
+        self._index[info.id] = replace(info, nbytes=len(data) + tensors_path.stat().st_size)
+        self._stamps[info.id] = _Stamp(st.st_ino, st.st_size, st.st_ctime_ns)
+
+    def _caching_failed(self, voice_id: str, exc: OSError) -> None:
+        """A cache write failed: the request goes on without caching; logged once per kind of failure."""
+        if exc.errno != self._store_failure:
+            logger.warning("voice library: uploads are used without caching them in %s (%s); the first was %s",
+                           self.dir, exc.strerror or exc, voice_id)
+        self._store_failure = exc.errno
+
+    def _evict(self, keep: str | None) -> None:
+        """Drop least recently used unnamed entries until both bounds hold (never ``keep``, the newest). Under
+        the folder lock, after a re-read: an entry another process has named is never touched."""
+        assert self._flock_depth > 0
+        cached = sorted((i for i in self._index.values() if i.name is None and i.id != keep),
+                        key=lambda i: i.last_used)
+        count = len(cached) + (keep is not None)
+        size = sum(i.nbytes for i in cached) + (self._index[keep].nbytes if keep else 0)
+        for info in cached:
+            if count <= self.max_entries and size <= self.max_bytes:
+                break
+            try:
+                self._remove(info.id)
+            except OSError as exc:
+                logger.warning("voice library: cannot evict %s (%s)", info.id, exc)
+                return
+            count, size = count - 1, size - info.nbytes
+
+    def _remove(self, voice_id: str) -> None:
+        assert self._flock_depth > 0
+        for path in self._paths(voice_id)[::-1]:  # the JSON first: without it the entry no longer exists
+            path.unlink(missing_ok=True)
+        self._index.pop(voice_id, None)
+        self._stamps.pop(voice_id, None)
+
+    # ------------------------------------------------------------------ built-in voices
 
     def add_builtins(self, folder: str | Path) -> None:
         """Offer the ``<name>.wav`` + ``<name>.txt`` pairs of ``folder`` as built-in voices (featurised on first
@@ -384,7 +758,7 @@ class VoiceLibrary:
                 logger.warning("voice library: built-in %s has no transcript (%s); skipped", wav, transcript_path.name)
                 continue
             transcript = " ".join(transcript_path.read_text(encoding="utf-8").split())
-            info = VoiceInfo(id=f"builtin-{wav.stem}", name=wav.stem, transcript=transcript, created=0.0,
+            info = VoiceInfo(id=f"{BUILTIN_PREFIX}{wav.stem}", name=wav.stem, transcript=transcript, created=0.0,
                              last_used=0.0, nbytes=0, builtin=True)
             builtins[info.id] = _Builtin(info, wav, zero_shot_prompt_text(transcript))
         with self._lock:
@@ -393,93 +767,22 @@ class VoiceLibrary:
     def _builtin_voice(self, voice_id: str) -> Voice:
         """A built-in's voice, featurised once per process (the shared per-id lock keeps that to one)."""
         entry = self._builtins[voice_id]
-        with self._lock:
-            computing = self._computing.setdefault(voice_id, threading.Lock())
-        with computing:
+        with self._featurising(voice_id):
             if entry.voice is None:
                 wav, sample_rate = self.frontend.load_prompt(entry.wav)
                 entry.voice = self.frontend.voice_from(self.frontend.features(wav, sample_rate), entry.prompt_text)
         return entry.voice
 
-    def _load(self, voice_id: str) -> Voice | None:
-        """The stored voice (marking it used), or None if absent or unreadable. An unreadable cache entry is
-        dropped (the upload recreates it); a named voice's files are kept aside as ``*.unreadable``, never deleted."""
-        with self._lock:
-            info = self._index.get(voice_id)
-            if info is None:
-                return None
-        tensors_path, meta_path = self._paths(voice_id)
-        try:
-            tensors = load_file(tensors_path)
-            voice = Voice(PromptFeatures.from_tensors(tensors), tensors["prompt_text"].to(torch.int32))
-        except (OSError, SafetensorError, ValueError, KeyError) as exc:
-            with self._lock:
-                if not meta_path.exists():  # deleted by another process sharing the folder
-                    self._index.pop(voice_id, None)
-                elif info.name is None:
-                    logger.warning("voice library: dropping unreadable cached voice %s (%s: %s)", voice_id,
-                                   type(exc).__name__, exc)
-                    self._remove(voice_id)
-                else:
-                    logger.error("voice library: saved voice %r is unreadable (%s: %s); its files are kept as "
-                                 "*.unreadable", info.name, type(exc).__name__, exc)
-                    self._index.pop(voice_id, None)
-                    for path in (meta_path, tensors_path):  # the JSON first: without it the entry no longer exists
-                        with contextlib.suppress(FileNotFoundError):
-                            path.rename(path.with_name(path.name + ".unreadable"))
-            return None
-        try:
-            os.utime(meta_path)  # persists the use for eviction order; a read-only library still serves
-        except OSError as exc:
-            logger.warning("voice library: cannot mark %s as used (%s)", voice_id, exc)
-        with self._lock:
-            if voice_id in self._index:
-                self._index[voice_id].last_used = time.time()
-        return voice
 
-    def _store(self, voice_id: str, voice: Voice, prompt_text: str,
-               audio: tuple[torch.Tensor, int] | None = None) -> None:
-        """Persist a new entry (with its recording, where there is one), then evict; a disk failure only costs
-        the caching, not the request."""
-        tensors_path, _ = self._paths(voice_id)
-        tensors = {**voice.features.tensors(), "prompt_text": voice.prompt_text}
-        if audio is not None:
-            tensors.update(prompt_audio=torch.from_numpy(to_pcm16(audio[0].reshape(-1))),
-                           prompt_audio_rate=torch.tensor(audio[1]))
-        now = time.time()
-        info = VoiceInfo(voice_id, None, user_text(prompt_text), now, now, 0)
-        try:
-            atomic_write(tensors_path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp))
-            info.nbytes = tensors_path.stat().st_size + self._write_meta(info)
-        except OSError as exc:
-            logger.warning("voice library: could not store voice %s in %s (%s)", voice_id, self.dir, exc)
-            return
-        with self._lock:
-            self._index[voice_id] = info
-            self._evict(keep=voice_id)
-
-    def _write_meta(self, info: VoiceInfo) -> int:
-        data = json.dumps({"name": info.name, "transcript": info.transcript, "created": info.created},
-                          ensure_ascii=False).encode()
-        atomic_write(self._paths(info.id)[1], lambda tmp: Path(tmp).write_bytes(data))
-        return len(data)
-
-    def _evict(self, keep: str | None) -> None:
-        """Drop least recently used unnamed entries until both bounds hold (never ``keep``, the newest)."""
-        cached = sorted((i for i in self._index.values() if i.name is None and i.id != keep),
-                        key=lambda i: i.last_used)
-        count = len(cached) + (keep is not None)
-        size = sum(i.nbytes for i in cached) + (self._index[keep].nbytes if keep else 0)
-        for info in cached:
-            if count <= self.max_entries and size <= self.max_bytes:
-                break
-            self._remove(info.id)
-            count, size = count - 1, size - info.nbytes
-
-    def _remove(self, voice_id: str) -> None:
-        self._index.pop(voice_id, None)
-        for path in self._paths(voice_id)[::-1]:  # the JSON first: without it the entry no longer exists
-            path.unlink(missing_ok=True)
+def _storage_error(exc: OSError, action: str) -> StorageError:
+    """A failed write as users may read it: what could not be done and why, without the server's paths."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        why = "the server's disk for voices is full; delete voices you no longer need, or ask its operator"
+    elif exc.errno == errno.EROFS:
+        why = "the server's voice folder has become read-only; ask its operator"
+    else:
+        why = f"the server could not write it ({exc.strerror or type(exc).__name__})"
+    return StorageError(f"could not {action}: {why}")
 
 
 def _metadata(data: bytes) -> dict[str, str]:

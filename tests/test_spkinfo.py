@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cosyvoice.cli.cosyvoice import CosyVoice3
-from cosyvoice.errors import InvalidInputError
+from cosyvoice.errors import ConfigError, InvalidInputError
 from cosyvoice.frontend.prompts import zero_shot_prompt_text
 from cosyvoice.settings import Limits
 from cosyvoice.spkinfo import SPKINFO_FILE, read_spkinfo, voice_to_official
@@ -146,9 +146,8 @@ def test_kill_9_during_a_save_leaves_the_old_or_the_new_file(tmp_path: Path) -> 
     assert interrupted >= 2, "the kills should land inside writes"
 
 
-def test_an_unusable_voice_folder_does_not_stop_the_model(model_dir: Path, tmp_path: Path,
-                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_an_unusable_voice_folder_stops_the_model_with_a_clear_message(model_dir: Path, tmp_path: Path) -> None:
     blocked = tmp_path / "not-a-folder"
     blocked.write_text("a file where the voice folder should be")
-    api = _open(model_dir, blocked / "voices")
-    assert "cannot use the voice folder" in caplog.text and api.list_available_spks() == []
+    with pytest.raises(ConfigError, match=rf"cannot use the voice folder {blocked / 'voices'} .*COSYVOICE_VOICE_DIR"):
+        _open(model_dir, blocked / "voices")  # never a temporary library whose saved voices vanish at exit

@@ -51,6 +51,11 @@ def _library(tts, root: Path, **bounds) -> tuple[VoiceLibrary, CountingFrontend]
     return VoiceLibrary(root, frontend, model_dir=tts.model_dir, **bounds), frontend
 
 
+def _entry_files(library: VoiceLibrary) -> set[str]:
+    """The entries' file stems (not the folder's hidden lock file)."""
+    return {p.stem for p in library.dir.iterdir() if not p.name.startswith(".")}
+
+
 def _same(a, b) -> bool:
     fa, fb = a.features, b.features
     return (torch.equal(fa.speech_feat, fb.speech_feat) and torch.equal(fa.speech_token, fb.speech_token)
@@ -102,7 +107,7 @@ def test_least_recently_used_uploads_are_evicted_and_named_voices_kept(tts, tmp_
     library.get(c)  # used: now more recent than that upload
     e = library.get_or_create(_tone(550))[0]
     assert [i.id for i in library.list()] == [b, e, c]  # named first, then uploads by recency
-    assert {p.stem for p in library.dir.iterdir()} == {b, c, e}
+    assert _entry_files(library) == {b, c, e}
 
     tiny, _ = _library(tts, tmp_path / "bytes", max_bytes=1)  # every entry is over the bound: the newest stays
     ids = [tiny.get_or_create(_tone(hz))[0] for hz in (110, 220)]
@@ -151,7 +156,7 @@ def test_concurrent_callers_share_one_computation(tts, tmp_path: Path) -> None:
         distinct = list(pool.map(lambda hz: library.get_or_create(_tone(hz))[0], (220, 330, 440, 550, 660, 770)))
     assert len(set(distinct)) == 6 and frontend.calls == 7
     kept = {i.id for i in library.list()}
-    assert len(kept) == 3 and {p.stem for p in library.dir.iterdir()} == kept
+    assert len(kept) == 3 and _entry_files(library) == kept
 
 
 def test_rename_preview_export_import(tts, prompt_wav: Path, tmp_path: Path) -> None:
@@ -173,7 +178,8 @@ def test_rename_preview_export_import(tts, prompt_wav: Path, tmp_path: Path) -> 
     info = same_model.import_voice(data)
     assert (info.name, info.transcript) == ("Alice B", "Hello, this is a short prompt for testing.")
     assert _same(same_model.get("Alice B")[1], voice) and frontend.calls == 0  # features travelled with the file
-    assert same_model.import_voice(data, name="Copy").name == "Copy"
+    with pytest.raises(InvalidInputError, match="saved already as 'Alice B'"):  # never renames a saved voice
+        same_model.import_voice(data, name="Copy")
     other_model, frontend = _library(tts, tmp_path / "c")
     other_model.model_id = "another-release"  # a library of another model: features are made anew
     assert other_model.import_voice(data).name == "Alice B" and frontend.calls == 1

@@ -14,7 +14,6 @@ written by ``save_spkinfo`` without ever dropping an entry (:mod:`cosyvoice.spki
 from __future__ import annotations
 
 import logging
-import tempfile
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -198,21 +197,11 @@ class CosyVoice3:
     # ------------------------------------------------------------------ saved voices (official spk2info)
 
     def _open_voices(self, root: Path) -> VoiceLibrary:
-        """The voice library under ``root``; where it cannot be created (a read-only folder) the model still
-        starts, with a library in a temporary folder, and says so (``save_spkinfo`` still persists voices)."""
+        """The voice library under ``root``; a folder it cannot use stops start-up with a ConfigError naming it
+        and the setting to change (never a silent temporary library whose voices vanish at exit)."""
         limits = self.limits
-
-        def library(path: Path) -> VoiceLibrary:
-            return VoiceLibrary(path, self.frontend, model_dir=self.model_dir, max_entries=limits.max_cached_voices,
-                                max_bytes=limits.max_cached_voice_bytes, max_named=limits.max_named_voices)
-
-        try:
-            return library(root)
-        except OSError as exc:
-            fallback = Path(tempfile.mkdtemp(prefix="cosyvoice-voices-"))
-            logger.error("cannot use the voice folder %s (%s); saved voices are kept in %s for this run only "
-                         "(pass voice_dir= or set COSYVOICE_VOICE_DIR)", root, exc, fallback)
-            return library(fallback)
+        return VoiceLibrary(root, self.frontend, model_dir=self.model_dir, max_entries=limits.max_cached_voices,
+                            max_bytes=limits.max_cached_voice_bytes, max_named=limits.max_named_voices)
 
     @property
     def spk2info(self) -> Mapping[str, Voice]:
