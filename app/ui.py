@@ -170,7 +170,7 @@ class Studio:
 
     @property
     def tts(self) -> CosyVoice3:
-        return self.service.tts
+        return self.service.model
 
     @property
     def voices(self) -> VoiceLibrary:
@@ -767,7 +767,7 @@ def load_studio(model_dir: str | Path | None = None, *, voice_dir: str | Path | 
     tts = CosyVoice3(model_dir or DEFAULT_MODEL_DIR, device=device, voice_dir=voice_dir)
     if builtin_dir is not None:
         tts.voices.add_builtins(builtin_dir)
-    return Studio(TTSService(tts, tts.voices), demo=demo)  # one library: the page, the API and spk2info
+    return Studio(tts.service, demo=demo)  # one library: the page, the API and spk2info
 
 
 def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: bool = True,

@@ -1,41 +1,45 @@
-"""The service layer: one request type, validated once, turned into model input; shared by every adapter.
+"""The service layer: it owns every request, from the adapter's call to the engine's sessions.
 
-The REST, gRPC and Ray Serve servers and the web UI are thin adapters over :class:`TTSService`. They map
-their wire fields onto :class:`SynthesisRequest` and :class:`~cosyvoice.errors.CosyVoiceError` onto their
-status codes; everything else happens here, once:
+Every adapter — the official Python API (:mod:`cosyvoice.cli.cosyvoice`), REST, gRPC, Ray Serve and the web
+UI — maps its wire fields onto one :class:`SynthesisRequest` and :class:`~cosyvoice.errors.CosyVoiceError`
+back onto its status codes; everything else happens here, once, in one direction (docs/architecture.md):
 
-* validation, with :class:`~cosyvoice.errors.InvalidInputError` naming the request field at fault (``field``);
-* admission: at most ``Limits.max_sessions`` requests synthesise, ``Limits.max_queued_requests`` more wait up
-  to ``Limits.queue_timeout_seconds``; beyond that a request is refused at once with
-  :class:`~cosyvoice.errors.ResourceLimitError` ("busy"), so servers answer 503 instead of piling up;
-* mode -> model input with CosyVoice3's prompt conventions (users send plain transcripts and instructions;
-  ``cosyvoice.frontend.prompts`` adds the system prefix where it is missing);
-* voices: a saved voice is looked up by id or name in THE voice library at call time (voices saved after
-  start-up work at once); an uploaded prompt goes through the same library, so its features are cached;
+* validation, at the edge and only here, with :class:`~cosyvoice.errors.InvalidInputError` naming the request
+  field at fault (``field``); code below the service asserts its invariants instead of checking again;
+* admission (:class:`Admission`, the only one): at most ``Limits.max_sessions`` requests synthesise and
+  ``Limits.max_queued_requests`` more wait, first come first served, up to ``Limits.queue_timeout_seconds``;
+  beyond that "busy" at once, so servers answer 503 instead of piling up. Decoding an upload happens inside it;
+* the seed: a request without one draws it from torch's global generator (so ``torch.manual_seed`` repeats an
+  unseeded call, as the official API promises) and every session reports the seed it used;
+* voices: a saved voice is looked up by id or name in THE voice library at call time; an uploaded prompt goes
+  through the same library, so its features are cached;
+* one :class:`~cosyvoice.engine.CancelToken` per request, from the adapter to the LLM scheduler: Stop, a gone
+  client, a gRPC cancel or a shutdown (:meth:`TTSService.drain`) ends the LLM within one step;
 * outcomes (success, or failure with a reason) reported to listeners, e.g. a server's Prometheus metrics.
 
-The service never runs a network itself: it calls the public ``CosyVoice3.synthesize`` API, so the engine
-behind it (threads today, a batched scheduler tomorrow) can change without touching any adapter.
+Turning a validated request into model input and engine sessions is :mod:`cosyvoice.pipeline`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import numbers
 import queue
-import re
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
+import torch
 
-from cosyvoice.cli.cosyvoice import CosyVoice3
+from cosyvoice import pipeline
 from cosyvoice.encoding import AudioFormat, audio_format
 from cosyvoice.engine import AudioChunk, CancelToken, Engine
 from cosyvoice.errors import (
@@ -47,7 +51,9 @@ from cosyvoice.errors import (
 )
 from cosyvoice.frontend.audio import AudioSource
 from cosyvoice.frontend.frontend import Voice
-from cosyvoice.frontend.prompts import cross_lingual_text, instruct_text, user_text, zero_shot_prompt_text
+from cosyvoice.frontend.prompts import user_text, zero_shot_prompt_text
+from cosyvoice.frontend.tokenizer import END_OF_PROMPT
+from cosyvoice.pipeline import Conditioning, Model, TextFeed
 from cosyvoice.settings import Limits
 from cosyvoice.voices import VoiceInfo, VoiceLibrary, check_name
 
@@ -56,8 +62,10 @@ logger = logging.getLogger(__name__)
 ServiceMode = Literal["zero_shot", "cross_lingual", "instruct", "sft"]
 MODES: tuple[str, ...] = ("zero_shot", "cross_lingual", "instruct", "sft")
 MODE_ALIASES = {"instruct2": "instruct"}  # the official API's name for CosyVoice3's instruct mode
-_ENGINE_MODES = {"zero_shot": "zero_shot", "cross_lingual": "cross_lingual", "instruct": "instruct2"}
-STREAM_QUEUE_CHUNKS = 4  # chunks an async session may hold ready before its worker waits for the reader
+_ENGINE_MODES: dict[str, pipeline.EngineMode] = {"zero_shot": "zero_shot", "cross_lingual": "cross_lingual",
+                                                 "instruct": "instruct2"}
+#: sample rate of a bare float array given as a prompt without one (what the official servers pass)
+TENSOR_PROMPT_RATE = 16000
 
 
 @dataclass(frozen=True)
@@ -68,9 +76,13 @@ class SynthesisRequest:
     transcript), ``instruct`` (follow ``instruction``; ``instruct2`` is accepted as an alias) or ``sft``
     (a saved voice alone: zero-shot when the voice has a transcript, else cross-lingual).
     The voice is ``voice`` (a saved voice's id or name) or ``prompt_audio`` (an uploaded recording: file
-    bytes, a file-like object, an ``(array, sample_rate)`` pair, or a path the adapter has vetted).
-    ``stream`` asks the engine for chunks as they are ready; ``format`` is the output ``AudioFormat`` name
-    for adapters that encode (``cosyvoice.encoding.FORMATS``).
+    bytes, a file-like object, an ``(array, sample_rate)`` pair, a float tensor/array at 16 kHz, or a path the
+    adapter has vetted). ``stream`` asks the engine for chunks as they are ready; ``format`` is the output
+    ``AudioFormat`` name for adapters that encode (``cosyvoice.encoding.FORMATS``).
+    For the official API's semantics: ``text_frontend`` (normalise the text), ``split_prefixed`` (text carrying
+    ``<|endofprompt|>`` is normalised and split like plain text; False keeps it one unnormalised piece, as the
+    reference does) and ``prompt_conventions`` (False: transcript, instruction and cross-lingual text come in
+    the model's form already and must carry ``<|endofprompt|>``).
     """
 
     text: str
@@ -83,21 +95,23 @@ class SynthesisRequest:
     seed: int | None = None
     stream: bool = True
     format: str = "pcm"
+    text_frontend: bool = True
+    split_prefixed: bool = True
+    prompt_conventions: bool = True
 
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    """A validated request with its voice resolved: what the engine call needs, nothing left to check."""
+    """A validated request with its voice resolved and its text segmented: nothing left to check."""
 
     mode: str  # the service mode asked for
-    engine_mode: str  # CosyVoice3.synthesize's mode
-    text: str  # in the model's form (cross-lingual text carries the system prefix)
+    engine_mode: pipeline.EngineMode
     voice_id: str
-    voice: Voice
-    instruct_text: str  # wrapped instruction ('' outside instruct mode)
+    cond: Conditioning
+    segments: tuple[str, ...]  # normalised text pieces in the model's form (empty for a text stream)
     stream: bool
     speed: float
-    seed: int | None
+    seed: int  # drawn at validation when the request had none
     format: AudioFormat
 
 
@@ -106,9 +120,9 @@ class _Checked:
     mode: str
     stream: bool
     speed: float
-    seed: int | None
+    seed: int
     format: AudioFormat
-    instruction: str  # wrapped
+    instruction: str
 
 
 @dataclass(frozen=True)
@@ -143,6 +157,8 @@ def failure_reason(exc: BaseException) -> str:
         return "invalid_input"
     if isinstance(exc, ResourceLimitError):
         return "busy"
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return "cancelled"
     if isinstance(exc, CosyVoiceError):
         return "model_error"
     return "internal"
@@ -169,29 +185,9 @@ def allowed_path(path: str, root: str | Path | None, field: str = "prompt_audio"
     return target
 
 
-# a sentence ends at .!?;… (then closing quotes/brackets) followed by white space, or at CJK end marks or a
-# new line; a trailing "." waits for the next piece, since "3." may continue as "3.14"
-_SENTENCE_END = re.compile(r"[.!?;…]+[\"'”’)\]]*\s+|[。！？；]+[”’」』）]*|\n+")
-
-
-def complete_sentences(pieces: Iterable[str]) -> Iterator[str]:
-    """Sentences of text arriving in ``pieces``, each yielded as soon as it is complete (the rest at the end)."""
-    buffer = ""
-    for piece in pieces:
-        if not isinstance(piece, str):
-            raise InvalidInputError(f"text pieces must be strings, got {type(piece).__name__}", "text")
-        buffer += piece
-        while (end := _SENTENCE_END.search(buffer)) is not None:
-            sentence, buffer = buffer[:end.end()].strip(), buffer[end.end():]
-            if sentence:
-                yield sentence
-    if buffer.strip():
-        yield buffer.strip()
-
-
 class TextPieces(Iterator[str]):
-    """Text pieces handed from one thread (a server's event loop) to the synthesis thread that reads them:
-    ``put`` each piece, then ``end()``; ``abort()`` (a cancelled session) ends the reader at once."""
+    """Text pieces handed from one thread to a reader that iterates them: ``put`` each piece, then ``end()``;
+    ``abort()`` ends the reader at once. (Servers on asyncio write to ``session.writer`` instead.)"""
 
     _END = object()
 
@@ -232,88 +228,192 @@ def _field(name: str) -> Iterator[None]:
         raise
 
 
-class _Admission:
-    """At most ``max_active`` holders; ``max_waiting`` more may wait up to ``timeout`` s; the rest are busy."""
+class _Waiter:
+    __slots__ = ("granted", "refused", "wake")
+
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self.wake, self.granted, self.refused = wake, False, False
+
+
+class Admission:
+    """The one admission of a service: at most ``max_active`` holders; ``max_waiting`` more wait in arrival
+    order (threads and asyncio tasks in one queue) up to ``timeout`` s; the rest are "busy" at once.
+
+    A released slot passes straight to the longest waiter, so nobody overtakes. ``close()`` (shutting down)
+    refuses the waiters and every later request.
+    """
 
     def __init__(self, max_active: int, max_waiting: int, timeout: float) -> None:
         self.max_active, self.max_waiting, self.timeout = max_active, max_waiting, timeout
-        self.active = self.waiting = 0
-        self._cond = threading.Condition()
+        self.active = 0
+        self._queue: collections.deque[_Waiter] = collections.deque()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def _enter(self, waiter: _Waiter) -> bool:
+        """Take a slot now (True) or queue ``waiter`` (False); raises when refused. Call with the lock held."""
+        if self._closed:
+            raise ResourceLimitError("shutting down: this server takes no new requests; retry on another")
+        if self.active < self.max_active and not self._queue:
+            self.active += 1
+            return True
+        if len(self._queue) >= self.max_waiting:
+            raise ResourceLimitError(f"busy: {self.active} requests are synthesising and {len(self._queue)} are "
+                                     "waiting; retry later")
+        self._queue.append(waiter)
+        return False
+
+    def _settle(self, waiter: _Waiter) -> None:
+        """After a wait: keep a granted slot, else leave the queue and say why."""
+        with self._lock:
+            if waiter.granted:
+                return
+            with contextlib.suppress(ValueError):
+                self._queue.remove(waiter)
+        if waiter.refused:
+            raise ResourceLimitError("shutting down: this server takes no new requests; retry on another")
+        raise ResourceLimitError(f"busy: no synthesis slot became free within {self.timeout:g} s; retry later")
 
     def acquire(self) -> None:
-        with self._cond:
-            if self.active < self.max_active:
-                self.active += 1
+        """Wait for a slot (blocking)."""
+        event = threading.Event()
+        waiter = _Waiter(event.set)
+        with self._lock:
+            if self._enter(waiter):
                 return
-            if self.waiting >= self.max_waiting:
-                raise ResourceLimitError(f"busy: {self.active} requests are synthesising and {self.waiting} are "
-                                         "waiting; retry later")
-            self.waiting += 1
-            try:
-                admitted = self._cond.wait_for(lambda: self.active < self.max_active, self.timeout)
-            finally:
-                self.waiting -= 1
-            if not admitted:
-                raise ResourceLimitError(f"busy: no synthesis slot became free within {self.timeout:g} s; "
-                                         "retry later")
-            self.active += 1
+        event.wait(self.timeout)
+        self._settle(waiter)
+
+    async def aacquire(self) -> None:
+        """Wait for a slot without blocking the event loop; a cancelled wait leaves no slot behind."""
+        loop = asyncio.get_running_loop()
+        granted = loop.create_future()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(lambda: granted.done() or granted.set_result(None))
+
+        waiter = _Waiter(wake)
+        with self._lock:
+            if self._enter(waiter):
+                return
+        try:
+            await asyncio.wait_for(granted, self.timeout)
+        except TimeoutError:
+            pass
+        except asyncio.CancelledError:
+            with self._lock:
+                if not waiter.granted:
+                    waiter.refused = True
+                    with contextlib.suppress(ValueError):
+                        self._queue.remove(waiter)
+                    raise
+            self.release()
+            raise
+        self._settle(waiter)
 
     def release(self) -> None:
-        with self._cond:
+        with self._lock:
+            while self._queue:
+                waiter = self._queue.popleft()
+                waiter.granted = True
+                try:
+                    waiter.wake()
+                    return  # the slot passes to it: ``active`` is unchanged
+                except RuntimeError:  # its event loop is gone: nobody will take the slot
+                    waiter.granted = False
             self.active -= 1
-            self._cond.notify()
+
+    def close(self) -> None:
+        """Refuse every waiter and every later request (shutting down); holders keep their slots."""
+        with self._lock:
+            self._closed = True
+            waiters, self._queue = list(self._queue), collections.deque()
+        for waiter in waiters:
+            waiter.refused = True
+            with contextlib.suppress(RuntimeError):
+                waiter.wake()
+
+
+class _Ending:
+    """What a session does once, however it ends: free the admission slot and report the outcome."""
+
+    def __init__(self, service: TTSService, prepared: PreparedRequest, started: float, token: CancelToken) -> None:
+        self.service, self.prepared, self.started, self.token = service, prepared, started, token
+        self.feed: TextFeed | None = None  # a text stream's input, set before its session is made
+        self.first: float | None = None
+        self.samples = 0
+        self.done = False
+        self._lock = threading.Lock()
+
+    def count(self, chunk: AudioChunk) -> None:
+        if chunk.pcm.numel() and self.first is None:
+            self.first = time.perf_counter() - self.started
+        self.samples += chunk.pcm.numel()
+
+    def cancel(self) -> None:
+        self.token.cancel()
+        if self.feed is not None:
+            self.feed.close()
+
+    def finish(self, reason: str | None) -> bool:
+        """End the request once (True the first time): the slot goes back, the outcome is reported."""
+        with self._lock:
+            if self.done:
+                return False
+            self.done = True
+        if self.feed is not None:
+            self.feed.close()
+        self.service._sessions.discard(self)
+        self.service._admission.release()
+        self.service._report(Outcome(self.prepared.mode, reason, time.perf_counter() - self.started,
+                                     self.samples / self.service.sample_rate, self.first))
+        return True
 
 
 class SynthesisSession(Iterator[AudioChunk]):
     """One admitted request's audio. Iterate for :class:`AudioChunk`; ``close()`` (or leaving a ``with``
     block, or dropping it) ends the request, cancels the engine session and frees the slot. ``cancel()``
-    may be called from any thread: the engine stops within one LLM step and the reader's iteration ends."""
+    may be called from any thread: the engine stops within one LLM step and the reader's iteration ends.
+    A text-stream session takes its text through ``writer``."""
 
-    def __init__(self, service: TTSService, prepared: PreparedRequest, chunks: Iterator[AudioChunk],
-                 started: float, token: CancelToken, on_end: Callable[[], None] | None = None) -> None:
-        self.service, self.prepared = service, prepared
-        self._token = token  # given to the engine: cancels from any thread
-        self._on_end = on_end  # e.g. stop the reader of a text stream
-        self.sample_rate = service.sample_rate
-        self._chunks = chunks
-        self._started = started
-        self._first: float | None = None
-        self._samples = 0
-        self._cancelled = threading.Event()
-        self._done = False
-        self._lock = threading.Lock()
+    def __init__(self, ending: _Ending, chunks: Iterator[AudioChunk]) -> None:
+        self._ending, self._chunks = ending, chunks
+        self.prepared = ending.prepared
+        self.sample_rate = ending.service.sample_rate
+        self.writer = ending.feed
+
+    @property
+    def seed(self) -> int:
+        return self.prepared.seed
 
     @property
     def audio_seconds(self) -> float:
-        return self._samples / self.sample_rate
+        return self._ending.samples / self.sample_rate
 
     def __next__(self) -> AudioChunk:
-        if self._done:
-            raise StopIteration
-        if self._cancelled.is_set():
-            self._finish("cancelled")
+        ending = self._ending
+        if ending.done:
             raise StopIteration
         try:
             chunk = next(self._chunks)
         except StopIteration:
-            self._finish("cancelled" if self._cancelled.is_set() else None)
+            self._finish("cancelled" if ending.token.cancelled else None)
             raise
         except BaseException as exc:
             self._finish(failure_reason(exc))
             with contextlib.suppress(AttributeError):
                 exc._outcome_reported = True  # adapters that report errors they catch skip this one
             raise
-        if chunk.pcm.numel() and self._first is None:
-            self._first = time.perf_counter() - self._started
-        self._samples += chunk.pcm.numel()
+        ending.count(chunk)
         return chunk
 
     def cancel(self) -> None:
         """Thread-safe: the engine stops within one LLM step; a reader blocked in ``next()`` returns."""
-        self._cancelled.set()
-        self._token.cancel()
-        if self._on_end is not None:
-            self._on_end()
+        self._ending.cancel()
 
     def close(self) -> None:
         self._finish("cancelled")
@@ -328,99 +428,106 @@ class SynthesisSession(Iterator[AudioChunk]):
         self._finish("cancelled")
 
     def _finish(self, reason: str | None) -> None:
-        with self._lock:
-            if self._done:
-                return
-            self._done = True
+        if self._ending.done:
+            return
         try:
-            close = getattr(self._chunks, "close", None)
-            if close is not None:
-                close()  # the engine cancels its session within one decode step
-            if self._on_end is not None:
-                self._on_end()
+            self._ending.cancel() if reason == "cancelled" else None
+            self._chunks.close()  # the engine releases its session (at most one LLM step)
         finally:
-            self.service._admission.release()
-            self.service._report(Outcome(self.prepared.mode, reason, time.perf_counter() - self._started,
-                                         self.audio_seconds, self._first))
+            self._ending.finish(reason)
 
 
 class AsyncSynthesisSession(AsyncIterator[AudioChunk]):
-    """A :class:`SynthesisSession` read from asyncio: a worker thread runs it and hands chunks over through a
-    queue of at most ``STREAM_QUEUE_CHUNKS``; ``aclose()`` cancels it (the worker closes the engine session)."""
+    """One admitted request's audio on the event loop, with no thread of its own: the engine hands chunks to
+    the loop directly. ``cancel()`` works from any thread; ``aclose()`` ends the request."""
 
-    def __init__(self, session: SynthesisSession) -> None:
-        self.session = session
-        self.prepared = session.prepared
-        self.sample_rate = session.sample_rate
-        self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self._permits = threading.Semaphore(STREAM_QUEUE_CHUNKS)
-        self._stopped = threading.Event()
-        self._ended = False
-        self._thread = threading.Thread(target=self._work, daemon=True, name="cosyvoice-service-stream")
-        self._thread.start()
+    def __init__(self, ending: _Ending, chunks: AsyncIterator[AudioChunk]) -> None:
+        self._ending, self._chunks = ending, chunks
+        self.prepared = ending.prepared
+        self.sample_rate = ending.service.sample_rate
+        self.writer = ending.feed
+        self._reading = False
 
-    def _put(self, item: tuple[str, Any]) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is reading any more
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+    @property
+    def seed(self) -> int:
+        return self.prepared.seed
 
-    def _work(self) -> None:
-        try:
-            for chunk in self.session:
-                self._permits.acquire()
-                if self._stopped.is_set():
-                    break
-                self._put(("chunk", chunk))
-        except BaseException as exc:  # handed to the reader, raised in its task
-            self._put(("error", exc))
-        finally:
-            self.session.close()
-            self._put(("end", None))
+    @property
+    def audio_seconds(self) -> float:
+        return self._ending.samples / self.sample_rate
 
     async def __anext__(self) -> AudioChunk:
-        if self._ended:
+        ending = self._ending
+        if ending.done:
             raise StopAsyncIteration
-        kind, value = await self._queue.get()
-        if kind == "chunk":
-            self._permits.release()
-            return value
-        self._ended = True
-        if kind == "error":
-            raise value
-        raise StopAsyncIteration
+        self._reading = True
+        try:
+            chunk = await self._chunks.__anext__()
+        except StopAsyncIteration:
+            ending.finish("cancelled" if ending.token.cancelled else None)
+            raise
+        except BaseException as exc:
+            ending.cancel()
+            ending.finish(failure_reason(exc))
+            with contextlib.suppress(AttributeError):
+                exc._outcome_reported = True
+            raise
+        finally:
+            self._reading = False
+        ending.count(chunk)
+        return chunk
+
+    def cancel(self) -> None:
+        """Thread-safe: the engine stops within one LLM step and a pending ``__anext__`` ends."""
+        self._ending.cancel()
 
     async def aclose(self) -> None:
-        """Cancel (if still running) without waiting for the worker: the engine stops within one LLM step."""
-        if self._stopped.is_set():
-            return
-        self._ended = True
-        self._stopped.set()
-        self.session.cancel()
-        self._permits.release()  # wakes a worker waiting for room in the queue
+        """Cancel (if still running): the engine stops within one LLM step and the slot goes back."""
+        self._ending.cancel()
+        if not self._reading:  # a reader in another task ends by itself once the token is cancelled
+            with contextlib.suppress(Exception):
+                await self._chunks.aclose()
+            self._ending.finish("cancelled")
 
     async def wait_closed(self) -> None:
-        """Until the worker has closed the engine session (tests, graceful shutdown)."""
-        await asyncio.to_thread(self._thread.join)
+        """Until the request has ended (its slot is free)."""
+        while not self._ending.done:
+            await asyncio.sleep(0.01)
+
+    def __del__(self) -> None:
+        if not self._ending.done:
+            self._ending.cancel()
+            self._ending.finish("cancelled")
 
 
 class TTSService:
-    """Owns a :class:`CosyVoice3` and THE :class:`VoiceLibrary`; every adapter calls this."""
+    """Owns the requests on one loaded :class:`~cosyvoice.pipeline.Model` and THE :class:`VoiceLibrary`."""
 
-    def __init__(self, tts: CosyVoice3, voices: VoiceLibrary | None = None, limits: Limits | None = None) -> None:
-        self.tts = tts
-        self.voices = voices if voices is not None else tts.voices  # THE library: the official API's saved voices
-        self.limits = limits or tts.limits
-        self.sample_rate = tts.sample_rate
-        self._admission = _Admission(self.limits.max_sessions, self.limits.max_queued_requests,
-                                     self.limits.queue_timeout_seconds)
+    def __init__(self, model: Model, voices: VoiceLibrary, limits: Limits | None = None) -> None:
+        self.model = model
+        self.voices = voices
+        self.limits = limits or model.limits
+        self.sample_rate = model.sample_rate
+        self._admission = Admission(self.limits.max_sessions, self.limits.max_queued_requests,
+                                    self.limits.queue_timeout_seconds)
+        self._sessions: weakref.WeakSet[_Ending] = weakref.WeakSet()  # running requests, for cancel_all
         self._listeners: list[Callable[[Outcome], None]] = []
 
     @classmethod
-    def load(cls, model_dir: str | Path, voice_dir: str | Path, *, device: str | None = None,
-             limits: Limits | None = None) -> TTSService:
+    def load(cls, model_dir: str | Path, voice_dir: str | Path, *, device: str | torch.device | None = None,
+             dtype: str = "fp32", limits: Limits | None = None,
+             download_root: str | Path = "pretrained_models") -> TTSService:
         """A model folder (or ModelScope id) and a voice folder -> a ready service."""
         limits = limits or Limits.from_env()
-        return cls(CosyVoice3(model_dir, device=device, limits=limits, voice_dir=voice_dir), limits=limits)
+        model = Model.load(model_dir, device=device, dtype=dtype, limits=limits, download_root=download_root)
+        voices = VoiceLibrary(voice_dir, model.frontend, model_dir=model.model_dir,
+                              max_entries=limits.max_cached_voices, max_bytes=limits.max_cached_voice_bytes,
+                              max_named=limits.max_named_voices)
+        return cls(model, voices, limits)
+
+    @property
+    def model_dir(self) -> str:
+        return self.model.model_dir
 
     # ------------------------------------------------------------------ observation
 
@@ -445,41 +552,92 @@ class TTSService:
         return self._admission.waiting
 
     def status(self) -> ServiceStatus:
-        return ServiceStatus(self.tts.model_dir, self.sample_rate, self._admission.active, self._admission.waiting,
+        return ServiceStatus(self.model_dir, self.sample_rate, self._admission.active, self._admission.waiting,
                              self._admission.max_active, self._admission.max_waiting, len(self.list_voices()))
 
     # ------------------------------------------------------------------ synthesis
 
     def prepare(self, request: SynthesisRequest) -> PreparedRequest:
-        """Validate ``request`` and resolve its voice (featurising an uploaded prompt, cached by the library).
-
-        Raises :class:`InvalidInputError` with ``field`` set. Cheap checks come first, so a bad field fails
-        before any audio work.
-        """
+        """Validate ``request`` and resolve its voice (featurising an uploaded prompt, cached by the library),
+        without taking a slot. Raises :class:`InvalidInputError` with ``field`` set; cheap checks come first."""
         return self._resolve(request, self._check(request))
 
-    def synthesize(self, request: SynthesisRequest) -> SynthesisSession:
-        """Validate, wait for a slot (or raise "busy"), and start: errors in the request raise here, before any
-        audio. Iterate the returned session for chunks; close it to cancel."""
+    def synthesize(self, request: SynthesisRequest, *, cancel: CancelToken | None = None,
+                   owner: str | None = None) -> SynthesisSession:
+        """Validate, wait for a slot (or raise "busy"), resolve the voice and start: errors in the request raise
+        here, before any audio. Iterate the returned session for chunks; close it (or ``cancel``) to stop."""
         started = time.perf_counter()
-        mode = mode_label(request.mode)
-        try:
-            checked = self._check(request)  # before taking a slot: a bad request never waits
-            self._admission.acquire()
-        except BaseException as exc:
-            self.report_failure(mode, exc, started)
-            raise
-        token = CancelToken()
-        try:
-            prepared = self._resolve(request, checked)
-            chunks = self.tts.synthesize(prepared.engine_mode, prepared.text, voice=prepared.voice,
-                                         instruct_text=prepared.instruct_text, stream=prepared.stream,
-                                         speed=prepared.speed, seed=prepared.seed, split_prefixed=True, cancel=token)
-        except BaseException as exc:
-            self._admission.release()
-            self.report_failure(mode, exc, started)
-            raise
-        return SynthesisSession(self, prepared, chunks, started, token)
+        ending = self._admit(request, started, lambda checked: self._resolve(request, checked, owner), cancel)
+        p = ending.prepared
+        chunks = pipeline.run_segments(self.model, p.cond, list(p.segments), stream=p.stream, speed=p.speed,
+                                       seed=p.seed, cancel=ending.token)
+        return SynthesisSession(ending, chunks)
+
+    async def asynthesize(self, request: SynthesisRequest, *, cancel: CancelToken | None = None,
+                          owner: str | None = None) -> AsyncSynthesisSession:
+        """:meth:`synthesize` for asyncio: waiting for a slot never blocks the loop; decoding and featurising an
+        upload runs on a worker thread; the audio then comes from the engine with no thread per request."""
+        started = time.perf_counter()
+        ending = await self._aadmit(request, started, owner, cancel, has_text=True)
+        p = ending.prepared
+        chunks = pipeline.arun_segments(self.model, p.cond, list(p.segments), stream=p.stream, speed=p.speed,
+                                        seed=p.seed, cancel=ending.token)
+        return AsyncSynthesisSession(ending, chunks)
+
+    def synthesize_text_stream(self, request: SynthesisRequest, pieces: Iterable[str] | None = None, *,
+                               cancel: CancelToken | None = None, owner: str | None = None) -> SynthesisSession:
+        """Speak text that arrives over time (e.g. a chat LLM's output); ``request.text`` is ignored.
+
+        Write the text to ``session.writer`` (``write(piece)`` from any thread, then ``close()``), or give an
+        iterable of ``pieces``, which a thread of its own feeds in. Audio starts before the text is complete:
+        zero-shot and instruct voices use the engine's bi-streaming input (speech tokens follow the text tokens
+        as they come); cross-lingual has no such input, so each sentence is spoken as soon as it is complete.
+        The whole stream holds one slot; its text is bounded by ``Limits.max_text_chars``.
+        """
+        started = time.perf_counter()
+        ending = self._admit(request, started, lambda checked: self._resolve(request, checked, owner, text=False),
+                             cancel, has_text=False)
+        p = ending.prepared
+        ending.feed = self._feed(p)
+        chunks = pipeline.run_text_stream(self.model, p.cond, ending.feed, stream=True, speed=p.speed, seed=p.seed,
+                                          cancel=ending.token)
+        session = SynthesisSession(ending, chunks)
+        if pieces is not None:
+            _pump(pieces, ending.feed)
+        return session
+
+    async def asynthesize_text_stream(self, request: SynthesisRequest, pieces: Iterable[str] | None = None, *,
+                                      cancel: CancelToken | None = None,
+                                      owner: str | None = None) -> AsyncSynthesisSession:
+        """:meth:`synthesize_text_stream` for asyncio: write pieces to ``session.writer`` from the event loop."""
+        started = time.perf_counter()
+        ending = await self._aadmit(request, started, owner, cancel, has_text=False)
+        p = ending.prepared
+        ending.feed = self._feed(p)
+        chunks = pipeline.arun_text_stream(self.model, p.cond, ending.feed, stream=True, speed=p.speed, seed=p.seed,
+                                           cancel=ending.token)
+        session = AsyncSynthesisSession(ending, chunks)
+        if pieces is not None:
+            _pump(pieces, ending.feed)
+        return session
+
+    def convert_voice(self, source_audio: AudioSource, prompt_audio: AudioSource, *, stream: bool = False,
+                      speed: float = 1.0, cancel: CancelToken | None = None) -> SynthesisSession:
+        """Voice conversion: the speech of ``source_audio`` (its speech tokens) in the voice of ``prompt_audio``."""
+        started = time.perf_counter()
+        request = SynthesisRequest("", "cross_lingual", prompt_audio=prompt_audio, speed=speed, stream=stream,
+                                   seed=0)
+        source: list[tuple[torch.Tensor, int]] = []
+
+        def resolve(checked: _Checked) -> PreparedRequest:
+            with _field("source_audio"):
+                source.append(self.model.frontend.load_prompt(source_audio))
+            return self._resolve(request, checked, text=False)
+
+        ending = self._admit(request, started, resolve, cancel, has_text=False)
+        tokens, inp = pipeline.conversion_input(self.model, source[0], ending.prepared.cond.voice)
+        return SynthesisSession(ending, self.model.engine.vocode(tokens, inp, stream=stream,
+                                                                 speed=ending.prepared.speed))
 
     def report_failure(self, mode: str, exc: BaseException, started: float | None = None) -> None:
         """Count a synthesis request that failed before it had a session (adapters call this for errors of
@@ -490,75 +648,73 @@ class TTSService:
             exc._outcome_reported = True
         self._report(Outcome(mode, failure_reason(exc), 0.0 if started is None else time.perf_counter() - started))
 
-    async def asynthesize(self, request: SynthesisRequest) -> AsyncSynthesisSession:
-        """:meth:`synthesize` for asyncio servers: validation, admission and the first model work run in a
-        thread, so the event loop never blocks; errors in the request raise here, before any audio."""
-        return AsyncSynthesisSession(await _in_thread(self.synthesize, request))
+    # ------------------------------------------------------------------ shutdown
 
-    def synthesize_text_stream(self, request: SynthesisRequest, pieces: Iterable[str]) -> SynthesisSession:
-        """Speak text that arrives in ``pieces`` (e.g. a chat LLM's output, or a :class:`TextPieces` fed by a
-        server); ``request.text`` is ignored. Audio starts before the last piece arrives: zero-shot and instruct
-        voices use the engine's text-stream input (the reference's bi-streaming: speech tokens follow the text
-        tokens as they come); cross-lingual has no such input, so each sentence is synthesised as soon as it is
-        complete (chunk indices and sample offsets run across sentences).
+    async def drain(self, grace_seconds: float) -> None:
+        """Graceful shutdown: refuse new requests ("shutting down"), let running ones finish for up to
+        ``grace_seconds``, then cancel the rest (each engine session stops within one LLM step)."""
+        self._admission.close()
+        deadline = time.monotonic() + grace_seconds
+        while self._admission.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._admission.active:
+            logger.warning("shutdown: cancelling %d requests still running after %g s", self._admission.active,
+                           grace_seconds)
+            self.cancel_all()
 
-        The whole stream holds one slot; its total text is bounded by ``Limits.max_text_chars``. Voice and
-        options are validated here, before any audio; a bad piece ends the stream with
-        :class:`InvalidInputError` (field ``text``).
-        """
-        started = time.perf_counter()
+    def cancel_all(self) -> None:
+        """Cancel every running request (thread-safe)."""
+        for ending in list(self._sessions):
+            ending.cancel()
+
+    # ------------------------------------------------------------------ admission
+
+    def _admit(self, request: SynthesisRequest, started: float, resolve: Callable[[_Checked], PreparedRequest],
+               cancel: CancelToken | None, has_text: bool = True) -> _Ending:
+        """Check, take a slot (blocking), resolve: the request's :class:`_Ending`, holding its slot."""
         mode = mode_label(request.mode)
         try:
-            checked = self._check(request, has_text=False)
+            checked = self._check(request, has_text=has_text)  # before taking a slot: a bad request never waits
             self._admission.acquire()
         except BaseException as exc:
             self.report_failure(mode, exc, started)
             raise
+        return self._started(request, checked, started, resolve, cancel)
+
+    async def _aadmit(self, request: SynthesisRequest, started: float, owner: str | None,
+                      cancel: CancelToken | None, has_text: bool) -> _Ending:
+        mode = mode_label(request.mode)
         try:
-            prepared = self._resolve(replace(request, text=""), checked)
+            checked = self._check(request, has_text=has_text)
+            await self._admission.aacquire()
+        except BaseException as exc:
+            self.report_failure(mode, exc, started)
+            raise
+        try:
+            # decoding and featurising an upload is CPU work: a worker thread, never the event loop
+            prepared = await asyncio.to_thread(self._resolve, request, checked, owner, has_text)
         except BaseException as exc:
             self._admission.release()
             self.report_failure(mode, exc, started)
             raise
-        token = CancelToken()
+        return self._started(request, checked, started, lambda _: prepared, cancel)
+
+    def _started(self, request: SynthesisRequest, checked: _Checked, started: float,
+                 resolve: Callable[[_Checked], PreparedRequest], cancel: CancelToken | None) -> _Ending:
         try:
-            if prepared.engine_mode == "cross_lingual":
-                chunks = self._sentence_chunks(prepared, pieces, token)
-            else:  # the engine's text-stream input: audio follows the text token by token
-                chunks = self.tts.synthesize(prepared.engine_mode, pieces, voice=prepared.voice,
-                                             instruct_text=prepared.instruct_text, stream=True, speed=prepared.speed,
-                                             seed=prepared.seed, cancel=token)
+            prepared = resolve(checked)
         except BaseException as exc:
             self._admission.release()
-            self.report_failure(mode, exc, started)
+            self.report_failure(checked.mode, exc, started)
             raise
-        return SynthesisSession(self, prepared, chunks, started, token, on_end=getattr(pieces, "abort", None))
+        ending = _Ending(self, prepared, started, cancel or CancelToken())
+        self._sessions.add(ending)
+        return ending
 
-    async def asynthesize_text_stream(self, request: SynthesisRequest, pieces: TextPieces) -> AsyncSynthesisSession:
-        """:meth:`synthesize_text_stream` for asyncio servers; feed ``pieces`` from the event loop."""
-        return AsyncSynthesisSession(await _in_thread(self.synthesize_text_stream, request, pieces))
-
-    def _sentence_chunks(self, prepared: PreparedRequest, pieces: Iterable[str],
-                         token: CancelToken) -> Iterator[AudioChunk]:
-        index = offset = total = 0
-        for i, sentence in enumerate(complete_sentences(pieces)):
-            total += len(sentence)
-            if total > self.limits.max_text_chars:
-                raise InvalidInputError(f"the text stream passed {self.limits.max_text_chars} characters "
-                                        "(COSYVOICE_MAX_TEXT_CHARS); start a new stream", "text")
-            if getattr(pieces, "aborted", False) or token.cancelled:
-                return  # cancelled: the text left over is not spoken
-            if not any(ch.isalnum() for ch in sentence):
-                continue  # punctuation or symbols alone: nothing to speak, and no reason to end the stream
-            text = cross_lingual_text(sentence) if prepared.engine_mode == "cross_lingual" else sentence
-            seed = None if prepared.seed is None else (prepared.seed + i) % 2**63
-            chunks = self.tts.synthesize(prepared.engine_mode, text, voice=prepared.voice,
-                                         instruct_text=prepared.instruct_text, stream=prepared.stream,
-                                         speed=prepared.speed, seed=seed, split_prefixed=True, cancel=token)
-            with contextlib.closing(chunks):
-                for chunk in chunks:
-                    yield replace(chunk, index=index, sample_offset=offset)
-                    index, offset = index + 1, offset + chunk.pcm.numel()
+    def _feed(self, prepared: PreparedRequest) -> TextFeed:
+        """A text stream's input: token by token where the engine has bi-streaming, else sentence by sentence."""
+        kind = "sentences" if prepared.engine_mode == "cross_lingual" else "tokens"
+        return TextFeed(self.model.frontend, self.limits.max_text_chars, kind)
 
     # ------------------------------------------------------------------ voices
     # ``owner`` (HELPERS "owner"): who asks; None is a local, unrestricted caller. Unsaved uploads are their
@@ -579,7 +735,7 @@ class TTSService:
         prompt_text = ""
         if isinstance(transcript, str) and user_text(transcript):
             with _field("transcript"):
-                self.tts.frontend.check_text(transcript, "transcript")
+                self.model.frontend.check_text(transcript, "transcript")
             prompt_text = zero_shot_prompt_text(transcript)
         try:
             with _field("audio"):  # the library names "name" in its errors about the name
@@ -629,29 +785,38 @@ class TTSService:
         with _field("voice"):
             return self.voices.recording(key, owner=owner)
 
-    # ------------------------------------------------------------------ validation
+    # ------------------------------------------------------------------ validation (the edge: the only checks)
 
     def _check(self, request: SynthesisRequest, has_text: bool = True) -> _Checked:
         """Every check that needs no audio work (``has_text=False``: the text arrives later, as a stream)."""
         mode = self._mode(request.mode)
         with _field("text"):
             if has_text:
-                self.tts.frontend.check_text(request.text)
+                self.model.frontend.check_text(request.text)
         stream, speed, seed = self._options(request)
         with _field("format"):
             fmt = audio_format(request.format)
         return _Checked(mode, stream, speed, seed, fmt, self._instruction(mode, request.instruction))
 
-    def _resolve(self, request: SynthesisRequest, checked: _Checked) -> PreparedRequest:
-        """The voice, and with it the engine mode and the text in the model's form."""
-        voice_id, voice = self._voice(checked.mode, request)
+    def _resolve(self, request: SynthesisRequest, checked: _Checked, owner: str | None = None,
+                 text: bool = True) -> PreparedRequest:
+        """The voice, and with it the engine mode, the conditioning and the text's segments."""
+        voice_id, voice = self._voice(checked.mode, request, owner)
+        if not request.prompt_conventions:  # after the voice, as the official API reports its errors
+            _check_model_form(checked.mode, request, text)
         if checked.mode == "sft":
             engine_mode = _ENGINE_MODES["zero_shot" if voice.prompt_text.numel() else "cross_lingual"]
         else:
             engine_mode = _ENGINE_MODES[checked.mode]
-        text = cross_lingual_text(request.text) if engine_mode == "cross_lingual" else request.text
-        return PreparedRequest(checked.mode, engine_mode, text, voice_id, voice, checked.instruction,
-                               checked.stream, checked.speed, checked.seed, checked.format)
+        segments: list[str] = []
+        if text:
+            with _field("text"):
+                segments = pipeline.text_segments(self.model.frontend, engine_mode, request.text,
+                                                  text_frontend=request.text_frontend,
+                                                  split_prefixed=request.split_prefixed)
+        cond = pipeline.conditioning(self.model.frontend, engine_mode, voice, checked.instruction)
+        return PreparedRequest(checked.mode, engine_mode, voice_id, cond, tuple(segments), checked.stream,
+                               checked.speed, checked.seed, checked.format)
 
     @staticmethod
     def _mode(mode: object) -> str:
@@ -661,8 +826,9 @@ class TTSService:
         return label
 
     @staticmethod
-    def _options(request: SynthesisRequest) -> tuple[bool, float, int | None]:
-        """(stream, speed, seed), checked against the engine's ranges (``Engine.check_options`` is their home)."""
+    def _options(request: SynthesisRequest) -> tuple[bool, float, int]:
+        """(stream, speed, seed); a missing seed is drawn from torch's global generator (``torch.manual_seed``
+        makes an unseeded request repeatable, as the official API promises)."""
         if not isinstance(request.stream, bool):
             raise InvalidInputError(f"stream must be true or false, got {request.stream!r}", "stream")
         seed = request.seed
@@ -672,16 +838,19 @@ class TTSService:
             Engine.check_options(False, 1.0, seed)
         with _field("speed"):
             speed = Engine.check_options(request.stream, request.speed)
+        if seed is None:
+            seed = int(torch.randint(0, pipeline.SEED_SPACE - 1, (), dtype=torch.int64))
         return request.stream, speed, seed
 
     def _instruction(self, mode: str, instruction: object) -> str:
+        """The instruction as the user wrote it (the pipeline wraps it where its token ids are made)."""
         if mode != "instruct":
             return ""
         with _field("instruction"):
             if not isinstance(instruction, str) or not user_text(instruction):
                 raise InvalidInputError("instruct mode needs an instruction, e.g. 'Speak slowly and calmly.'")
-            self.tts.frontend.check_text(instruction, "instruction")
-            return instruct_text(instruction)
+            self.model.frontend.check_text(instruction, "instruction")
+            return instruction
 
     def _voice(self, mode: str, request: SynthesisRequest, owner: str | None = None) -> tuple[str, Voice]:
         """(voice id, voice): a saved voice (looked up now), else the uploaded recording (through the library,
@@ -710,38 +879,44 @@ class TTSService:
                 if not isinstance(request.transcript, str) or not user_text(request.transcript):
                     raise InvalidInputError("zero-shot cloning needs the transcript of the prompt recording; or "
                                             "use cross_lingual mode, which needs none")
-                self.tts.frontend.check_text(request.transcript, "transcript")
+                self.model.frontend.check_text(request.transcript, "transcript")
             prompt_text = zero_shot_prompt_text(request.transcript)
         with _field("prompt_audio"):
             return self.voices.get_or_create(audio, prompt_text, owner=owner)
 
 
-async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` on a thread of its own (not the loop's small default pool, which requests waiting for a
-    slot would exhaust). If the awaiting task is cancelled meanwhile, a session it returns is closed."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future = loop.create_future()
+_MODEL_FORM = ("CosyVoice3 needs '<|endofprompt|>' in the prompt: end the zero-shot transcript with it ('You are a "
+               "helpful assistant.<|endofprompt|>' + transcript), wrap the instruct2 instruction as 'You are a "
+               "helpful assistant. <instruction><|endofprompt|>', or start cross-lingual text with 'You are a "
+               "helpful assistant.<|endofprompt|>' (cosyvoice.frontend.prompts does this for you)")
 
-    def deliver(ok: bool, value: Any) -> None:
-        if future.cancelled():
-            if ok and hasattr(value, "close"):
-                value.close()
-            return
-        if ok:
-            future.set_result(value)
-        else:
-            future.set_exception(value)
+
+def _check_model_form(mode: str, request: SynthesisRequest, has_text: bool) -> None:
+    """A request in the model's form (the official API) carries ``<|endofprompt|>`` where the mode needs it."""
+    if mode == "cross_lingual" and not has_text:
+        raise InvalidInputError("text given as a stream works in zero_shot and instruct2 mode only (the reference's "
+                                "bi-streaming needs <|endofprompt|> in the prompt text); use instruct2 with a neutral "
+                                "instruction for a voice without a transcript", "text")
+    needs = {"zero_shot": ("transcript", request.transcript if request.prompt_audio is not None else None),
+             "cross_lingual": ("text", request.text), "instruct": ("instruction", request.instruction)}
+    field, value = needs.get(mode, ("", None))
+    if isinstance(value, str) and value.strip() and END_OF_PROMPT not in value:
+        raise InvalidInputError(_MODEL_FORM, field)
+
+
+def _pump(pieces: Iterable[str], feed: TextFeed) -> None:
+    """Feed an iterable of text pieces (a caller's generator: it may block) into ``feed`` from a thread of its
+    own; its exception, if any, fails the synthesis; a closed feed (the listener went away) stops the pull."""
 
     def run() -> None:
         try:
-            result: tuple[bool, Any] = (True, fn(*args))
+            for piece in pieces:
+                feed.write(piece)
+        except pipeline.TextStreamClosedError:
+            return
         except BaseException as exc:
-            result = (False, exc)
-        try:
-            loop.call_soon_threadsafe(deliver, *result)
-        except RuntimeError:  # the loop is closed
-            if result[0] and hasattr(result[1], "close"):
-                result[1].close()
+            feed.close(exc)
+            return
+        feed.close()
 
-    threading.Thread(target=run, daemon=True, name="cosyvoice-service-call").start()
-    return await future
+    threading.Thread(target=run, daemon=True, name="cosyvoice-text-pump").start()

@@ -220,11 +220,10 @@ def test_sft_instruct_and_vc(tts, prompt_wav: Path, short_prompt_wav: Path) -> N
 
 
 def test_text_stream_writer_tokenises_pieces_and_enforces_the_text_limit(tts) -> None:
-    from cosyvoice.cli.cosyvoice import TextStreamWriter
-    from cosyvoice.llm.job import TokenStream
+    from cosyvoice.cli.cosyvoice import TextFeed
 
-    stream = TokenStream()
-    writer = TextStreamWriter(tts.frontend.tokenizer, stream, max_chars=20)
+    writer = TextFeed(tts.frontend, 20, "tokens")
+    stream = writer.tokens
     writer.write("Hello there, ")
     writer.write("")  # nothing to say yet: no ids
     assert stream.take() == (tts.frontend.tokenizer.encode("Hello there, "), False)

@@ -39,7 +39,7 @@ TRANSCRIPT = "Hello, this is a short prompt for testing."
 @pytest.fixture(scope="module")
 def service(tts, tmp_path_factory: pytest.TempPathFactory) -> TTSService:
     library = VoiceLibrary(tmp_path_factory.mktemp("voices"), tts.frontend, model_dir=tts.model_dir)
-    return TTSService(tts, library, Limits(max_sessions=4, max_queued_requests=4, queue_timeout_seconds=30))
+    return TTSService(tts.model, library, Limits(max_sessions=4, max_queued_requests=4, queue_timeout_seconds=30))
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +82,11 @@ def _pcm(responses) -> bytes:
 def _wait_idle(service: TTSService, seconds: float = 10.0) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if service.status().active_sessions == 0 and service.tts.engine.active_sessions == 0:
+        if service.status().active_sessions == 0 and service.model.engine.active_sessions == 0:
             return
         time.sleep(0.02)
     raise AssertionError(f"sessions left: service {service.status().active_sessions}, "
-                         f"engine {service.tts.engine.active_sessions}")
+                         f"engine {service.model.engine.active_sessions}")
 
 
 def _requests(prompt_pcm16: bytes, voice) -> dict[str, pb.Request]:
@@ -205,7 +205,7 @@ def test_cancel_mid_stream_frees_the_session(stub, service: TTSService, saved_vo
 
 
 def test_busy_is_resource_exhausted(tts, service: TTSService, saved_voice) -> None:
-    busy = TTSService(tts, service.voices, Limits(max_sessions=1, max_queued_requests=0))
+    busy = TTSService(tts.model, service.voices, Limits(max_sessions=1, max_queued_requests=0))
     srv = GrpcServer("127.0.0.1", 0, max_streams=2)
     srv.serve(busy)
     try:

@@ -54,7 +54,7 @@ HOSTILE = ("garbage_audio", "huge_text", "broken_json", "unknown_voice", "garbag
 def service(tts, tmp_path_factory: pytest.TempPathFactory) -> TTSService:
     library = VoiceLibrary(tmp_path_factory.mktemp("voices"), tts.frontend, model_dir=tts.model_dir)
     # 4 sessions + 10 waiting < 16 clients: the busy path (503) is part of the load
-    return TTSService(tts, library, Limits(max_sessions=4, max_queued_requests=10, queue_timeout_seconds=30))
+    return TTSService(tts.model, library, Limits(max_sessions=4, max_queued_requests=10, queue_timeout_seconds=30))
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +161,7 @@ def _wait_idle(service: TTSService, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         status = service.status()
-        idle = (status.active_sessions, status.queued_requests, service.tts.engine.active_sessions,
+        idle = (status.active_sessions, status.queued_requests, service.model.engine.active_sessions,
                 _worker_threads())
         if idle == (0, 0, 0, []):
             return

@@ -37,7 +37,7 @@ def app(tts, tiny_bundle_dir: Path, short_prompt_wav: Path, tmp_path_factory: py
     """(base URL, the voice saved in the library before the replicas started)."""
     voice_dir = tmp_path_factory.mktemp("ray_voices")
     library = VoiceLibrary(voice_dir, tts.frontend, model_dir=tts.model_dir)
-    saved = TTSService(tts, library).create_voice("Ray Voice", short_prompt_wav.read_bytes(), TRANSCRIPT)
+    saved = TTSService(tts.model, library).create_voice("Ray Voice", short_prompt_wav.read_bytes(), TRANSCRIPT)
     port = _free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:

@@ -55,7 +55,7 @@ def library(tts, tmp_path_factory: pytest.TempPathFactory) -> VoiceLibrary:
 
 @pytest.fixture(scope="module")
 def service(tts, library: VoiceLibrary) -> TTSService:
-    return TTSService(tts, library, Limits(max_sessions=4, max_queued_requests=4, queue_timeout_seconds=60))
+    return TTSService(tts.model, library, Limits(max_sessions=4, max_queued_requests=4, queue_timeout_seconds=60))
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +300,7 @@ def test_ready_only_once_the_model_is_loaded(service: TTSService) -> None:
 
 
 def test_busy_is_503_with_retry_after_and_disconnect_cancels(tts, library: VoiceLibrary, saved_voice: dict) -> None:
-    service = TTSService(tts, library, Limits(max_sessions=1, max_queued_requests=0))
+    service = TTSService(tts.model, library, Limits(max_sessions=1, max_queued_requests=0))
     seen: list[Outcome] = []
     service.add_listener(seen.append)
     server = Server(create_app(ServerSettings(retry_after_seconds=7), service))

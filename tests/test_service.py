@@ -28,7 +28,7 @@ def library(tts, tmp_path_factory: pytest.TempPathFactory) -> VoiceLibrary:
 
 @pytest.fixture(scope="module")
 def service(tts, library: VoiceLibrary) -> TTSService:
-    return TTSService(tts, library, Limits(max_sessions=4, max_queued_requests=2, queue_timeout_seconds=30))
+    return TTSService(tts.model, library, Limits(max_sessions=4, max_queued_requests=2, queue_timeout_seconds=30))
 
 
 @pytest.fixture()
@@ -132,7 +132,7 @@ def test_voice_without_transcript_speaks_cross_lingual_but_not_zero_shot(service
 
 
 def test_busy_is_refused_at_once_and_slots_come_back(tts, library: VoiceLibrary, short_prompt_wav: Path) -> None:
-    service = TTSService(tts, library, Limits(max_sessions=1, max_queued_requests=0, queue_timeout_seconds=30))
+    service = TTSService(tts.model, library, Limits(max_sessions=1, max_queued_requests=0, queue_timeout_seconds=30))
     seen: list[Outcome] = []
     service.add_listener(seen.append)
     request = SynthesisRequest(TEXT, "cross_lingual", prompt_audio=short_prompt_wav.read_bytes(), seed=3)
@@ -149,7 +149,7 @@ def test_busy_is_refused_at_once_and_slots_come_back(tts, library: VoiceLibrary,
 
 
 def test_a_waiting_request_gets_the_next_free_slot(tts, library: VoiceLibrary, short_prompt_wav: Path) -> None:
-    service = TTSService(tts, library, Limits(max_sessions=1, max_queued_requests=1, queue_timeout_seconds=30))
+    service = TTSService(tts.model, library, Limits(max_sessions=1, max_queued_requests=1, queue_timeout_seconds=30))
     request = SynthesisRequest(TEXT, "cross_lingual", prompt_audio=short_prompt_wav.read_bytes(), seed=3)
     first = service.synthesize(request)
     got: list = []

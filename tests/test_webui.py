@@ -36,7 +36,7 @@ def make_studio(tts, root: Path, builtin_prompt: Path | None = None) -> Studio:
         shutil.copyfile(builtin_prompt, builtin / "Narrator.wav")
         (builtin / "Narrator.txt").write_text(TRANSCRIPT + "\n")
     library = VoiceLibrary(root / "voices", tts.frontend, model_dir=tts.model_dir, builtin_dir=builtin)
-    return Studio(TTSService(tts, library), demo=True)
+    return Studio(TTSService(tts.model, library), demo=True)
 
 
 @contextlib.contextmanager

@@ -112,7 +112,8 @@ class Engine:
 
     async def asynthesize(self, inp: ModelInput, stream: bool = False, speed: float = 1.0, seed: int | None = None,
                           sample_offset: int = 0, first_index: int = 0, *, text_stream: TokenStream | None = None,
-                          fixed_tokens: int | None = None) -> AsyncIterator[AudioChunk]:
+                          fixed_tokens: int | None = None,
+                          cancel: CancelToken | None = None) -> AsyncIterator[AudioChunk]:
         """:meth:`synthesize` for asyncio: ``async for chunk in engine.asynthesize(...)``; leaving the loop (or
         cancelling the task) cancels the request. Waiting for a free session does not block the event loop.
         Options are validated on the first step (an async generator cannot raise earlier); adapters that want
@@ -137,6 +138,7 @@ class Engine:
         except asyncio.CancelledError:  # the slot may still be granted after we stopped waiting: give it back
             opening.add_done_callback(lambda f: f.cancelled() or f.exception() or self._close(f.result(), wait=False))
             raise
+        unsubscribe = cancel.subscribe(lambda: self._cancel(session)) if cancel is not None else None
         try:
             self._start(session, job, needed, text_stream)
             while True:
@@ -148,6 +150,8 @@ class Engine:
                 if chunk.final:
                     return
         finally:
+            if unsubscribe is not None:
+                unsubscribe()
             self._close(session, wait=False)  # released in the background within one step
 
     def vocode(self, tokens: list[int] | torch.Tensor, inp: ModelInput, stream: bool = False,

@@ -563,7 +563,7 @@ def create_app(settings: ServerSettings | None = None, service: TTSService | Non
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        model_id = Path(svc().tts.model_dir).name
+        model_id = Path(svc().model_dir).name
         return JSONResponse({"object": "list", "data": [
             {"id": model_id, "object": "model", "created": 0, "owned_by": "cosyvoice"}]})
 
