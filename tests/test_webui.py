@@ -66,10 +66,10 @@ def _generate(studio: Studio, mode: str = "zero_shot", text: str = TEXT, prompt:
 def test_page_builds_with_the_demo_banner(studio: Studio) -> None:
     page = build_ui(studio)
     assert isinstance(page, gr.Blocks)
-    assert any("demo-banner" in str(getattr(block, "value", "")) for block in page.blocks.values())
+    assert any(getattr(block, "elem_id", None) == "demo-banner" for block in page.blocks.values())
 
 
-def test_a_take_streams_live_pcm_and_is_kept_in_the_history(studio: Studio, short_prompt_wav: Path) -> None:
+def test_a_take_streams_live_pcm_and_is_kept_in_the_history(tts, studio: Studio, short_prompt_wav: Path) -> None:
     channel = studio.live.channel("take-0001")  # the page's player subscribes before (or after) the take runs
     *progress, last = _generate(studio, prompt=str(short_prompt_wav))
     assert len(progress) >= 2 and all(p[0].startswith("Generating… ") for p in progress)
@@ -83,7 +83,7 @@ def test_a_take_streams_live_pcm_and_is_kept_in_the_history(studio: Studio, shor
     live = np.frombuffer(b"".join(channel._pending[:-1]), np.int16)
     assert rate == 24000 and channel._pending[-1] is None and np.array_equal(kept, live)
     # the adapter changes nothing: the API, given the same voice, text and seed, makes the same samples
-    api = studio.tts.synthesize("zero_shot", TEXT, prompt_text=zero_shot_prompt_text(TRANSCRIPT),
+    api = tts.synthesize("zero_shot", TEXT, prompt_text=zero_shot_prompt_text(TRANSCRIPT),
                                 prompt_wav=short_prompt_wav, stream=True, seed=5)
     assert np.array_equal(kept, np.concatenate([ui.to_pcm16(c.pcm) for c in api]))
     times = studio.times["take-0001"]
@@ -139,8 +139,8 @@ def test_uploads_are_checked_on_upload(studio: Studio, prompt_wav: Path, tmp_pat
 
 def test_voice_library_controls(studio: Studio, prompt_wav: Path, tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="type a name"):
-        studio.save_voice("", "zero_shot", str(prompt_wav), TRANSCRIPT, None)
-    picked = studio.save_voice("Alice", "zero_shot", str(prompt_wav), TRANSCRIPT, None)
+        studio.save_voice("", str(prompt_wav), TRANSCRIPT)
+    picked = studio.save_voice("Alice", str(prompt_wav), TRANSCRIPT)
     assert picked["choices"][0][0] == "Alice"
     voice_id = picked["value"]
     assert studio.preview(voice_id)[0] == 24000
@@ -151,7 +151,7 @@ def test_voice_library_controls(studio: Studio, prompt_wav: Path, tmp_path: Path
     assert row["visible"] is True and "Alice Smith" in question
     dropdown, row, _ = studio.delete_voice(voice_id)
     assert dropdown["choices"] == [] and row["visible"] is False
-    dropdown, _ = studio.import_voice(exported)
+    dropdown, *_ = studio.import_voice(exported)
     assert dropdown["choices"][0][0] == "Alice Smith"
     _generate(studio, voice="Alice Smith", stream=False)
     assert studio.history(None)[0]["voice"] == "Alice Smith"
@@ -167,7 +167,7 @@ def test_paths_resolve_from_the_repository(tiny_bundle_dir: Path, tmp_path: Path
     monkeypatch.setenv("COSYVOICE_VOICE_DIR", str(tmp_path / "shared-voices"))  # the servers' voice folder
     with caplog.at_level(logging.WARNING, logger="app.ui"):
         studio = load_studio(demo_dir=tiny_bundle_dir, device="cpu")
-    assert studio.demo and Path(studio.tts.model_dir) == tiny_bundle_dir
+    assert studio.demo and Path(studio.service.model_dir) == tiny_bundle_dir
     assert studio.service.voices.dir.is_relative_to(tmp_path / "shared-voices")
     assert "RANDOMLY INITIALISED" in caplog.text and "modelscope download" in caplog.text
 
@@ -206,8 +206,7 @@ def test_a_voice_saved_after_connecting_is_usable_by_name_and_errors_are_plain(a
 
     studio, url = api_server
     client = Client(url, verbose=False)
-    voice_id, _ = studio.voices.get_or_create(prompt_wav, zero_shot_prompt_text(TRANSCRIPT))
-    studio.voices.save("Late Voice", voice_id)  # saved by someone else (the page, a server) after we connected
+    studio.service.create_voice("Late Voice", prompt_wav, TRANSCRIPT)  # by someone else, after we connected
     assert "Late Voice" in [v["name"] for v in client.predict(api_name="/voices")]
     path = client.predict(text=TEXT, mode="instruct2", voice="Late Voice", instruction="Whisper.", seed=1,
                           api_name="/synthesize")

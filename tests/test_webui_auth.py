@@ -84,8 +84,8 @@ def test_a_keyless_client_cannot_touch_voices_and_a_keyed_one_can(keyed: tuple, 
         uploaded = owner.post("gradio_api/upload", files={"files": short_prompt_wav.open("rb")}).json()[0]
         audio = {"path": uploaded, "meta": {"_type": "gradio.FileData"}, "orig_name": "prompt.wav"}
         save_index, save_inputs = events["save"]
-        assert len(save_inputs) == 5  # name, mode, prompt, transcript, voice
-        save = [["Mine", "zero_shot", audio, TRANSCRIPT, None], events["save"][0]]
+        assert len(save_inputs) == 3  # name, prompt, transcript
+        save = [["Mine", audio, TRANSCRIPT], events["save"][0]]
         rename, export, delete = events["rename"][0], events["export"][0], events["confirm-delete"][0]
     with httpx.Client(base_url=url, timeout=60) as anon:
         for index, data in ((save[1], save[0]), (rename, ["any", "Stolen"]), (export, ["any"]),

@@ -174,7 +174,7 @@ def test_stop_ends_a_long_take_and_frees_the_session(context, app: tuple, short_
     sync_api.expect(page.locator("#status")).to_contain_text("stopped")  # what was made is kept, marked stopped
     deadline = time.time() + 10
     def busy() -> bool:
-        return bool(studio.tts.engine.active_sessions or studio.service.status().active_sessions
+        return bool(studio.service.model.engine.active_sessions or studio.service.status().active_sessions
                     or studio.times[take_id].finished is None)
 
     while busy() and time.time() < deadline:
@@ -306,7 +306,7 @@ def test_three_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path:
     from cosyvoice.service import TTSService
 
     library = make_studio(tts, tmp_path).service.voices
-    studio = Studio(TTSService(tts, library, limits=replace(tts.limits, max_sessions=1)), demo=True)
+    studio = Studio(TTSService(tts.model, library, limits=replace(tts.limits, max_sessions=1)), demo=True)
     ctx = browser(locale="en-US")
     try:
         with serving(studio) as url:
