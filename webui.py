@@ -18,7 +18,7 @@ import logging
 import os
 
 from app.ui import BUILTIN_VOICE_DIR, DEMO_MODEL_DIR, launch, load_studio
-from cosyvoice.settings import ServerSettings, default_voice_dir
+from cosyvoice.settings import ServerSettings, VoicePolicy, default_voice_dir
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,8 +41,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     studio = load_studio(args.model_dir, voice_dir=args.voice_dir, demo_dir=args.demo_dir,
                          builtin_dir=args.builtin_voice_dir, device=args.device)
-    launch(studio, host=args.host, port=args.port,
-           api_keys=tuple(args.api_keys or ()) or ServerSettings.from_env().api_keys)
+    settings = ServerSettings.from_env()
+    api_keys = tuple(args.api_keys or ()) or settings.api_keys
+    if args.api_keys:  # keys from the command line: saved voices are their creators' (COSYVOICE_VOICE_EDITORS)
+        studio.service.voices.policy = VoicePolicy.from_env(api_keys=api_keys)
+    launch(studio, host=args.host, port=args.port, api_keys=api_keys + settings.admin_keys)
 
 
 if __name__ == "__main__":

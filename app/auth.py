@@ -10,7 +10,6 @@ send it) or the session cookie of the small sign-in page this middleware serves 
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import html
 import secrets
@@ -20,17 +19,14 @@ from urllib.parse import parse_qs
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from cosyvoice.settings import key_owner
+
 LOGIN_PATH = "/studio/login"
 COOKIE = "cosyvoice-session"
 # Gradio's launch() calls this on itself without credentials; it only starts the queue, once, and says so
 OPEN_PATHS = ("/gradio_api/startup-events",)
 MAX_FORM_BYTES = 4096
 MAX_SESSIONS = 10000  # sign-ins remembered; the oldest are forgotten first (they sign in again)
-
-
-def key_owner(key: str) -> str:
-    """The owner string of an API-key client (HELPERS: ``key:<sha256 of the key>[:12]``)."""
-    return "key:" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 LOGIN_PAGE = """<!doctype html>

@@ -670,8 +670,8 @@ def build_ui(studio: Studio) -> gr.Blocks:
                 status = gr.Markdown(elem_id="status")
                 download = gr.File(label=t("download"), interactive=False, visible=False, elem_id="download")
             with gr.Column(scale=2):
-                voice = gr.Dropdown(label=t("voice"), choices=studio.voice_choices(None, uploads=False), value=None, info=t("voice_info"),
-                                    elem_id="voice")
+                voice = gr.Dropdown(label=t("voice"), choices=studio.voice_choices(None, uploads=False), value=None,
+                                    info=t("voice_info"), elem_id="voice")
                 preview = gr.Audio(label=t("preview"), interactive=False, elem_id="preview")
                 prompt = gr.Audio(label=t("prompt"), sources=["upload", "microphone"], type="filepath",
                                   elem_id="prompt")

@@ -197,7 +197,7 @@ def test_ffmpeg_fallback_plumbing(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     wav, sample_rate = load_prompt_audio(_WEBM_MAGIC + pcm.tobytes())
     assert sample_rate == 16000
     np.testing.assert_array_equal(wav[0].numpy(), pcm / np.float32(32768.0))
-    _rejects(b"junk" + np.random.default_rng(1).bytes(4096), r"not a recognised audio file \(ffmpeg: Invalid data")
+    _rejects(b"junk" + np.random.default_rng(1).bytes(4096), r"not a recognised audio file; upload a recording \(WAV")
     long_pcm = np.tile(pcm, 30)  # 45 s; decoding stops at 31 s
     _rejects(_WEBM_MAGIC + long_pcm.tobytes(), r"longer than 30 s; at most 30 s is supported")
 

@@ -75,12 +75,12 @@ def decode_audio(source: AudioSource, *, max_seconds: float | None = None,
         raise InvalidInputError(f"{label} is empty (0 bytes): no audio to read")
     try:
         return _decode_with_soundfile(path if path is not None else io.BytesIO(data), max_seconds)
-    except (RuntimeError, TypeError) as exc:  # libsndfile cannot open or parse it
+    except (RuntimeError, TypeError):  # libsndfile cannot open or parse it
         fmt = sniff_format(head)
         if shutil.which("ffmpeg") is None:
             if fmt is None:
                 raise InvalidInputError(
-                    f"{label} is not a recognised audio file (libsndfile: {exc}). Upload WAV, FLAC, OGG or MP3; "
+                    f"{label} is not a recognised audio file. Upload WAV, FLAC, OGG or MP3; "
                     "other formats (WebM, M4A/AAC) need ffmpeg installed on the server") from None
             raise InvalidInputError(
                 f"cannot decode {fmt} audio from {label}: libsndfile does not read it and no 'ffmpeg' binary is on "
@@ -153,7 +153,8 @@ def _decode_with_ffmpeg(data: bytes | None, path: Path | None, fmt: str | None, 
         if proc.returncode != 0 or not out.is_file():
             reason = proc.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or ["no audio stream"]
             if fmt is None:
-                raise InvalidInputError(f"{label} is not a recognised audio file (ffmpeg: {reason[0]})")
+                raise InvalidInputError(f"{label} is not a recognised audio file; upload a recording (WAV, FLAC, "
+                                        "MP3, OGG/Opus, WebM or M4A)")
             raise InvalidInputError(f"cannot decode {what} from {label}: the file seems damaged (ffmpeg: {reason[0]})")
         try:
             samples, sample_rate = _decode_with_soundfile(out, None)
