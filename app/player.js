@@ -133,3 +133,78 @@ window.cvStudio = (() => {
     },
   };
 })();
+
+// Prompt uploads and recordings: what the browser's own checks would get wrong or leave unsaid.
+(() => {
+  const ZH = (navigator.language || "").startsWith("zh");
+  const WORDS = {
+    insecure: ["Recording needs a secure page (https:// or localhost); upload a recording instead.",
+               "录音需要安全连接（https:// 或 localhost）；请改为上传录音。"],
+    none: ["No microphone was found: connect one and allow it for this page, or upload a recording.",
+           "未找到麦克风：请连接并允许此页面使用，或上传录音。"],
+    blocked: ["The browser blocked the microphone: allow it for this page (the icon in the address bar), or "
+              + "upload a recording.", "浏览器阻止了麦克风：请在地址栏的图标中允许此页面使用，或上传录音。"],
+    failed: ["The microphone could not be started; upload a recording instead.", "无法启动麦克风；请改为上传录音。"],
+  };
+
+  function say(problem) {
+    const prompt = document.getElementById("prompt");
+    if (!prompt) return;
+    let line = document.getElementById("mic-message");
+    if (!line) {
+      line = document.createElement("div");
+      line.id = "mic-message";
+      line.setAttribute("role", "alert");
+      prompt.appendChild(line);
+    }
+    line.textContent = problem ? WORDS[problem][ZH ? 1 : 0] : "";
+    line.hidden = !problem;
+  }
+
+  async function micProblem() {
+    if (!window.isSecureContext || !navigator.mediaDevices || !navigator.mediaDevices.getUserMedia) return "insecure";
+    try {
+      const devices = await navigator.mediaDevices.enumerateDevices();
+      if (!devices.some((d) => d.kind === "audioinput")) return "none";
+    } catch (err) {
+      return "none";
+    }
+    return null;
+  }
+
+  if (navigator.mediaDevices && navigator.mediaDevices.getUserMedia) {
+    const getUserMedia = navigator.mediaDevices.getUserMedia.bind(navigator.mediaDevices);
+    navigator.mediaDevices.getUserMedia = async (constraints) => {
+      try {
+        return await getUserMedia(constraints);
+      } catch (err) {
+        say(err && err.name === "NotAllowedError" ? "blocked" : err && err.name === "NotFoundError" ? "none" : "failed");
+        throw err;
+      }
+    };
+  }
+
+  // the microphone source or Record clicked: say at once why recording cannot work here
+  document.addEventListener("click", async (event) => {
+    const button = event.target.closest && event.target.closest("#prompt button");
+    if (!button) return;
+    const label = button.getAttribute("aria-label") || "";
+    if (label === "Record audio" || /record|录制/i.test(button.textContent || "")) say(await micProblem());
+    else if (label === "Upload file") say(null);
+  }, true);
+
+  // WebM/Opus (what browsers record) is often typed video/webm, which the upload's audio/* check refuses:
+  // hand the same bytes over as audio/webm (the server decodes WebM/Opus)
+  document.addEventListener("change", (event) => {
+    const input = event.target;
+    if (!(input instanceof HTMLInputElement) || input.type !== "file" || !input.closest("#prompt")) return;
+    const files = [...(input.files || [])];
+    if (!files.some((f) => f.type.startsWith("video/"))) return;
+    const retyped = new DataTransfer();
+    for (const f of files) {
+      retyped.items.add(f.type.startsWith("video/")
+        ? new File([f], f.name, { type: f.type.replace("video/", "audio/"), lastModified: f.lastModified }) : f);
+    }
+    input.files = retyped.files;
+  }, true);
+})();

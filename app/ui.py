@@ -141,7 +141,8 @@ def owner_of(request: gr.Request | None) -> str | None:
 
 def is_zh(request: gr.Request | None) -> bool:
     """Whether the browser asks for Chinese first (as Gradio's I18n picks the page's labels)."""
-    languages = "" if request is None or request.headers is None else request.headers.get("accept-language", "")
+    headers = getattr(request, "headers", None) or {}
+    languages = headers.get("accept-language", "")
     return languages.strip().lower().startswith("zh")
 
 
@@ -151,14 +152,23 @@ def _quoted_name(message: str) -> str:
     return match.group(2) if match else ""
 
 
+SETTING = re.compile(r"\s*\([^()]*\bCOSYVOICE_[A-Z_]+[^()]*\)|\s*(?:or )?raise COSYVOICE_[A-Z_]+")
+
+
+def for_visitors(message: str) -> str:
+    """A message without the server settings it names: they are the operator's business, not the visitor's."""
+    return SETTING.sub("", message)
+
+
 def _page_message(exc: CosyVoiceError, zh: bool = False) -> str:
+    detail = for_visitors(str(exc))
     if isinstance(exc, ResourceLimitError):
-        return say(zh, "busy", detail=exc)
+        return say(zh, "busy", detail=detail)
     if isinstance(exc, PermissionDeniedError):
-        return say(zh, "denied", detail=exc)
+        return say(zh, "denied", detail=detail)
     if isinstance(exc, InvalidInputError):
-        return say(zh, "invalid", detail=exc)
-    return say(zh, "model", detail=exc)
+        return say(zh, "invalid", detail=detail)
+    return say(zh, "model", detail=detail)
 
 
 def warn(message: str) -> None:
@@ -218,7 +228,7 @@ class Studio:
         try:
             self.service.check_prompt(self._upload(path, zh))
         except CosyVoiceError as exc:
-            warn(say(zh, "unusable", detail=exc))
+            warn(say(zh, "unusable", detail=for_visitors(str(exc))))
             return None
         return gr.skip()
 
@@ -587,10 +597,16 @@ CSS = """
 #live-player[data-state=waiting] .live-dot { background:#f59e0b; }
 #status { min-height:40px; }
 #demo-banner { background:#b91c1c; color:#fff; padding:12px 16px; border-radius:8px; font-weight:600; }
-#demo-banner p, #demo-banner code { color:#fff; }  /* room for the queue position while a take waits */
+#demo-banner p, #demo-banner code { color:#fff; }
+#demo-banner code { background:rgba(0, 0, 0, 0.25); }  /* room for the queue position while a take waits */
 #char-counter { font-size:13px; color:#6b7280; margin-top:-8px; }
 #char-counter-text.over { color:#b91c1c; font-weight:600; }
-.toast-wrap { top:auto !important; bottom:16px !important; }  /* toasts never cover the voice controls */
+/* toasts at the top centre: never over the voice controls (save, manage) on the right or Generate */
+.toast-wrap { top:16px !important; bottom:auto !important; left:50% !important; right:auto !important;
+              transform:translateX(-50%); max-width:min(480px, calc(100vw - 32px)); }
+#mic-message { color:#b91c1c; font-size:14px; padding:6px 10px; }
+/* narrow screens stack the columns: the voice picker comes first, above the text and Generate */
+@media (max-width: 768px) { #voice-column { order:-1; } }
 body, .gradio-container { font-family: ui-sans-serif, system-ui, "Noto Sans", "Noto Sans CJK SC",
                           "Noto Sans CJK JP", sans-serif; }
 """
@@ -669,7 +685,7 @@ def build_ui(studio: Studio) -> gr.Blocks:
                         '<span class="live-text"></span></div>')
                 status = gr.Markdown(elem_id="status")
                 download = gr.File(label=t("download"), interactive=False, visible=False, elem_id="download")
-            with gr.Column(scale=2):
+            with gr.Column(scale=2, elem_id="voice-column"):
                 voice = gr.Dropdown(label=t("voice"), choices=studio.voice_choices(None, uploads=False), value=None,
                                     info=t("voice_info"), elem_id="voice")
                 preview = gr.Audio(label=t("preview"), interactive=False, elem_id="preview")

@@ -21,6 +21,7 @@ from app import ui  # noqa: E402
 from app.ui import Studio, build_ui, launch, load_studio  # noqa: E402
 from cosyvoice.frontend.prompts import zero_shot_prompt_text  # noqa: E402
 from cosyvoice.service import TTSService  # noqa: E402
+from cosyvoice.settings import VoicePolicy  # noqa: E402
 from cosyvoice.voices import VoiceLibrary  # noqa: E402
 
 TEXT = "Hi there."  # short: the random tiny model speaks until its length limit, which grows with the text
@@ -260,3 +261,54 @@ def test_speed_applies_while_streaming(studio: Studio, short_prompt_wav: Path) -
     *progress, _ = outs
     [take] = studio.history(None)
     assert len(progress) >= 2 and take["speed"] == 1.5 and take["stream"] is True
+
+
+def visitor(session: str, username: str | None = None, language: str = "en-US") -> gr.Request:
+    """A page's request as Gradio hands it to a handler: its session (one per page load) and, behind API keys,
+    the key's owner as ``username``."""
+    return gr.Request(username=username, session_hash=session, headers={"accept-language": language})
+
+
+def test_a_visitors_uploads_are_theirs_alone(studio: Studio, short_prompt_wav: Path) -> None:
+    alice, bob = visitor("alice-page"), visitor("bob-page")
+    list(studio.generate("take-a", "zero_shot", TEXT, str(short_prompt_wav), "Alice's secret words.", "", None, 1, 1.0,
+                         False, "wav", alice))
+    choices = studio.voice_dropdown(None, alice)["choices"]
+    [upload] = [label for label, _ in choices if label.startswith("recent upload")]
+    assert "Alice's secret words" in upload
+    assert not [c for c in studio.voice_dropdown(None, bob)["choices"] if c[0].startswith("recent upload")]
+    upload_id = next(v for label, v in studio.voice_dropdown(None, alice)["choices"] if label == upload)
+    for attempt in (lambda: studio.preview(upload_id, bob), lambda: studio.export_voice(upload_id, bob),
+                    lambda: studio.delete_voice(upload_id, bob)):
+        with pytest.warns(UserWarning, match="unknown voice"):  # as if it did not exist
+            attempt()
+    assert studio.preview(upload_id, alice)[0] == 16000  # still there, still Alice's
+    # behind API keys a key's holder is one owner across pages; the creator policy guards saved voices
+    studio.service.voices.policy = VoicePolicy("creator")
+    key_a, key_b = visitor("p1", "key:aaaaaaaaaaaa"), visitor("p2", "key:bbbbbbbbbbbb", "zh-CN")
+    saved = studio.save_voice("Keyed", str(short_prompt_wav), TRANSCRIPT, key_a)["value"]
+    with pytest.warns(UserWarning, match="无权操作") as warned:  # in the visitor's language
+        assert studio.rename_voice(saved, "Taken over", key_b) == gr.skip()
+        studio.delete_voice(saved, key_b)
+    assert len(warned) == 2
+    assert studio.rename_voice(saved, "Renamed", visitor("p3", "key:aaaaaaaaaaaa"))["choices"]
+
+
+def test_a_finished_take_is_not_reported_as_abandoned(studio: Studio, short_prompt_wav: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="app.ui"):
+        *_, (status, *_) = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav))
+    assert status.startswith("Take 1:") and "went away" not in caplog.text
+    takes = studio.generate("take-left", "cross_lingual", TEXT * 4, str(short_prompt_wav), "", "", None, 5, 1.0, True,
+                            "wav")
+    next(takes)
+    with caplog.at_level(logging.INFO, logger="app.ui"):
+        takes.close()  # Gradio drops the handler of a closed page: that is reported, and the work stops
+    assert "the page went away; stopping it" in caplog.text
+
+
+def test_page_messages_name_no_server_setting(studio: Studio, short_prompt_wav: Path) -> None:
+    with pytest.warns(UserWarning) as warned:
+        _generate(studio, text="x" * 6000, prompt=str(short_prompt_wav))
+    [message] = [str(w.message) for w in warned]
+    assert "at most 5000" in message and "COSYVOICE_" not in message
