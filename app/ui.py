@@ -296,8 +296,10 @@ class Studio:
             info = self.service.import_voice(Path(path).read_bytes(), (name or "").strip() or None,
                                              owner=owner_of(request))
         except AlreadyExistsError as exc:
-            taken = (name or "").strip() or _quoted_name(str(exc))
-            warn(say(zh, "name_taken", name=taken) if taken else _page_message(exc, zh))
+            if exc.field != "name":  # the voice itself is saved already (under another name)
+                warn(_page_message(exc, zh))
+                return gr.skip(), None, hidden, gr.update(visible=False)
+            warn(say(zh, "name_taken", name=(name or "").strip() or _quoted_name(str(exc))))
             return gr.skip(), gr.skip(), gr.update(visible=True), gr.update(visible=True)
         except CosyVoiceError as exc:
             warn(_page_message(exc, zh))

@@ -6,6 +6,7 @@ times. Screenshots and the measured timings go to ``test-artifacts/`` (kept by C
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -87,8 +88,12 @@ def upload_prompt(page, path: Path) -> None:
 def toast(page, text: str) -> None:
     """A warning toast saying ``text`` appears; then it is closed, as a person would."""
     sync_api.expect(page.get_by_test_id("toast-text").filter(has_text=text).first).to_be_visible(timeout=15000)
-    for close in page.get_by_test_id("toast-close").all():
-        close.click()
+    for _ in range(10):  # info toasts also go by themselves: close whatever is still there
+        closes = page.get_by_test_id("toast-close")
+        if not closes.count():
+            break
+        with contextlib.suppress(sync_api.Error):
+            closes.first.click(timeout=2000)
 
 
 def assert_usable(page) -> None:
@@ -238,7 +243,7 @@ def test_a_saved_voice_survives_a_restart(tts, browser, tmp_path: Path, short_pr
             page.fill("#transcript textarea", TRANSCRIPT)
             page.fill("#save-as textarea, #save-as input", "Survivor")
             page.click("#save")
-            sync_api.expect(page.locator("#voice input")).to_have_value("Survivor", timeout=15000)
+            sync_api.expect(page.locator("#voice input")).to_have_value("Survivor", timeout=30000)
             page.close()
         with serving(make_studio(tts, tmp_path)) as url:  # a new server process's library, from the same folder
             page = open_page(ctx, url)
@@ -271,21 +276,48 @@ def test_a_saved_voice_survives_a_restart(tts, browser, tmp_path: Path, short_pr
             page.set_input_files("#import input[type=file]", str(exported))
             toast(page, "Imported voice 'Survivor Two'")
             sync_api.expect(page.locator("#voice input")).to_have_value("Survivor Two")
+            # the name taken by another voice meanwhile: the page asks for another name and keeps the file
+            page.click("#delete")
+            page.click("#confirm-delete")
+            toast(page, "Deleted voice 'Survivor Two'")
+            upload_prompt(page, short_prompt_wav)
+            page.fill("#transcript textarea", "Another voice took this name.")
+            page.fill("#save-as textarea, #save-as input", "Survivor Two")
+            page.click("#save")
+            toast(page, "Saved voice 'Survivor Two'")
+            page.set_input_files("#import input[type=file]", str(exported))
+            toast(page, "A voice named 'Survivor Two' exists already: type another name")
+            page.fill("#import-name textarea, #import-name input", "Survivor Three")
+            page.click("#import-again")
+            toast(page, "Imported voice 'Survivor Three'")
+            sync_api.expect(page.locator("#voice input")).to_have_value("Survivor Three")
+            sync_api.expect(page.locator("#import-name")).to_be_hidden()
             page.close()
     finally:
         ctx.close()
 
 
-def test_chinese_page(browser, app: tuple) -> None:
+def test_chinese_page(browser, app: tuple, short_prompt_wav: Path) -> None:
     _, url = app
     ctx = browser(locale="zh-CN")
     try:
         page = open_page(ctx, url)
         sync_api.expect(page.get_by_text("要朗读的文本")).to_be_visible()
+        sync_api.expect(page.locator("#demo-banner")).to_contain_text("演示模式")
+        page.click("#generate")
+        toast(page, "输入有误：")  # the server's messages too, in the page's language
+        page.get_by_role("tab", name="跨语种").click()
+        upload_prompt(page, short_prompt_wav)
+        page.fill("#text textarea", TEXT)
+        page.click("#generate")
+        sync_api.expect(page.locator("#status")).to_contain_text("第 1 条：", timeout=60000)
+        sync_api.expect(page.locator("#status")).to_contain_text("声音：上传的录音")
+        sync_api.expect(page.locator(".take-meta").first).to_contain_text("模式 cross_lingual")
+        page.evaluate("() => window.cvStudio.stop()")
         sync_api.expect(page.get_by_role("tab", name="跨语种")).to_be_visible()
         assert page.evaluate(CJK_GLYPHS_DRAWN), "CJK text renders as missing-glyph boxes: install fonts-noto-cjk"
         page.click("#voice input")
-        assert page.get_by_role("option").first.inner_text().startswith("Narrator (built-in)")  # built-ins first
+        assert page.get_by_role("option").first.inner_text().startswith("Narrator（内置）")  # built-ins first
         page.keyboard.press("Escape")
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "webui-zh.png"), full_page=True)
