@@ -59,6 +59,9 @@ DOWNLOAD_FORMATS = ("wav", "mp3", "flac", "opus")
 MAX_SEED = 2**31 - 1
 FILE_LIFETIME_SECONDS = 86400  # takes, exports and ZIPs stay downloadable this long (also Gradio's cache)
 KEEP_TAKE_TIMES = 1024  # server times of recent takes, for measurements
+# Gradio refuses bigger uploads with its own size message; up to this multiple of the service's byte limit the
+# file reaches the service, which says what is wrong with it (e.g. a 57 MB WAV: too long, not too big)
+UPLOAD_HEADROOM = 2
 KEEP_SESSIONS = 10000  # take histories of this many browser sessions (Gradio keeps as many session states)
 
 try:  # a Hugging Face ZeroGPU Space: the GPU is attached per call to the functions wrapped by spaces.GPU
@@ -848,7 +851,8 @@ def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: 
     gate = {} if keys is None else {"auth_dependency": keys.owner,
                                     "app_kwargs": {"middleware": [Middleware(KeyGate, keys=keys)]}}
     page.launch(server_name=host, server_port=port, prevent_thread_lock=True, show_error=False, ssr_mode=False,
-                max_file_size=studio.service.limits.max_prompt_bytes, quiet=not block, i18n=I18N, css=CSS,
+                max_file_size=UPLOAD_HEADROOM * studio.service.limits.max_prompt_bytes, quiet=not block, i18n=I18N,
+                css=CSS,
                 head=head_html(), theme=gr.themes.Default(font=["ui-sans-serif", "system-ui", "Noto Sans CJK SC",
                                                                 "sans-serif"]),
                 allowed_paths=[str(studio._files)], **gate)

@@ -312,3 +312,12 @@ def test_page_messages_name_no_server_setting(studio: Studio, short_prompt_wav: 
         _generate(studio, text="x" * 6000, prompt=str(short_prompt_wav))
     [message] = [str(w.message) for w in warned]
     assert "at most 5000" in message and "COSYVOICE_" not in message
+
+
+def test_an_overlong_upload_gets_the_duration_message_not_a_size_error(studio: Studio, tmp_path: Path) -> None:
+    big = tmp_path / "interview.wav"  # 150 s of 48 kHz stereo float: 57.6 MB, over the 50 MiB upload limit
+    sf.write(big, np.zeros((150 * 48000, 2), np.float32), 48000, subtype="FLOAT")
+    assert big.stat().st_size > studio.service.limits.max_prompt_bytes
+    with pytest.warns(UserWarning, match=r"150\.00 s long; at most 30 s is supported") as warned:
+        assert studio.check_upload(str(big)) is None
+    assert not any("MiB" in str(w.message) for w in warned)

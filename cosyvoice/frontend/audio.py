@@ -70,6 +70,7 @@ def decode_audio(source: AudioSource, *, max_seconds: float | None = None,
         if max_seconds is not None and samples.shape[1] > max_seconds * sample_rate:
             raise _too_long(samples.shape[1] / sample_rate, max_seconds)
         return samples, sample_rate
+    _refuse_long_by_header(source, max_seconds, max_bytes)
     data, path, label, head = _read_source(source, max_bytes)
     if not head:
         raise InvalidInputError(f"{label} is empty (0 bytes): no audio to read")
@@ -87,6 +88,22 @@ def decode_audio(source: AudioSource, *, max_seconds: float | None = None,
                 "PATH. Install ffmpeg on the server (e.g. 'apt-get install ffmpeg') or upload WAV, FLAC, OGG or "
                 "MP3") from None
         return _decode_with_ffmpeg(data, path, fmt, label, max_seconds)
+
+
+def _refuse_long_by_header(source: AudioSource, max_seconds: float | None, max_bytes: int | None) -> None:
+    """An oversized file whose header says it is too long gets the duration message: the length, not the file
+    size, is what the user has to change (a 57 MB WAV is minutes of audio)."""
+    if max_seconds is None or max_bytes is None or not isinstance(source, (str, os.PathLike)):
+        return
+    path = Path(source)
+    if not path.is_file() or path.stat().st_size <= max_bytes:
+        return
+    try:
+        info = sf.info(str(path))
+    except (RuntimeError, TypeError):  # not readable from its header here: the size check answers
+        return
+    if info.samplerate and info.frames > max_seconds * info.samplerate:
+        raise _too_long(info.frames / info.samplerate, max_seconds)
 
 
 def _read_source(source: AudioSource, max_bytes: int | None) -> tuple[bytes | None, Path | None, str, bytes]:
