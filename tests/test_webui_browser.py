@@ -479,3 +479,34 @@ def test_flac_download_is_a_complete_file(context, app: tuple, short_prompt_wav:
     page.close()
     info = sf.info(path)
     assert info.frames > 0 and info.frames == len(sf.read(path)[0])  # the length is in the header
+
+
+def test_signing_in_with_a_key(tts, browser, tmp_path: Path, short_prompt_wav: Path) -> None:
+    """COSYVOICE_API_KEYS set: the page asks for a key first; with it, takes play live as usual."""
+    ctx = browser(locale="en-US")
+    try:
+        with serving(make_studio(tts, tmp_path), api_keys=("the-key",)) as url:
+            page = ctx.new_page()
+            page.goto(url)
+            sync_api.expect(page.locator("#key")).to_be_visible()  # the sign-in page, nothing of the app
+            assert page.locator("#generate").count() == 0
+            page.fill("#key", "a guess")
+            page.click("button[type=submit]")
+            sync_api.expect(page.get_by_role("alert")).to_contain_text("Wrong API key")
+            page.fill("#key", "the-key")
+            page.click("button[type=submit]")
+            page.wait_for_selector("#generate")
+            page.wait_for_function("() => window.cvStudio !== undefined")
+            page.get_by_role("tab", name=TABS["cross_lingual"]).click()
+            upload_prompt(page, short_prompt_wav)
+            page.fill("#text textarea", TEXT)
+            page.click("#generate")
+            sync_api.expect(page.locator("#status")).to_contain_text("Take 1:", timeout=60000)
+            page.wait_for_function("() => { const t = Object.values(window.cvStudio.takes).at(-1);"
+                                   " return t && t.streamDone && t.samples > 0 }")  # the live audio came too
+            page.evaluate("() => window.cvStudio.stop()")
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "webui-signed-in.png"))
+            page.close()
+    finally:
+        ctx.close()
