@@ -439,10 +439,12 @@ class Studio:
         """The Generate click, at once (not queued): lock Generate, unlock Stop, also while the take waits."""
         return gr.update(interactive=False), gr.update(interactive=True)
 
-    def history(self, request: gr.Request | None) -> list[dict]:
+    def history(self, request: gr.Request | None, *, create: bool = False) -> list[dict]:
         """The takes of one browser session (page load), newest first; kept here, not in the page."""
         session = "" if request is None else request.session_hash or ""
         with self._lock:
+            if not create and session not in self._histories:
+                return []
             takes = self._histories.setdefault(session, [])
             self._histories.move_to_end(session)
             while len(self._histories) > KEEP_SESSIONS:  # as Gradio's own session states
@@ -503,7 +505,7 @@ class Studio:
             yield say(zh, "stopped" if outcome == "stopped" else "no_audio"), gr.skip(), gr.skip(), *idle
             return
         samples = np.concatenate(pieces)
-        history = self.history(request)
+        history = self.history(request, create=True)
         take = self._keep(len(history) + 1, samples, fmt, text=text, voice=voice, mode=mode, seed=used_seed,
                           speed=float(speed), stream=bool(stream), first_audio=first_audio, wall=wall,
                           stopped=outcome != "done")

@@ -326,10 +326,10 @@ def test_chinese_page(browser, app: tuple, short_prompt_wav: Path) -> None:
         ctx.close()
 
 
-def test_three_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path: Path,
-                                                         short_prompt_wav: Path) -> None:
-    """COSYVOICE_MAX_SESSIONS=1 and three tabs clicking Generate together: the waiting tabs show their place in
-    the queue with Generate locked and Stop enabled; they are served in click order; Stop works while waiting."""
+def test_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path: Path, short_prompt_wav: Path) -> None:
+    """COSYVOICE_MAX_SESSIONS=1 and four tabs clicking Generate together: the waiting tabs show their place in
+    the queue with Generate locked and Stop enabled; they are served in click order; Stop and closing the tab
+    work while waiting, and no tab is left processing."""
     from dataclasses import replace
 
     from test_webui import make_studio
@@ -343,13 +343,13 @@ def test_three_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path:
     try:
         with serving(studio) as url:
             pages = []
-            for n in range(3):
+            for n in range(4):
                 page = open_page(ctx, url)
                 page.get_by_role("tab", name=TABS["cross_lingual"]).click()
                 upload_prompt(page, short_prompt_wav)
                 page.fill("#text textarea", LONG_TEXT[: 120 + 20 * n])
                 pages.append(page)
-            for page in pages:  # as fast as three people can click
+            for page in pages:  # as fast as four people can click
                 page.click("#generate")
             ids = [take_summary(page)["id"] for page in pages]
             for n, page in enumerate(pages[1:], start=2):  # waiting: locked Generate, Stop ready, the place shown
@@ -358,6 +358,7 @@ def test_three_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path:
                 sync_api.expect(page.locator("#status")).to_contain_text(f"{n - 1}/", timeout=15000)
             ARTIFACTS.mkdir(exist_ok=True)
             pages[2].screenshot(path=str(ARTIFACTS / "webui-queued.png"), full_page=True)
+            pages[3].close()  # a waiting tab closed: its take leaves the queue
             pages[2].click("#stop")  # Stop while waiting: the tab is free at once and its take never runs
             sync_api.expect(pages[2].locator("#generate")).to_be_enabled(timeout=5000)
             sync_api.expect(pages[2].locator("#stop")).to_be_disabled()
@@ -370,7 +371,9 @@ def test_three_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path:
             deadline = time.time() + 10
             while ids[2] in studio.times and studio.times[ids[2]].finished is None and time.time() < deadline:
                 time.sleep(0.05)
-            assert ids[2] not in studio.times or studio.times[ids[2]].first_chunk is None  # the stopped one
+            for gone in ids[2:]:  # the stopped one and the closed one never made audio
+                assert gone not in studio.times or studio.times[gone].first_chunk is None, gone
+            sync_api.expect(pages[2].locator("#status")).not_to_contain_text("queue", timeout=15000)  # not left waiting
             assert studio.service.status().active_sessions == 0 and not studio._running
     finally:
         ctx.close()
