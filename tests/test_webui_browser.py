@@ -351,6 +351,8 @@ def test_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path: Path,
                 pages.append(page)
             for page in pages:  # as fast as four people can click
                 page.click("#generate")
+            for page in pages:
+                page.wait_for_function("() => Object.keys(window.cvStudio.takes).length > 0")
             ids = [take_summary(page)["id"] for page in pages]
             for n, page in enumerate(pages[1:], start=2):  # waiting: locked Generate, Stop ready, the place shown
                 sync_api.expect(page.locator("#generate")).to_be_disabled()
@@ -513,3 +515,25 @@ def test_signing_in_with_a_key(tts, browser, tmp_path: Path, short_prompt_wav: P
             page.close()
     finally:
         ctx.close()
+
+
+def test_another_visitor_does_not_see_my_upload(context, browser, app: tuple, short_prompt_wav: Path) -> None:
+    _, url = app
+    mine = open_page(context, url)
+    upload_prompt(mine, short_prompt_wav)
+    mine.fill("#transcript textarea", "My private words.")
+    mine.fill("#text textarea", TEXT)
+    mine.click("#generate")
+    sync_api.expect(mine.locator("#status")).to_contain_text("Take 1:", timeout=60000)
+    mine.evaluate("() => window.cvStudio.stop()")
+    mine.reload()  # a new page load lists the voices again; the upload was cached under this visitor
+    ctx = browser(locale="en-US")  # someone else, in another browser
+    try:
+        theirs = open_page(ctx, url)
+        theirs.click("#voice input")
+        options = theirs.get_by_role("option").all_inner_texts()
+        assert options and not any("private words" in o or "recent upload" in o for o in options), options
+        theirs.close()
+    finally:
+        ctx.close()
+    mine.close()
