@@ -1,10 +1,14 @@
 """Start the CosyVoice3 Studio web UI.
 
     python webui.py [--port 8000] [--host 127.0.0.1] [--model-dir DIR_OR_MODELSCOPE_ID] [--voice-dir DIR]
+                    [--api-key KEY ...]
 
 Without --model-dir it serves pretrained_models/Fun-CosyVoice3-0.5B of this repository (wherever it is
 started from), or, when that folder is absent, a randomly initialised demo model (noise-like audio; the
-page and the log say so). Built-in voices come from assets/voices (<name>.wav + <name>.txt).
+page and the log say so). Built-in voices come from assets/voices (<name>.wav + <name>.txt). Voices are kept
+where the servers keep them (COSYVOICE_VOICE_DIR, else pretrained_models/.voices), so all of them share one
+library. With API keys (COSYVOICE_API_KEYS=k1,k2 or --api-key) nothing answers without one: browsers sign in
+with a key on a small page, clients send "Authorization: Bearer KEY".
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import argparse
 import logging
 import os
 
-from app.ui import BUILTIN_VOICE_DIR, DEFAULT_VOICE_DIR, DEMO_MODEL_DIR, launch, load_studio
+from app.ui import BUILTIN_VOICE_DIR, DEMO_MODEL_DIR, launch, load_studio
+from cosyvoice.settings import ServerSettings, VoicePolicy, default_voice_dir
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,16 +29,23 @@ def main(argv: list[str] | None = None) -> None:
                         help="0.0.0.0 serves other machines too (default: %(default)s)")
     parser.add_argument("--model-dir", help="model folder or ModelScope id (default: pretrained_models/"
                                             "Fun-CosyVoice3-0.5B, else a demo model)")
-    parser.add_argument("--voice-dir", default=str(DEFAULT_VOICE_DIR), help="where voices are kept (%(default)s)")
+    parser.add_argument("--voice-dir", default=str(default_voice_dir()),
+                        help="where voices are kept, shared with the servers (env COSYVOICE_VOICE_DIR; %(default)s)")
     parser.add_argument("--demo-dir", default=str(DEMO_MODEL_DIR), help="where the demo model is written")
     parser.add_argument("--builtin-voice-dir", default=str(BUILTIN_VOICE_DIR),
                         help="built-in voices, <name>.wav + <name>.txt (%(default)s)")
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    parser.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
+                        help="accept this key (repeat for more; env COSYVOICE_API_KEYS=k1,k2); none: no sign-in")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     studio = load_studio(args.model_dir, voice_dir=args.voice_dir, demo_dir=args.demo_dir,
                          builtin_dir=args.builtin_voice_dir, device=args.device)
-    launch(studio, host=args.host, port=args.port)
+    settings = ServerSettings.from_env()
+    api_keys = tuple(args.api_keys or ()) or settings.api_keys
+    if args.api_keys:  # keys from the command line: saved voices are their creators' (COSYVOICE_VOICE_EDITORS)
+        studio.service.voices.policy = VoicePolicy.from_env(api_keys=api_keys)
+    launch(studio, host=args.host, port=args.port, api_keys=api_keys + settings.admin_keys)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import gradio as gr
 
+from cosyvoice.bundle import DEFAULT_MODEL_ID
+
+MODEL_IN_REPO = "pretrained_models/Fun-CosyVoice3-0.5B"  # the page names repository paths, never the server's
+
 EN = {
     "intro": "Fun-CosyVoice3-0.5B text-to-speech: clone a voice from a short recording, speak it in another "
              "language, or steer it with an instruction.",
@@ -45,6 +49,12 @@ EN = {
     "no_takes": "No takes yet: the takes you generate stay here, each replayable and downloadable.",
     "reuse_seed": "Use this seed",
     "download_all": "Download all takes (ZIP with text, voice, mode, seed, settings)",
+    "import_as": "Import as (another name)",
+    "import_again": "Import",
+    "demo_banner": "DEMO MODE: no model was found at {model}, so this UI runs a tiny RANDOMLY INITIALISED model that "
+                   "produces noise-like audio, not speech. For real speech, download the model with "
+                   "`modelscope download --model {model_id} --local_dir {model}` (.venv/bin/pip install -e "
+                   "'.[download]' in the repository) and restart, or start with --model-dir DIR.",
 }
 
 ZH = {
@@ -86,7 +96,71 @@ ZH = {
     "no_takes": "还没有录音：生成的每一条都会保留在这里，可重播和下载。",
     "reuse_seed": "使用此种子",
     "download_all": "下载全部录音（ZIP，含文本、声音、模式、种子与设置）",
+    "import_as": "导入为（另一个名称）",
+    "import_again": "导入",
+    "demo_banner": "演示模式：未在 {model} 找到模型，当前界面运行的是一个随机初始化的微型模型，只会生成类似噪声的音频，"
+                   "而不是语音。如需真实语音，请用 `modelscope download --model {model_id} --local_dir {model}` "
+                   "下载模型（在仓库中执行 .venv/bin/pip install -e '.[download]'）后重启，或用 --model-dir DIR 启动。",
 }
 
+for table in (EN, ZH):
+    table["demo_banner"] = table["demo_banner"].format(model=MODEL_IN_REPO, model_id=DEFAULT_MODEL_ID)
 I18N = gr.I18n(en=EN, zh=ZH, **{"zh-CN": ZH, "zh-TW": ZH})
 t = I18N  # t("key") in component labels
+
+# What the server says on the page (toasts, the status line, take details), by the browser's language: Gradio's
+# I18n covers component labels only. Errors from the service keep their (English) detail behind a lead-in.
+MESSAGES = {
+    "busy": ("The server is busy: {detail}", "服务器繁忙：{detail}"),
+    "invalid": ("{detail}", "输入有误：{detail}"),
+    "denied": ("Not allowed: {detail}", "无权操作：{detail}"),
+    "model": ("Model problem: {detail}", "模型出错：{detail}"),
+    "unusable": ("This recording cannot be used: {detail}", "此录音无法使用：{detail}"),
+    "expired": ("the uploaded recording is no longer on the server (uploads expire); upload it again",
+                "上传的录音已过期，请重新上传"),
+    "need_voice": ("upload or record a prompt voice ({low:g} to {high:g} s of speech), or pick a voice",
+                   "请上传或录制一段参考录音（{low:g} 到 {high:g} 秒的语音），或选择一个声音"),
+    "need_prompt": ("upload or record a prompt voice first, then save it under a name",
+                    "请先上传或录制参考录音，再以一个名称保存"),
+    "need_name": ("type a name for the voice", "请为声音输入名称"),
+    "pick_rename": ("pick a saved voice to rename", "请选择要重命名的已保存声音"),
+    "pick_export": ("pick a voice to export", "请选择要导出的声音"),
+    "pick_delete": ("pick a saved voice to delete", "请选择要删除的已保存声音"),
+    "not_voice_file": ("a voice file ends in {suffix} (made with Export)", "声音文件以 {suffix} 结尾（由“导出”生成）"),
+    "name_taken": ("A voice named {name!r} exists already: type another name under “Import as” and press Import.",
+                   "已存在名为 {name!r} 的声音：请在“导入为”中输入其他名称，然后点击“导入”。"),
+    "saved": ("Saved voice {name!r}", "已保存声音 {name!r}"),
+    "saved_no_transcript": ("Saved voice {name!r} (without transcript: cross-lingual and instruct)",
+                            "已保存声音 {name!r}（无文字内容：可用于跨语种与指令控制）"),
+    "renamed": ("Renamed to {name!r}", "已重命名为 {name!r}"),
+    "imported": ("Imported voice {name!r}", "已导入声音 {name!r}"),
+    "deleted": ("Deleted voice {name!r}", "已删除声音 {name!r}"),
+    "ask_delete": ("Delete the voice **{name}**? This cannot be undone.", "删除声音 **{name}**？此操作无法撤销。"),
+    "builtin_delete": ("{name!r} is a built-in voice and cannot be deleted", "{name!r} 是内置声音，无法删除"),
+    "speed_not_streamed": ("this engine applies speed only without streaming: the take plays when it is complete",
+                           "此引擎仅在非流式时调整语速：生成完成后播放"),
+    "failed": ("Synthesis failed unexpectedly; the server log has the details.", "合成意外失败，详情见服务器日志。"),
+    "stopped_before": ("Stopped before it started.", "已在开始前停止。"),
+    "stopped": ("Stopped.", "已停止。"),
+    "no_audio": ("The model produced no audio.", "模型没有生成音频。"),
+    "generating": ("Generating… {seconds:.1f} s of audio (seed {seed})",
+                   "生成中… 已生成 {seconds:.1f} 秒音频（种子 {seed}）"),
+    "take_done": ("Take {number}: {seconds:.1f} s of audio in {wall:.1f} s",
+                  "第 {number} 条：{wall:.1f} 秒内生成 {seconds:.1f} 秒音频"),
+    "first_audio": (", first audio after {first:.2f} s", "，首段音频用时 {first:.2f} 秒"),
+    "seed_voice": (" · seed {seed} · voice: {voice}", " · 种子 {seed} · 声音：{voice}"),
+    "stopped_mark": (" · stopped", " · 已停止"),
+    "uploaded_recording": ("uploaded recording", "上传的录音"),
+    "builtin": ("{label} (built-in)", "{label}（内置）"),
+    "take_meta": ("**Take {number}** — mode **{mode}** · voice **{voice}** · seed **{seed}** · speed {speed:g} · "
+                  "{streamed} · {format} · {seconds:.1f} s{stopped}",
+                  "**第 {number} 条** — 模式 **{mode}** · 声音 **{voice}** · 种子 **{seed}** · 语速 {speed:g} · "
+                  "{streamed} · {format} · {seconds:.1f} 秒{stopped}"),
+    "streamed": ("streamed", "流式"),
+    "not_streamed": ("not streamed", "非流式"),
+}
+
+
+def say(zh: bool, key: str, **values: object) -> str:
+    """A page message in English or Chinese, filled in."""
+    return MESSAGES[key][1 if zh else 0].format(**values)

@@ -3,25 +3,26 @@
 Gradio's streamed ``gr.Audio`` re-encodes chunks into HLS segments, which adds about a second before the
 first sound and stalls at early segment edges. Here the Gradio event still runs the request (queue, Stop,
 status, the finished file), but it also publishes each chunk's 16-bit samples to a :class:`LiveHub`
-channel named by a take id the browser chose. The page's player (``player.js``) reads that channel with
-one streamed ``fetch`` of ``GET /studio/live/{take_id}`` and schedules every piece back to back on an
-``AudioContext``, so sound starts as soon as the first chunk arrives and continues sample-exactly.
+channel named by a take id the browser chose. The page's player (``player.js``) reads that channel over
+the WebSocket ``/studio/live/{take_id}`` and schedules every piece back to back on an ``AudioContext``, so
+sound starts as soon as the first chunk arrives and continues sample-exactly.
 
-The body is raw PCM16 little-endian mono at ``X-Sample-Rate``; it ends when the take ends.
+The first message is JSON ``{"sample_rate": N}``; then one binary message per chunk (PCM16 little-endian
+mono); the socket closes normally (1000) when the take ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from fastapi import FastAPI, HTTPException
-from fastapi.responses import StreamingResponse
+from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 
 TAKE_ID = re.compile(r"^[A-Za-z0-9-]{8,64}$")
 PLAYER_JS = Path(__file__).with_name("player.js")
@@ -82,17 +83,37 @@ class LiveHub:
 
 
 def mount(app: FastAPI, hub: LiveHub, sample_rate: int) -> None:
-    """Add ``GET /studio/live/{take_id}`` to the Gradio app's FastAPI."""
+    """Add the WebSocket ``/studio/live/{take_id}`` to the Gradio app's FastAPI.
 
-    async def live(take_id: str) -> StreamingResponse:
+    A WebSocket, not a streamed GET: browsers allow six HTTP/1.1 connections per server across all tabs, and
+    every open tab already holds Gradio's event stream, so streamed GETs of waiting tabs would starve the
+    others' clicks (a Stop that never arrives). WebSockets have a pool of their own."""
+
+    async def live(websocket: WebSocket, take_id: str) -> None:
         if not TAKE_ID.match(take_id):
-            raise HTTPException(404, "unknown take")
-        channel = hub.channel(take_id)
-        return StreamingResponse(channel.read(), media_type="application/octet-stream",
-                                 headers={"X-Sample-Rate": str(sample_rate), "Cache-Control": "no-store",
-                                          "X-Accel-Buffering": "no"})
+            await websocket.close(code=1008, reason="unknown take")
+            return
+        await websocket.accept()
+        await websocket.send_text(json.dumps({"sample_rate": sample_rate}))
 
-    app.add_api_route("/studio/live/{take_id}", live, methods=["GET"], include_in_schema=False)
+        async def forward() -> None:
+            async for data in hub.channel(take_id).read():
+                await websocket.send_bytes(data)
+            await websocket.close()
+
+        async def gone() -> None:  # the page went away (or closed the socket): stop forwarding
+            while (await websocket.receive())["type"] != "websocket.disconnect":
+                pass
+
+        tasks = [asyncio.ensure_future(forward()), asyncio.ensure_future(gone())]
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        for task in done:
+            with contextlib.suppress(WebSocketDisconnect, RuntimeError):  # the socket closed under us
+                task.result()
+
+    app.add_api_websocket_route("/studio/live/{take_id}", live)
 
 
 def head_html() -> str:

@@ -1,4 +1,4 @@
-// CosyVoice3 Studio live player: reads a take's PCM16 stream (GET studio/live/<id>) and schedules each
+// CosyVoice3 Studio live player: reads a take's PCM16 chunks (WebSocket studio/live/<id>) and schedules each
 // piece on an AudioContext right after the previous one, so playback starts with the first chunk and has no
 // gaps unless the audio arrives later than it plays. window.cvStudio.takes keeps each take's timings
 // (epoch milliseconds) for the page's status line and the browser tests.
@@ -69,32 +69,26 @@ window.cvStudio = (() => {
     if (current === take) show(state === "done" ? "idle" : state, (words[state] || ["", ""])[ZH ? 1 : 0]);
   }
 
-  async function run(take) {
-    let carry = null;
-    try {
-      const response = await fetch(`${base()}/studio/live/${take.id}`, { cache: "no-store", signal: take.abort.signal });
-      take.rate = Number(response.headers.get("X-Sample-Rate")) || take.rate;
-      const reader = response.body.getReader();
-      for (;;) {
-        const { value, done } = await reader.read();
-        if (done) break;
-        if (take.firstByteAt === null) take.firstByteAt = now();
-        let bytes = value;
-        if (carry !== null) {
-          bytes = new Uint8Array(carry.length + value.length);
-          bytes.set(carry);
-          bytes.set(value, carry.length);
-          carry = null;
-        }
-        const even = bytes.length - (bytes.length % 2);
-        if (bytes.length > even) carry = bytes.slice(even);
-        if (even) schedule(take, new Int16Array(bytes.buffer.slice(bytes.byteOffset, bytes.byteOffset + even)));
+  function run(take) {
+    const url = new URL(`${base()}/studio/live/${take.id}`, window.location.href);
+    url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
+    const socket = new WebSocket(url);
+    socket.binaryType = "arraybuffer";
+    take.socket = socket;
+    socket.onmessage = (event) => {
+      if (typeof event.data === "string") {  // the header: {"sample_rate": N}
+        take.rate = JSON.parse(event.data).sample_rate || take.rate;
+        return;
       }
+      if (take.firstByteAt === null) take.firstByteAt = now();
+      if (event.data.byteLength) schedule(take, new Int16Array(event.data));
+    };
+    socket.onclose = (event) => {
+      if (take.stopped) return finish(take, "stopped");
+      if (event.code !== 1000) return finish(take, "failed");
       take.streamDone = true;
       if (!take.sources.length || ctx.currentTime >= take.next) finish(take, "done");
-    } catch (err) {
-      finish(take, take.stopped ? "stopped" : "failed");
-    }
+    };
   }
 
   return {
@@ -106,7 +100,7 @@ window.cvStudio = (() => {
       const take = {
         id, rate, clickAt: now(), firstByteAt: null, firstSoundAt: null, endAt: null, state: "waiting",
         stalls: 0, gapsMs: [], samples: 0, next: 0, sources: [], streamDone: false, stopped: false,
-        abort: new AbortController(),
+        socket: null,
       };
       takes[id] = take;
       current = take;
@@ -115,21 +109,102 @@ window.cvStudio = (() => {
       run(take);
       return id;
     },
+    // Stop the current take's playback; returns its id (the server stops it too), "" when there is none.
     stop() {
       const take = current;
-      if (!take || take.endAt !== null) return;
+      if (!take) return "";
+      if (take.endAt !== null) return take.id;
       take.stopped = true;
-      take.abort.abort();
+      if (take.socket) take.socket.close();
       for (const source of take.sources) {
         try { source.stop(); } catch (err) { /* not started yet */ }
       }
       finish(take, "stopped");
+      return take.id;
+    },
+    current() {
+      return current ? current.id : "";
     },
     summary(id) {
       const t = takes[id];
       if (!t) return null;
-      const { abort, sources, ...plain } = t;
+      const { socket, sources, ...plain } = t;
       return plain;
     },
   };
+})();
+
+// Prompt uploads and recordings: what the browser's own checks would get wrong or leave unsaid.
+(() => {
+  const ZH = (navigator.language || "").startsWith("zh");
+  const WORDS = {
+    insecure: ["Recording needs a secure page (https:// or localhost); upload a recording instead.",
+               "录音需要安全连接（https:// 或 localhost）；请改为上传录音。"],
+    none: ["No microphone was found: connect one and allow it for this page, or upload a recording.",
+           "未找到麦克风：请连接并允许此页面使用，或上传录音。"],
+    blocked: ["The browser blocked the microphone: allow it for this page (the icon in the address bar), or "
+              + "upload a recording.", "浏览器阻止了麦克风：请在地址栏的图标中允许此页面使用，或上传录音。"],
+    failed: ["The microphone could not be started; upload a recording instead.", "无法启动麦克风；请改为上传录音。"],
+  };
+
+  function say(problem) {
+    const prompt = document.getElementById("prompt");
+    if (!prompt) return;
+    let line = document.getElementById("mic-message");
+    if (!line) {
+      line = document.createElement("div");
+      line.id = "mic-message";
+      line.setAttribute("role", "alert");
+      prompt.appendChild(line);
+    }
+    line.textContent = problem ? WORDS[problem][ZH ? 1 : 0] : "";
+    line.hidden = !problem;
+  }
+
+  async function micProblem() {
+    if (!window.isSecureContext || !navigator.mediaDevices || !navigator.mediaDevices.getUserMedia) return "insecure";
+    try {
+      const devices = await navigator.mediaDevices.enumerateDevices();
+      if (!devices.some((d) => d.kind === "audioinput")) return "none";
+    } catch (err) {
+      return "none";
+    }
+    return null;
+  }
+
+  if (navigator.mediaDevices && navigator.mediaDevices.getUserMedia) {
+    const getUserMedia = navigator.mediaDevices.getUserMedia.bind(navigator.mediaDevices);
+    navigator.mediaDevices.getUserMedia = async (constraints) => {
+      try {
+        return await getUserMedia(constraints);
+      } catch (err) {
+        say(err && err.name === "NotAllowedError" ? "blocked" : err && err.name === "NotFoundError" ? "none" : "failed");
+        throw err;
+      }
+    };
+  }
+
+  // the microphone source or Record clicked: say at once why recording cannot work here
+  document.addEventListener("click", async (event) => {
+    const button = event.target.closest && event.target.closest("#prompt button");
+    if (!button) return;
+    const label = button.getAttribute("aria-label") || "";
+    if (label === "Record audio" || /record|录制/i.test(button.textContent || "")) say(await micProblem());
+    else if (label === "Upload file") say(null);
+  }, true);
+
+  // WebM/Opus (what browsers record) is often typed video/webm, which the upload's audio/* check refuses:
+  // hand the same bytes over as audio/webm (the server decodes WebM/Opus)
+  document.addEventListener("change", (event) => {
+    const input = event.target;
+    if (!(input instanceof HTMLInputElement) || input.type !== "file" || !input.closest("#prompt")) return;
+    const files = [...(input.files || [])];
+    if (!files.some((f) => f.type.startsWith("video/"))) return;
+    const retyped = new DataTransfer();
+    for (const f of files) {
+      retyped.items.add(f.type.startsWith("video/")
+        ? new File([f], f.name, { type: f.type.replace("video/", "audio/"), lastModified: f.lastModified }) : f);
+    }
+    input.files = retyped.files;
+  }, true);
 })();

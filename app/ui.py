@@ -13,12 +13,14 @@ import html
 import json
 import logging
 import queue
+import re
 import secrets
 import shutil
 import tempfile
 import threading
 import time
 import zipfile
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,38 +28,43 @@ from typing import Any
 
 import gradio as gr
 import numpy as np
+from starlette.middleware import Middleware
 
-from app.i18n import I18N, t
+from app.auth import ApiKeys, KeyGate
+from app.i18n import EN, I18N, MODEL_IN_REPO, say, t
 from app.live import LiveHub, head_html, mount
-from cosyvoice.bundle import DEFAULT_MODEL_ID, validate_model_dir
-from cosyvoice.cli.cosyvoice import CosyVoice3
+from cosyvoice.bundle import validate_model_dir
 from cosyvoice.encoding import audio_format, encode_audio, to_pcm16
 from cosyvoice.engine import AudioChunk
-from cosyvoice.errors import CosyVoiceError, InvalidInputError, ModelBundleError, ResourceLimitError
+from cosyvoice.errors import (
+    AlreadyExistsError,
+    CosyVoiceError,
+    InvalidInputError,
+    ModelBundleError,
+    PermissionDeniedError,
+    ResourceLimitError,
+)
 from cosyvoice.server.longform import longform_router
 from cosyvoice.server.workbench import workbench_router
 from cosyvoice.service import SynthesisRequest, SynthesisSession, TTSService
-from cosyvoice.settings import SPEED_RANGE, default_data_dir
-from cosyvoice.voices import BUILTIN_VOICE_DIR, EXPORT_SUFFIX, VoiceLibrary
+from cosyvoice.settings import SPEED_RANGE, default_data_dir, default_voice_dir
+from cosyvoice.voices import BUILTIN_VOICE_DIR, EXPORT_SUFFIX
 
 logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[1]  # paths resolve from the repository, not the working directory
-DEFAULT_MODEL_DIR = REPO / "pretrained_models" / "Fun-CosyVoice3-0.5B"
+DEFAULT_MODEL_DIR = REPO / MODEL_IN_REPO
 DEMO_MODEL_DIR = REPO / "pretrained_models" / ".tiny-demo"
-DEFAULT_VOICE_DIR = REPO / "pretrained_models" / ".voices"
-_MODEL_IN_REPO = DEFAULT_MODEL_DIR.relative_to(REPO)  # the page names repository paths, never the server's
-DEMO_WARNING = (
-    f"DEMO MODE: no model was found at {_MODEL_IN_REPO}, so this UI runs a tiny RANDOMLY INITIALISED model "
-    "that produces noise-like audio, not speech. For real speech, download the model with "
-    f"`modelscope download --model {DEFAULT_MODEL_ID} --local_dir {_MODEL_IN_REPO}` "
-    "(.venv/bin/pip install -e '.[download]' in the repository) and restart, or start with --model-dir DIR."
-)
+DEMO_WARNING = EN["demo_banner"]
 MODES = ("zero_shot", "cross_lingual", "instruct2")
 DOWNLOAD_FORMATS = ("wav", "mp3", "flac", "opus")
 MAX_SEED = 2**31 - 1
 FILE_LIFETIME_SECONDS = 86400  # takes, exports and ZIPs stay downloadable this long (also Gradio's cache)
 KEEP_TAKE_TIMES = 1024  # server times of recent takes, for measurements
+# Gradio refuses bigger uploads with its own size message; up to this multiple of the service's byte limit the
+# file reaches the service, which says what is wrong with it (e.g. a 57 MB WAV: too long, not too big)
+UPLOAD_HEADROOM = 2
+KEEP_SESSIONS = 10000  # take histories of this many browser sessions (Gradio keeps as many session states)
 
 try:  # a Hugging Face ZeroGPU Space: the GPU is attached per call to the functions wrapped by spaces.GPU
     import spaces
@@ -88,8 +95,8 @@ class GpuSession:
         self.chunks.close()
 
 
-def _gpu_chunks(service: TTSService, request: SynthesisRequest) -> Iterator[AudioChunk]:
-    with contextlib.closing(service.synthesize(request)) as session:
+def _gpu_chunks(service: TTSService, request: SynthesisRequest, owner: str | None) -> Iterator[AudioChunk]:
+    with contextlib.closing(service.synthesize(request, owner=owner)) as session:
         yield from session
 
 
@@ -129,12 +136,44 @@ class TakeTimes:
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, samples) per chunk
 
 
-def _page_message(exc: CosyVoiceError) -> str:
+def owner_of(request: gr.Request | None) -> str | None:
+    """Who asks (HELPERS "owner"): the API key's owner when the app has keys (Gradio's ``username``, set by
+    :mod:`app.auth`), else this browser session; None for direct Python calls (unrestricted)."""
+    if request is None:
+        return None
+    return request.username or f"browser:{request.session_hash}"
+
+
+def is_zh(request: gr.Request | None) -> bool:
+    """Whether the browser asks for Chinese first (as Gradio's I18n picks the page's labels)."""
+    headers = getattr(request, "headers", None) or {}
+    languages = headers.get("accept-language", "")
+    return languages.strip().lower().startswith("zh")
+
+
+def _quoted_name(message: str) -> str:
+    """The name quoted in a library message ("a voice named 'X' exists already")."""
+    match = re.search(r"named (['\"])(.+?)\1", message)
+    return match.group(2) if match else ""
+
+
+SETTING = re.compile(r"\s*\([^()]*\bCOSYVOICE_[A-Z_]+[^()]*\)|\s*(?:or )?raise COSYVOICE_[A-Z_]+")
+
+
+def for_visitors(message: str) -> str:
+    """A message without the server settings it names: they are the operator's business, not the visitor's."""
+    return SETTING.sub("", message)
+
+
+def _page_message(exc: CosyVoiceError, zh: bool = False) -> str:
+    detail = for_visitors(str(exc))
     if isinstance(exc, ResourceLimitError):
-        return f"The server is busy: {exc}"
+        return say(zh, "busy", detail=detail)
+    if isinstance(exc, PermissionDeniedError):
+        return say(zh, "denied", detail=detail)
     if isinstance(exc, InvalidInputError):
-        return str(exc)
-    return f"Model problem: {exc}"
+        return say(zh, "invalid", detail=detail)
+    return say(zh, "model", detail=detail)
 
 
 def warn(message: str) -> None:
@@ -155,6 +194,7 @@ class Studio:
     times: dict[str, TakeTimes] = field(default_factory=dict)
     _running: dict[str, tuple[SynthesisSession | GpuSession, queue.Queue]] = field(default_factory=dict)
     _stopped_early: set[str] = field(default_factory=set)  # Stop clicked while the take was still queued
+    _histories: OrderedDict[str, list[dict]] = field(default_factory=OrderedDict)  # session -> takes
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _files: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cosyvoice-takes-")))
 
@@ -166,155 +206,168 @@ class Studio:
                 shutil.rmtree(old, ignore_errors=True)
         return Path(tempfile.mkdtemp(dir=self._files))
 
-    @property
-    def tts(self) -> CosyVoice3:
-        return self.service.model
+    # ------------------------------------------------------------------ voices (all through the service)
 
-    @property
-    def voices(self) -> VoiceLibrary:
-        return self.service.voices
+    def voice_choices(self, owner: str | None, zh: bool = False, uploads: bool = True) -> list[tuple[str, str]]:
+        """Dropdown (label, voice id) pairs: built-ins, saved voices by name, then this visitor's own uploads."""
+        return [(say(zh, "builtin", label=i.label) if i.builtin else i.label, i.id)
+                for i in self.service.list_voices(owner=owner, include_uploads=uploads)]
 
-    # ------------------------------------------------------------------ voices
-
-    def voice_choices(self) -> list[tuple[str, str]]:
-        """Dropdown (label, voice id) pairs: built-ins, saved voices by name, then recent uploads."""
-        return [(f"{i.label} (built-in)" if i.builtin else i.label, i.id) for i in self.voices.list()]
-
-    def voice_dropdown(self, selected: str | None = None) -> dict:
-        choices = self.voice_choices()
+    def voice_dropdown(self, selected: str | None = None, request: gr.Request | None = None) -> dict:
+        choices = self.voice_choices(owner_of(request), is_zh(request))
         return gr.update(choices=choices, value=selected if selected in {v for _, v in choices} else None)
 
     @staticmethod
-    def _upload(path: str | None) -> str | None:
+    def _upload(path: str | None, zh: bool = False) -> str | None:
         """A recording Gradio stored for this page; a vanished file gets a message without its server path."""
         if path and not Path(path).is_file():
-            raise InvalidInputError("the uploaded recording is no longer on the server (uploads expire); "
-                                    "upload it again")
+            raise InvalidInputError(say(zh, "expired"))
         return path or None
 
-    def check_upload(self, path: str | None) -> Any:
-        """Validate a prompt as soon as it is uploaded or recorded: a bad one is removed with a message."""
+    def check_upload(self, path: str | None, request: gr.Request | None = None) -> Any:
+        """Check a prompt as soon as it is uploaded or recorded (the service decodes it, from the header on):
+        a bad one is removed with a message."""
         if not path:
             return gr.skip()
+        zh = is_zh(request)
         try:
-            self.tts.frontend.load_prompt(self._upload(path))
+            self.service.check_prompt(self._upload(path, zh))
         except CosyVoiceError as exc:
-            warn(f"This recording cannot be used: {_page_message(exc)}")
+            warn(say(zh, "unusable", detail=for_visitors(str(exc))))
             return None
         return gr.skip()
 
-    def preview(self, key: str | None) -> Any:
+    def preview(self, key: str | None, request: gr.Request | None = None) -> Any:
         if not key:
             return None
         try:
-            return self.voices.recording(key)
+            return self.service.voice_recording(key, owner=owner_of(request))
         except CosyVoiceError as exc:
-            warn(_page_message(exc))
+            warn(_page_message(exc, is_zh(request)))
             return None
 
-    def save_voice(self, name: str, mode: str, prompt: str | None, transcript: str, saved: str | None) -> dict:
-        """Save the uploaded recording (with the transcript, if typed) or rename nothing; the dropdown picks it."""
+    def save_voice(self, name: str, prompt: str | None, transcript: str, request: gr.Request | None = None) -> dict:
+        """Save the uploaded recording (with the transcript, if typed); the dropdown picks it."""
+        zh = is_zh(request)
         try:
             if not prompt:
-                raise InvalidInputError("upload or record a prompt voice first, then save it under a name")
+                raise InvalidInputError(say(zh, "need_prompt"))
             if not (name or "").strip():
-                raise InvalidInputError("type a name for the voice")
-            info = self.service.create_voice(name, self._upload(prompt), transcript or "")
+                raise InvalidInputError(say(zh, "need_name"))
+            info = self.service.create_voice(name, self._upload(prompt, zh), transcript or "",
+                                             owner=owner_of(request))
         except CosyVoiceError as exc:
-            warn(_page_message(exc))
+            warn(_page_message(exc, zh))
             return gr.skip()
-        gr.Info(html.escape(f"Saved voice {info.name!r}" + ("" if info.transcript else
-                                                            " (without transcript: cross-lingual and instruct)")))
-        return self.voice_dropdown(info.id)
+        gr.Info(html.escape(say(zh, "saved" if info.transcript else "saved_no_transcript", name=info.name)))
+        return self.voice_dropdown(info.id, request)
 
-    def rename_voice(self, key: str | None, new_name: str) -> dict:
+    def rename_voice(self, key: str | None, new_name: str, request: gr.Request | None = None) -> dict:
+        zh = is_zh(request)
         try:
             if not key:
-                raise InvalidInputError("pick a saved voice to rename")
-            info = self.voices.rename(key, new_name or "")
+                raise InvalidInputError(say(zh, "pick_rename"))
+            info = self.service.rename_voice(key, new_name or "", owner=owner_of(request))
         except CosyVoiceError as exc:
-            warn(_page_message(exc))
+            warn(_page_message(exc, zh))
             return gr.skip()
-        return self.voice_dropdown(info.id)
+        gr.Info(html.escape(say(zh, "renamed", name=info.name)))
+        return self.voice_dropdown(info.id, request)
 
-    def export_voice(self, key: str | None) -> Any:
+    def export_voice(self, key: str | None, request: gr.Request | None = None) -> Any:
+        zh = is_zh(request)
         try:
             if not key:
-                raise InvalidInputError("pick a voice to export")
-            name, data = self.voices.export(key)
+                raise InvalidInputError(say(zh, "pick_export"))
+            name, data = self.service.export_voice(key, owner=owner_of(request))
         except CosyVoiceError as exc:
-            warn(_page_message(exc))
+            warn(_page_message(exc, zh))
             return gr.skip()
         path = Path(self._folder()) / name
         path.write_bytes(data)
         return str(path)
 
-    def import_voice(self, path: str | None) -> tuple:
+    def import_voice(self, path: str | None, name: str = "", request: gr.Request | None = None) -> tuple:
+        """Import an exported voice file: (dropdown, the file input, the "import as" name, its Import button).
+
+        A name that is taken keeps the file and shows a field for another name (never a dead end)."""
+        hidden = gr.update(visible=False, value="")
         if not path:
-            return gr.skip(), gr.skip()
+            return gr.skip(), gr.skip(), hidden, gr.update(visible=False)
+        zh = is_zh(request)
         try:
             if not str(path).endswith(EXPORT_SUFFIX.split(".")[-1]):
-                raise InvalidInputError(f"a voice file ends in {EXPORT_SUFFIX} (made with Export)")
-            info = self.voices.import_voice(Path(path).read_bytes())
+                raise InvalidInputError(say(zh, "not_voice_file", suffix=EXPORT_SUFFIX))
+            info = self.service.import_voice(Path(path).read_bytes(), (name or "").strip() or None,
+                                             owner=owner_of(request))
+        except AlreadyExistsError as exc:
+            if exc.field != "name":  # the voice itself is saved already (under another name)
+                warn(_page_message(exc, zh))
+                return gr.skip(), None, hidden, gr.update(visible=False)
+            warn(say(zh, "name_taken", name=(name or "").strip() or _quoted_name(str(exc))))
+            return gr.skip(), gr.skip(), gr.update(visible=True), gr.update(visible=True)
         except CosyVoiceError as exc:
-            warn(_page_message(exc))
-            return gr.skip(), None
-        gr.Info(html.escape(f"Imported voice {info.name!r}"))
-        return self.voice_dropdown(info.id), None
+            warn(_page_message(exc, zh))
+            return gr.skip(), None, hidden, gr.update(visible=False)
+        gr.Info(html.escape(say(zh, "imported", name=info.name)))
+        return self.voice_dropdown(info.id, request), None, hidden, gr.update(visible=False)
 
-    def ask_delete(self, key: str | None) -> tuple:
+    def ask_delete(self, key: str | None, request: gr.Request | None = None) -> tuple:
         """First step of Delete: show the confirmation row naming the voice."""
+        zh = is_zh(request)
         try:
             if not key:
-                raise InvalidInputError("pick a saved voice to delete")
-            info = self.voices.info(key)
+                raise InvalidInputError(say(zh, "pick_delete"))
+            info = self.service.get_voice(key, owner=owner_of(request))
             if info.builtin:
-                raise InvalidInputError(f"{info.name!r} is a built-in voice and cannot be deleted")
+                raise InvalidInputError(say(zh, "builtin_delete", name=info.name))
         except CosyVoiceError as exc:
-            warn(_page_message(exc))
+            warn(_page_message(exc, zh))
             return gr.skip(), gr.skip()
-        return gr.update(visible=True), f"Delete the voice **{html.escape(info.label)}**? This cannot be undone."
+        return gr.update(visible=True), say(zh, "ask_delete", name=html.escape(info.label))
 
-    def delete_voice(self, key: str | None) -> tuple:
+    def delete_voice(self, key: str | None, request: gr.Request | None = None) -> tuple:
+        zh = is_zh(request)
         try:
             if not key:
-                raise InvalidInputError("pick a saved voice to delete")
-            info = self.service.delete_voice(key)
+                raise InvalidInputError(say(zh, "pick_delete"))
+            info = self.service.delete_voice(key, owner=owner_of(request))
         except CosyVoiceError as exc:
-            warn(_page_message(exc))
+            warn(_page_message(exc, zh))
             return gr.skip(), gr.update(visible=False), None
-        gr.Info(html.escape(f"Deleted voice {info.label!r}"))
-        return self.voice_dropdown(), gr.update(visible=False), None
+        gr.Info(html.escape(say(zh, "deleted", name=info.label)))
+        return self.voice_dropdown(None, request), gr.update(visible=False), None
 
     # ------------------------------------------------------------------ synthesis
 
     def _start(self, mode: str, text: str, prompt: str | None, transcript: str, instruction: str,
-               voice_key: str | None, seed: int | None, speed: float, stream: bool,
-               fmt: str = "wav") -> tuple[SynthesisSession | GpuSession, str, int]:
+               voice_key: str | None, seed: int | None, speed: float, stream: bool, fmt: str = "wav",
+               request: gr.Request | None = None) -> tuple[SynthesisSession | GpuSession, str, int]:
         """Validate and start a request through the service: (session, voice description, the seed used).
 
         A random seed is drawn here, so that every take can show (and reproduce) the seed it used."""
         used_seed = secrets.randbelow(MAX_SEED) if seed is None or seed < 0 else int(seed)
-        prompt = None if voice_key else self._upload(prompt)
-        request = SynthesisRequest(
+        owner, zh = owner_of(request), is_zh(request)
+        prompt = None if voice_key else self._upload(prompt, zh)
+        synthesis = SynthesisRequest(
             text=text, mode=mode, voice=voice_key or None, prompt_audio=prompt,
             transcript=transcript or "", instruction=instruction or "", speed=float(speed), seed=used_seed,
             stream=bool(stream), format=fmt)
         try:
             if spaces is None:
-                session = self.service.synthesize(request)
+                session = self.service.synthesize(synthesis, owner=owner)
             else:  # errors before any GPU time; the GPU process then finds the voice in the library's cache
-                session = GpuSession(self.service.prepare(request), _gpu_chunks(self.service, request))
+                session = GpuSession(self.service.prepare(synthesis), _gpu_chunks(self.service, synthesis, owner))
         except InvalidInputError as exc:
             if exc.field == "voice" and not voice_key and not prompt:  # say it in the page's words
-                limits = self.tts.limits
-                message = (f"upload or record a prompt voice ({limits.min_prompt_seconds:g} to "
-                           f"{limits.max_prompt_seconds:g} s of speech), or pick a voice")
+                limits = self.service.limits
+                message = say(zh, "need_voice", low=limits.min_prompt_seconds, high=limits.max_prompt_seconds)
                 raise InvalidInputError(message, "voice") from exc
             raise
         if stream and not session.prepared.stream:
-            warn("this engine applies speed only without streaming: the take plays when it is complete")
-        voice = self.voices.info(session.prepared.voice_id).label if voice_key else "uploaded recording"
+            warn(say(zh, "speed_not_streamed"))
+        voice = (self.service.get_voice(session.prepared.voice_id, owner=owner).label if voice_key
+                 else say(zh, "uploaded_recording"))
         return session, voice, used_seed
 
     def _pump(self, session: SynthesisSession | GpuSession, take_id: str, events: queue.Queue) -> None:
@@ -322,13 +375,14 @@ class Studio:
         session's engine work stops within one LLM step (closing it frees the slot), whether or not Gradio
         still reads ``events``."""
         times = self.times[take_id]
+        channel = self.live.channel(take_id)
         try:
             with contextlib.closing(session):
                 for chunk in session:
                     now = time.time()
                     times.first_chunk = times.first_chunk or now
                     times.chunks.append((now, chunk.pcm.numel()))
-                    self.live.channel(take_id).put(to_pcm16(chunk.pcm).tobytes())
+                    channel.put(to_pcm16(chunk.pcm).tobytes())
                     events.put(("chunk", chunk.pcm.numpy()))
             events.put(("done", None))
         except BaseException as exc:  # handed to the handler, which reports it
@@ -359,9 +413,9 @@ class Studio:
         try:
             while True:
                 kind, detail = events.get()
+                finished = kind != "chunk"  # the caller stops reading after the last event
                 yield kind, detail
-                if kind != "chunk":
-                    finished = True
+                if finished:
                     return
         finally:
             if not finished:  # Gradio dropped the handler (a closed tab): stop the work too
@@ -382,37 +436,50 @@ class Studio:
         session.cancel()
         events.put(("stopped", None))
 
-    def begin(self, take_id: str) -> tuple:
-        """The Generate click: lock Generate, unlock Stop (the take id came from the page's player)."""
-        return take_id, gr.update(interactive=False), gr.update(interactive=True)
+    @staticmethod
+    def begin() -> tuple:
+        """The Generate click, at once (not queued): lock Generate, unlock Stop, also while the take waits."""
+        return gr.update(interactive=False), gr.update(interactive=True)
+
+    def history(self, request: gr.Request | None, *, create: bool = False) -> list[dict]:
+        """The takes of one browser session (page load), newest first; kept here, not in the page."""
+        session = "" if request is None else request.session_hash or ""
+        with self._lock:
+            if not create and session not in self._histories:
+                return []
+            takes = self._histories.setdefault(session, [])
+            self._histories.move_to_end(session)
+            while len(self._histories) > KEEP_SESSIONS:  # as Gradio's own session states
+                self._histories.popitem(last=False)
+            return takes
 
     def generate(self, take_id: str, mode: str, text: str, prompt: str | None, transcript: str, instruction: str,
                  voice_key: str | None, seed: float | None, speed: float, stream: bool, fmt: str,
-                 history: list[dict]) -> Iterator[tuple]:
-        """The page's Generate: yields (status, download, history, generate button, stop button)."""
+                 request: gr.Request | None = None) -> Iterator[tuple]:
+        """The page's Generate: yields (status, download, number of takes, generate button, stop button)."""
         take_id = take_id or secrets.token_hex(8)
         with self._lock:
             self.times[take_id] = TakeTimes(start=time.time())
             while len(self.times) > KEEP_TAKE_TIMES:  # the oldest go first (dicts keep insertion order)
                 del self.times[next(iter(self.times))]
-        idle = (gr.update(interactive=True), gr.update(interactive=False))
+        idle, zh = self.idle(), is_zh(request)
         with self._lock:
             stopped_early = take_id in self._stopped_early
             self._stopped_early.discard(take_id)
         if stopped_early:
             self.times[take_id].finished = time.time()
             self.live.finish(take_id)
-            yield "Stopped before it started.", gr.skip(), gr.skip(), *idle
+            yield say(zh, "stopped_before"), gr.skip(), gr.skip(), *idle
             return
         try:
             session, voice, used_seed = self._start(mode, text, prompt, transcript, instruction, voice_key,
-                                                    None if seed is None else int(seed), speed, stream)
+                                                    None if seed is None else int(seed), speed, stream, fmt, request)
         except CosyVoiceError as exc:
             self.times[take_id].finished = time.time()
             with self._lock:
                 self._stopped_early.discard(take_id)
             self.live.finish(take_id)
-            warn(_page_message(exc))
+            warn(_page_message(exc, zh))
             yield "", gr.skip(), gr.skip(), *idle
             return
         pieces: list[np.ndarray] = []
@@ -424,50 +491,56 @@ class Studio:
                 break
             first_audio = first_audio if first_audio is not None else time.perf_counter() - start
             pieces.append(detail)
-            made = sum(p.size for p in pieces) / self.tts.sample_rate
-            yield f"Generating… {made:.1f} s of audio (seed {used_seed})", gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            made = sum(p.size for p in pieces) / self.service.sample_rate
+            yield say(zh, "generating", seconds=made, seed=used_seed), gr.skip(), gr.skip(), gr.skip(), gr.skip()
         wall = time.perf_counter() - start
         if outcome == "error":
             if isinstance(detail, CosyVoiceError):
-                warn(_page_message(detail))
+                warn(_page_message(detail, zh))
             else:
                 logger.error("take %s failed", take_id, exc_info=detail)
-                warn("Synthesis failed unexpectedly; the server log has the details.")
+                warn(say(zh, "failed"))
             if not pieces:
                 yield "", gr.skip(), gr.skip(), *idle
                 return
         if not pieces:
-            yield "Stopped." if outcome == "stopped" else "The model produced no audio.", gr.skip(), gr.skip(), *idle
+            yield say(zh, "stopped" if outcome == "stopped" else "no_audio"), gr.skip(), gr.skip(), *idle
             return
         samples = np.concatenate(pieces)
+        history = self.history(request, create=True)
         take = self._keep(len(history) + 1, samples, fmt, text=text, voice=voice, mode=mode, seed=used_seed,
                           speed=float(speed), stream=bool(stream), first_audio=first_audio, wall=wall,
                           stopped=outcome != "done")
-        status = (f"Take {take.number}: {take.seconds:.1f} s of audio in {wall:.1f} s"
-                  + (f", first audio after {first_audio:.2f} s" if first_audio is not None else "")
-                  + f" · seed {used_seed} · voice: {voice}" + (" · stopped" if take.stopped else ""))
-        yield status, gr.update(value=take.file, visible=True), [asdict(take), *history], *idle
+        status = (say(zh, "take_done", number=take.number, seconds=take.seconds, wall=wall)
+                  + (say(zh, "first_audio", first=first_audio) if first_audio is not None else "")
+                  + say(zh, "seed_voice", seed=used_seed, voice=voice)
+                  + (say(zh, "stopped_mark") if take.stopped else ""))
+        with self._lock:
+            history.insert(0, asdict(take))
+        yield status, gr.update(value=take.file, visible=True), len(history), *idle
 
     def _keep(self, number: int, samples: np.ndarray, fmt: str, **meta: Any) -> Take:
         """Encode a take in its download format under a name that says what it is."""
         audio = audio_format(fmt if fmt in DOWNLOAD_FORMATS else "wav")
         folder = Path(self._folder())
         path = folder / f"take-{number}-seed{meta['seed']}.{audio.extension}"
-        path.write_bytes(encode_audio(samples, audio, self.tts.sample_rate))
-        return Take(number=number, file=str(path), format=audio.name, seconds=samples.size / self.tts.sample_rate,
+        path.write_bytes(encode_audio(samples, audio, self.service.sample_rate))
+        return Take(number=number, file=str(path), format=audio.name, seconds=samples.size / self.service.sample_rate,
                     **meta)
 
-    def history_zip(self, history: list[dict]) -> dict:
-        """The session's takes as one ZIP: every audio file plus takes.json (text, voice, mode, seed, settings)."""
+    def history_zip(self, request: gr.Request | None = None) -> str | None:
+        """The session's takes as one ZIP, made when asked for: every audio file plus takes.json (text, voice,
+        mode, seed, settings)."""
+        history = list(self.history(request))
         if not history:
-            return gr.update(visible=False)
+            return None
         path = Path(self._folder()) / f"cosyvoice-takes-{len(history)}.zip"
         with zipfile.ZipFile(path, "w") as archive:
             for take in history:
                 archive.write(take["file"], Path(take["file"]).name)
             archive.writestr("takes.json", json.dumps([{**take, "file": Path(take["file"]).name} for take in history],
                                                       ensure_ascii=False, indent=2))
-        return gr.update(value=str(path), visible=True)
+        return str(path)
 
     def stop_clicked(self, take_id: str) -> tuple:
         self.stop(take_id)
@@ -483,7 +556,7 @@ class Studio:
     def api_synthesize(self, text: str, mode: str | None = None, voice: str | None = None,
                        prompt_audio: str | None = None, prompt_text: str | None = None,
                        instruction: str | None = None, seed: float | None = None, speed: float | None = None,
-                       format: str | None = None) -> str:
+                       format: str | None = None, request: gr.Request | None = None) -> str:
         """One whole take as a file (``format``: wav, mp3, flac or opus); plain-text errors.
 
         ``mode``: zero_shot (default), cross_lingual or instruct2; ``voice``: a voice's name or id, looked up at
@@ -494,7 +567,8 @@ class Studio:
                 raise InvalidInputError(f"format must be one of {', '.join(DOWNLOAD_FORMATS)}, got {format!r}")
             session, _, used_seed = self._start(mode or "zero_shot", text, prompt_audio, prompt_text or "",
                                                 instruction or "", voice or None, None if seed is None else int(seed),
-                                                1.0 if speed is None else float(speed), False, format or "wav")
+                                                1.0 if speed is None else float(speed), False, format or "wav",
+                                                request)
             audio = session.prepared.format
             with contextlib.closing(session):
                 pieces = [c.pcm.numpy() for c in session]
@@ -502,20 +576,22 @@ class Studio:
             raise gr.Error(_page_message(exc), print_exception=False) from exc
         path = Path(self._folder()) / f"cosyvoice-seed{used_seed}.{audio.extension}"
         path.write_bytes(encode_audio(np.concatenate(pieces) if pieces else np.zeros(0, np.float32), audio,
-                                      self.tts.sample_rate))
+                                      self.service.sample_rate))
         return str(path)
 
-    def api_voices(self) -> list[dict]:
+    def api_voices(self, request: gr.Request | None = None) -> list[dict]:
         """Every saved voice (built-ins first): id, name, transcript, built-in."""
         return [{"id": i.id, "name": i.name, "transcript": i.transcript, "builtin": i.builtin}
-                for i in self.service.voices.list() if i.name]
+                for i in self.service.list_voices(owner=owner_of(request))]
 
-    def api_save_voice(self, name: str, prompt_audio: str, prompt_text: str | None = None) -> dict:
+    def api_save_voice(self, name: str, prompt_audio: str, prompt_text: str | None = None,
+                       request: gr.Request | None = None) -> dict:
         """Featurise a recording (with its transcript, for zero-shot) and keep it under ``name``."""
         try:
             if not prompt_audio:
                 raise InvalidInputError("prompt_audio is required")
-            info = self.service.create_voice(name or "", self._upload(prompt_audio), prompt_text or "")
+            info = self.service.create_voice(name or "", self._upload(prompt_audio), prompt_text or "",
+                                             owner=owner_of(request))
         except CosyVoiceError as exc:
             raise gr.Error(_page_message(exc), print_exception=False) from exc
         return {"id": info.id, "name": info.name, "transcript": info.transcript}
@@ -528,13 +604,31 @@ CSS = """
 #live-player .live-dot { width:10px; height:10px; border-radius:50%; background:#9ca3af; }
 #live-player[data-state=playing] .live-dot { background:#16a34a; }
 #live-player[data-state=waiting] .live-dot { background:#f59e0b; }
-#status { min-height:40px; }  /* room for the queue position while a take waits */
+#status { min-height:40px; }
+#demo-banner { background:#b91c1c; color:#fff; padding:12px 16px; border-radius:8px; font-weight:600; }
+#demo-banner p, #demo-banner code { color:#fff; }
+#demo-banner code { background:rgba(0, 0, 0, 0.25); }  /* room for the queue position while a take waits */
 #char-counter { font-size:13px; color:#6b7280; margin-top:-8px; }
 #char-counter-text.over { color:#b91c1c; font-weight:600; }
-.toast-wrap { top:auto !important; bottom:16px !important; }  /* toasts never cover the voice controls */
+/* toasts at the top centre: never over the voice controls (save, manage) on the right or Generate */
+.toast-wrap { top:16px !important; bottom:auto !important; left:50% !important; right:auto !important;
+              transform:translateX(-50%); max-width:min(480px, calc(100vw - 32px)); }
+#mic-message { color:#b91c1c; font-size:14px; padding:6px 10px; }
+/* narrow screens stack the columns: the voice picker comes first, above the text and Generate */
+@media (max-width: 768px) { #voice-column { order:-1; } }
 body, .gradio-container { font-family: ui-sans-serif, system-ui, "Noto Sans", "Noto Sans CJK SC",
                           "Noto Sans CJK JP", sans-serif; }
 """
+
+DOWNLOAD_JS = """(file) => {
+  if (!file || !file.url) return;
+  const link = document.createElement("a");
+  link.href = file.url;
+  link.download = file.orig_name || "takes.zip";
+  document.body.appendChild(link);
+  link.click();
+  link.remove();
+}"""
 
 COUNTER_JS = """(text) => {
   const limit = %d, n = [...(text || "")].length, zh = (navigator.language || "").startsWith("zh");
@@ -548,27 +642,30 @@ COUNTER_JS = """(text) => {
 }"""
 
 
-def _history_markdown(take: dict) -> str:
-    settings = (f"mode **{take['mode']}** · voice **{html.escape(take['voice'])}** · seed **{take['seed']}** · "
-                f"speed {take['speed']:g} · {'streamed' if take['stream'] else 'not streamed'} · "
-                f"{take['format'].upper()} · {take['seconds']:.1f} s" + (" · stopped" if take["stopped"] else ""))
+def _history_markdown(take: dict, zh: bool = False) -> str:
+    streamed = say(zh, "streamed" if take["stream"] else "not_streamed")
+    meta = say(zh, "take_meta", number=take["number"], mode=take["mode"], voice=html.escape(take["voice"]),
+               seed=take["seed"], speed=take["speed"], streamed=streamed,
+               format=take["format"].upper(), seconds=take["seconds"],
+               stopped=say(zh, "stopped_mark") if take["stopped"] else "")
     text = take["text"] if len(take["text"]) <= 300 else take["text"][:299] + "…"
-    return f"**Take {take['number']}** — {settings}\n\n> {html.escape(text)}"
+    return f"{meta}\n\n> {html.escape(text)}"
 
 
 def build_ui(studio: Studio) -> gr.Blocks:
-    limits = studio.tts.limits
-    rate = studio.tts.sample_rate
+    limits = studio.service.limits
+    rate = studio.service.sample_rate
     with gr.Blocks(title="CosyVoice3 Studio", analytics_enabled=False,
                    delete_cache=(3600, FILE_LIFETIME_SECONDS)) as page:
         if studio.demo:
-            gr.HTML(f'<div id="demo-banner" style="background:#b91c1c;color:#fff;padding:12px 16px;'
-                    f'border-radius:8px;font-weight:600">{html.escape(DEMO_WARNING)}</div>')
+            gr.Markdown(t("demo_banner"), elem_id="demo-banner")
         gr.Markdown("# CosyVoice3 Studio")
         gr.Markdown(t("intro"))
-        mode = gr.State("zero_shot")
+        # no gr.State: it would make every tab hold a heartbeat connection, and browsers allow only six per
+        # server; three waiting tabs would then starve each other's clicks (the takes are kept by the Studio)
+        mode = gr.Textbox("zero_shot", visible=False, elem_id="mode")
         take_id = gr.Textbox(visible=False, elem_id="take-id")
-        history = gr.State([])
+        takes_count = gr.Number(0, visible=False, elem_id="takes-count")
         with gr.Row():
             with gr.Column(scale=3):
                 text = gr.Textbox(label=t("text"), placeholder=t("text_placeholder"), lines=5, elem_id="text")
@@ -597,9 +694,9 @@ def build_ui(studio: Studio) -> gr.Blocks:
                         '<span class="live-text"></span></div>')
                 status = gr.Markdown(elem_id="status")
                 download = gr.File(label=t("download"), interactive=False, visible=False, elem_id="download")
-            with gr.Column(scale=2):
-                voice = gr.Dropdown(label=t("voice"), choices=studio.voice_choices(), value=None, info=t("voice_info"),
-                                    elem_id="voice")
+            with gr.Column(scale=2, elem_id="voice-column"):
+                voice = gr.Dropdown(label=t("voice"), choices=studio.voice_choices(None, uploads=False), value=None,
+                                    info=t("voice_info"), elem_id="voice")
                 preview = gr.Audio(label=t("preview"), interactive=False, elem_id="preview")
                 prompt = gr.Audio(label=t("prompt"), sources=["upload", "microphone"], type="filepath",
                                   elem_id="prompt")
@@ -621,12 +718,18 @@ def build_ui(studio: Studio) -> gr.Blocks:
                     exported = gr.File(label=t("export_file"), interactive=False, visible=False, elem_id="exported")
                     imported = gr.File(label=t("import"), file_count="single", type="filepath", height=120,
                                        elem_id="import")
+                    with gr.Row():
+                        import_name = gr.Textbox(label=t("import_as"), visible=False, elem_id="import-name", scale=3)
+                        import_again = gr.Button(t("import_again"), size="sm", visible=False, elem_id="import-again",
+                                                 scale=1)
         with gr.Row():
             gr.Markdown(t("history"), elem_id="history-heading")
-            takes_zip = gr.DownloadButton(t("download_all"), visible=False, size="sm", elem_id="download-all")
+            takes_zip = gr.Button(t("download_all"), visible=False, size="sm", elem_id="download-all")
+        zip_file = gr.File(visible=False, elem_id="takes-zip")
 
-        @gr.render(inputs=history)
-        def show_history(takes: list[dict]) -> None:
+        @gr.render(inputs=takes_count)
+        def show_history(count: float, request: gr.Request) -> None:
+            takes = studio.history(request)
             if not takes:
                 gr.Markdown(t("no_takes"), elem_classes="no-takes")
             for take in takes:
@@ -634,7 +737,7 @@ def build_ui(studio: Studio) -> gr.Blocks:
                     gr.Audio(take["file"], label=f"#{take['number']}", interactive=False, scale=1,
                              elem_classes="take-audio")
                     with gr.Column(scale=1):
-                        gr.Markdown(_history_markdown(take), elem_classes="take-meta")
+                        gr.Markdown(_history_markdown(take, is_zh(request)), elem_classes="take-meta")
                         reuse = gr.Button(t("reuse_seed"), size="sm", elem_classes="reuse-seed")
                         reuse.click(lambda used=take["seed"]: used, None, seed, queue=False,
                                     api_visibility="private")
@@ -642,7 +745,9 @@ def build_ui(studio: Studio) -> gr.Blocks:
         _api(studio, limits.max_sessions)  # first, so that the endpoints get their names unsuffixed
         # -------- wiring: the page's events are private; the API is the named endpoints of _api
         private = {"api_visibility": "private"}
-        history.change(studio.history_zip, history, takes_zip, show_progress="hidden", **private)
+        takes_count.change(lambda n: gr.update(visible=bool(n)), takes_count, takes_zip, queue=False, **private)
+        takes_zip.click(studio.history_zip, None, zip_file, show_progress="hidden", **private).then(
+            None, zip_file, None, js=DOWNLOAD_JS, **private)
         for tab, name in ((zero_shot_tab, "zero_shot"), (cross_lingual_tab, "cross_lingual"),
                           (instruct_tab, "instruct2")):
             tab.select(lambda name=name: name, None, mode, queue=False, **private)
@@ -650,17 +755,18 @@ def build_ui(studio: Studio) -> gr.Blocks:
         page.load(None, text, counter, js=COUNTER_JS % limits.max_text_chars, **private)
         dice.click(lambda: secrets.randbelow(MAX_SEED), None, seed, queue=False, **private)
 
-        started = generate.click(studio.begin, take_id, [take_id, generate, stop], queue=False,
-                                 show_progress="hidden", js=f"() => [window.cvStudio.begin({rate})]", **private)
+        # one click, two events: the buttons change at once, and the take joins the queue straight away (its
+        # place in the queue is the click's: first come, first served); the take id comes from the player
+        generate.click(studio.begin, None, [generate, stop], queue=False, show_progress="hidden", **private)
         # the progress (queue position) shows on the status line only, never over the other controls
-        running = started.then(studio.generate,
-                               [take_id, mode, text, prompt, transcript, instruction, voice, seed, speed, stream, fmt,
-                                history],
-                               [status, download, history, generate, stop], concurrency_limit=limits.max_sessions,
-                               concurrency_id="synthesis", show_progress="full", show_progress_on=[status], **private)
+        running = generate.click(
+            studio.generate, [take_id, mode, text, prompt, transcript, instruction, voice, seed, speed, stream, fmt],
+            [status, download, takes_count, generate, stop], concurrency_limit=limits.max_sessions,
+            concurrency_id="synthesis", show_progress="full", show_progress_on=[status],
+            js=f"(...inputs) => [window.cvStudio.begin({rate}), ...inputs.slice(1)]", **private)
         running.then(studio.idle, None, [generate, stop], queue=False, show_progress="hidden", **private)
         stop.click(studio.stop_clicked, take_id, [generate, stop], queue=False, show_progress="hidden",
-                   js="(take) => { window.cvStudio.stop(); return [take]; }", **private)
+                   js="() => [window.cvStudio.stop()]", **private)
 
         # toasts travel on the queue's stream: handlers that may warn are queued (the default)
         prompt.upload(studio.check_upload, prompt, prompt, show_progress="hidden", **private)
@@ -668,12 +774,14 @@ def build_ui(studio: Studio) -> gr.Blocks:
         prompt.upload(lambda: (None, None), None, [voice, preview], queue=False, **private)
         voice.select(lambda: None, None, prompt, queue=False, **private)  # a picked voice replaces the recording
         voice.change(studio.preview, voice, preview, show_progress="hidden", **private)
-        save.click(studio.save_voice, [save_as, mode, prompt, transcript, voice], voice, show_progress="hidden",
-                   **private)
+        save.click(studio.save_voice, [save_as, prompt, transcript], voice, show_progress="hidden", **private)
         rename.click(studio.rename_voice, [voice, new_name], voice, show_progress="hidden", **private)
         export.click(studio.export_voice, voice, exported, show_progress="hidden", **private)
         exported.change(lambda path: gr.update(visible=bool(path)), exported, exported, queue=False, **private)
-        imported.upload(studio.import_voice, imported, [voice, imported], show_progress="hidden", **private)
+        import_outputs = [voice, imported, import_name, import_again]
+        imported.upload(studio.import_voice, imported, import_outputs, show_progress="hidden", **private)
+        import_again.click(studio.import_voice, [imported, import_name], import_outputs, show_progress="hidden",
+                           **private)
         delete.click(studio.ask_delete, voice, [confirm_row, confirm_text], show_progress="hidden", **private)
         confirm.click(studio.delete_voice, voice, [voice, confirm_row, preview], show_progress="hidden", **private)
         cancel.click(lambda: gr.update(visible=False), None, confirm_row, queue=False, **private)
@@ -707,14 +815,15 @@ def _api(studio: Studio, max_sessions: int) -> None:
 # ----------------------------------------------------------------------------- start-up
 
 
-def load_studio(model_dir: str | Path | None = None, *, voice_dir: str | Path = DEFAULT_VOICE_DIR,
+def load_studio(model_dir: str | Path | None = None, *, voice_dir: str | Path | None = None,
                 demo_dir: str | Path = DEMO_MODEL_DIR, builtin_dir: str | Path | None = BUILTIN_VOICE_DIR,
                 device: str | None = None) -> Studio:
     """The engine and voice library to serve.
 
     An explicit ``model_dir`` (a folder or a ModelScope id) must load. Without one, the repository's default
     folder is used if present; otherwise a tiny random model is generated (once) into ``demo_dir`` so the UI
-    still starts, and that is said loudly in the log and on the page.
+    still starts, and that is said loudly in the log and on the page. Voices are kept in ``voice_dir``, by
+    default the servers' folder (:func:`cosyvoice.settings.default_voice_dir`): one library for all of them.
     """
     demo = model_dir is None and not DEFAULT_MODEL_DIR.is_dir()
     if demo:
@@ -727,23 +836,32 @@ def load_studio(model_dir: str | Path | None = None, *, voice_dir: str | Path = 
             logger.info("writing the demo model to %s", demo_dir)
             make_tiny_bundle(demo_dir, seed=0)
         model_dir = demo_dir
-    tts = CosyVoice3(model_dir or DEFAULT_MODEL_DIR, device=device, voice_dir=voice_dir)
+    service = TTSService.load(model_dir or DEFAULT_MODEL_DIR, default_voice_dir() if voice_dir is None else voice_dir,
+                              device=device)
     if builtin_dir is not None:
-        tts.voices.add_builtins(builtin_dir)
-    return Studio(tts.service, demo=demo)  # one library: the page, the API and spk2info
+        service.voices.add_builtins(builtin_dir)  # start-up configuration, as the servers' voice folder
+    return Studio(service, demo=demo)
 
 
-def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: bool = True) -> gr.Blocks:
-    """Serve the page and the live-audio route (``block=False`` returns at once, the server in a thread)."""
+def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: bool = True,
+           api_keys: tuple[str, ...] = ()) -> gr.Blocks:
+    """Serve the page and the live-audio route (``block=False`` returns at once, the server in a thread).
+
+    With ``api_keys`` nothing answers without one of them (:mod:`app.auth`): not the page, its events, its
+    files, the live audio or the named API."""
     page = build_ui(studio)
-    page.queue(default_concurrency_limit=studio.tts.limits.max_sessions)
+    page.queue(default_concurrency_limit=studio.service.limits.max_sessions)
+    keys = ApiKeys(api_keys) if api_keys else None
+    gate = {} if keys is None else {"auth_dependency": keys.owner,
+                                    "app_kwargs": {"middleware": [Middleware(KeyGate, keys=keys)]}}
     page.launch(server_name=host, server_port=port, prevent_thread_lock=True, show_error=False, ssr_mode=False,
-                max_file_size=studio.tts.limits.max_prompt_bytes, quiet=not block, i18n=I18N, css=CSS,
+                max_file_size=UPLOAD_HEADROOM * studio.service.limits.max_prompt_bytes, quiet=not block, i18n=I18N,
+                css=CSS,
                 head=head_html(), theme=gr.themes.Default(font=["ui-sans-serif", "system-ui", "Noto Sans CJK SC",
                                                                 "sans-serif"]),
-                allowed_paths=[str(studio._files)])
-    mount(page.app, studio.live, studio.tts.sample_rate)
-    data_dir = default_data_dir(studio.voices.dir.parent)  # workbench takes and long-form projects
+                allowed_paths=[str(studio._files)], **gate)
+    mount(page.app, studio.live, studio.service.sample_rate)
+    data_dir = default_data_dir(studio.service.voices.dir.parent)  # workbench takes and long-form projects
     page.app.include_router(longform_router(lambda: studio.service, data_dir))  # /studio/longform
     page.app.include_router(workbench_router(data_dir, lambda: studio.service))
     if block:

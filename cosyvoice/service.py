@@ -784,6 +784,13 @@ class TTSService:
         with _field("voice"):
             return self.voices.recording(key, owner=owner)
 
+    def check_prompt(self, audio: AudioSource) -> float:
+        """Decode and check a prompt recording as synthesis will (the web UI checks uploads as they arrive):
+        its length in seconds, or :class:`InvalidInputError` (field ``prompt_audio``) saying why it is unusable."""
+        with self._slot(), _field("prompt_audio"):
+            wav, sample_rate = self.model.frontend.load_prompt(audio)
+        return wav.shape[-1] / sample_rate
+
     # ------------------------------------------------------------------ validation (the edge: the only checks)
 
     def _check(self, request: SynthesisRequest, has_text: bool = True) -> _Checked:

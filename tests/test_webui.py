@@ -21,6 +21,7 @@ from app import ui  # noqa: E402
 from app.ui import Studio, build_ui, launch, load_studio  # noqa: E402
 from cosyvoice.frontend.prompts import zero_shot_prompt_text  # noqa: E402
 from cosyvoice.service import TTSService  # noqa: E402
+from cosyvoice.settings import VoicePolicy  # noqa: E402
 from cosyvoice.voices import VoiceLibrary  # noqa: E402
 
 TEXT = "Hi there."  # short: the random tiny model speaks until its length limit, which grows with the text
@@ -40,12 +41,12 @@ def make_studio(tts, root: Path, builtin_prompt: Path | None = None) -> Studio:
 
 
 @contextlib.contextmanager
-def serving(studio: Studio) -> Iterator[str]:
+def serving(studio: Studio, **kwargs: object) -> Iterator[str]:
     """The app on a free loopback port, as ``webui.py`` serves it; yields its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    page = launch(studio, host="127.0.0.1", port=port, block=False)
+    page = launch(studio, host="127.0.0.1", port=port, block=False, **kwargs)
     try:
         yield f"http://127.0.0.1:{port}/"
     finally:
@@ -60,22 +61,22 @@ def studio(tts, tmp_path: Path) -> Studio:
 def _generate(studio: Studio, mode: str = "zero_shot", text: str = TEXT, prompt: str | None = None,
               transcript: str = TRANSCRIPT, instruction: str = "", voice: str | None = None, seed: int = 5,
               speed: float = 1.0, stream: bool = True, fmt: str = "wav", take_id: str = "take-0001") -> list[tuple]:
-    return list(studio.generate(take_id, mode, text, prompt, transcript, instruction, voice, seed, speed, stream, fmt,
-                                []))
+    return list(studio.generate(take_id, mode, text, prompt, transcript, instruction, voice, seed, speed, stream, fmt))
 
 
 def test_page_builds_with_the_demo_banner(studio: Studio) -> None:
     page = build_ui(studio)
     assert isinstance(page, gr.Blocks)
-    assert any("demo-banner" in str(getattr(block, "value", "")) for block in page.blocks.values())
+    assert any(getattr(block, "elem_id", None) == "demo-banner" for block in page.blocks.values())
 
 
-def test_a_take_streams_live_pcm_and_is_kept_in_the_history(studio: Studio, short_prompt_wav: Path) -> None:
+def test_a_take_streams_live_pcm_and_is_kept_in_the_history(tts, studio: Studio, short_prompt_wav: Path) -> None:
     channel = studio.live.channel("take-0001")  # the page's player subscribes before (or after) the take runs
     *progress, last = _generate(studio, prompt=str(short_prompt_wav))
     assert len(progress) >= 2 and all(p[0].startswith("Generating… ") for p in progress)
-    status, download, history, generate, stop = last
-    [take] = history
+    status, download, count, generate, stop = last
+    [take] = studio.history(None)
+    assert count == 1
     assert generate["interactive"] is True and stop["interactive"] is False
     assert take["seed"] == 5 and take["mode"] == "zero_shot" and take["text"] == TEXT and "seed 5" in status
     assert Path(take["file"]).name == "take-1-seed5.wav" and download["value"] == take["file"]
@@ -83,7 +84,7 @@ def test_a_take_streams_live_pcm_and_is_kept_in_the_history(studio: Studio, shor
     live = np.frombuffer(b"".join(channel._pending[:-1]), np.int16)
     assert rate == 24000 and channel._pending[-1] is None and np.array_equal(kept, live)
     # the adapter changes nothing: the API, given the same voice, text and seed, makes the same samples
-    api = studio.tts.synthesize("zero_shot", TEXT, prompt_text=zero_shot_prompt_text(TRANSCRIPT),
+    api = tts.synthesize("zero_shot", TEXT, prompt_text=zero_shot_prompt_text(TRANSCRIPT),
                                 prompt_wav=short_prompt_wav, stream=True, seed=5)
     assert np.array_equal(kept, np.concatenate([ui.to_pcm16(c.pcm) for c in api]))
     times = studio.times["take-0001"]
@@ -91,8 +92,9 @@ def test_a_take_streams_live_pcm_and_is_kept_in_the_history(studio: Studio, shor
 
 
 def test_random_seed_is_shown_and_formats_are_named(studio: Studio, short_prompt_wav: Path) -> None:
-    *_, (status, _, [take], _, _) = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), seed=-1,
-                                              stream=False, fmt="opus")
+    *_, (status, _, _, _, _) = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), seed=-1,
+                                         stream=False, fmt="opus")
+    [take] = studio.history(None)
     assert 0 <= take["seed"] < 2**31 and f"seed {take['seed']}" in status
     assert Path(take["file"]).name == f"take-1-seed{take['seed']}.opus"
     import av
@@ -138,8 +140,8 @@ def test_uploads_are_checked_on_upload(studio: Studio, prompt_wav: Path, tmp_pat
 
 def test_voice_library_controls(studio: Studio, prompt_wav: Path, tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="type a name"):
-        studio.save_voice("", "zero_shot", str(prompt_wav), TRANSCRIPT, None)
-    picked = studio.save_voice("Alice", "zero_shot", str(prompt_wav), TRANSCRIPT, None)
+        studio.save_voice("", str(prompt_wav), TRANSCRIPT)
+    picked = studio.save_voice("Alice", str(prompt_wav), TRANSCRIPT)
     assert picked["choices"][0][0] == "Alice"
     voice_id = picked["value"]
     assert studio.preview(voice_id)[0] == 24000
@@ -150,22 +152,24 @@ def test_voice_library_controls(studio: Studio, prompt_wav: Path, tmp_path: Path
     assert row["visible"] is True and "Alice Smith" in question
     dropdown, row, _ = studio.delete_voice(voice_id)
     assert dropdown["choices"] == [] and row["visible"] is False
-    dropdown, _ = studio.import_voice(exported)
+    dropdown, *_ = studio.import_voice(exported)
     assert dropdown["choices"][0][0] == "Alice Smith"
-    *_, last = _generate(studio, voice="Alice Smith", stream=False)
-    assert last[2][0]["voice"] == "Alice Smith"
+    _generate(studio, voice="Alice Smith", stream=False)
+    assert studio.history(None)[0]["voice"] == "Alice Smith"
 
 
 def test_paths_resolve_from_the_repository(tiny_bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                            caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.chdir(tmp_path)  # started from another folder: the defaults still point into the repository
     repo = Path(__file__).resolve().parents[1]
-    for path in (ui.DEFAULT_MODEL_DIR, ui.DEMO_MODEL_DIR, ui.DEFAULT_VOICE_DIR, ui.BUILTIN_VOICE_DIR):
+    for path in (ui.DEFAULT_MODEL_DIR, ui.DEMO_MODEL_DIR, ui.BUILTIN_VOICE_DIR):
         assert path.is_absolute() and path.is_relative_to(repo)
     monkeypatch.setattr(ui, "DEFAULT_MODEL_DIR", tmp_path / "absent")
+    monkeypatch.setenv("COSYVOICE_VOICE_DIR", str(tmp_path / "shared-voices"))  # the servers' voice folder
     with caplog.at_level(logging.WARNING, logger="app.ui"):
-        studio = load_studio(voice_dir=tmp_path / "voices", demo_dir=tiny_bundle_dir, device="cpu")
-    assert studio.demo and Path(studio.tts.model_dir) == tiny_bundle_dir
+        studio = load_studio(demo_dir=tiny_bundle_dir, device="cpu")
+    assert studio.demo and Path(studio.service.model_dir) == tiny_bundle_dir
+    assert studio.service.voices.dir.is_relative_to(tmp_path / "shared-voices")
     assert "RANDOMLY INITIALISED" in caplog.text and "modelscope download" in caplog.text
 
 
@@ -203,8 +207,7 @@ def test_a_voice_saved_after_connecting_is_usable_by_name_and_errors_are_plain(a
 
     studio, url = api_server
     client = Client(url, verbose=False)
-    voice_id, _ = studio.voices.get_or_create(prompt_wav, zero_shot_prompt_text(TRANSCRIPT))
-    studio.voices.save("Late Voice", voice_id)  # saved by someone else (the page, a server) after we connected
+    studio.service.create_voice("Late Voice", prompt_wav, TRANSCRIPT)  # by someone else, after we connected
     assert "Late Voice" in [v["name"] for v in client.predict(api_name="/voices")]
     path = client.predict(text=TEXT, mode="instruct2", voice="Late Voice", instruction="Whisper.", seed=1,
                           api_name="/synthesize")
@@ -221,12 +224,11 @@ def test_the_session_history_downloads_as_one_zip(studio: Studio, short_prompt_w
     import json
     import zipfile
 
-    *_, (_, _, history, _, _) = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), stream=False,
-                                          fmt="mp3")
-    history = [*list(studio.generate("take-0002", "cross_lingual", TEXT, str(short_prompt_wav), "", "", None, 9, 1.0,
-                                     False, "flac", history))[-1][2]]
-    assert studio.history_zip([])["visible"] is False
-    with zipfile.ZipFile(studio.history_zip(history)["value"]) as archive:
+    assert studio.history_zip() is None  # no takes yet: nothing to download
+    _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), stream=False, fmt="mp3")
+    _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), seed=9, stream=False, fmt="flac",
+              take_id="take-0002")
+    with zipfile.ZipFile(studio.history_zip()) as archive:
         takes = json.loads(archive.read("takes.json"))
         assert sorted(archive.namelist()) == sorted(["takes.json", "take-1-seed5.mp3", "take-2-seed9.flac"])
     assert [(t["number"], t["seed"], t["mode"], t["text"], t["format"]) for t in takes] == [
@@ -235,13 +237,14 @@ def test_the_session_history_downloads_as_one_zip(studio: Studio, short_prompt_w
 
 def test_stop_before_the_first_chunk_and_while_queued(studio: Studio, short_prompt_wav: Path) -> None:
     studio.stop("take-queued")  # Stop clicked while the take still waited in Gradio's queue
-    [(status, _, history, generate, _)] = _generate(studio, prompt=str(short_prompt_wav), take_id="take-queued")
-    assert status == "Stopped before it started." and history == gr.skip() and generate["interactive"] is True
+    [(status, _, count, generate, _)] = _generate(studio, prompt=str(short_prompt_wav), take_id="take-queued")
+    assert status == "Stopped before it started." and count == gr.skip() and generate["interactive"] is True
     takes = studio.generate("take-running", "cross_lingual", TEXT * 4, str(short_prompt_wav), "", "", None, 5, 1.0,
-                            True, "wav", [])
+                            True, "wav")
     assert next(takes)[0].startswith("Generating… ")  # the first chunk is out
     studio.stop("take-running")
-    *_, (status, _, [take], generate, _) = list(takes)  # the handler ends at once, keeping what was made
+    *_, (status, _, _, generate, _) = list(takes)  # the handler ends at once, keeping what was made
+    [take] = studio.history(None)
     assert take["stopped"] and "stopped" in status and generate["interactive"] is True
     deadline = time.time() + 10
     while (studio.service.status().active_sessions or studio._running) and time.time() < deadline:
@@ -255,5 +258,66 @@ def test_speed_applies_while_streaming(studio: Studio, short_prompt_wav: Path) -
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "plays when it is complete" fallback: the engine streams at speed
         outs = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), speed=1.5, stream=True)
-    *progress, (_, _, [take], _, _) = outs
+    *progress, _ = outs
+    [take] = studio.history(None)
     assert len(progress) >= 2 and take["speed"] == 1.5 and take["stream"] is True
+
+
+def visitor(session: str, username: str | None = None, language: str = "en-US") -> gr.Request:
+    """A page's request as Gradio hands it to a handler: its session (one per page load) and, behind API keys,
+    the key's owner as ``username``."""
+    return gr.Request(username=username, session_hash=session, headers={"accept-language": language})
+
+
+def test_a_visitors_uploads_are_theirs_alone(studio: Studio, short_prompt_wav: Path) -> None:
+    alice, bob = visitor("alice-page"), visitor("bob-page")
+    list(studio.generate("take-a", "zero_shot", TEXT, str(short_prompt_wav), "Alice's secret words.", "", None, 1, 1.0,
+                         False, "wav", alice))
+    choices = studio.voice_dropdown(None, alice)["choices"]
+    [upload] = [label for label, _ in choices if label.startswith("recent upload")]
+    assert "Alice's secret words" in upload
+    assert not [c for c in studio.voice_dropdown(None, bob)["choices"] if c[0].startswith("recent upload")]
+    upload_id = next(v for label, v in studio.voice_dropdown(None, alice)["choices"] if label == upload)
+    for attempt in (lambda: studio.preview(upload_id, bob), lambda: studio.export_voice(upload_id, bob),
+                    lambda: studio.delete_voice(upload_id, bob)):
+        with pytest.warns(UserWarning, match="unknown voice"):  # as if it did not exist
+            attempt()
+    assert studio.preview(upload_id, alice)[0] == 16000  # still there, still Alice's
+    # behind API keys a key's holder is one owner across pages; the creator policy guards saved voices
+    studio.service.voices.policy = VoicePolicy("creator")
+    key_a, key_b = visitor("p1", "key:aaaaaaaaaaaa"), visitor("p2", "key:bbbbbbbbbbbb", "zh-CN")
+    saved = studio.save_voice("Keyed", str(short_prompt_wav), TRANSCRIPT, key_a)["value"]
+    with pytest.warns(UserWarning, match="无权操作") as warned:  # in the visitor's language
+        assert studio.rename_voice(saved, "Taken over", key_b) == gr.skip()
+        studio.delete_voice(saved, key_b)
+    assert len(warned) == 2
+    assert studio.rename_voice(saved, "Renamed", visitor("p3", "key:aaaaaaaaaaaa"))["choices"]
+
+
+def test_a_finished_take_is_not_reported_as_abandoned(studio: Studio, short_prompt_wav: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="app.ui"):
+        *_, (status, *_) = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav))
+    assert status.startswith("Take 1:") and "went away" not in caplog.text
+    takes = studio.generate("take-left", "cross_lingual", TEXT * 4, str(short_prompt_wav), "", "", None, 5, 1.0, True,
+                            "wav")
+    next(takes)
+    with caplog.at_level(logging.INFO, logger="app.ui"):
+        takes.close()  # Gradio drops the handler of a closed page: that is reported, and the work stops
+    assert "the page went away; stopping it" in caplog.text
+
+
+def test_page_messages_name_no_server_setting(studio: Studio, short_prompt_wav: Path) -> None:
+    with pytest.warns(UserWarning) as warned:
+        _generate(studio, text="x" * 6000, prompt=str(short_prompt_wav))
+    [message] = [str(w.message) for w in warned]
+    assert "at most 5000" in message and "COSYVOICE_" not in message
+
+
+def test_an_overlong_upload_gets_the_duration_message_not_a_size_error(studio: Studio, tmp_path: Path) -> None:
+    big = tmp_path / "interview.wav"  # 150 s of 48 kHz stereo float: 57.6 MB, over the 50 MiB upload limit
+    sf.write(big, np.zeros((150 * 48000, 2), np.float32), 48000, subtype="FLOAT")
+    assert big.stat().st_size > studio.service.limits.max_prompt_bytes
+    with pytest.warns(UserWarning, match=r"150\.00 s long; at most 30 s is supported") as warned:
+        assert studio.check_upload(str(big)) is None
+    assert not any("MiB" in str(w.message) for w in warned)

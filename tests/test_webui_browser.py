@@ -6,6 +6,7 @@ times. Screenshots and the measured timings go to ``test-artifacts/`` (kept by C
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -87,8 +88,12 @@ def upload_prompt(page, path: Path) -> None:
 def toast(page, text: str) -> None:
     """A warning toast saying ``text`` appears; then it is closed, as a person would."""
     sync_api.expect(page.get_by_test_id("toast-text").filter(has_text=text).first).to_be_visible(timeout=15000)
-    for close in page.get_by_test_id("toast-close").all():
-        close.click()
+    for _ in range(10):  # info toasts also go by themselves: close whatever is still there
+        closes = page.get_by_test_id("toast-close")
+        if not closes.count():
+            break
+        with contextlib.suppress(sync_api.Error):
+            closes.first.click(timeout=2000)
 
 
 def assert_usable(page) -> None:
@@ -174,7 +179,7 @@ def test_stop_ends_a_long_take_and_frees_the_session(context, app: tuple, short_
     sync_api.expect(page.locator("#status")).to_contain_text("stopped")  # what was made is kept, marked stopped
     deadline = time.time() + 10
     def busy() -> bool:
-        return bool(studio.tts.engine.active_sessions or studio.service.status().active_sessions
+        return bool(studio.service.model.engine.active_sessions or studio.service.status().active_sessions
                     or studio.times[take_id].finished is None)
 
     while busy() and time.time() < deadline:
@@ -238,7 +243,7 @@ def test_a_saved_voice_survives_a_restart(tts, browser, tmp_path: Path, short_pr
             page.fill("#transcript textarea", TRANSCRIPT)
             page.fill("#save-as textarea, #save-as input", "Survivor")
             page.click("#save")
-            sync_api.expect(page.locator("#voice input")).to_have_value("Survivor", timeout=15000)
+            sync_api.expect(page.locator("#voice input")).to_have_value("Survivor", timeout=30000)
             page.close()
         with serving(make_studio(tts, tmp_path)) as url:  # a new server process's library, from the same folder
             page = open_page(ctx, url)
@@ -271,24 +276,278 @@ def test_a_saved_voice_survives_a_restart(tts, browser, tmp_path: Path, short_pr
             page.set_input_files("#import input[type=file]", str(exported))
             toast(page, "Imported voice 'Survivor Two'")
             sync_api.expect(page.locator("#voice input")).to_have_value("Survivor Two")
+            # the name taken by another voice meanwhile: the page asks for another name and keeps the file
+            page.click("#delete")
+            page.click("#confirm-delete")
+            toast(page, "Deleted voice 'Survivor Two'")
+            upload_prompt(page, short_prompt_wav)
+            page.fill("#transcript textarea", "Another voice took this name.")
+            page.fill("#save-as textarea, #save-as input", "Survivor Two")
+            page.click("#save")
+            toast(page, "Saved voice 'Survivor Two'")
+            page.set_input_files("#import input[type=file]", str(exported))
+            toast(page, "A voice named 'Survivor Two' exists already: type another name")
+            page.fill("#import-name textarea, #import-name input", "Survivor Three")
+            page.click("#import-again")
+            toast(page, "Imported voice 'Survivor Three'")
+            sync_api.expect(page.locator("#voice input")).to_have_value("Survivor Three")
+            sync_api.expect(page.locator("#import-name")).to_be_hidden()
             page.close()
     finally:
         ctx.close()
 
 
-def test_chinese_page(browser, app: tuple) -> None:
+def test_chinese_page(browser, app: tuple, short_prompt_wav: Path) -> None:
     _, url = app
     ctx = browser(locale="zh-CN")
     try:
         page = open_page(ctx, url)
         sync_api.expect(page.get_by_text("要朗读的文本")).to_be_visible()
+        sync_api.expect(page.locator("#demo-banner")).to_contain_text("演示模式")
+        page.click("#generate")
+        toast(page, "输入有误：")  # the server's messages too, in the page's language
+        page.get_by_role("tab", name="跨语种").click()
+        upload_prompt(page, short_prompt_wav)
+        page.fill("#text textarea", TEXT)
+        page.click("#generate")
+        sync_api.expect(page.locator("#status")).to_contain_text("第 1 条：", timeout=60000)
+        sync_api.expect(page.locator("#status")).to_contain_text("声音：上传的录音")
+        sync_api.expect(page.locator(".take-meta").first).to_contain_text("模式 cross_lingual")
+        page.evaluate("() => window.cvStudio.stop()")
         sync_api.expect(page.get_by_role("tab", name="跨语种")).to_be_visible()
         assert page.evaluate(CJK_GLYPHS_DRAWN), "CJK text renders as missing-glyph boxes: install fonts-noto-cjk"
         page.click("#voice input")
-        assert page.get_by_role("option").first.inner_text().startswith("Narrator (built-in)")  # built-ins first
+        assert page.get_by_role("option").first.inner_text().startswith("Narrator（内置）")  # built-ins first
         page.keyboard.press("Escape")
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "webui-zh.png"), full_page=True)
         page.close()
     finally:
         ctx.close()
+
+
+def test_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path: Path, short_prompt_wav: Path) -> None:
+    """COSYVOICE_MAX_SESSIONS=1 and four tabs clicking Generate together: the waiting tabs show their place in
+    the queue with Generate locked and Stop enabled; they are served in click order; Stop and closing the tab
+    work while waiting, and no tab is left processing."""
+    from dataclasses import replace
+
+    from test_webui import make_studio
+
+    from app.ui import Studio
+    from cosyvoice.service import TTSService
+
+    library = make_studio(tts, tmp_path).service.voices
+    studio = Studio(TTSService(tts.model, library, limits=replace(tts.limits, max_sessions=1)), demo=True)
+    ctx = browser(locale="en-US")
+    try:
+        with serving(studio) as url:
+            pages = []
+            for n in range(4):
+                page = open_page(ctx, url)
+                page.get_by_role("tab", name=TABS["cross_lingual"]).click()
+                upload_prompt(page, short_prompt_wav)
+                page.fill("#text textarea", LONG_TEXT[: 120 + 20 * n])
+                pages.append(page)
+            for page in pages:  # as fast as four people can click
+                page.click("#generate")
+            for page in pages:
+                page.wait_for_function("() => Object.keys(window.cvStudio.takes).length > 0")
+            ids = [take_summary(page)["id"] for page in pages]
+            for n, page in enumerate(pages[1:], start=2):  # waiting: locked Generate, Stop ready, the place shown
+                sync_api.expect(page.locator("#generate")).to_be_disabled()
+                sync_api.expect(page.locator("#stop")).to_be_enabled()
+                sync_api.expect(page.locator("#status")).to_contain_text(f"{n - 1}/", timeout=15000)
+            ARTIFACTS.mkdir(exist_ok=True)
+            pages[2].screenshot(path=str(ARTIFACTS / "webui-queued.png"), full_page=True)
+            pages[3].close()  # a waiting tab closed: its take leaves the queue
+            pages[2].click("#stop")  # Stop while waiting: the tab is free at once and its take never runs
+            sync_api.expect(pages[2].locator("#generate")).to_be_enabled(timeout=5000)
+            sync_api.expect(pages[2].locator("#stop")).to_be_disabled()
+            for page, number in ((pages[0], 1), (pages[1], 1)):
+                sync_api.expect(page.locator("#status")).to_contain_text(f"Take {number}:", timeout=120000)
+                sync_api.expect(page.locator("#generate")).to_be_enabled()
+            starts = [studio.times[i].start for i in ids[:2]]
+            assert starts[0] < starts[1], starts  # first come, first served
+            assert studio.times[ids[0]].finished <= starts[1] + 0.5  # one session at a time
+            deadline = time.time() + 10
+            while ids[2] in studio.times and studio.times[ids[2]].finished is None and time.time() < deadline:
+                time.sleep(0.05)
+            for gone in ids[2:]:  # the stopped one and the closed one never made audio
+                assert gone not in studio.times or studio.times[gone].first_chunk is None, gone
+            sync_api.expect(pages[2].locator("#status")).not_to_contain_text("queue", timeout=15000)  # not left waiting
+            assert studio.service.status().active_sessions == 0 and not studio._running
+    finally:
+        ctx.close()
+
+
+def _overlaps(a: dict, b: dict) -> bool:
+    return a["x"] < b["x"] + b["width"] and b["x"] < a["x"] + a["width"] and \
+        a["y"] < b["y"] + b["height"] and b["y"] < a["y"] + a["height"]
+
+
+def test_uploads_and_messages_as_a_visitor_sees_them(context, app: tuple, tmp_path: Path,
+                                                     short_prompt_wav: Path) -> None:
+    """Toasts clear of the voice controls; a WebM recording accepted; a picture named .wav and an over-long text
+    explained plainly; Record without a microphone says why."""
+
+    _, url = app
+    page = open_page(context, url)
+    fake = tmp_path / "holiday.wav"
+    fake.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(4096))  # a PNG renamed .wav
+    page.set_input_files("#prompt input[type=file]", str(fake))
+    sync_api.expect(page.get_by_test_id("toast-text").first).to_contain_text("holiday.wav' is not a recognised audio "
+                                                                             "file; upload a recording", timeout=15000)
+    page.click("#save")  # a second toast, from the voice controls
+    sync_api.expect(page.get_by_test_id("toast-text")).to_have_count(2, timeout=15000)
+    page.wait_for_timeout(500)  # the toasts' entry animation
+    covered = [page.locator(sel).bounding_box() for sel in ("#save-as", "#save", "#manage", "#generate", "#stop")]
+    for box in page.locator(".toast-wrap [data-testid='toast-body']").all():
+        assert not any(_overlaps(box.bounding_box(), c) for c in covered), box.bounding_box()
+    texts = " ".join(page.get_by_test_id("toast-text").all_inner_texts())
+    assert "ffmpeg" not in texts and "libsndfile" not in texts
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "webui-toasts.png"))
+    for close in page.get_by_test_id("toast-close").all():
+        close.click()
+
+    page.fill("#text textarea", "x" * 6000)
+    page.click("#generate")
+    toast(page, "text has 6000 characters; at most 5000 are allowed")
+    assert "COSYVOICE_" not in " ".join(page.get_by_test_id("toast-text").all_inner_texts())
+
+    webm = _webm_opus(short_prompt_wav, tmp_path / "recording.webm")  # what a browser's recorder makes
+    upload_prompt(page, webm)
+    page.wait_for_timeout(1000)  # the server's check of the upload
+    assert page.get_by_test_id("toast-text").count() == 0, page.get_by_test_id("toast-text").all_inner_texts()
+
+    page.locator("#prompt button[aria-label='Clear']").click()
+    page.locator("#prompt button[aria-label='Record audio']").click()  # this machine has no microphone
+    sync_api.expect(page.locator("#mic-message")).to_contain_text("No microphone was found")
+    page.screenshot(path=str(ARTIFACTS / "webui-no-microphone.png"))
+    page.close()
+
+
+def test_narrow_screen_puts_the_voice_picker_above_generate(browser, app: tuple) -> None:
+    _, url = app
+    ctx = browser(locale="en-US")
+    try:
+        page = ctx.new_page()
+        page.set_viewport_size({"width": 390, "height": 844})
+        page.goto(url)
+        page.wait_for_selector("#generate")
+        voice, generate = page.locator("#voice").bounding_box(), page.locator("#generate").bounding_box()
+        assert voice["y"] + voice["height"] <= generate["y"], (voice, generate)
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390  # nothing runs off the side
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "webui-390px.png"), full_page=True)
+    finally:
+        ctx.close()
+
+
+def _take_with_format(context, url: str, short_prompt_wav: Path, fmt: str):
+    page = open_page(context, url)
+    page.get_by_role("tab", name=TABS["cross_lingual"]).click()
+    upload_prompt(page, short_prompt_wav)
+    page.fill("#text textarea", TEXT)
+    page.click("#format input")
+    page.get_by_role("option", name=fmt).click()
+    page.click("#generate")
+    sync_api.expect(page.locator("#status")).to_contain_text("Take 1:", timeout=60000)
+    page.evaluate("() => window.cvStudio.stop()")  # the noise of the tiny model need not play on
+    return page
+
+
+def test_all_takes_download_as_a_zip_made_on_the_click(context, app: tuple, short_prompt_wav: Path) -> None:
+    studio, url = app
+    page = _take_with_format(context, url, short_prompt_wav, "WAV")
+    made = len(list(studio._files.rglob("cosyvoice-takes-*.zip")))
+    with page.expect_download() as download:
+        page.click("#download-all")
+    assert download.value.suggested_filename == "cosyvoice-takes-1.zip"
+    assert len(list(studio._files.rglob("cosyvoice-takes-*.zip"))) == made + 1  # one ZIP, made when asked for
+    page.close()
+
+
+def test_flac_download_is_a_complete_file(context, app: tuple, short_prompt_wav: Path, tmp_path: Path) -> None:
+    _, url = app
+    page = _take_with_format(context, url, short_prompt_wav, "FLAC")
+    with page.expect_download() as download:
+        page.locator("#download a").first.click()
+    path = tmp_path / "take.flac"
+    download.value.save_as(path)
+    page.close()
+    info = sf.info(path)
+    assert info.frames > 0 and info.frames == len(sf.read(path)[0])  # the length is in the header
+
+
+def test_signing_in_with_a_key(tts, browser, tmp_path: Path, short_prompt_wav: Path) -> None:
+    """COSYVOICE_API_KEYS set: the page asks for a key first; with it, takes play live as usual."""
+    ctx = browser(locale="en-US")
+    try:
+        with serving(make_studio(tts, tmp_path), api_keys=("the-key",)) as url:
+            page = ctx.new_page()
+            page.goto(url)
+            sync_api.expect(page.locator("#key")).to_be_visible()  # the sign-in page, nothing of the app
+            assert page.locator("#generate").count() == 0
+            page.fill("#key", "a guess")
+            page.click("button[type=submit]")
+            sync_api.expect(page.get_by_role("alert")).to_contain_text("Wrong API key")
+            page.fill("#key", "the-key")
+            page.click("button[type=submit]")
+            page.wait_for_selector("#generate")
+            page.wait_for_function("() => window.cvStudio !== undefined")
+            page.get_by_role("tab", name=TABS["cross_lingual"]).click()
+            upload_prompt(page, short_prompt_wav)
+            page.fill("#text textarea", TEXT)
+            page.click("#generate")
+            sync_api.expect(page.locator("#status")).to_contain_text("Take 1:", timeout=60000)
+            page.wait_for_function("() => { const t = Object.values(window.cvStudio.takes).at(-1);"
+                                   " return t && t.streamDone && t.samples > 0 }")  # the live audio came too
+            page.evaluate("() => window.cvStudio.stop()")
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "webui-signed-in.png"))
+            page.close()
+    finally:
+        ctx.close()
+
+
+def test_another_visitor_does_not_see_my_upload(context, browser, app: tuple, short_prompt_wav: Path) -> None:
+    _, url = app
+    mine = open_page(context, url)
+    upload_prompt(mine, short_prompt_wav)
+    mine.fill("#transcript textarea", "My private words.")
+    mine.fill("#text textarea", TEXT)
+    mine.click("#generate")
+    sync_api.expect(mine.locator("#status")).to_contain_text("Take 1:", timeout=60000)
+    mine.evaluate("() => window.cvStudio.stop()")
+    mine.reload()  # a new page load lists the voices again; the upload was cached under this visitor
+    ctx = browser(locale="en-US")  # someone else, in another browser
+    try:
+        theirs = open_page(ctx, url)
+        theirs.click("#voice input")
+        options = theirs.get_by_role("option").all_inner_texts()
+        assert options and not any("private words" in o or "recent upload" in o for o in options), options
+        theirs.close()
+    finally:
+        ctx.close()
+    mine.close()
+
+
+def _webm_opus(wav: Path, out: Path) -> Path:
+    """``wav`` as WebM/Opus at 48 kHz, encoded in process with PyAV (no ffmpeg binary on the machine)."""
+    import av
+    import soundfile as sf
+
+    samples, rate = sf.read(wav, dtype="float32", always_2d=True)
+    resampler = av.AudioResampler(format="s16", layout="mono", rate=48000)
+    with av.open(str(out), "w", format="webm") as container:
+        stream = container.add_stream("libopus", rate=48000, layout="mono")
+        frame = av.AudioFrame.from_ndarray(samples.mean(axis=1, keepdims=True).T.copy(), format="fltp", layout="mono")
+        frame.sample_rate = rate
+        for piece in resampler.resample(frame):
+            for packet in stream.encode(piece):
+                container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    return out
