@@ -1,0 +1,1 @@
+"""Accelerated backends for the flow estimator and the vocoder: torch, onnxruntime, tensorrt."""
