@@ -41,9 +41,11 @@ OPSET = 18
 MANIFEST = "manifest.json"
 FORMAT = 1  # bump when the graphs' interface changes: stale exports are then redone
 # Parity bound of onnxruntime-CPU against PyTorch (fp32): max |diff| <= ATOL + RTOL * max |reference|.
-# Both run float32 kernels in a different order (fused attention, folded weight norm, the DFT as a conv);
-# measured ~1e-6 relative on the tiny bundle and the released sizes with random weights.
+# Both run float32 kernels in a different order (fused attention, folded weight norm, the DFT as a conv):
+# the DiT differs by ~1e-6 relative. The vocoder turns a predicted log-magnitude into a magnitude with exp(),
+# which amplifies rounding: ~1e-3 of full scale with random tiny weights, hence its own relative bound.
 ATOL, RTOL = 1e-4, 1e-4
+VOCODER_RTOL = 2e-3
 FP16_ATOL, FP16_RTOL = 5e-2, 5e-2  # fp16 matmuls against fp32 PyTorch
 
 
@@ -70,6 +72,7 @@ class GraphSpec:
     dynamic_axes: dict[str, dict[int, str]]
     reference: list[Tensor]
     fp16_variant: bool
+    rtol: float = RTOL
 
 
 def _estimator_specs(bundle: ModelBundle, generator: torch.Generator) -> list[GraphSpec]:
@@ -126,7 +129,7 @@ def _vocoder_spec(bundle: ModelBundle, generator: torch.Generator) -> GraphSpec:
         reference = hift.decode_window(mel, source)
     return GraphSpec("vocoder", VocoderGraph(hift), {"mel": mel, "source": source}, ["wav"],
                      {"mel": {0: "batch", 2: "frames"}, "source": {0: "batch", 2: "samples"},
-                      "wav": {0: "batch", 1: "wav_samples"}}, [reference], False)
+                      "wav": {0: "batch", 1: "wav_samples"}}, [reference], False, VOCODER_RTOL)
 
 
 def _export(spec: GraphSpec, path: Path, fp16: bool) -> None:
@@ -151,7 +154,7 @@ def _parity(path: Path, spec: GraphSpec, fp16: bool) -> dict[str, object]:
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     outputs = session.run(None, {k: v.numpy() for k, v in spec.inputs.items()})
-    atol, rtol = (FP16_ATOL, FP16_RTOL) if fp16 else (ATOL, RTOL)
+    atol, rtol = (FP16_ATOL, FP16_RTOL) if fp16 else (ATOL, spec.rtol)
     worst, worst_name, worst_bound = 0.0, "", 0.0
     for name, got, ref in zip(spec.outputs, outputs, spec.reference, strict=True):
         ref_np = ref.float().numpy()
@@ -167,9 +170,28 @@ def _parity(path: Path, spec: GraphSpec, fp16: bool) -> dict[str, object]:
             "atol": atol, "rtol": rtol}
 
 
-def source_hashes(bundle: ModelBundle) -> dict[str, str]:
-    """sha256 of the checkpoints the graphs are made from (an export is stale when they differ)."""
-    return {p.name: sha256_file(p) for p in (bundle.flow_path, bundle.hift_path)}
+def _source_paths(model_root: Path) -> list[Path]:
+    return [model_root / "flow.pt", model_root / "hift.pt"]
+
+
+def source_hashes(model_root: Path) -> dict[str, dict[str, object]]:
+    """sha256 (and size, mtime) of the checkpoints the graphs are made from: an export is stale when they differ."""
+    return {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
+            for p in _source_paths(model_root)}
+
+
+def sources_match(model_root: Path, manifest: dict[str, object]) -> bool:
+    """Whether the checkpoints are those the manifest was exported from (hashed only when size or mtime moved)."""
+    recorded = manifest.get("sources", {})
+    for path in _source_paths(model_root):
+        entry = recorded.get(path.name)  # type: ignore[union-attr]
+        if not isinstance(entry, dict) or not path.is_file():
+            return False
+        stat = path.stat()
+        if (stat.st_size, stat.st_mtime_ns) != (entry["bytes"], entry["mtime_ns"]) and \
+                sha256_file(path) != entry["sha256"]:
+            return False
+    return True
 
 
 def export_onnx(model_dir: str | Path, out_dir: str | Path | None = None, fp16: bool = False,
@@ -201,7 +223,7 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path | None = None, fp16: 
                                        f"on {parity['worst_output']} (bound {parity['bound']:.3g})")
     import onnxruntime as ort
 
-    manifest = {"format": FORMAT, "opset": OPSET, "fp16": fp16, "sources": source_hashes(bundle),
+    manifest = {"format": FORMAT, "opset": OPSET, "fp16": fp16, "sources": source_hashes(bundle.root),
                 "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": ort.__version__,
                              "python": platform.python_version()},
                 "graphs": graphs}
@@ -233,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(parity_table(manifest))
-    print(f"tolerance: max |onnxruntime - pytorch| <= {ATOL:g} + {RTOL:g} x max |pytorch| (fp16: {FP16_ATOL:g} + "
-          f"{FP16_RTOL:g} x max); manifest: {Path(args.out or Path(args.model_dir) / 'onnx') / MANIFEST}")
+    print(f"tolerance: max |onnxruntime - pytorch| <= {ATOL:g} + rtol x max |pytorch|, rtol {RTOL:g} for the DiT, "
+          f"{VOCODER_RTOL:g} for the vocoder (fp16: {FP16_ATOL:g} + {FP16_RTOL:g} x max); "
+          f"manifest: {Path(args.out or Path(args.model_dir) / 'onnx') / MANIFEST}")
     return 0
 
 

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from cosyvoice.backends import resolve_backend
 from cosyvoice.bundle import open_model_dir, resolve_model_dir
 from cosyvoice.engine import AudioChunk, CancelToken, Engine
 from cosyvoice.errors import CosyVoiceError, InvalidInputError, ModelBundleError, NotFoundError
@@ -164,13 +165,15 @@ class CosyVoice3:
     ("fp32", "bf16", "fp16") chooses any of the three, also CUDA-only for half precision. The vocoder
     always runs in float32. ``load_trt``, ``load_vllm`` and ``trt_concurrent`` are accepted for drop-in
     compatibility; this engine does not use them. ``voice_dir`` is the voice library's folder (default:
-    :func:`cosyvoice.settings.default_voice_dir`), where saved voices live.
+    :func:`cosyvoice.settings.default_voice_dir`), where saved voices live. ``backend`` runs the flow estimator
+    and the vocoder on torch, onnxruntime or tensorrt (default ``COSYVOICE_BACKEND``, else auto: onnxruntime on
+    a CPU, torch on CUDA; :mod:`cosyvoice.backends`).
     """
 
     def __init__(self, model_dir: str | Path, load_trt: bool = False, load_vllm: bool = False, fp16: bool = False,
                  trt_concurrent: int = 1, *, device: str | torch.device | None = None, dtype: str | None = None,
                  limits: Limits | None = None, download_root: str | Path = "pretrained_models",
-                 voice_dir: str | Path | None = None) -> None:
+                 voice_dir: str | Path | None = None, backend: str | None = None) -> None:
         bundle = open_model_dir(model_dir, download_root)
         self.model_dir = str(bundle.root)
         self.device = torch.device(device) if device is not None else torch.device(
@@ -186,9 +189,10 @@ class CosyVoice3:
         # the ONNX models follow the chosen device (CUDA only where onnxruntime-gpu is installed)
         providers = ["CPUExecutionProvider"] if self.device.type == "cpu" else None
         self.frontend = CosyVoiceFrontend(bundle, self.limits, providers=providers)
+        backend = resolve_backend(backend, self.device)  # flow estimator + vocoder (cosyvoice.backends)
         self.engine = Engine(bundle.config, bundle.load_llm(self.device, precision),
-                             bundle.load_flow(self.device, precision),
-                             bundle.load_hift(self.device), self.device, self.limits,
+                             bundle.load_flow(self.device, precision, backend),
+                             bundle.load_hift(self.device, backend), self.device, self.limits,
                              endofprompt_id=self.frontend.tokenizer.end_of_prompt_id)
         self.sample_rate = bundle.config.sample_rate
         self.voices = self._open_voices(Path(voice_dir) if voice_dir is not None else default_voice_dir())
