@@ -5,10 +5,13 @@
 - ``torch``: the modules themselves.
 - ``onnxruntime``: the graphs of :mod:`cosyvoice.backends.graphs` in onnxruntime, on the CPU or with the
   CUDA execution provider (``onnxruntime-gpu``) on a CUDA device.
+- ``onnxruntime-int8``: the same with the DiT's per-frame matmuls int8 dynamic-quantised
+  (:mod:`cosyvoice.backends.quant`); CPU only.
 - ``tensorrt``: TensorRT engines built from the same ONNX (:mod:`cosyvoice.backends.trt`); CUDA only.
-- ``auto`` (the default): onnxruntime on a CPU (the fast CPU path, docs/perf.md), torch on CUDA (the
-  CUDA-graph path measured there; TensorRT stays opt-in until measured). A missing package falls back to
-  torch with one log line; a backend asked for by name that cannot run here is an error.
+- ``auto`` (the default): ``onnxruntime-int8`` on a CPU (the fast CPU path; its quality bound is in
+  docs/perf.md), torch on CUDA (the CUDA-graph path measured there; TensorRT stays opt-in until measured).
+  A missing package falls back to torch with one log line; a backend asked for by name that cannot run
+  here is an error.
 
 Attaching a backend sets ``DiT.runner`` / ``CausalHiFTGenerator.runner``; everything around them (the
 ODE solver, CFG, F0 and the sine source, :class:`FlowStream` and :class:`HiFTStream` state) stays in torch.
@@ -29,7 +32,8 @@ from cosyvoice.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("torch", "onnxruntime", "tensorrt")
+BACKENDS = ("torch", "onnxruntime", "onnxruntime-int8", "tensorrt")
+CPU_DEFAULT = "onnxruntime-int8"
 CHOICES = ("auto", *BACKENDS)
 
 
@@ -48,7 +52,7 @@ def resolve_backend(requested: str | None, device: torch.device | str) -> str:
             logger.warning("backend auto: onnxruntime is not installed, running the flow estimator and vocoder in "
                            "torch (slower on a CPU; `pip install onnxruntime`)")
             return "torch"
-        return "onnxruntime"
+        return CPU_DEFAULT
     problem = unavailable(name, device)
     if problem:
         raise ConfigError(f"backend {name!r} cannot run here: {problem}")
@@ -59,9 +63,11 @@ def unavailable(name: str, device: torch.device) -> str | None:
     """None when backend ``name`` can run on ``device``, else why not."""
     if name == "torch":
         return None
-    if name == "onnxruntime":
+    if name.startswith("onnxruntime"):
         if importlib.util.find_spec("onnxruntime") is None:
             return "the onnxruntime package is not installed"
+        if name == "onnxruntime-int8" and device.type != "cpu":
+            return "the int8 graphs are for the CPU; use onnxruntime or tensorrt on CUDA"
         from cosyvoice.backends.ort import cuda_provider_available
 
         if device.type == "cuda" and not cuda_provider_available():
@@ -74,36 +80,41 @@ def unavailable(name: str, device: torch.device) -> str | None:
     return trt.available()
 
 
-def ensure_onnx(model_root: Path, fp16: bool = False) -> dict[str, object]:
-    """The manifest of ``model_root/onnx``, exporting first when it is missing or stale."""
+def ensure_onnx(model_root: Path, precision: str = "fp32") -> dict[str, object]:
+    """The manifest of ``model_root/onnx`` with the DiT graphs in ``precision``, exporting first when they are
+    missing or stale (the precisions exported before are kept)."""
     from cosyvoice.bin import export_onnx as ex
 
     out = model_root / "onnx"
     manifest_path = out / ex.MANIFEST
+    have: set[str] = set()
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        fresh = (manifest.get("format") == ex.FORMAT and (manifest.get("fp16") or not fp16)
-                 and all((out / name).is_file() for name in manifest["graphs"])
-                 and ex.sources_match(model_root, manifest))
-        if fresh:
-            return manifest
-    logger.info("exporting the flow estimator and vocoder to ONNX in %s (first use of this bundle)", out)
-    return ex.export_onnx(model_root, out, fp16=fp16)
+        graphs = manifest.get("graphs", {})
+        if (manifest.get("format") == ex.FORMAT and all((out / name).is_file() for name in graphs)
+                and ex.sources_match(model_root, manifest)):
+            have = {g["precision"] for g in graphs.values()}
+            if precision in have:
+                return manifest
+    want = have | {precision}
+    logger.info("exporting the flow estimator and vocoder to ONNX (%s) in %s (first use of this bundle)",
+                ", ".join(sorted(want)), out)
+    return ex.export_onnx(model_root, out, fp16="fp16" in want, int8="int8" in want)
 
 
 def _graph(name: str, backend: str, manifest: dict[str, object], root: Path, device: torch.device,
-           fp16: bool, dims: dict[str, int]) -> object:
+           precision: str, dims: dict[str, int]) -> object:
     from cosyvoice.bin.export_onnx import graph_file
 
-    path = root / "onnx" / graph_file(name, fp16)
-    if backend == "onnxruntime":
+    path = root / "onnx" / graph_file(name, precision)
+    if backend.startswith("onnxruntime"):
         from cosyvoice.backends.ort import OrtGraph
 
         return OrtGraph(path, device)
     from cosyvoice.backends import trt
 
     sha = manifest["graphs"][path.name]["sha256"]  # type: ignore[index]
-    return trt.TrtGraph(path, sha, trt.profiles(name, dims), fp16, device)
+    return trt.TrtGraph(path, sha, trt.profiles(name, dims), precision == "fp16", device)
 
 
 def _dims(flow: torch.nn.Module | None, hift: torch.nn.Module | None) -> dict[str, int]:
@@ -121,17 +132,20 @@ def _dims(flow: torch.nn.Module | None, hift: torch.nn.Module | None) -> dict[st
 
 
 def attach_flow(flow: torch.nn.Module, model_root: Path, backend: str, device: torch.device | str) -> None:
-    """Run ``flow``'s DiT on ``backend`` (a resolved name); fp16 graphs when the flow is half precision."""
+    """Run ``flow``'s DiT on ``backend`` (a resolved name); fp16 graphs when the flow is half precision on CUDA."""
     if backend == "torch":
         return
     from cosyvoice.backends.runners import GraphEstimator
 
     device = torch.device(device)
     dit = flow.decoder.estimator
-    fp16 = device.type == "cuda" and dit.proj_out.weight.dtype != torch.float32
-    manifest = ensure_onnx(model_root, fp16)
+    if backend == "onnxruntime-int8":
+        precision = "int8"
+    else:
+        precision = "fp16" if device.type == "cuda" and dit.proj_out.weight.dtype != torch.float32 else "fp32"
+    manifest = ensure_onnx(model_root, precision)
     dims = _dims(flow, None)
-    plain, cached = (_graph(name, backend, manifest, model_root, device, fp16, dims)
+    plain, cached = (_graph(name, backend, manifest, model_root, device, precision, dims)
                      for name in ("flow_estimator", "flow_estimator_cached"))
     dit.runner = GraphEstimator(plain, cached, dit)  # type: ignore[arg-type]
 
@@ -144,7 +158,7 @@ def attach_hift(hift: torch.nn.Module, model_root: Path, backend: str, device: t
 
     device = torch.device(device)
     manifest = ensure_onnx(model_root)
-    graph = _graph("vocoder", backend, manifest, model_root, device, False, _dims(None, hift))
+    graph = _graph("vocoder", backend, manifest, model_root, device, "fp32", _dims(None, hift))
     hift.runner = GraphVocoder(graph, hift, host_output=backend == "tensorrt")  # type: ignore[arg-type]
 
 

@@ -35,6 +35,8 @@ class OrtGraph:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
             options.intra_op_num_threads = threads
+        # no busy-waiting between ops: the LLM's thread shares the cores with these sessions
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if device.type == "cuda":
             if not cuda_provider_available():
                 raise ModelBundleError("onnxruntime has no CUDA execution provider here: install onnxruntime-gpu "

@@ -1,6 +1,6 @@
 """Export the flow estimator (DiT) and the vocoder of a model bundle to ONNX, check them, compare with PyTorch.
 
-    python -m cosyvoice.bin.export_onnx MODEL_DIR [--out DIR] [--fp16]
+    python -m cosyvoice.bin.export_onnx MODEL_DIR [--out DIR] [--fp16] [--int8]
 
 Writes into ``--out`` (default ``MODEL_DIR/onnx``) the three graphs of :mod:`cosyvoice.backends.graphs`
 (dynamic batch and time axes, opset 18), runs ``onnx.checker`` on each, runs onnxruntime on CPU against
@@ -8,8 +8,8 @@ PyTorch on fixed inputs and prints the differences as a table, and writes ``mani
 versions, the sha256 of every ONNX file and of the checkpoints it came from (the backends re-export when
 those change), inputs and outputs with their symbolic shapes, and the parity results. ``--fp16`` also
 writes autocast-fp16 variants of the two DiT graphs (matmuls in fp16, norms and softmax in fp32, fp32 I/O),
-the input TensorRT builds as a strongly typed network; the vocoder stays fp32 (half precision audibly
-moves its phases).
+the input TensorRT builds as a strongly typed network; ``--int8`` int8 dynamic-quantised variants of them
+for the CPU (:mod:`cosyvoice.backends.quant`). The vocoder stays fp32 (half precision audibly moves its phases).
 """
 
 from __future__ import annotations
@@ -46,11 +46,13 @@ FORMAT = 1  # bump when the graphs' interface changes: stale exports are then re
 # which amplifies rounding: ~1e-3 of full scale with random tiny weights, hence its own relative bound.
 ATOL, RTOL = 1e-4, 1e-4
 VOCODER_RTOL = 2e-3
-FP16_ATOL, FP16_RTOL = 5e-2, 5e-2  # fp16 matmuls against fp32 PyTorch
+# fp16 or int8 matmuls against fp32 PyTorch: a sanity bound per call (the quality bound is on the mel, docs/perf.md)
+LOW_PRECISION_ATOL, LOW_PRECISION_RTOL = 5e-2, 5e-2
+PRECISIONS = ("fp32", "fp16", "int8")
 
 
-def graph_file(name: str, fp16: bool = False) -> str:
-    return f"{name}.{'fp16' if fp16 else 'fp32'}.onnx"
+def graph_file(name: str, precision: str = "fp32") -> str:
+    return f"{name}.{precision}.onnx"
 
 
 def sha256_file(path: Path) -> str:
@@ -71,7 +73,7 @@ class GraphSpec:
     outputs: list[str]
     dynamic_axes: dict[str, dict[int, str]]
     reference: list[Tensor]
-    fp16_variant: bool
+    low_precision_variants: bool
     rtol: float = RTOL
 
 
@@ -149,12 +151,12 @@ def _value_info(values: list[onnx.ValueInfoProto]) -> list[dict[str, object]]:
              "shape": [dim(d) for d in v.type.tensor_type.shape.dim]} for v in values]
 
 
-def _parity(path: Path, spec: GraphSpec, fp16: bool) -> dict[str, object]:
+def _parity(path: Path, spec: GraphSpec, precision: str) -> dict[str, object]:
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     outputs = session.run(None, {k: v.numpy() for k, v in spec.inputs.items()})
-    atol, rtol = (FP16_ATOL, FP16_RTOL) if fp16 else (ATOL, spec.rtol)
+    atol, rtol = (ATOL, spec.rtol) if precision == "fp32" else (LOW_PRECISION_ATOL, LOW_PRECISION_RTOL)
     worst, worst_name, worst_bound = 0.0, "", 0.0
     for name, got, ref in zip(spec.outputs, outputs, spec.reference, strict=True):
         ref_np = ref.float().numpy()
@@ -194,9 +196,11 @@ def sources_match(model_root: Path, manifest: dict[str, object]) -> bool:
     return True
 
 
-def export_onnx(model_dir: str | Path, out_dir: str | Path | None = None, fp16: bool = False,
+def export_onnx(model_dir: str | Path, out_dir: str | Path | None = None, fp16: bool = False, int8: bool = False,
                 seed: int = 0) -> dict[str, object]:
     """Export, check and compare every graph; write and return the manifest. Raises if a parity check fails."""
+    from cosyvoice.backends.quant import quantize_dit
+
     bundle = validate_model_dir(model_dir)
     out = Path(out_dir) if out_dir is not None else bundle.root / "onnx"
     out.mkdir(parents=True, exist_ok=True)
@@ -204,17 +208,21 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path | None = None, fp16: 
     specs = [*_estimator_specs(bundle, generator), _vocoder_spec(bundle, generator)]
     graphs: dict[str, object] = {}
     for spec in specs:
-        for half in (False, True) if fp16 and spec.fp16_variant else (False,):
-            path = out / graph_file(spec.name, half)
+        wanted = ["fp32"] + (["fp16"] if fp16 else []) + (["int8"] if int8 else [])
+        for precision in wanted if spec.low_precision_variants else ["fp32"]:
+            path = out / graph_file(spec.name, precision)
             logger.info("exporting %s", path.name)
             start = time.perf_counter()
-            _export(spec, path, half)
+            if precision == "int8":
+                quantize_dit(out / graph_file(spec.name), path)
+            else:
+                _export(spec, path, precision == "fp16")
             seconds = time.perf_counter() - start
             onnx.checker.check_model(str(path), full_check=False)
             model = onnx.load(str(path), load_external_data=False)
-            parity = _parity(path, spec, half)
+            parity = _parity(path, spec, precision)
             graphs[path.name] = {
-                "graph": spec.name, "precision": "fp16" if half else "fp32", "sha256": sha256_file(path),
+                "graph": spec.name, "precision": precision, "sha256": sha256_file(path),
                 "bytes": path.stat().st_size, "export_seconds": round(seconds, 2),
                 "inputs": _value_info(list(model.graph.input)), "outputs": _value_info(list(model.graph.output)),
                 "example_shapes": {k: list(v.shape) for k, v in spec.inputs.items()}, "parity": parity}
@@ -223,7 +231,7 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path | None = None, fp16: 
                                        f"on {parity['worst_output']} (bound {parity['bound']:.3g})")
     import onnxruntime as ort
 
-    manifest = {"format": FORMAT, "opset": OPSET, "fp16": fp16, "sources": source_hashes(bundle.root),
+    manifest = {"format": FORMAT, "opset": OPSET, "sources": source_hashes(bundle.root),
                 "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": ort.__version__,
                              "python": platform.python_version()},
                 "graphs": graphs}
@@ -247,16 +255,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model_dir", help="a model directory (the released bundle or a tiny one)")
     parser.add_argument("--out", help="output folder (default MODEL_DIR/onnx)")
     parser.add_argument("--fp16", action="store_true", help="also write autocast-fp16 DiT graphs (for TensorRT)")
+    parser.add_argument("--int8", action="store_true", help="also write int8 dynamic-quantised DiT graphs (CPU)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        manifest = export_onnx(args.model_dir, args.out, args.fp16)
+        manifest = export_onnx(args.model_dir, args.out, args.fp16, args.int8)
     except ModelBundleError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(parity_table(manifest))
     print(f"tolerance: max |onnxruntime - pytorch| <= {ATOL:g} + rtol x max |pytorch|, rtol {RTOL:g} for the DiT, "
-          f"{VOCODER_RTOL:g} for the vocoder (fp16: {FP16_ATOL:g} + {FP16_RTOL:g} x max); "
+          f"{VOCODER_RTOL:g} for the vocoder (fp16, int8: {LOW_PRECISION_ATOL:g} + {LOW_PRECISION_RTOL:g} x max); "
           f"manifest: {Path(args.out or Path(args.model_dir) / 'onnx') / MANIFEST}")
     return 0
 
