@@ -4,6 +4,7 @@ Bounds (tiny bundle, random weights, onnxruntime-CPU fp32 against torch fp32, sa
 - mel (DiT through the ODE, full, chunk-causal and incremental FlowStream): max |diff| <= 1e-4 (measured ~2e-6,
   mels of magnitude ~7);
 - vocoder on the same mel (whole and HiFTStream): max |diff| <= 2e-3 of full scale (measured ~1e-4);
+- int8 DiT (the fast CPU path) against fp32: mel max |diff| <= 0.05 and relative RMS <= 1% (measured 0.018, 0.23%);
 - end to end (same LLM tokens: the LLM is torch on both): the mel's ~1e-6 moves the vocoder's F0 and so its
   phase, which random tiny weights amplify; the bound is on the signal: SNR >= 20 dB and equal lengths.
 TensorRT needs a CUDA GPU: its tests skip without one.
@@ -28,13 +29,15 @@ from cosyvoice.hifigan import HiFTStream
 TEXT = "Hello there, my friend, how are you today?"
 PROMPT_TEXT = zero_shot_prompt_text("Hello, this is a short prompt for testing.")
 MEL_BOUND, VOCODER_BOUND, MIN_SNR_DB = 1e-4, 2e-3, 20.0
+INT8_MEL_MAX, INT8_MEL_REL_RMS = 5e-2, 1e-2  # int8 DiT against fp32 (measured 0.018 and 0.23%)
 
 
 @pytest.fixture(scope="module")
 def modules(tiny_bundle_dir: Path) -> dict[str, object]:
     bundle = validate_model_dir(tiny_bundle_dir)
     return {"flow": bundle.load_flow(), "hift": bundle.load_hift(),
-            "flow_ort": bundle.load_flow(backend="onnxruntime"), "hift_ort": bundle.load_hift(backend="onnxruntime")}
+            "flow_ort": bundle.load_flow(backend="onnxruntime"), "hift_ort": bundle.load_hift(backend="onnxruntime"),
+            "flow_int8": bundle.load_flow(backend="onnxruntime-int8")}
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +49,17 @@ def flow_inputs() -> tuple[torch.Tensor, ...]:
 
 def test_backend_choice(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.delenv("COSYVOICE_BACKEND", raising=False)
-    assert resolve_backend(None, "cpu") == "onnxruntime"  # the fast CPU path is the automatic choice
+    assert resolve_backend(None, "cpu") == "onnxruntime-int8"  # the fast CPU path is the automatic choice
     assert resolve_backend("auto", "cuda") == "torch"
     monkeypatch.setenv("COSYVOICE_BACKEND", "torch")
     assert resolve_backend(None, "cpu") == "torch"
     assert resolve_backend("onnxruntime", "cpu") == "onnxruntime"  # the argument wins over the environment
-    with pytest.raises(ConfigError, match="backend must be one of auto, torch, onnxruntime, tensorrt, got 'trt'"):
+    with pytest.raises(ConfigError, match="one of auto, torch, onnxruntime, onnxruntime-int8, tensorrt, got 'trt'"):
         resolve_backend("trt", "cpu")
     with pytest.raises(ConfigError, match="backend 'tensorrt' cannot run here: TensorRT needs a CUDA device"):
         resolve_backend("tensorrt", "cpu")
+    with pytest.raises(ConfigError, match="the int8 graphs are for the CPU"):
+        resolve_backend("onnxruntime-int8", "cuda")
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # what Python does for a package that is not installed
     with pytest.raises(ConfigError, match="onnxruntime package is not installed"):
         resolve_backend("onnxruntime", "cpu")
@@ -71,6 +76,19 @@ def test_flow_mel_equals_torch(modules: dict, flow_inputs: tuple, streaming: boo
     ref = modules["flow"].inference(*args)
     got = modules["flow_ort"].inference(*args)
     assert got.shape == ref.shape and (got - ref).abs().max() <= MEL_BOUND
+
+
+def test_int8_dit_mel_within_its_bound(modules: dict, flow_inputs: tuple) -> None:
+    """The fast CPU path's DiT (int8 per-frame matmuls) against fp32, whole and incremental."""
+    tok, ptok, pfeat, emb = flow_inputs
+    ref = modules["flow"].inference(tok, 80, ptok, 20, pfeat, 40, emb, False, True)
+    got = modules["flow_int8"].inference(tok, 80, ptok, 20, pfeat, 40, emb, False, True)
+    assert (got - ref).abs().max() <= INT8_MEL_MAX
+    assert ((got - ref).pow(2).mean() / ref.pow(2).mean()).sqrt() <= INT8_MEL_REL_RMS
+    assert (got - ref).abs().max() > MEL_BOUND  # it is really quantised, not the fp32 graph
+    mel, _ = _stream(modules["flow"], modules["hift"], flow_inputs)
+    mel_int8, _ = _stream(modules["flow_int8"], modules["hift"], flow_inputs)
+    assert mel_int8.shape == mel.shape and (mel_int8 - mel).abs().max() <= INT8_MEL_MAX
 
 
 def _stream(flow: object, hift: object, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,14 +29,13 @@ from cosyvoice.bundle import validate_model_dir
 @pytest.fixture(scope="module")
 def exported(tiny_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("onnx")
-    return out, export_onnx(tiny_bundle_dir, out, fp16=True)
+    return out, export_onnx(tiny_bundle_dir, out, fp16=True, int8=True)
 
 
 def test_every_graph_passes_the_checker_and_matches_pytorch(exported: tuple[Path, dict]) -> None:
     out, manifest = exported
-    assert set(manifest["graphs"]) == {"flow_estimator.fp32.onnx", "flow_estimator.fp16.onnx",
-                                       "flow_estimator_cached.fp32.onnx", "flow_estimator_cached.fp16.onnx",
-                                       "vocoder.fp32.onnx"}
+    assert set(manifest["graphs"]) == {f"{g}.{p}.onnx" for g in ("flow_estimator", "flow_estimator_cached")
+                                       for p in ("fp32", "fp16", "int8")} | {"vocoder.fp32.onnx"}
     for name, graph in manifest["graphs"].items():
         onnx.checker.check_model(str(out / name), full_check=True)
         assert graph["sha256"] == sha256_file(out / name)
