@@ -162,3 +162,20 @@ def test_tensorrt_fp32_matches_torch(tiny_bundle_dir: Path, flow_inputs: tuple) 
     mel_trt, wav_trt = _stream(flow_trt, hift_trt, inputs)
     assert (mel_trt - mel).abs().max() <= 1e-3 and wav_trt.device.type == "cpu" and wav_trt.is_pinned()
     assert _snr_db(wav.cpu(), wav_trt) >= MIN_SNR_DB
+
+
+def test_tensorrt_profiles_cover_the_streaming_shapes() -> None:
+    """The optimization profiles (pure shapes: no GPU needed) span what FlowStream and HiFTStream feed."""
+    dims = {"mel": 80, "mu": 80, "spk": 80, "dim": 64, "heads": 4, "dim_head": 16, "depth": 2, "context": 30,
+            "mels": 80, "scale": 480, "look_ahead": 4}
+    for graph in ("flow_estimator", "flow_estimator_cached", "vocoder"):
+        for name, (lo, opt, hi) in trt.profiles(graph, dims).items():
+            assert all(a <= b <= c for a, b, c in zip(lo, opt, hi, strict=True)), (graph, name)
+    cached = trt.profiles("flow_estimator_cached", dims)
+    assert set(cached) == {"x", "mu", "t", "spks", "cond", "mask", "tail1", "tail2",
+                           "past_k_0", "past_v_0", "past_k_1", "past_v_1"}
+    assert cached["past_k_0"][0][2] == 0  # an utterance's first chunk has no past keys
+    for (n, keys), x, past in zip(cached["mask"], cached["x"], cached["past_k_0"], strict=True):
+        assert n == x[2] and keys == past[2] + n
+    vocoder = trt.profiles("vocoder", dims)
+    assert vocoder["mel"][0][2] == 5 and vocoder["source"][0][2] == 480  # one frame, finalised

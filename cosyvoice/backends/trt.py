@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,43 +33,42 @@ logger = logging.getLogger(__name__)
 
 WORKSPACE_BYTES = 8 << 30  # large profiles (long utterances) need a big tactic workspace
 MAX_FRAMES = 3000  # 60 s of mel: the longest one call handles
-Profile = dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+Profile = dict[str, tuple[tuple[int, ...], ...]]  # input name -> (min, opt, max) shapes
 
 
-def profiles(graph: str, dims: dict[str, int], max_batch: int = 8) -> Profile:
-    """min/opt/max shapes for every dynamic input of ``graph``; ``dims`` holds the static sizes
-    (mel, mu, spk, dim, heads, dim_head, depth, context, mels, scale, look_ahead)."""
+def _shapes(shape: Callable[..., tuple[int, ...]], *ranges: tuple[int, int, int]) -> tuple[tuple[int, ...], ...]:
+    """(min, opt, max) shapes of ``shape(*values)`` over parallel (min, opt, max) ranges."""
+    return tuple(shape(*values) for values in zip(*ranges, strict=True))
+
+
+def profiles(graph: str, dims: dict[str, int], max_batch: int = 4) -> Profile:
+    """min/opt/max shapes for every input of ``graph``; ``dims`` holds the static sizes (mel, mu, spk, dim,
+    heads, dim_head, depth, context for the DiT; mels, scale, look_ahead for the vocoder)."""
+    if graph == "vocoder":
+        batch, frames, look_ahead = (1, 1, max_batch), (1, 60, MAX_FRAMES), dims["look_ahead"]
+        # the excitation covers the output frames (finalize) or also conv_pre's look-ahead frames (streaming)
+        return {"mel": _shapes(lambda b, f: (b, dims["mels"], f + look_ahead), batch, frames),
+                "source": _shapes(lambda b, f: (b, 1, f * dims["scale"]), batch,
+                                  (1, 60 + look_ahead, MAX_FRAMES + look_ahead))}
     rows = (2, 2, 2 * max_batch)  # the CFG batch: two rows per utterance
-    mel, heads, dh = dims["mel"], dims["heads"], dims["dim_head"]
-
-    def frames(lo: int, opt: int, hi: int) -> tuple[tuple[int, ...], ...]:
-        return lo, opt, hi
-
-    if graph in ("flow_estimator", "flow_estimator_cached"):
-        cached = graph.endswith("cached")
-        n = frames(1, 100, 600) if cached else frames(1, 400, MAX_FRAMES)
-        keys = frames(1, 300, MAX_FRAMES)
-        shapes: Profile = {}
-        for name, channels in (("x", mel), ("mu", dims["mu"]), ("cond", mel)):
-            shapes[name] = tuple((b, channels, f) for b, f in zip(rows, n, strict=True))  # type: ignore[assignment]
-        shapes["t"] = tuple((b,) for b in rows)  # type: ignore[assignment]
-        shapes["spks"] = tuple((b, dims["spk"]) for b in rows)  # type: ignore[assignment]
-        if not cached:
-            shapes["mask"] = tuple((f, f) for f in n)  # type: ignore[assignment]
-            return shapes
-        past = frames(0, keys[1] - n[1], keys[2] - n[2])
-        shapes["mask"] = tuple((f, k) for f, k in zip(n, keys, strict=True))  # type: ignore[assignment]
-        for name in ("tail1", "tail2"):
-            shapes[name] = tuple((b, dims["dim"], dims["context"]) for b in rows)  # type: ignore[assignment]
-        for i in range(dims["depth"]):
-            for kind in "kv":
-                shapes[f"past_{kind}_{i}"] = tuple((b, heads, p, dh) for b, p in zip(rows, past, strict=True))  # type: ignore[assignment]
+    cached = graph == "flow_estimator_cached"
+    new = (1, 100, 600) if cached else (1, 400, MAX_FRAMES)
+    shapes: Profile = {name: _shapes(lambda b, f, c=dims[key]: (b, c, f), rows, new)
+                       for name, key in (("x", "mel"), ("mu", "mu"), ("cond", "mel"))}
+    shapes["t"] = _shapes(lambda b: (b,), rows)
+    shapes["spks"] = _shapes(lambda b: (b, dims["spk"]), rows)
+    if not cached:
+        shapes["mask"] = _shapes(lambda f: (f, f), new)
         return shapes
-    assert graph == "vocoder"
-    vb = (1, 1, max_batch)
-    mel_frames = frames(dims["look_ahead"] + 1, 60, MAX_FRAMES)
-    return {"mel": tuple((b, dims["mels"], f) for b, f in zip(vb, mel_frames, strict=True)),  # type: ignore[dict-item]
-            "source": tuple((b, 1, f * dims["scale"]) for b, f in zip(vb, mel_frames, strict=True))}
+    # zero past frames at an utterance's start: unverified on TensorRT (docs/perf.md, GPU steps)
+    past = (0, 200, MAX_FRAMES - new[2])
+    shapes["mask"] = _shapes(lambda f, p: (f, p + f), new, past)
+    for name in ("tail1", "tail2"):
+        shapes[name] = _shapes(lambda b: (b, dims["dim"], dims["context"]), rows)
+    for i in range(dims["depth"]):
+        for kind in "kv":
+            shapes[f"past_{kind}_{i}"] = _shapes(lambda b, p: (b, dims["heads"], p, dims["dim_head"]), rows, past)
+    return shapes
 
 
 def available() -> str | None:
