@@ -22,6 +22,7 @@ The machine's load average (``/proc/loadavg``) is recorded before and after: oth
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import platform
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmark_performance import RELEASED_DIMS, TEXT, _git_commit, _prompt, llm_only
 
+from cosyvoice.backends.quant import quantize_llm
 from cosyvoice.bundle import validate_model_dir
 from cosyvoice.cli.cosyvoice import CosyVoice3
 from cosyvoice.flow import FlowStream
@@ -121,13 +123,6 @@ def llm_cost(llm: torch.nn.Module, fixed: int) -> float:
     return 25.0 / row["tokens_per_s"]
 
 
-def quantize_llm(llm: torch.nn.Module) -> torch.nn.Module:
-    from torch.ao.quantization import quantize_dynamic
-
-    names = {n for n, m in llm.named_modules() if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")}
-    return quantize_dynamic(llm, names, dtype=torch.qint8, inplace=False)
-
-
 @torch.inference_mode()
 def quality(golden_dir: Path, bundle_dir: Path, work: Path) -> dict[str, dict[str, float]]:
     """int8 against fp32 on the golden inputs: the golden tiny bundle's weights, and ``bundle_dir``'s."""
@@ -161,7 +156,7 @@ def quality(golden_dir: Path, bundle_dir: Path, work: Path) -> dict[str, dict[st
         row["mel_amplitude_max"] = float(a.abs().max())
         del fp32, int8
         llm = bundle.load_llm()
-        q = quantize_llm(llm)
+        q = quantize_llm(copy.deepcopy(llm))
         lm_input = llm.build_lm_input(llm_in["text_tokens"], llm_in["prompt_text_tokens"],
                                       llm_in["prompt_speech_tokens"])
         fed = llm.speech_embedding(llm_in["forced_tokens"][:-1])[None]
@@ -217,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
         if path == "torch":
             row["llm_s_per_audio_s"] = llm_cost(tts.engine.llm, args.fixed_tokens)
             if not args.skip_llm_int8:
-                row["llm_int8_s_per_audio_s"] = llm_cost(quantize_llm(tts.engine.llm), args.fixed_tokens)
+                row["llm_int8_s_per_audio_s"] = llm_cost(quantize_llm(copy.deepcopy(tts.engine.llm)), args.fixed_tokens)
         results[path] = row
         print(path, json.dumps({k: round(v, 3) for k, v in row.items()}), flush=True)
         tts.engine.close()

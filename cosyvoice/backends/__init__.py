@@ -145,9 +145,14 @@ def attach_flow(flow: torch.nn.Module, model_root: Path, backend: str, device: t
         precision = "fp16" if device.type == "cuda" and dit.proj_out.weight.dtype != torch.float32 else "fp32"
     manifest = ensure_onnx(model_root, precision)
     dims = _dims(flow, None)
-    plain, cached = (_graph(name, backend, manifest, model_root, device, precision, dims)
-                     for name in ("flow_estimator", "flow_estimator_cached"))
+    cached = _graph("flow_estimator_cached", backend, manifest, model_root, device, precision, dims)
+    # the plain graph saves returning keys/values on a GPU; on the CPU one copy of the weights is worth more
+    plain = _graph("flow_estimator", backend, manifest, model_root, device, precision, dims) \
+        if device.type == "cuda" else None
     dit.runner = GraphEstimator(plain, cached, dit)  # type: ignore[arg-type]
+    for param in dit.transformer_blocks.parameters():
+        # the runner replaces every use of the blocks' weights (FlowStream reads only shapes and dtypes)
+        param.data = param.data.new_empty(0)
 
 
 def attach_hift(hift: torch.nn.Module, model_root: Path, backend: str, device: torch.device | str) -> None:

@@ -10,9 +10,11 @@ every frame), the input and output projections. The quality bound against float3
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import onnx
+import torch
 
 
 def quantized_nodes(model: onnx.ModelProto) -> list[str]:
@@ -30,3 +32,14 @@ def quantize_dit(src: Path, dst: Path) -> None:
     quantize_dynamic(src, tmp, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"], per_channel=True,
                      nodes_to_quantize=nodes)
     os.replace(tmp, dst)
+
+
+def quantize_llm(llm: torch.nn.Module) -> torch.nn.Module:
+    """The LLM with every linear but the unused text head replaced by torch's dynamic int8 linear (weights int8
+    per tensor, activations quantised per call; fbgemm/oneDNN kernels on x86). CPU only."""
+    from torch.ao.quantization import quantize_dynamic
+
+    names = {n for n, m in llm.named_modules() if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice (the API still ships)
+        return quantize_dynamic(llm, names, dtype=torch.qint8, inplace=True)

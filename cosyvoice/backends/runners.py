@@ -24,9 +24,12 @@ class Graph(Protocol):
 
 
 class GraphEstimator:
-    """:class:`cosyvoice.flow.dit.EstimatorRunner` over the ``flow_estimator`` and ``flow_estimator_cached`` graphs."""
+    """:class:`cosyvoice.flow.dit.EstimatorRunner` over the ``flow_estimator_cached`` graph and optionally the
+    ``flow_estimator`` one. Without the latter, a whole-utterance call runs the cached graph with no past (the
+    same computation: zero tails are the convs' left padding) and drops the keys/values it also returns; on
+    the CPU that keeps one copy of the weights instead of two."""
 
-    def __init__(self, plain: Graph, cached: Graph, dit: DiT) -> None:
+    def __init__(self, plain: Graph | None, cached: Graph, dit: DiT) -> None:
         self.plain, self.cached = plain, cached
         attn = dit.transformer_blocks[0].attn
         self.depth, self.heads, self.dim_head = len(dit.transformer_blocks), attn.heads, attn.dim_head
@@ -40,6 +43,8 @@ class GraphEstimator:
                 "mask": mask}
 
     def velocity(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor) -> Tensor:
+        if self.plain is None:
+            return self.velocity_cached(x, mu, t, spks, cond, mask, None)[0]
         out = x.new_empty(x.shape[0], self.mel_dim, x.shape[2], dtype=torch.float32)
         self.plain.run(self._inputs(x, mu, t, spks, cond, mask), {"velocity": out})
         return out.to(x.dtype)
