@@ -29,6 +29,7 @@ from typing import Literal
 
 import torch
 
+from cosyvoice.backends import resolve_backend
 from cosyvoice.bundle import open_model_dir
 from cosyvoice.engine import AudioChunk, CancelToken, Engine
 from cosyvoice.errors import CosyVoiceError, InvalidInputError
@@ -68,8 +69,11 @@ class Model:
 
     @classmethod
     def load(cls, model_dir: str | Path, *, device: str | torch.device | None = None, dtype: str = "fp32",
-             limits: Limits | None = None, download_root: str | Path = "pretrained_models") -> Model:
-        """A local model folder or a ModelScope id; half precision only on CUDA (the reference ignores it on CPU)."""
+             limits: Limits | None = None, download_root: str | Path = "pretrained_models",
+             backend: str | None = None) -> Model:
+        """A local model folder or a ModelScope id; half precision only on CUDA (the reference ignores it on CPU).
+        ``backend`` runs the flow estimator and the vocoder on torch, onnxruntime or tensorrt (None:
+        ``COSYVOICE_BACKEND``, else automatic; :mod:`cosyvoice.backends`)."""
         bundle = open_model_dir(model_dir, download_root)
         device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
@@ -81,8 +85,10 @@ class Model:
         # the ONNX models follow the chosen device (CUDA only where onnxruntime-gpu is installed)
         providers = ["CPUExecutionProvider"] if device.type == "cpu" else None
         frontend = CosyVoiceFrontend(bundle, limits, providers=providers)
-        engine = Engine(bundle.config, bundle.load_llm(device, precision), bundle.load_flow(device, precision),
-                        bundle.load_hift(device), device, limits, endofprompt_id=frontend.tokenizer.end_of_prompt_id,
+        backend = resolve_backend(backend, device)
+        engine = Engine(bundle.config, bundle.load_llm(device, precision), bundle.load_flow(device, precision, backend),
+                        bundle.load_hift(device, backend), device, limits,
+                        endofprompt_id=frontend.tokenizer.end_of_prompt_id,
                         trim_leading_silence_ms=limits.trim_leading_silence_ms or None)
         return cls(str(bundle.root), device, precision, limits, frontend, engine)
 

@@ -514,11 +514,13 @@ class TTSService:
 
     @classmethod
     def load(cls, model_dir: str | Path, voice_dir: str | Path, *, device: str | torch.device | None = None,
-             dtype: str = "fp32", limits: Limits | None = None,
-             download_root: str | Path = "pretrained_models") -> TTSService:
-        """A model folder (or ModelScope id) and a voice folder -> a ready service."""
+             dtype: str = "fp32", limits: Limits | None = None, download_root: str | Path = "pretrained_models",
+             backend: str | None = None) -> TTSService:
+        """A model folder (or ModelScope id) and a voice folder -> a ready service (``backend``: see
+        :meth:`Model.load`)."""
         limits = limits or Limits.from_env()
-        model = Model.load(model_dir, device=device, dtype=dtype, limits=limits, download_root=download_root)
+        model = Model.load(model_dir, device=device, dtype=dtype, limits=limits, download_root=download_root,
+                           backend=backend)
         voices = VoiceLibrary(voice_dir, model.frontend, model_dir=model.model_dir,
                               max_entries=limits.max_cached_voices, max_bytes=limits.max_cached_voice_bytes,
                               max_named=limits.max_named_voices)

@@ -91,6 +91,13 @@ def parse_precision(name: str) -> torch.dtype:
     return PRECISIONS[name]
 
 
+def backend_from_env(environ: dict[str, str] | None = None) -> str:
+    """``COSYVOICE_BACKEND``: the flow estimator and vocoder backend (auto, torch, onnxruntime, tensorrt;
+    see :mod:`cosyvoice.backends`); ``auto`` when unset."""
+    env = os.environ if environ is None else environ
+    return env.get("COSYVOICE_BACKEND") or "auto"
+
+
 @dataclass(frozen=True)
 class Limits:
     """Request bounds. ``from_env`` reads ``COSYVOICE_<FIELD>`` overrides (e.g. ``COSYVOICE_MAX_SESSIONS``)."""

@@ -11,6 +11,9 @@ import tempfile
 os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 # CosyVoice3 instances the tests build without voice_dir= keep their voice library out of the working tree
 os.environ.setdefault("COSYVOICE_VOICE_DIR", tempfile.mkdtemp(prefix="cosyvoice-test-voices-"))
+# The suite checks the torch modules against the golden fixtures and itself; the accelerated backends (auto
+# picks onnxruntime on a CPU) are compared with torch in tests/test_backends.py, which asks for them by name.
+os.environ.setdefault("COSYVOICE_BACKEND", "torch")
 
 from pathlib import Path
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -125,7 +126,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         # Angles in float32 whatever the model dtype: positions in bf16 would be rounded.
         angles = positions.float().unsqueeze(1) * self.inv_freq.float().unsqueeze(0)
-        angles = angles.repeat_interleave(2, dim=-1)
+        # = repeat_interleave(2, dim=-1), which the ONNX exporter gives a wrong rank
+        angles = torch.stack((angles, angles), dim=-1).reshape(angles.shape[0], -1)
         return angles.cos(), angles.sin()
 
 
@@ -133,8 +135,7 @@ def rotate_leading_channels(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Apply RoPE to the first ``cos.shape[-1]`` channels of ``x`` [B, N, C]; the remaining channels pass through."""
     width = cos.shape[-1]
     rot, rest = x[..., :width], x[..., width:]
-    pairs = rot.unflatten(-1, (-1, 2))
-    rot_half = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    rot_half = torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1).reshape(rot.shape)  # pairs (2i, 2i+1)
     return torch.cat((rot * cos + rot_half * sin, rest), dim=-1)
 
 
@@ -190,7 +191,8 @@ class FeedForward(nn.Module):
 
 
 def _layer_norm(x: Tensor) -> Tensor:
-    return F.layer_norm(x, (x.shape[-1],), eps=_LN_EPS)
+    # int(): the width is fixed, and the ONNX exporter needs it as a constant rather than a traced size
+    return F.layer_norm(x, (int(x.shape[-1]),), eps=_LN_EPS)
 
 
 class AdaLayerNormZero(nn.Module):
@@ -232,6 +234,17 @@ class DiTBlock(nn.Module):
         return x, k, v
 
 
+class EstimatorRunner(Protocol):
+    """What an accelerated backend provides in place of :meth:`DiT._trunk` (``t`` is always ``[B]``)."""
+
+    def velocity(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor) -> Tensor:
+        """The velocity [B, mel_dim, N] under the boolean attention mask [N, N]."""
+
+    def velocity_cached(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor,
+                        past: DiTCache | None) -> tuple[Tensor, tuple[Tensor, Tensor], list[tuple[Tensor, Tensor]]]:
+        """What :meth:`DiT._trunk` returns with ``past``: velocity, position-conv inputs, per-block K/V."""
+
+
 @dataclass
 class DiTCache:
     """State of the finished frames ``0 .. length-1`` of one utterance at one ODE time.
@@ -259,6 +272,8 @@ class DiT(nn.Module):
             [DiTBlock(cfg.dim, cfg.heads, cfg.dim_head, cfg.ff_mult) for _ in range(cfg.depth)])
         self.norm_out = AdaLayerNormZeroFinal(cfg.dim)
         self.proj_out = nn.Linear(cfg.dim, cfg.mel_dim)
+        # an accelerated backend (cosyvoice.backends) that computes the trunk instead of these modules
+        self.runner: EstimatorRunner | None = None
 
     def attention_mask(self, n_frames: int, streaming: bool, device: torch.device) -> Tensor:
         """Chunk-causal when streaming, else all-True (an explicit mask, as the reference passes one)."""
@@ -269,6 +284,8 @@ class DiT(nn.Module):
     def forward(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                 streaming: bool = False) -> Tensor:
         mask = self.attention_mask(x.shape[2], streaming, x.device)
+        if self.runner is not None:
+            return self.runner.velocity(x, mu, t.expand(x.shape[0]), spks, cond, mask)
         out, _, _ = self._trunk(x, mu, t, spks, cond, mask)
         return out
 
@@ -286,7 +303,8 @@ class DiT(nn.Module):
             raise InvalidInputError(
                 f"keep={keep} does not end on a chunk boundary (start {start}, chunk {self.chunk_size})")
         mask = chunk_causal_mask(start + n, self.chunk_size, first_query=start, device=x.device)
-        out, conv_inputs, kv = self._trunk(x, mu, t, spks, cond, mask, past)
+        trunk = self._trunk if self.runner is None else self.runner.velocity_cached
+        out, conv_inputs, kv = trunk(x, mu, t.expand(x.shape[0]), spks, cond, mask, past)
         length = start + keep
         tails = tuple(inp[..., keep:keep + self.input_embed.conv_pos_embed.context] for inp in conv_inputs)
         cache = DiTCache(length, (tails[0], tails[1]), [(k[:, :, :length], v[:, :, :length]) for k, v in kv])

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -168,6 +169,8 @@ class CausalHiFTGenerator(nn.Module):
         # periodic Hann computed in float64 then rounded, which equals scipy's get_window('hann', n, fftbins=True)
         self._window = torch.hann_window(self.n_fft, periodic=True, dtype=torch.float64).to(torch.float32)
 
+        # an accelerated replacement of decode_window (mel, source) -> wav; None runs the modules here
+        self.runner: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         recipe = sinegen_recipe or SineGenRecipe.from_hift_config(cfg)
         self.set_sinegen_noise(sinegen_rand_ini(recipe), functools.partial(sinegen_sine_waves, recipe))
 
@@ -194,20 +197,32 @@ class CausalHiFTGenerator(nn.Module):
         spec = torch.view_as_real(spec)
         return spec[..., 0], spec[..., 1]
 
-    def _istft(self, magnitude: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
-        magnitude = torch.clip(magnitude, max=1e2)
-        spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        return torch.istft(spec, self.n_fft, self.hop, self.n_fft, window=self._window.to(magnitude))
+    def istft(self, real: torch.Tensor, imag: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`source_stft` (``[B, n_fft/2 + 1, F]`` each -> ``[B, hop * (F - 1)]``)."""
+        return torch.istft(torch.complex(real, imag), self.n_fft, self.hop, self.n_fft,
+                           window=self._window.to(real))
 
     def decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
-        """Mel ``[B, 80, T]`` + excitation ``[B, 1, N]`` -> waveform ``[B, samples]``."""
-        s_re, s_im = self.source_stft(source.squeeze(1))
-        x = self.conv_pre(mel, finalize)
+        """Mel ``[B, 80, T]`` + excitation ``[B, 1, N]`` -> waveform ``[B, samples]``.
+
+        ``runner`` (an accelerated backend, :mod:`cosyvoice.backends`) replaces :meth:`decode_window`, the
+        part without branches on ``finalize``.
+        """
+        if finalize:
+            mel = F.pad(mel, (0, self.conv_pre.look_ahead))  # zeros stand in for conv_pre's future frames
+        wav = (self.runner or self.decode_window)(mel, source)
         if not finalize:
-            # conv_pre emitted no frames for its look-ahead context: drop the matching STFT frames too
-            keep = s_re.shape[-1] - math.prod(self.cfg.upsample_rates) * self.cfg.conv_pre_look_right
-            s_re, s_im = s_re[..., :keep], s_im[..., :keep]
-        s_spec = torch.cat([s_re, s_im], dim=1)
+            wav = wav[:, : wav.shape[-1] - self.upsample_scale]  # the last frame still depends on future frames
+        return wav
+
+    def decode_window(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """Mel ``[B, 80, T + look-ahead]`` (conv_pre's future frames included) + excitation ``[B, 1, N]``
+        -> the clipped waveform of the first T frames ``[B, T * upsample_scale]``."""
+        s_re, s_im = self.source_stft(source.squeeze(1))
+        x = self.conv_pre(mel, finalize=False)
+        # STFT frames beyond conv_pre's output belong to its look-ahead frames (streaming): drop them
+        keep = x.shape[-1] * math.prod(self.cfg.upsample_rates) + 1
+        s_spec = torch.cat([s_re[..., :keep], s_im[..., :keep]], dim=1)
 
         for i, up in enumerate(self.ups):
             x = up(F.leaky_relu(x, self.cfg.lrelu_slope))
@@ -222,11 +237,9 @@ class CausalHiFTGenerator(nn.Module):
 
         x = self.conv_post(F.leaky_relu(x))  # reference quirk: torch's default slope 0.01 here, not lrelu_slope
         n_bins = self.n_fft // 2 + 1
-        magnitude = torch.exp(x[:, :n_bins])
+        magnitude = torch.clip(torch.exp(x[:, :n_bins]), max=1e2)
         phase = torch.sin(x[:, n_bins:])  # reference quirk: sin() of the predicted phase
-        wav = self._istft(magnitude, phase)
-        if not finalize:
-            wav = wav[:, : wav.shape[-1] - self.upsample_scale]  # the last frame still depends on future frames
+        wav = self.istft(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
         return torch.clamp(wav, -self.cfg.audio_limit, self.cfg.audio_limit)
 
     @torch.inference_mode()

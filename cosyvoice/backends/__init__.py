@@ -1,0 +1,171 @@
+"""Accelerated backends for the flow estimator (the DiT) and the vocoder: torch, onnxruntime, tensorrt.
+
+``backend`` is chosen once per engine (constructor keyword, ``--backend`` flags, ``COSYVOICE_BACKEND``):
+
+- ``torch``: the modules themselves.
+- ``onnxruntime``: the graphs of :mod:`cosyvoice.backends.graphs` in onnxruntime, on the CPU or with the
+  CUDA execution provider (``onnxruntime-gpu``) on a CUDA device.
+- ``onnxruntime-int8``: the same with the DiT's per-frame matmuls int8 dynamic-quantised
+  (:mod:`cosyvoice.backends.quant`); CPU only.
+- ``tensorrt``: TensorRT engines built from the same ONNX (:mod:`cosyvoice.backends.trt`); CUDA only.
+- ``auto`` (the default): ``onnxruntime-int8`` on a CPU (the fast CPU path; its quality bound is in
+  docs/perf.md), torch on CUDA (the CUDA-graph path measured there; TensorRT stays opt-in until measured).
+  A missing package falls back to torch with one log line; a backend asked for by name that cannot run
+  here is an error.
+
+Attaching a backend sets ``DiT.runner`` / ``CausalHiFTGenerator.runner``; everything around them (the
+ODE solver, CFG, F0 and the sine source, :class:`FlowStream` and :class:`HiFTStream` state) stays in torch.
+The ONNX files live in ``MODEL_DIR/onnx`` and are exported there on first use, or again when the
+checkpoints they came from change (``manifest.json`` holds their hashes).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from cosyvoice.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("torch", "onnxruntime", "onnxruntime-int8", "tensorrt")
+CPU_DEFAULT = "onnxruntime-int8"
+CHOICES = ("auto", *BACKENDS)
+
+
+def resolve_backend(requested: str | None, device: torch.device | str) -> str:
+    """The backend to run: ``requested`` (None: ``COSYVOICE_BACKEND``, else ``auto``) checked against this machine."""
+    from cosyvoice.settings import backend_from_env
+
+    name = requested or backend_from_env()
+    if name not in CHOICES:
+        raise ConfigError(f"backend must be one of {', '.join(CHOICES)}, got {name!r}")
+    device = torch.device(device)
+    if name == "auto":
+        if device.type == "cuda":
+            return "torch"
+        if importlib.util.find_spec("onnxruntime") is None:
+            logger.warning("backend auto: onnxruntime is not installed, running the flow estimator and vocoder in "
+                           "torch (slower on a CPU; `pip install onnxruntime`)")
+            return "torch"
+        return CPU_DEFAULT
+    problem = unavailable(name, device)
+    if problem:
+        raise ConfigError(f"backend {name!r} cannot run here: {problem}")
+    return name
+
+
+def unavailable(name: str, device: torch.device) -> str | None:
+    """None when backend ``name`` can run on ``device``, else why not."""
+    if name == "torch":
+        return None
+    if name.startswith("onnxruntime"):
+        if importlib.util.find_spec("onnxruntime") is None:
+            return "the onnxruntime package is not installed"
+        if name == "onnxruntime-int8" and device.type != "cpu":
+            return "the int8 graphs are for the CPU; use onnxruntime or tensorrt on CUDA"
+        from cosyvoice.backends.ort import cuda_provider_available
+
+        if device.type == "cuda" and not cuda_provider_available():
+            return "onnxruntime has no CUDA execution provider (install onnxruntime-gpu: `pip install .[gpu]`)"
+        return None
+    if device.type != "cuda":
+        return f"TensorRT needs a CUDA device, the engine runs on {device}"
+    from cosyvoice.backends import trt
+
+    return trt.available()
+
+
+def ensure_onnx(model_root: Path, precision: str = "fp32") -> dict[str, object]:
+    """The manifest of ``model_root/onnx`` with the DiT graphs in ``precision``, exporting first when they are
+    missing or stale (the precisions exported before are kept)."""
+    from cosyvoice.bin import export_onnx as ex
+
+    out = model_root / "onnx"
+    manifest_path = out / ex.MANIFEST
+    have: set[str] = set()
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        graphs = manifest.get("graphs", {})
+        if (manifest.get("format") == ex.FORMAT and all((out / name).is_file() for name in graphs)
+                and ex.sources_match(model_root, manifest)):
+            have = {g["precision"] for g in graphs.values()}
+            if precision in have:
+                return manifest
+    want = have | {precision}
+    logger.info("exporting the flow estimator and vocoder to ONNX (%s) in %s (first use of this bundle)",
+                ", ".join(sorted(want)), out)
+    return ex.export_onnx(model_root, out, fp16="fp16" in want, int8="int8" in want)
+
+
+def _graph(name: str, backend: str, manifest: dict[str, object], root: Path, device: torch.device,
+           precision: str, dims: dict[str, int]) -> object:
+    from cosyvoice.bin.export_onnx import graph_file
+
+    path = root / "onnx" / graph_file(name, precision)
+    if backend.startswith("onnxruntime"):
+        from cosyvoice.backends.ort import OrtGraph
+
+        return OrtGraph(path, device)
+    from cosyvoice.backends import trt
+
+    sha = manifest["graphs"][path.name]["sha256"]  # type: ignore[index]
+    return trt.TrtGraph(path, sha, trt.profiles(name, dims), precision == "fp16", device)
+
+
+def _dims(flow: torch.nn.Module | None, hift: torch.nn.Module | None) -> dict[str, int]:
+    dims: dict[str, int] = {}
+    if flow is not None:
+        dit = flow.decoder.estimator
+        attn = dit.transformer_blocks[0].attn
+        cfg = flow.cfg.dit
+        dims.update(mel=cfg.mel_dim, mu=cfg.mu_dim, spk=cfg.spk_dim, dim=cfg.dim, heads=attn.heads,
+                    dim_head=attn.dim_head, depth=len(dit.transformer_blocks),
+                    context=dit.input_embed.conv_pos_embed.context)
+    if hift is not None:
+        dims.update(mels=hift.cfg.in_channels, scale=hift.upsample_scale, look_ahead=hift.conv_pre.look_ahead)
+    return dims
+
+
+def attach_flow(flow: torch.nn.Module, model_root: Path, backend: str, device: torch.device | str) -> None:
+    """Run ``flow``'s DiT on ``backend`` (a resolved name); fp16 graphs when the flow is half precision on CUDA."""
+    if backend == "torch":
+        return
+    from cosyvoice.backends.runners import GraphEstimator
+
+    device = torch.device(device)
+    dit = flow.decoder.estimator
+    if backend == "onnxruntime-int8":
+        precision = "int8"
+    else:
+        precision = "fp16" if device.type == "cuda" and dit.proj_out.weight.dtype != torch.float32 else "fp32"
+    manifest = ensure_onnx(model_root, precision)
+    dims = _dims(flow, None)
+    cached = _graph("flow_estimator_cached", backend, manifest, model_root, device, precision, dims)
+    # the plain graph saves returning keys/values on a GPU; on the CPU one copy of the weights is worth more
+    plain = _graph("flow_estimator", backend, manifest, model_root, device, precision, dims) \
+        if device.type == "cuda" else None
+    dit.runner = GraphEstimator(plain, cached, dit)  # type: ignore[arg-type]
+    for param in dit.transformer_blocks.parameters():
+        # the runner replaces every use of the blocks' weights (FlowStream reads only shapes and dtypes)
+        param.data = param.data.new_empty(0)
+
+
+def attach_hift(hift: torch.nn.Module, model_root: Path, backend: str, device: torch.device | str) -> None:
+    """Run ``hift``'s decoder (mel + excitation -> audio) on ``backend``; it stays float32."""
+    if backend == "torch":
+        return
+    from cosyvoice.backends.runners import GraphVocoder
+
+    device = torch.device(device)
+    manifest = ensure_onnx(model_root)
+    graph = _graph("vocoder", backend, manifest, model_root, device, "fp32", _dims(None, hift))
+    hift.runner = GraphVocoder(graph, hift, host_output=backend == "tensorrt")  # type: ignore[arg-type]
+
+
+__all__ = ["BACKENDS", "CHOICES", "attach_flow", "attach_hift", "ensure_onnx",
+           "resolve_backend", "unavailable"]

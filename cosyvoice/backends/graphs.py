@@ -1,0 +1,116 @@
+"""The exported graphs, as torch modules over the real ones (so export and PyTorch share every layer).
+
+Three graphs, each with dynamic batch and time axes:
+
+- ``flow_estimator``: the DiT, ``(x, mu, t, spks, cond, mask) -> velocity``. The CFG batch of two is the
+  batch axis (rows B.. unconditional, as :func:`cosyvoice.flow.cfm.guidance_batch` stacks them); the
+  attention mask is an input ``[N, N]`` (bool), so one graph serves full and chunk-causal attention.
+- ``flow_estimator_cached``: the DiT extending an utterance (:meth:`DiT.forward_cached`): the new frames
+  plus the finished frames' state, the position convs' tails and every block's past keys/values, in;
+  the velocity, the convs' padded inputs and every block's keys/values (past + new) out. RoPE positions
+  start at the past length, read from the past keys' shape. Past length 0 with zero tails is the start.
+- ``vocoder``: :meth:`CausalHiFTGenerator.decode_window`, ``(mel with conv_pre's look-ahead, excitation)
+  -> waveform``. Both spectral transforms are in the graph: ONNX has no inverse STFT operator (and
+  TensorRT no STFT either), so here they are convolutions with a fixed windowed DFT basis: the STFT a
+  strided conv, the inverse a transposed conv (overlap-add) divided by the overlap-added squared window,
+  which is what ``torch.istft`` computes. The F0 predictor (float64, a few small convs) and the sine
+  source (a float64 phase carry and a noise buffer indexed by absolute sample, both streaming state)
+  stay in PyTorch: they are a small share of the work and need that precision and state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from cosyvoice.flow.dit import DiT, DiTCache
+from cosyvoice.hifigan.generator import CausalHiFTGenerator
+
+
+class EstimatorGraph(nn.Module):
+    def __init__(self, dit: DiT) -> None:
+        super().__init__()
+        self.dit = dit
+
+    def forward(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor) -> Tensor:
+        out, _, _ = self.dit._trunk(x, mu, t, spks, cond, mask)
+        return out
+
+
+class CachedEstimatorGraph(nn.Module):
+    """Inputs ``x, mu, t, spks, cond, mask [n, past + n], tail1, tail2, past_k_0, past_v_0, ...``."""
+
+    def __init__(self, dit: DiT) -> None:
+        super().__init__()
+        self.dit = dit
+
+    def forward(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor,
+                tail1: Tensor, tail2: Tensor, *past_kv: Tensor) -> tuple[Tensor, ...]:
+        kv = [(past_kv[2 * i], past_kv[2 * i + 1]) for i in range(len(past_kv) // 2)]
+        # DiTCache.length only sets the RoPE offset; the shape keeps it symbolic in the graph
+        past = DiTCache(past_kv[0].shape[2], (tail1, tail2), kv)
+        out, conv_inputs, present = self.dit._trunk(x, mu, t, spks, cond, mask, past)
+        return (out, *conv_inputs, *(y for pair in present for y in pair))
+
+
+def cached_io_names(depth: int) -> tuple[list[str], list[str]]:
+    """Input and output names of ``flow_estimator_cached`` for a DiT of ``depth`` blocks."""
+    inputs = ["x", "mu", "t", "spks", "cond", "mask", "tail1", "tail2"]
+    outputs = ["velocity", "conv_in1", "conv_in2"]
+    for i in range(depth):
+        inputs += [f"past_k_{i}", f"past_v_{i}"]
+        outputs += [f"k_{i}", f"v_{i}"]
+    return inputs, outputs
+
+
+class DFTSpectral(nn.Module):
+    """``torch.stft`` / ``torch.istft`` (centered, reflect-padded, periodic Hann) as convolutions."""
+
+    def __init__(self, n_fft: int, hop: int, window: Tensor) -> None:
+        super().__init__()
+        self.n_fft, self.hop = n_fft, hop
+        n = torch.arange(n_fft, dtype=torch.float64)
+        k = torch.arange(n_fft // 2 + 1, dtype=torch.float64)
+        angle = 2 * math.pi * k[:, None] * n[None, :] / n_fft  # [bins, n_fft]
+        win = window.to(torch.float64)
+        # forward: X_k = sum_n w[n] x[n] e^{-i angle}
+        self.register_buffer("analysis", torch.cat((win * angle.cos(), -win * angle.sin()))[:, None].float())
+        # inverse (irfft, one-sided): bins 1..n/2-1 count twice; the imaginary parts of DC and Nyquist are unused
+        weight = torch.full((k.shape[0], 1), 2.0, dtype=torch.float64)
+        weight[0] = weight[-1] = 1.0
+        synthesis = torch.cat((weight * angle.cos(), -weight * angle.sin())) / n_fft * win
+        self.register_buffer("synthesis", synthesis[:, None].float())
+        self.register_buffer("window_sq", (win ** 2)[None, None].float())
+
+    def stft(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        pad = self.n_fft // 2
+        frames = F.conv1d(F.pad(x[:, None], (pad, pad), mode="reflect"), self.analysis, stride=self.hop)
+        bins = self.n_fft // 2 + 1
+        return frames[:, :bins], frames[:, bins:]
+
+    def istft(self, real: Tensor, imag: Tensor) -> Tensor:
+        frames = torch.cat((real, imag), dim=1)
+        wav = F.conv_transpose1d(frames, self.synthesis, stride=self.hop)[:, 0]
+        envelope = F.conv_transpose1d(torch.ones_like(frames[:1, :1]), self.window_sq, stride=self.hop)[:, 0]
+        pad = self.n_fft // 2
+        return (wav / envelope)[:, pad: wav.shape[1] - pad]
+
+
+class VocoderGraph(nn.Module):
+    """:meth:`CausalHiFTGenerator.decode_window` of a copy of the vocoder with weight norm folded and the
+    DFT-basis spectral transforms in place of ``torch.stft``/``torch.istft``."""
+
+    def __init__(self, hift: CausalHiFTGenerator) -> None:
+        super().__init__()
+        # a new module, not a deepcopy: removing a parametrization edits the parametrized class the copy shares
+        self.hift = CausalHiFTGenerator(hift.cfg)
+        self.hift.load_state_dict(hift.state_dict())
+        self.hift.fold_weight_norm()
+        self.spectral = DFTSpectral(hift.n_fft, hift.hop, hift._window)
+        self.hift.source_stft, self.hift.istft = self.spectral.stft, self.spectral.istft
+
+    def forward(self, mel: Tensor, source: Tensor) -> Tensor:
+        return self.hift.decode_window(mel, source)

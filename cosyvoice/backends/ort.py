@@ -1,0 +1,71 @@
+"""onnxruntime sessions for the exported graphs, fed and drained as torch tensors (I/O binding, no copies).
+
+Inputs are bound by pointer and outputs into torch tensors allocated here (their shapes follow from the
+inputs), on the CPU or on CUDA with the CUDA execution provider. The runners of
+:mod:`cosyvoice.backends.runners` call :meth:`OrtGraph.run` with the names of the graphs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from cosyvoice.errors import ModelBundleError
+
+_NP_TYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bool: np.bool_, torch.int64: np.int64}
+
+
+def cuda_provider_available() -> bool:
+    import onnxruntime as ort
+
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+class OrtGraph:
+    """One onnxruntime session on ``device`` (CPU, or CUDA through the CUDA execution provider)."""
+
+    def __init__(self, path: Path, device: torch.device, threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        self.device = device
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            options.intra_op_num_threads = threads
+        # no busy-waiting between ops: the LLM's thread shares the cores with these sessions
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if device.type == "cuda":
+            if not cuda_provider_available():
+                raise ModelBundleError("onnxruntime has no CUDA execution provider here: install onnxruntime-gpu "
+                                       "(`pip install .[gpu]`) or use backend='torch'")
+            # cudnn_conv_algo_search: the default exhaustive search runs again for every new length
+            providers: list[object] = [("CUDAExecutionProvider", {"device_id": device.index or 0,
+                                                                  "cudnn_conv_algo_search": "HEURISTIC"})]
+        else:
+            providers = ["CPUExecutionProvider"]
+        self.session = ort.InferenceSession(str(path), options, providers=providers)
+        self._kind = "cuda" if device.type == "cuda" else "cpu"
+        self._index = device.index or 0
+
+    def run(self, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
+        """Run with ``inputs`` and write into the preallocated ``outputs`` (all on this graph's device)."""
+        binding = self.session.io_binding()
+        held = []  # contiguous copies must outlive the run
+        for name, tensor in inputs.items():
+            tensor = tensor.contiguous()
+            if tensor.numel() == 0:  # an empty view of a real allocation: an empty tensor's null pointer is refused
+                base = tensor.new_empty([max(size, 1) for size in tensor.shape])
+                tensor = base[tuple(slice(0, size) for size in tensor.shape)]
+            held.append(tensor)
+            binding.bind_input(name, self._kind, self._index, _NP_TYPES[tensor.dtype], tuple(tensor.shape),
+                               tensor.data_ptr())
+        for name, tensor in outputs.items():
+            assert tensor.is_contiguous()
+            binding.bind_output(name, self._kind, self._index, _NP_TYPES[tensor.dtype], tuple(tensor.shape),
+                                tensor.data_ptr())
+        if self._kind == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # onnxruntime runs on its own stream
+        self.session.run_with_iobinding(binding)

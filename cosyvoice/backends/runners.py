@@ -1,0 +1,98 @@
+"""The DiT and vocoder runners that stand in for the torch modules, over any graph with ``run(inputs, outputs)``.
+
+A runner allocates the outputs (their shapes follow from the inputs) and runs the graph; the streaming
+state stays where it is: :class:`~cosyvoice.flow.FlowStream` keeps the per-chunk K/V cache the cached
+graph returns (:class:`~cosyvoice.flow.dit.DiTCache`, the same layout as the torch path) and
+:class:`~cosyvoice.hifigan.HiFTStream` its phase carry and window, so both stream on every backend.
+The graphs take and return float32 (the fp16 variants cast inside); a half-precision flow's tensors are
+cast at the boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from cosyvoice.flow.dit import DiT, DiTCache
+from cosyvoice.hifigan.generator import CausalHiFTGenerator
+
+
+class Graph(Protocol):
+    def run(self, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None: ...
+
+
+class GraphEstimator:
+    """:class:`cosyvoice.flow.dit.EstimatorRunner` over the ``flow_estimator_cached`` graph and optionally the
+    ``flow_estimator`` one. Without the latter, a whole-utterance call runs the cached graph with no past (the
+    same computation: zero tails are the convs' left padding) and drops the keys/values it also returns; on
+    the CPU that keeps one copy of the weights instead of two."""
+
+    def __init__(self, plain: Graph | None, cached: Graph, dit: DiT) -> None:
+        self.plain, self.cached = plain, cached
+        attn = dit.transformer_blocks[0].attn
+        self.depth, self.heads, self.dim_head = len(dit.transformer_blocks), attn.heads, attn.dim_head
+        self.dim = dit.proj_out.in_features
+        self.mel_dim = dit.proj_out.out_features
+        self.context = dit.input_embed.conv_pos_embed.context
+
+    @staticmethod
+    def _inputs(x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor) -> dict[str, Tensor]:
+        return {"x": x.float(), "mu": mu.float(), "t": t.float(), "spks": spks.float(), "cond": cond.float(),
+                "mask": mask}
+
+    def velocity(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor) -> Tensor:
+        if self.plain is None:
+            return self.velocity_cached(x, mu, t, spks, cond, mask, None)[0]
+        out = x.new_empty(x.shape[0], self.mel_dim, x.shape[2], dtype=torch.float32)
+        self.plain.run(self._inputs(x, mu, t, spks, cond, mask), {"velocity": out})
+        return out.to(x.dtype)
+
+    def velocity_cached(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor,
+                        past: DiTCache | None) -> tuple[Tensor, tuple[Tensor, Tensor], list[tuple[Tensor, Tensor]]]:
+        batch, n = x.shape[0], x.shape[2]
+        f32 = {"dtype": torch.float32, "device": x.device}
+        if past is None:  # the start of an utterance: zeros are the convs' left padding, no keys yet
+            tails = (torch.zeros(batch, self.dim, self.context, **f32),) * 2
+            kv = [(torch.zeros(batch, self.heads, 0, self.dim_head, **f32),) * 2] * self.depth
+        else:
+            tails, kv = past.conv_tails, past.kv
+        inputs = self._inputs(x, mu, t, spks, cond, mask)
+        inputs["tail1"], inputs["tail2"] = tails[0].float(), tails[1].float()
+        keys = kv[0][0].shape[2] + n
+        outputs = {"velocity": torch.empty(batch, self.mel_dim, n, **f32),
+                   "conv_in1": torch.empty(batch, self.dim, self.context + n, **f32),
+                   "conv_in2": torch.empty(batch, self.dim, self.context + n, **f32)}
+        for i, (k, v) in enumerate(kv):
+            inputs[f"past_k_{i}"], inputs[f"past_v_{i}"] = k.float(), v.float()
+            outputs[f"k_{i}"] = torch.empty(batch, self.heads, keys, self.dim_head, **f32)
+            outputs[f"v_{i}"] = torch.empty(batch, self.heads, keys, self.dim_head, **f32)
+        self.cached.run(inputs, outputs)
+        present = [(outputs[f"k_{i}"], outputs[f"v_{i}"]) for i in range(self.depth)]
+        return outputs["velocity"].to(x.dtype), (outputs["conv_in1"], outputs["conv_in2"]), present
+
+
+class GraphVocoder:
+    """:meth:`CausalHiFTGenerator.decode_window` over the ``vocoder`` graph.
+
+    ``host_output``: the waveform lands in pinned host memory (one asynchronous copy, then a sync), the
+    TensorRT path: audio leaves the GPU anyway, and the caller gets it without another transfer.
+    """
+
+    def __init__(self, graph: Graph, hift: CausalHiFTGenerator, host_output: bool = False) -> None:
+        self.graph = graph
+        self.look_ahead = hift.conv_pre.look_ahead
+        self.scale = hift.upsample_scale
+        self.host_output = host_output
+
+    def __call__(self, mel: Tensor, source: Tensor) -> Tensor:
+        frames = mel.shape[2] - self.look_ahead
+        wav = mel.new_empty(mel.shape[0], frames * self.scale, dtype=torch.float32)
+        self.graph.run({"mel": mel.float(), "source": source.float()}, {"wav": wav})
+        if not self.host_output:
+            return wav
+        host = torch.empty(wav.shape, dtype=wav.dtype, pin_memory=True)  # torch caches pinned blocks
+        host.copy_(wav, non_blocking=True)
+        torch.cuda.current_stream(wav.device).synchronize()
+        return host

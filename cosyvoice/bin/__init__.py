@@ -1,0 +1,1 @@
+"""Command-line entry points named as in the official repository (``python -m cosyvoice.bin.export_onnx``)."""

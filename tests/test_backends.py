@@ -1,0 +1,181 @@
+"""Backends for the flow estimator and the vocoder: onnxruntime-CPU against torch, choice and fallback rules.
+
+Bounds (tiny bundle, random weights, onnxruntime-CPU fp32 against torch fp32, same inputs):
+- mel (DiT through the ODE, full, chunk-causal and incremental FlowStream): max |diff| <= 1e-4 (measured ~2e-6,
+  mels of magnitude ~7);
+- vocoder on the same mel (whole and HiFTStream): max |diff| <= 2e-3 of full scale (measured ~1e-4);
+- int8 DiT (the fast CPU path) against fp32: mel max |diff| <= 0.05 and relative RMS <= 1% (measured 0.018, 0.23%);
+- end to end (same LLM tokens: the LLM is torch on both): the mel's ~1e-6 moves the vocoder's F0 and so its
+  phase, which random tiny weights amplify; the bound is on the signal: SNR >= 20 dB and equal lengths.
+TensorRT needs a CUDA GPU: its tests skip without one.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cosyvoice.backends import resolve_backend, trt
+from cosyvoice.bundle import validate_model_dir
+from cosyvoice.errors import ConfigError
+from cosyvoice.flow import FlowStream
+from cosyvoice.frontend.prompts import cross_lingual_text, instruct_text, zero_shot_prompt_text
+from cosyvoice.hifigan import HiFTStream
+
+TEXT = "Hello there, my friend, how are you today?"
+PROMPT_TEXT = zero_shot_prompt_text("Hello, this is a short prompt for testing.")
+MEL_BOUND, VOCODER_BOUND, MIN_SNR_DB = 1e-4, 2e-3, 20.0
+INT8_MEL_MAX, INT8_MEL_REL_RMS = 5e-2, 1e-2  # int8 DiT against fp32 (measured 0.018 and 0.23%)
+
+
+@pytest.fixture(scope="module")
+def modules(tiny_bundle_dir: Path) -> dict[str, object]:
+    bundle = validate_model_dir(tiny_bundle_dir)
+    return {"flow": bundle.load_flow(), "hift": bundle.load_hift(),
+            "flow_ort": bundle.load_flow(backend="onnxruntime"), "hift_ort": bundle.load_hift(backend="onnxruntime"),
+            "flow_int8": bundle.load_flow(backend="onnxruntime-int8")}
+
+
+@pytest.fixture(scope="module")
+def flow_inputs() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randint(0, 6561, (1, 80), generator=g), torch.randint(0, 6561, (1, 20), generator=g),
+            torch.randn(1, 40, 80, generator=g), torch.randn(1, 192, generator=g))
+
+
+def test_backend_choice(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv("COSYVOICE_BACKEND", raising=False)
+    assert resolve_backend(None, "cpu") == "onnxruntime-int8"  # the fast CPU path is the automatic choice
+    assert resolve_backend("auto", "cuda") == "torch"
+    monkeypatch.setenv("COSYVOICE_BACKEND", "torch")
+    assert resolve_backend(None, "cpu") == "torch"
+    assert resolve_backend("onnxruntime", "cpu") == "onnxruntime"  # the argument wins over the environment
+    with pytest.raises(ConfigError, match="one of auto, torch, onnxruntime, onnxruntime-int8, tensorrt, got 'trt'"):
+        resolve_backend("trt", "cpu")
+    with pytest.raises(ConfigError, match="backend 'tensorrt' cannot run here: TensorRT needs a CUDA device"):
+        resolve_backend("tensorrt", "cpu")
+    with pytest.raises(ConfigError, match="the int8 graphs are for the CPU"):
+        resolve_backend("onnxruntime-int8", "cuda")
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # what Python does for a package that is not installed
+    with pytest.raises(ConfigError, match="onnxruntime package is not installed"):
+        resolve_backend("onnxruntime", "cpu")
+    monkeypatch.setenv("COSYVOICE_BACKEND", "auto")
+    with caplog.at_level(logging.WARNING, logger="cosyvoice.backends"):
+        assert resolve_backend(None, "cpu") == "torch"
+    assert len(caplog.records) == 1 and "onnxruntime is not installed" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_flow_mel_equals_torch(modules: dict, flow_inputs: tuple, streaming: bool) -> None:
+    tok, ptok, pfeat, emb = flow_inputs
+    args = (tok, tok.shape[1], ptok, ptok.shape[1], pfeat, pfeat.shape[1], emb, streaming, True)
+    ref = modules["flow"].inference(*args)
+    got = modules["flow_ort"].inference(*args)
+    assert got.shape == ref.shape and (got - ref).abs().max() <= MEL_BOUND
+
+
+def test_int8_dit_mel_within_its_bound(modules: dict, flow_inputs: tuple) -> None:
+    """The fast CPU path's DiT (int8 per-frame matmuls) against fp32, whole and incremental."""
+    tok, ptok, pfeat, emb = flow_inputs
+    ref = modules["flow"].inference(tok, 80, ptok, 20, pfeat, 40, emb, False, True)
+    got = modules["flow_int8"].inference(tok, 80, ptok, 20, pfeat, 40, emb, False, True)
+    assert (got - ref).abs().max() <= INT8_MEL_MAX
+    assert ((got - ref).pow(2).mean() / ref.pow(2).mean()).sqrt() <= INT8_MEL_REL_RMS
+    assert (got - ref).abs().max() > MEL_BOUND  # it is really quantised, not the fp32 graph
+    mel, _ = _stream(modules["flow"], modules["hift"], flow_inputs)
+    mel_int8, _ = _stream(modules["flow_int8"], modules["hift"], flow_inputs)
+    assert mel_int8.shape == mel.shape and (mel_int8 - mel).abs().max() <= INT8_MEL_MAX
+
+
+def _stream(flow: object, hift: object, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    tok, ptok, pfeat, emb = inputs
+    flow_stream, hift_stream = FlowStream(flow, ptok, pfeat, emb), HiFTStream(hift)
+    mels, wavs = [], []
+    for lo, hi in ((0, 30), (30, 55), (55, 80)):
+        mel = flow_stream.inference(tok[:, lo:hi], finalize=hi == 80)
+        mels.append(mel)
+        wavs.append(hift_stream.inference(mel, finalize=hi == 80))
+    return torch.cat(mels, dim=2), torch.cat(wavs, dim=1)
+
+
+def test_incremental_streams_work_on_onnxruntime(modules: dict, flow_inputs: tuple) -> None:
+    """FlowStream (cached DiT graph with per-chunk K/V) and HiFTStream (bounded window) on onnxruntime."""
+    mel, wav = _stream(modules["flow"], modules["hift"], flow_inputs)
+    mel_ort, wav_ort = _stream(modules["flow_ort"], modules["hift_ort"], flow_inputs)
+    assert mel_ort.shape == mel.shape and (mel_ort - mel).abs().max() <= MEL_BOUND
+    # the vocoder on the same mel: torch's stream against onnxruntime's stream and whole-mel call
+    _, wav_same_mel = _stream(modules["flow"], modules["hift_ort"], flow_inputs)
+    assert wav_same_mel.shape == wav.shape and (wav_same_mel - wav).abs().max() <= VOCODER_BOUND
+    whole, _ = modules["hift_ort"].inference(mel)
+    assert (whole - wav_same_mel).abs().max() <= VOCODER_BOUND
+    assert wav_ort.shape == wav.shape and _snr_db(wav, wav_ort) >= MIN_SNR_DB
+
+
+def _snr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
+    return 10 * torch.log10(ref.pow(2).sum() / (got - ref).pow(2).sum().clamp(min=1e-20)).item()
+
+
+@pytest.fixture(scope="module")
+def tts_ort(tiny_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    from cosyvoice.cli.cosyvoice import CosyVoice3
+
+    return CosyVoice3(tiny_bundle_dir, device="cpu", voice_dir=tmp_path_factory.mktemp("voices"),
+                      backend="onnxruntime")
+
+
+def _speech(outputs: list[dict]) -> torch.Tensor:
+    return torch.cat([o["tts_speech"] for o in outputs], dim=1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("mode", ["zero_shot", "cross_lingual", "instruct2"])
+def test_synthesis_on_onnxruntime_matches_torch(tts, tts_ort, prompt_wav: Path, mode: str, stream: bool) -> None:
+    assert tts_ort.engine.flow.decoder.estimator.runner is not None and tts_ort.engine.hift.runner is not None
+    assert tts.engine.flow.decoder.estimator.runner is None  # the shared fixture runs torch (COSYVOICE_BACKEND)
+
+    def run(model) -> torch.Tensor:
+        if mode == "zero_shot":
+            return _speech(list(model.inference_zero_shot(TEXT, PROMPT_TEXT, str(prompt_wav), stream=stream, seed=3)))
+        if mode == "cross_lingual":
+            return _speech(list(model.inference_cross_lingual(cross_lingual_text(TEXT), str(prompt_wav),
+                                                              stream=stream, seed=3)))
+        return _speech(list(model.inference_instruct2(TEXT, instruct_text("Speak slowly and calmly."),
+                                                      str(prompt_wav), stream=stream, seed=3)))
+
+    ref, got = run(tts), run(tts_ort)
+    assert got.shape == ref.shape and ref.shape[1] > 0
+    assert torch.isfinite(got).all() and got.abs().max() <= 1.0
+    assert _snr_db(ref, got) >= MIN_SNR_DB, _snr_db(ref, got)
+
+
+@pytest.mark.skipif(trt.available() is not None, reason=f"TensorRT cannot run here: {trt.available()}")
+def test_tensorrt_fp32_matches_torch(tiny_bundle_dir: Path, flow_inputs: tuple) -> None:
+    bundle = validate_model_dir(tiny_bundle_dir)
+    flow, flow_trt = bundle.load_flow("cuda"), bundle.load_flow("cuda", backend="tensorrt")
+    hift, hift_trt = bundle.load_hift("cuda"), bundle.load_hift("cuda", backend="tensorrt")
+    inputs = tuple(x.cuda() for x in flow_inputs)
+    mel, wav = _stream(flow, hift, inputs)
+    mel_trt, wav_trt = _stream(flow_trt, hift_trt, inputs)
+    assert (mel_trt - mel).abs().max() <= 1e-3 and wav_trt.device.type == "cpu" and wav_trt.is_pinned()
+    assert _snr_db(wav.cpu(), wav_trt) >= MIN_SNR_DB
+
+
+def test_tensorrt_profiles_cover_the_streaming_shapes() -> None:
+    """The optimization profiles (pure shapes: no GPU needed) span what FlowStream and HiFTStream feed."""
+    dims = {"mel": 80, "mu": 80, "spk": 80, "dim": 64, "heads": 4, "dim_head": 16, "depth": 2, "context": 30,
+            "mels": 80, "scale": 480, "look_ahead": 4}
+    for graph in ("flow_estimator", "flow_estimator_cached", "vocoder"):
+        for name, (lo, opt, hi) in trt.profiles(graph, dims).items():
+            assert all(a <= b <= c for a, b, c in zip(lo, opt, hi, strict=True)), (graph, name)
+    cached = trt.profiles("flow_estimator_cached", dims)
+    assert set(cached) == {"x", "mu", "t", "spks", "cond", "mask", "tail1", "tail2",
+                           "past_k_0", "past_v_0", "past_k_1", "past_v_1"}
+    assert cached["past_k_0"][0][2] == 0  # an utterance's first chunk has no past keys
+    for (n, keys), x, past in zip(cached["mask"], cached["x"], cached["past_k_0"], strict=True):
+        assert n == x[2] and keys == past[2] + n
+    vocoder = trt.profiles("vocoder", dims)
+    assert vocoder["mel"][0][2] == 5 and vocoder["source"][0][2] == 480  # one frame, finalised
