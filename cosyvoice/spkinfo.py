@@ -175,6 +175,8 @@ class SpeakerFile:
 
     def load(self) -> None:
         """Bring the file's usable voices into the library; keep everything else for write-back."""
+        if not self.path.exists():  # nothing to read: leave the model folder untouched (no lock file either)
+            return
         try:
             with spkinfo_lock(self.path):
                 found = read_spkinfo(self.path)

@@ -300,5 +300,8 @@ def _unwrap(item: AudioChunk | BaseException) -> AudioChunk:
 
 
 def _stop_threads(scheduler: LLMScheduler, worker: Token2WavWorker) -> None:
-    scheduler.stop()
-    worker.stop()
+    """Stop AND join: run at interpreter exit, a thread merely told to stop would wake during finalisation, where
+    Python ends it inside torch's C++ frames and the process aborts ("terminate called without an active
+    exception")."""
+    scheduler.close()
+    worker.close()
