@@ -661,6 +661,7 @@ def build_ui(studio: Studio) -> gr.Blocks:
             gr.Markdown(t("demo_banner"), elem_id="demo-banner")
         gr.Markdown("# CosyVoice3 Studio")
         gr.Markdown(t("intro"))
+        gr.Markdown(t("more_tools"), elem_id="more-tools")  # the studio's other pages, served on this app
         # no gr.State: it would make every tab hold a heartbeat connection, and browsers allow only six per
         # server; three waiting tabs would then starve each other's clicks (the takes are kept by the Studio)
         mode = gr.Textbox("zero_shot", visible=False, elem_id="mode")
