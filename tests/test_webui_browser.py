@@ -396,8 +396,8 @@ def test_uploads_and_messages_as_a_visitor_sees_them(context, app: tuple, tmp_pa
     fake = tmp_path / "holiday.wav"
     fake.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(4096))  # a PNG renamed .wav
     page.set_input_files("#prompt input[type=file]", str(fake))
-    sync_api.expect(page.get_by_test_id("toast-text").first).to_contain_text("holiday.wav' is not a recognised audio "
-                                                                             "file; upload a recording", timeout=15000)
+    sync_api.expect(page.get_by_test_id("toast-text").first).to_contain_text("holiday.wav' is not an audio file we "
+                                                                             "can read", timeout=15000)
     page.click("#save")  # a second toast, from the voice controls
     sync_api.expect(page.get_by_test_id("toast-text")).to_have_count(2, timeout=15000)
     page.wait_for_timeout(500)  # the toasts' entry animation

@@ -16,7 +16,6 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import numpy as np
 import soundfile as sf
 
 from cosyvoice.errors import NotFoundError
+from cosyvoice.utils.sqlite import open_database, write_transaction
 
 DB_NAME = "longform.sqlite3"
 SCHEMA = """
@@ -108,26 +108,14 @@ class ProjectStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self.audio_root = self.root / "longform"
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(self.root / DB_NAME, check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db = open_database(self.root / DB_NAME)
         with self.transaction() as db:
             for statement in filter(str.strip, SCHEMA.split(";")):
                 db.execute(statement)
             db.execute("UPDATE segments SET state = 'idle' WHERE state = 'running'")  # a job the last run left
 
-    @contextlib.contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+    def transaction(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        return write_transaction(self._db, self._lock)
 
     def close(self) -> None:
         with self._lock:

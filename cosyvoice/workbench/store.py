@@ -16,8 +16,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import numpy as np
 from cosyvoice.encoding import encode_audio
 from cosyvoice.errors import AlreadyExistsError, InvalidInputError, NotFoundError
 from cosyvoice.utils.fs import atomic_write
+from cosyvoice.utils.sqlite import open_database, write_transaction
 
 DB_NAME = "workbench.sqlite3"
 # the objective scorecard's measures of a take (cosyvoice.workbench.scorecard), kept with it for the exports
@@ -169,11 +169,7 @@ class WorkbenchStore:
         self.audio_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.root / DB_NAME
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db = open_database(self.path)
         with self._lock:
             self._db.executescript(SCHEMA)  # idempotent: an existing database is opened as it is
 
@@ -181,17 +177,8 @@ class WorkbenchStore:
         with self._lock:
             self._db.close()
 
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction (BEGIN IMMEDIATE: other processes wait instead of failing half-way)."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+    def _tx(self) -> AbstractContextManager[sqlite3.Connection]:
+        return write_transaction(self._db, self._lock)
 
     def _rows(self, sql: str, *args: Any) -> list[sqlite3.Row]:
         with self._lock:

@@ -1,0 +1,34 @@
+"""The studio's embedded databases (workbench, long-form projects): one way to open them and to write."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def open_database(path: str | Path) -> sqlite3.Connection:
+    """A connection shared by a store's threads (the store serialises writes with its lock), in WAL mode so
+    readers never wait, with ``synchronous=FULL`` so a committed row survives ``kill -9`` and power loss."""
+    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30.0)
+    db.row_factory = sqlite3.Row
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=FULL")
+    db.execute("PRAGMA foreign_keys=ON")
+    return db
+
+
+@contextlib.contextmanager
+def write_transaction(db: sqlite3.Connection, lock: threading.RLock) -> Iterator[sqlite3.Connection]:
+    """One write transaction: BEGIN IMMEDIATE (another process waits instead of failing half-way), rolled back
+    whole on any error."""
+    with lock:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
