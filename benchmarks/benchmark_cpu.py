@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmark_performance import RELEASED_DIMS, TEXT, _git_commit, _prompt, llm_only
+from benchmark_performance import TEXT, _git_commit, _prompt, bench_bundle, llm_only
 
 from cosyvoice.backends.quant import quantize_llm
 from cosyvoice.bundle import validate_model_dir
@@ -47,7 +47,6 @@ from cosyvoice.flow import FlowStream
 from cosyvoice.frontend.prompts import zero_shot_prompt_text
 from cosyvoice.hifigan import HiFTStream
 from cosyvoice.settings import Limits
-from cosyvoice.tools.make_tiny_bundle import make_tiny_bundle
 
 PATHS = {"torch": "torch", "fast": "onnxruntime-int8"}
 
@@ -185,12 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", type=Path, help="write settings and results here")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="cosyvoice-cpu-bench-"))
-    if args.model_dir:
-        model_dir, model = args.model_dir, str(args.model_dir)
-    elif args.tiny:
-        model_dir, model = make_tiny_bundle(work / "tiny", seed=0), "tiny test bundle (random)"
-    else:
-        model_dir, model = make_tiny_bundle(work / "full", seed=0, dims=RELEASED_DIMS), "released sizes, random"
+    model_dir, model = bench_bundle(args.model_dir, args.tiny, work)
     import onnxruntime as ort
 
     settings = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -305,6 +305,16 @@ def _table_line(r: Row) -> str:
             f"{r.audio_s_per_request:.2f} | {r.peak_mem_mib:.0f} | {r.mem_per_stream_mib:.1f} |")
 
 
+def bench_bundle(model_dir: Path | None, tiny: bool, work: Path) -> tuple[Path, str]:
+    """(the model folder to measure, its label): the one given, else a random bundle made in ``work`` at the tiny
+    or the released sizes (random weights cost what real ones do)."""
+    if model_dir:
+        return model_dir, str(model_dir)
+    if tiny:
+        return make_tiny_bundle(work / "tiny", seed=0), "tiny test bundle (random)"
+    return make_tiny_bundle(work / "full", seed=0, dims=RELEASED_DIMS), "released sizes, random"
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     which = parser.add_mutually_exclusive_group()
@@ -341,12 +351,7 @@ def main(argv: list[str] | None = None) -> dict:
     skipped = sorted(set(args.dtype) - set(dtypes))
 
     work = Path(tempfile.mkdtemp(prefix="cosyvoice-bench-"))
-    if args.model_dir:
-        model_dir, model = args.model_dir, str(args.model_dir)
-    elif args.tiny:
-        model_dir, model = make_tiny_bundle(work / "tiny", seed=0), "tiny test bundle (random)"
-    else:
-        model_dir, model = make_tiny_bundle(work / "full", seed=0, dims=RELEASED_DIMS), "released sizes, random"
+    model_dir, model = bench_bundle(args.model_dir, args.tiny, work)
     bundle = validate_model_dir(model_dir)
     # rows for every closed-loop client; open-loop requests beyond them wait in the scheduler's queue
     limits = Limits(max_sessions=max([*concurrency, 16 if args.poisson else 1]), queue_timeout_seconds=600)

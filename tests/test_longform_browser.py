@@ -4,7 +4,6 @@ export and download. Screenshots go to ``test-artifacts/`` (kept by CI, ignored 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,14 +11,11 @@ import pytest
 import soundfile as sf
 
 pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra")
-sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright (the dev extra)")
-CHROMIUM = Path(os.environ.get("COSYVOICE_CHROMIUM", "/usr/bin/chromium"))
-if not CHROMIUM.is_file():
-    pytest.skip(f"no chromium at {CHROMIUM} (apt-get install chromium, or set COSYVOICE_CHROMIUM)",
-                allow_module_level=True)
+from browser import FLAGS, require_browser
+
+sync_api, CHROMIUM = require_browser()
 
 from test_webui import make_studio, serving  # noqa: E402
-from test_webui_browser import FLAGS  # noqa: E402
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 TEXT = "Hi there.\n\nGood day to you.\n\nBye now."

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,17 +17,13 @@ import pytest
 import soundfile as sf
 
 pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra")
-sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright (the dev extra)")
-CHROMIUM = Path(os.environ.get("COSYVOICE_CHROMIUM", "/usr/bin/chromium"))
-if not CHROMIUM.is_file():
-    pytest.skip(f"no chromium at {CHROMIUM} (apt-get install chromium, or set COSYVOICE_CHROMIUM)",
-                allow_module_level=True)
+from browser import FLAGS, require_browser
+
+sync_api, CHROMIUM = require_browser()
 
 from test_webui import TEXT, TRANSCRIPT, make_studio, serving  # noqa: E402
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 STREAM_TEXT = "Hello there, this take is streamed to you."
 LONG_TEXT = "This is a long take that somebody wants to stop halfway through. " * 8
 TABS = {"zero_shot": "Zero-shot clone", "cross_lingual": "Cross-lingual", "instruct2": "Instruct"}

@@ -21,21 +21,17 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from browser import FLAGS as CHROMIUM_FLAGS
+from browser import require_browser
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright (the dev extra)")
-CHROMIUM = Path(os.environ.get("COSYVOICE_CHROMIUM", "/usr/bin/chromium"))
-if not CHROMIUM.is_file():
-    pytest.skip(f"no chromium at {CHROMIUM} (apt-get install chromium, or set COSYVOICE_CHROMIUM)",
-                allow_module_level=True)
+sync_api, CHROMIUM = require_browser()
 
 from cosyvoice.workbench import listening  # noqa: E402
 from cosyvoice.workbench.store import WorkbenchStore  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--autoplay-policy=no-user-gesture-required"]
+FLAGS = [*CHROMIUM_FLAGS, "--autoplay-policy=no-user-gesture-required"]
 SECONDS = 1.0  # each stimulus: long enough that answering before its end is refused
 
 
