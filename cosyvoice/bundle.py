@@ -9,9 +9,11 @@ slow happens. The yaml is only ever read as data (:mod:`cosyvoice.config`), neve
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickletools
 import re
+import threading
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,6 +41,29 @@ TOKENIZER_FILES = tuple(f"{TOKENIZER_DIR}/{name}"
 REQUIRED_FILES = ("cosyvoice3.yaml", *CHECKPOINTS, *ONNX_INPUTS, *TOKENIZER_FILES)
 
 _MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+_DIGESTS: dict[tuple, str] = {}  # (folder, each file's size and mtime) -> digest: hashed once per process
+_DIGEST_LOCK = threading.Lock()
+
+
+def bundle_digest(model_dir: str | Path) -> str:
+    """The SHA-256 of every file the model is loaded from (names and whole contents): what a take's provenance
+    records as the model, so two takes agree on it only if the same weights made them. A few seconds for a
+    real bundle, then remembered while no file's size or modification time changes."""
+    root = Path(model_dir).resolve()
+    stats = tuple((name, s.st_size, s.st_mtime_ns) for name in REQUIRED_FILES
+                  if (p := root / name).is_file() and (s := p.stat()))
+    key = (str(root), stats)
+    with _DIGEST_LOCK:  # one hashing at a time: concurrent first takes wait for it instead of repeating it
+        if key not in _DIGESTS:
+            digest = hashlib.sha256()
+            for name, size, _ in stats:
+                digest.update(f"{name}\0{size}\0".encode())
+                with open(root / name, "rb") as f:
+                    digest.update(hashlib.file_digest(f, "sha256").digest())
+            _DIGESTS[key] = digest.hexdigest()
+        return _DIGESTS[key]
 
 
 def _download_hint(root: Path) -> str:

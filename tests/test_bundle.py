@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 import types
@@ -14,12 +15,14 @@ from cosyvoice.bundle import (
     DEFAULT_MODEL_ID,
     REQUIRED_FILES,
     ModelBundle,
+    bundle_digest,
     open_model_dir,
     resolve_model_dir,
     validate_model_dir,
 )
 from cosyvoice.errors import ConfigError, ModelBundleError, WeightsError
 from cosyvoice.tools.parity.common import Golden
+from cosyvoice.voices import model_identity
 
 
 @pytest.fixture
@@ -232,3 +235,17 @@ def test_file_instead_of_directory(golden: Golden) -> None:
         resolve_model_dir(golden.bundle_dir / "llm.pt")
     with pytest.raises(ModelBundleError, match=r"does not exist"):
         validate_model_dir(golden.bundle_dir / "llm.pt")
+
+
+def test_bundle_digest_covers_every_weight_file(tiny_bundle_dir: Path, tmp_path: Path) -> None:
+    """A take's model id tells checkpoints apart (the voice library's cheaper identity ignores the .pt files)."""
+    copy = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle_dir, copy)
+    digest = bundle_digest(tiny_bundle_dir)
+    assert re.fullmatch(r"[0-9a-f]{64}", digest) and bundle_digest(copy) == digest
+    data = bytearray((copy / "flow.pt").read_bytes())
+    data[len(data) // 2] ^= 1  # one bit of the checkpoint
+    (copy / "flow.pt").write_bytes(bytes(data))
+    changed = bundle_digest(copy)
+    assert changed != digest and model_identity(copy) == model_identity(tiny_bundle_dir)
+    assert bundle_digest(copy) == changed  # remembered, and still the same on asking again

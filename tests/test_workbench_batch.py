@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import soundfile as sf
 
-from cosyvoice.voices import model_identity
+from cosyvoice.bundle import bundle_digest
 from cosyvoice.workbench.store import WorkbenchStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def test_batch_cli_writes_takes_with_provenance_and_reports_bad_rows(tmp_path: P
     with open(out / "takes.csv", encoding="utf-8") as f:
         takes = list(csv.DictReader(f))
     assert [int(t["row"]) for t in takes] == [1, 2, 3, 5, 7, 8]
-    model_id = model_identity(tiny_bundle_dir)
+    model_id = bundle_digest(tiny_bundle_dir)
     for t in takes:
         samples, rate = sf.read(out / t["file"], dtype="int16")
         assert rate == int(t["sample_rate"]) == 24000 and len(samples) / rate == float(t["audio_seconds"]) > 0

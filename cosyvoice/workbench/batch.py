@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from cosyvoice.bundle import bundle_digest
 from cosyvoice.errors import CosyVoiceError, InvalidInputError
 from cosyvoice.frontend.tokenizer import END_OF_PROMPT
 from cosyvoice.service import PreparedRequest, SynthesisRequest, TTSService
-from cosyvoice.voices import model_identity
 from cosyvoice.workbench.store import Take, WorkbenchStore
 
 COLUMNS = ("text", "voice", "prompt_audio", "prompt_text", "mode", "instruction", "seed", "speed", "label")
@@ -141,7 +141,7 @@ def run_batch(service: TTSService, store: WorkbenchStore, rows: list[Row], *, so
               on_progress: Callable[[Progress], None] | None = None, batch_id: str | None = None) -> BatchResult:
     """Synthesise every row, one after another, storing each take as soon as it is made."""
     result = BatchResult(batch_id or store.start_batch(source, len(rows)))
-    model_id = model_identity(service.status().model_dir)
+    model_id = bundle_digest(service.status().model_dir)
     software = software_version()
     started = time.perf_counter()
     for n, row in enumerate(rows, 1):
@@ -193,7 +193,7 @@ def provenance(service: TTSService, request: SynthesisRequest, prepared: Prepare
         "engine_mode": prepared.engine_mode, "voice": info.name or "", "voice_id": prepared.voice_id,
         "prompt_text": info.transcript, "instruction": request.instruction if prepared.mode == "instruct" else "",
         "seed": prepared.seed, "speed": prepared.speed, "settings": {"stream": prepared.stream},
-        "model_id": model_id or model_identity(service.status().model_dir), "software": software or software_version(),
+        "model_id": model_id or bundle_digest(service.status().model_dir), "software": software or software_version(),
         "sample_rate": service.sample_rate,
         "timings": {**{k: None if v is None else round(v, 4) for k, v in timings.items()},
                     "audio_seconds": round(samples / service.sample_rate, 4)},
