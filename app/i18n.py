@@ -46,9 +46,7 @@ EN = {
     "generate": "Generate",
     "stop": "Stop",
     "download": "Download",
-    "history": "Takes in this session",
-    "no_takes": "No takes yet: the takes you generate stay here, each replayable and downloadable.",
-    "reuse_seed": "Use this seed",
+    "history": "Takes",
     "download_all": "Download all takes (ZIP with text, voice, mode, seed, settings)",
     "import_as": "Import as (another name)",
     "import_again": "Import",
@@ -94,9 +92,7 @@ ZH = {
     "generate": "生成",
     "stop": "停止",
     "download": "下载",
-    "history": "本次会话的录音",
-    "no_takes": "还没有录音：生成的每一条都会保留在这里，可重播和下载。",
-    "reuse_seed": "使用此种子",
+    "history": "录音",
     "download_all": "下载全部录音（ZIP，含文本、声音、模式、种子与设置）",
     "import_as": "导入为（另一个名称）",
     "import_again": "导入",
@@ -152,14 +148,13 @@ MESSAGES = {
     "first_audio": (", first audio after {first:.2f} s", "，首段音频用时 {first:.2f} 秒"),
     "seed_voice": (" · seed {seed} · voice: {voice}", " · 种子 {seed} · 声音：{voice}"),
     "stopped_mark": (" · stopped", " · 已停止"),
+    "not_kept": ("This take could not be kept in the history (the server's storage failed); download it now.",
+                 "此条录音未能保存到历史记录（服务器存储出错）；请立即下载。"),
+    "voice_gone": ("The voice of that take is not in your voice list (an upload of another page, or deleted "
+                   "since): pick a voice.",
+                   "该录音所用的声音不在你的声音列表中（来自其他页面的上传，或已被删除）：请选择一个声音。"),
     "uploaded_recording": ("uploaded recording", "上传的录音"),
     "builtin": ("{label} (built-in)", "{label}（内置）"),
-    "take_meta": ("**Take {number}** — mode **{mode}** · voice **{voice}** · seed **{seed}** · speed {speed:g} · "
-                  "{streamed} · {format} · {seconds:.1f} s{stopped}",
-                  "**第 {number} 条** — 模式 **{mode}** · 声音 **{voice}** · 种子 **{seed}** · 语速 {speed:g} · "
-                  "{streamed} · {format} · {seconds:.1f} 秒{stopped}"),
-    "streamed": ("streamed", "流式"),
-    "not_streamed": ("not streamed", "非流式"),
 }
 
 

@@ -96,7 +96,8 @@ window.cvStudio = (() => {
     // A new take: called on the Generate click (a user gesture, so the AudioContext may start).
     begin(rate) {
       this.stop();
-      const id = crypto.randomUUID();
+      // not randomUUID: that exists only on https:// and localhost pages, and the studio may be served over http
+      const id = Array.from(crypto.getRandomValues(new Uint8Array(16)), (b) => b.toString(16).padStart(2, "0")).join("");
       const take = {
         id, rate, clickAt: now(), firstByteAt: null, firstSoundAt: null, endAt: null, state: "waiting",
         stalls: 0, gapsMs: [], samples: 0, next: 0, sources: [], streamDone: false, stopped: false,

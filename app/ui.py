@@ -16,13 +16,13 @@ import queue
 import re
 import secrets
 import shutil
+import sqlite3
 import tempfile
 import threading
 import time
 import zipfile
-from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,9 @@ from cosyvoice.server.workbench import workbench_router
 from cosyvoice.service import SynthesisRequest, SynthesisSession, TTSService
 from cosyvoice.settings import SPEED_RANGE, default_data_dir, default_voice_dir
 from cosyvoice.voices import BUILTIN_VOICE_DIR, EXPORT_SUFFIX
+from cosyvoice.workbench.batch import provenance
+from cosyvoice.workbench.store import Take as StoredTake
+from cosyvoice.workbench.store import WorkbenchStore
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,7 @@ REPO = Path(__file__).resolve().parents[1]  # paths resolve from the repository,
 DEFAULT_MODEL_DIR = REPO / MODEL_IN_REPO
 DEMO_MODEL_DIR = REPO / "pretrained_models" / ".tiny-demo"
 DEMO_WARNING = EN["demo_banner"]
+HISTORY_JS = Path(__file__).with_name("history.js")
 MODES = ("zero_shot", "cross_lingual", "instruct2")
 DOWNLOAD_FORMATS = ("wav", "mp3", "flac", "opus")
 MAX_SEED = 2**31 - 1
@@ -64,7 +68,10 @@ KEEP_TAKE_TIMES = 1024  # server times of recent takes, for measurements
 # Gradio refuses bigger uploads with its own size message; up to this multiple of the service's byte limit the
 # file reaches the service, which says what is wrong with it (e.g. a 57 MB WAV: too long, not too big)
 UPLOAD_HEADROOM = 2
-KEEP_SESSIONS = 10000  # take histories of this many browser sessions (Gradio keeps as many session states)
+BROWSER_COOKIE = "cv-browser"  # app/history.js keeps a random id per browser in it: the take history's owner
+BROWSER_ID = re.compile(r"[0-9a-f]{32}")
+# the form's tab of each engine mode (a take's provenance names the engine mode: sft takes ran as one of them)
+TAB_OF_ENGINE_MODE = {"zero_shot": "zero_shot", "cross_lingual": "cross_lingual", "instruct2": "instruct2"}
 
 try:  # a Hugging Face ZeroGPU Space: the GPU is attached per call to the functions wrapped by spaces.GPU
     import spaces
@@ -108,25 +115,6 @@ if spaces is not None:
 
 
 @dataclass
-class Take:
-    """One finished generation, as the session history keeps it."""
-
-    number: int
-    file: str  # the encoded audio in the chosen download format
-    text: str
-    voice: str
-    mode: str
-    seed: int
-    speed: float
-    stream: bool
-    format: str
-    seconds: float
-    first_audio: float | None  # server: request start -> first chunk
-    wall: float
-    stopped: bool = False
-
-
-@dataclass
 class TakeTimes:
     """Server-side wall-clock times of a take (epoch seconds), kept for measurements and the tests."""
 
@@ -142,6 +130,15 @@ def owner_of(request: gr.Request | None) -> str | None:
     if request is None:
         return None
     return request.username or f"browser:{request.session_hash}"
+
+
+def history_owner(request: gr.Request | None) -> str | None:
+    """Whose take history a page's request adds to: its browser's (the cookie app/history.js sets, so the history
+    survives a reload and is the same in every tab), else this page load's; None for direct Python calls."""
+    if request is None:
+        return None
+    cookie = (getattr(request, "cookies", None) or {}).get(BROWSER_COOKIE, "")
+    return f"browser:{cookie}" if BROWSER_ID.fullmatch(cookie) else f"session:{request.session_hash}"
 
 
 def is_zh(request: gr.Request | None) -> bool:
@@ -186,17 +183,30 @@ def warn(message: str) -> None:
 
 @dataclass
 class Studio:
-    """What all browser sessions share: the service (engine + voice library) and one live-audio hub."""
+    """What all browser sessions share: the service (engine + voice library), the workbench store that keeps
+    every take (the history of each browser), and one live-audio hub."""
 
     service: TTSService
     demo: bool = False
+    data_dir: Path | None = None  # the workbench's folder; None: beside the voice library (default_data_dir)
     live: LiveHub = field(default_factory=LiveHub)
     times: dict[str, TakeTimes] = field(default_factory=dict)
     _running: dict[str, tuple[SynthesisSession | GpuSession, queue.Queue]] = field(default_factory=dict)
     _stopped_early: set[str] = field(default_factory=set)  # Stop clicked while the take was still queued
-    _histories: OrderedDict[str, list[dict]] = field(default_factory=OrderedDict)  # session -> takes
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _files: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cosyvoice-takes-")))
+    _store: WorkbenchStore | None = None
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir or default_data_dir(self.service.voices.dir.parent))
+
+    @property
+    def store(self) -> WorkbenchStore:
+        """The takes' store, opened on first use (the workbench pages open the same folder)."""
+        with self._lock:
+            if self._store is None:
+                self._store = WorkbenchStore(self.data_dir)
+            return self._store
 
     def _folder(self) -> Path:
         """A new folder for files handed to the page; those older than a day go (as Gradio's own cache)."""
@@ -342,8 +352,8 @@ class Studio:
 
     def _start(self, mode: str, text: str, prompt: str | None, transcript: str, instruction: str,
                voice_key: str | None, seed: int | None, speed: float, stream: bool, fmt: str = "wav",
-               request: gr.Request | None = None) -> tuple[SynthesisSession | GpuSession, str, int]:
-        """Validate and start a request through the service: (session, voice description, the seed used).
+               request: gr.Request | None = None) -> tuple[SynthesisSession | GpuSession, SynthesisRequest, str]:
+        """Validate and start a request through the service: (session, the request, voice description).
 
         A random seed is drawn here, so that every take can show (and reproduce) the seed it used."""
         used_seed = secrets.randbelow(MAX_SEED) if seed is None or seed < 0 else int(seed)
@@ -368,7 +378,7 @@ class Studio:
             warn(say(zh, "speed_not_streamed"))
         voice = (self.service.get_voice(session.prepared.voice_id, owner=owner).label if voice_key
                  else say(zh, "uploaded_recording"))
-        return session, voice, used_seed
+        return session, synthesis, voice
 
     def _pump(self, session: SynthesisSession | GpuSession, take_id: str, events: queue.Queue) -> None:
         """Run one take in its own thread: chunks to the live channel and to the Gradio handler. A cancelled
@@ -441,17 +451,22 @@ class Studio:
         """The Generate click, at once (not queued): lock Generate, unlock Stop, also while the take waits."""
         return gr.update(interactive=False), gr.update(interactive=True)
 
-    def history(self, request: gr.Request | None, *, create: bool = False) -> list[dict]:
-        """The takes of one browser session (page load), newest first; kept here, not in the page."""
-        session = "" if request is None else request.session_hash or ""
-        with self._lock:
-            if not create and session not in self._histories:
-                return []
-            takes = self._histories.setdefault(session, [])
-            self._histories.move_to_end(session)
-            while len(self._histories) > KEEP_SESSIONS:  # as Gradio's own session states
-                self._histories.popitem(last=False)
-            return takes
+    def history(self, request: gr.Request | None) -> list[dict]:
+        """The takes of this browser (:func:`history_owner`), newest first, as the page and the ZIP describe them."""
+        owner = history_owner(request)
+        takes = self.store.takes(owner=owner, any_owner=False, limit=1_000_000)
+        return [self._entry(number, take) for number, take in reversed(list(enumerate(takes, 1)))]
+
+    def _entry(self, number: int, take: StoredTake) -> dict:
+        p = take.provenance
+        settings = p.get("settings", {})
+        return {"number": number, "id": take.id, "file": str(self.store.audio_path(take)), "text": p.get("text", ""),
+                "voice": p.get("voice_label") or p.get("voice") or p.get("voice_id", ""),
+                "mode": p.get("form_mode") or p.get("mode", ""), "seed": p.get("seed"), "speed": p.get("speed", 1.0),
+                "stream": bool(settings.get("stream")), "format": settings.get("format", "wav"),
+                "seconds": round(take.seconds, 3), "first_audio": p.get("timings", {}).get("first_chunk_seconds"),
+                "wall": p.get("timings", {}).get("synthesis_seconds"), "stopped": bool(p.get("stopped")),
+                "created": take.created, "provenance": p}
 
     def generate(self, take_id: str, mode: str, text: str, prompt: str | None, transcript: str, instruction: str,
                  voice_key: str | None, seed: float | None, speed: float, stream: bool, fmt: str,
@@ -472,7 +487,7 @@ class Studio:
             yield say(zh, "stopped_before"), gr.skip(), gr.skip(), *idle
             return
         try:
-            session, voice, used_seed = self._start(mode, text, prompt, transcript, instruction, voice_key,
+            session, synthesis, voice = self._start(mode, text, prompt, transcript, instruction, voice_key,
                                                     None if seed is None else int(seed), speed, stream, fmt, request)
         except CosyVoiceError as exc:
             self.times[take_id].finished = time.time()
@@ -482,6 +497,8 @@ class Studio:
             warn(_page_message(exc, zh))
             yield "", gr.skip(), gr.skip(), *idle
             return
+        used_seed = synthesis.seed
+        prepared = session.prepared
         pieces: list[np.ndarray] = []
         start = time.perf_counter()
         first_audio = None
@@ -507,40 +524,71 @@ class Studio:
             yield say(zh, "stopped" if outcome == "stopped" else "no_audio"), gr.skip(), gr.skip(), *idle
             return
         samples = np.concatenate(pieces)
-        history = self.history(request, create=True)
-        take = self._keep(len(history) + 1, samples, fmt, text=text, voice=voice, mode=mode, seed=used_seed,
-                          speed=float(speed), stream=bool(stream), first_audio=first_audio, wall=wall,
-                          stopped=outcome != "done")
-        status = (say(zh, "take_done", number=take.number, seconds=take.seconds, wall=wall)
+        stopped = outcome != "done"
+        owner = history_owner(request)
+        record = provenance(self.service, synthesis, prepared, samples.size,
+                            {"synthesis_seconds": wall, "first_chunk_seconds": first_audio})
+        record["settings"]["format"] = audio_format(fmt if fmt in DOWNLOAD_FORMATS else "wav").name
+        record.update(form_mode=mode, voice_label=voice, **({"stopped": True} if stopped else {}))
+        try:
+            kept = self.store.add_take(samples, self.service.sample_rate, record, owner=owner)
+            number = self.store.count_takes(owner, upto=kept.seq)
+        except (OSError, sqlite3.Error) as exc:  # e.g. a full disk: the take is still downloadable below
+            logger.error("take %s could not be kept in the history: %s", take_id, exc)
+            warn(say(zh, "not_kept"))
+            number = self.store.count_takes(owner) + 1
+        download = self._download(number, samples, record["settings"]["format"], used_seed)
+        status = (say(zh, "take_done", number=number, seconds=samples.size / self.service.sample_rate, wall=wall)
                   + (say(zh, "first_audio", first=first_audio) if first_audio is not None else "")
                   + say(zh, "seed_voice", seed=used_seed, voice=voice)
-                  + (say(zh, "stopped_mark") if take.stopped else ""))
-        with self._lock:
-            history.insert(0, asdict(take))
-        yield status, gr.update(value=take.file, visible=True), len(history), *idle
+                  + (say(zh, "stopped_mark") if stopped else ""))
+        yield status, gr.update(value=str(download), visible=True), number, *idle
 
-    def _keep(self, number: int, samples: np.ndarray, fmt: str, **meta: Any) -> Take:
-        """Encode a take in its download format under a name that says what it is."""
-        audio = audio_format(fmt if fmt in DOWNLOAD_FORMATS else "wav")
-        folder = Path(self._folder())
-        path = folder / f"take-{number}-seed{meta['seed']}.{audio.extension}"
+    def _download(self, number: int, samples: np.ndarray, fmt: str, seed: int) -> Path:
+        """A take encoded in its download format, under a name that says what it is."""
+        audio = audio_format(fmt)
+        path = self._folder() / f"take-{number}-seed{seed}.{audio.extension}"
         path.write_bytes(encode_audio(samples, audio, self.service.sample_rate))
-        return Take(number=number, file=str(path), format=audio.name, seconds=samples.size / self.service.sample_rate,
-                    **meta)
+        return path
 
     def history_zip(self, request: gr.Request | None = None) -> str | None:
-        """The session's takes as one ZIP, made when asked for: every audio file plus takes.json (text, voice,
-        mode, seed, settings)."""
-        history = list(self.history(request))
+        """This browser's takes as one ZIP, made when asked for: every take in the format it was made for, plus
+        takes.json (text, voice, mode, seed, settings, and each take's whole provenance)."""
+        history = self.history(request)
         if not history:
             return None
-        path = Path(self._folder()) / f"cosyvoice-takes-{len(history)}.zip"
+        path = self._folder() / f"cosyvoice-takes-{len(history)}.zip"
+        described = []
         with zipfile.ZipFile(path, "w") as archive:
-            for take in history:
-                archive.write(take["file"], Path(take["file"]).name)
-            archive.writestr("takes.json", json.dumps([{**take, "file": Path(take["file"]).name} for take in history],
-                                                      ensure_ascii=False, indent=2))
+            for entry in history:
+                take = self.store.take(entry["id"])
+                audio = audio_format(entry["format"])
+                name = f"take-{entry['number']}-seed{entry['seed']}.{audio.extension}"
+                archive.writestr(name, encode_audio(self.store.read_audio(take), audio, take.sample_rate))
+                described.append({**entry, "file": name})
+            archive.writestr("takes.json", json.dumps(described, ensure_ascii=False, indent=2))
         return str(path)
+
+    def open_take(self, take_id: str, request: gr.Request | None = None) -> tuple:
+        """"Use these settings" on any take in the store (this browser's, a batch's, the API's): its text, mode,
+        instruction, voice, seed, speed and streaming go back in the form, to reproduce or vary it. Returns
+        (text, mode, tabs, instruction, voice, seed, speed, stream)."""
+        zh = is_zh(request)
+        skip = (gr.skip(),) * 8
+        try:
+            take = self.store.take(take_id or "")
+        except CosyVoiceError as exc:
+            warn(_page_message(exc, zh))
+            return skip
+        p = take.provenance
+        tab = TAB_OF_ENGINE_MODE.get(p.get("engine_mode", ""), "zero_shot")
+        voice: Any = gr.skip()
+        if p.get("voice_id") in {key for _, key in self.voice_choices(owner_of(request), zh)}:
+            voice = gr.update(value=p["voice_id"])
+        else:  # an unsaved upload of another visitor, or a voice deleted since
+            warn(say(zh, "voice_gone"))
+        return (p.get("text", ""), tab, gr.Tabs(selected=tab), p.get("instruction", ""), voice, p.get("seed", -1),
+                p.get("speed", 1.0), bool(p.get("settings", {}).get("stream")))
 
     def stop_clicked(self, take_id: str) -> tuple:
         self.stop(take_id)
@@ -565,18 +613,28 @@ class Studio:
         try:
             if (format or "wav") not in DOWNLOAD_FORMATS:
                 raise InvalidInputError(f"format must be one of {', '.join(DOWNLOAD_FORMATS)}, got {format!r}")
-            session, _, used_seed = self._start(mode or "zero_shot", text, prompt_audio, prompt_text or "",
-                                                instruction or "", voice or None, None if seed is None else int(seed),
-                                                1.0 if speed is None else float(speed), False, format or "wav",
-                                                request)
-            audio = session.prepared.format
+            session, synthesis, voice_label = self._start(
+                mode or "zero_shot", text, prompt_audio, prompt_text or "", instruction or "", voice or None,
+                None if seed is None else int(seed), 1.0 if speed is None else float(speed), False, format or "wav",
+                request)
+            audio, prepared = session.prepared.format, session.prepared
+            started = time.perf_counter()
             with contextlib.closing(session):
                 pieces = [c.pcm.numpy() for c in session]
         except CosyVoiceError as exc:
             raise gr.Error(_page_message(exc), print_exception=False) from exc
-        path = Path(self._folder()) / f"cosyvoice-seed{used_seed}.{audio.extension}"
-        path.write_bytes(encode_audio(np.concatenate(pieces) if pieces else np.zeros(0, np.float32), audio,
-                                      self.service.sample_rate))
+        samples = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+        record = provenance(self.service, synthesis, prepared, samples.size,
+                            {"synthesis_seconds": time.perf_counter() - started, "first_chunk_seconds": None})
+        record["settings"]["format"] = audio.name
+        record.update(form_mode=mode or "zero_shot", voice_label=voice_label)
+        try:  # the page's "All takes" lists it: an API take can be opened, replayed and reproduced there
+            self.store.add_take(samples, self.service.sample_rate, record,
+                                owner=None if request is None else request.username)
+        except (OSError, sqlite3.Error) as exc:
+            logger.error("an API take could not be kept: %s", exc)
+        path = self._folder() / f"cosyvoice-seed{synthesis.seed}.{audio.extension}"
+        path.write_bytes(encode_audio(samples, audio, self.service.sample_rate))
         return str(path)
 
     def api_voices(self, request: gr.Request | None = None) -> list[dict]:
@@ -605,6 +663,17 @@ CSS = """
 #live-player[data-state=playing] .live-dot { background:#16a34a; }
 #live-player[data-state=waiting] .live-dot { background:#f59e0b; }
 #status { min-height:40px; }
+.cv-hidden { display:none !important; }
+#take-history .history-views { display:flex; gap:8px; margin-bottom:8px; }
+#take-history .history-view { padding:4px 10px; border:1px solid #d1d5db; border-radius:6px; background:none; }
+#take-history .history-view[aria-pressed=true] { background:#e5e7eb; font-weight:600; }
+#take-history .take { border-top:1px solid #e5e7eb; padding:10px 0; }
+#take-history .take-text { margin:6px 0; color:#374151; }
+#take-history audio { width:100%; max-width:560px; display:block; }
+#take-history .take-actions { display:flex; gap:12px; align-items:center; margin-top:6px; }
+#take-history .take-actions button { padding:2px 10px; border:1px solid #d1d5db; border-radius:6px; background:none;
+                                    font-size:13px; font-weight:normal; }
+#take-history .history-error { color:#b91c1c; }
 #demo-banner { background:#b91c1c; color:#fff; padding:12px 16px; border-radius:8px; font-weight:600; }
 #demo-banner p, #demo-banner code { color:#fff; }
 #demo-banner code { background:rgba(0, 0, 0, 0.25); }  /* room for the queue position while a take waits */
@@ -642,16 +711,6 @@ COUNTER_JS = """(text) => {
 }"""
 
 
-def _history_markdown(take: dict, zh: bool = False) -> str:
-    streamed = say(zh, "streamed" if take["stream"] else "not_streamed")
-    meta = say(zh, "take_meta", number=take["number"], mode=take["mode"], voice=html.escape(take["voice"]),
-               seed=take["seed"], speed=take["speed"], streamed=streamed,
-               format=take["format"].upper(), seconds=take["seconds"],
-               stopped=say(zh, "stopped_mark") if take["stopped"] else "")
-    text = take["text"] if len(take["text"]) <= 300 else take["text"][:299] + "…"
-    return f"{meta}\n\n> {html.escape(text)}"
-
-
 def build_ui(studio: Studio) -> gr.Blocks:
     limits = studio.service.limits
     rate = studio.service.sample_rate
@@ -671,13 +730,14 @@ def build_ui(studio: Studio) -> gr.Blocks:
             with gr.Column(scale=3):
                 text = gr.Textbox(label=t("text"), placeholder=t("text_placeholder"), lines=5, elem_id="text")
                 counter = gr.HTML(elem_id="char-counter")
-                with gr.Tabs():
-                    with gr.Tab(t("zero_shot"), elem_id="tab-zero-shot") as zero_shot_tab:
+                with gr.Tabs() as tabs:
+                    with gr.Tab(t("zero_shot"), id="zero_shot", elem_id="tab-zero-shot") as zero_shot_tab:
                         transcript = gr.Textbox(label=t("transcript"), lines=2, info=t("transcript_info"),
                                                 elem_id="transcript")
-                    with gr.Tab(t("cross_lingual"), elem_id="tab-cross-lingual") as cross_lingual_tab:
+                    with gr.Tab(t("cross_lingual"), id="cross_lingual",
+                                elem_id="tab-cross-lingual") as cross_lingual_tab:
                         gr.Markdown(t("cross_lingual_note"))
-                    with gr.Tab(t("instruct2"), elem_id="tab-instruct") as instruct_tab:
+                    with gr.Tab(t("instruct2"), id="instruct2", elem_id="tab-instruct") as instruct_tab:
                         instruction = gr.Textbox(label=t("instruction"), placeholder="Speak slowly and calmly.",
                                                  elem_id="instruction")
                 with gr.Row():
@@ -725,28 +785,21 @@ def build_ui(studio: Studio) -> gr.Blocks:
                                                  scale=1)
         with gr.Row():
             gr.Markdown(t("history"), elem_id="history-heading")
-            takes_zip = gr.Button(t("download_all"), visible=False, size="sm", elem_id="download-all")
+            takes_zip = gr.Button(t("download_all"), size="sm", elem_id="download-all", elem_classes="cv-hidden")
         zip_file = gr.File(visible=False, elem_id="takes-zip")
-
-        @gr.render(inputs=takes_count)
-        def show_history(count: float, request: gr.Request) -> None:
-            takes = studio.history(request)
-            if not takes:
-                gr.Markdown(t("no_takes"), elem_classes="no-takes")
-            for take in takes:
-                with gr.Row(elem_classes="take"):
-                    gr.Audio(take["file"], label=f"#{take['number']}", interactive=False, scale=1,
-                             elem_classes="take-audio")
-                    with gr.Column(scale=1):
-                        gr.Markdown(_history_markdown(take, is_zh(request)), elem_classes="take-meta")
-                        reuse = gr.Button(t("reuse_seed"), size="sm", elem_classes="reuse-seed")
-                        reuse.click(lambda used=take["seed"]: used, None, seed, queue=False,
-                                    api_visibility="private")
-
+        # the history is the workbench store's, drawn by app/history.js: it fetches only takes it has not shown
+        # (no earlier take's audio is fetched again) and plays each from the store when asked
+        gr.HTML('<div id="take-history" data-state="loading"></div>', elem_id="history-panel")
+        opened = gr.Textbox(visible=False, elem_id="opened-take")
+        open_take = gr.Button(elem_id="open-take", elem_classes="cv-hidden")  # clicked by history.js
         _api(studio, limits.max_sessions)  # first, so that the endpoints get their names unsuffixed
         # -------- wiring: the page's events are private; the API is the named endpoints of _api
         private = {"api_visibility": "private"}
-        takes_count.change(lambda n: gr.update(visible=bool(n)), takes_count, takes_zip, queue=False, **private)
+        # history.js shows the ZIP button once this browser has takes (a load event here would queue behind takes)
+        takes_count.change(None, None, None, js="() => window.cvHistory.refresh()", **private)
+        page.load(None, None, None, js="() => window.cvHistory.start()", **private)
+        open_take.click(studio.open_take, opened, [text, mode, tabs, instruction, voice, seed, speed, stream],
+                        js="() => [window.cvHistory.opening]", show_progress="hidden", **private)
         takes_zip.click(studio.history_zip, None, zip_file, show_progress="hidden", **private).then(
             None, zip_file, None, js=DOWNLOAD_JS, **private)
         for tab, name in ((zero_shot_tab, "zero_shot"), (cross_lingual_tab, "cross_lingual"),
@@ -857,14 +910,13 @@ def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: 
                                     "app_kwargs": {"middleware": [Middleware(KeyGate, keys=keys)]}}
     page.launch(server_name=host, server_port=port, prevent_thread_lock=True, show_error=False, ssr_mode=False,
                 max_file_size=UPLOAD_HEADROOM * studio.service.limits.max_prompt_bytes, quiet=not block, i18n=I18N,
-                css=CSS,
-                head=head_html(), theme=gr.themes.Default(font=["ui-sans-serif", "system-ui", "Noto Sans CJK SC",
-                                                                "sans-serif"]),
+                css=CSS, head=head_html() + f"<script>\n{HISTORY_JS.read_text(encoding='utf-8')}\n</script>",
+                theme=gr.themes.Default(font=["ui-sans-serif", "system-ui", "Noto Sans CJK SC", "sans-serif"]),
                 allowed_paths=[str(studio._files)], **gate)
     mount(page.app, studio.live, studio.service.sample_rate)
-    data_dir = default_data_dir(studio.service.voices.dir.parent)  # workbench takes and long-form projects
-    page.app.include_router(longform_router(lambda: studio.service, data_dir))  # /studio/longform
-    page.app.include_router(workbench_router(data_dir, lambda: studio.service))
+    # the workbench (the take history's store too) and long-form projects, in the studio's data folder
+    page.app.include_router(longform_router(lambda: studio.service, studio.data_dir))  # /studio/longform
+    page.app.include_router(workbench_router(studio.data_dir, lambda: studio.service))
     if block:
         page.block_thread()
     return page

@@ -79,8 +79,9 @@ def test_a_take_streams_live_pcm_and_is_kept_in_the_history(tts, studio: Studio,
     assert count == 1
     assert generate["interactive"] is True and stop["interactive"] is False
     assert take["seed"] == 5 and take["mode"] == "zero_shot" and take["text"] == TEXT and "seed 5" in status
-    assert Path(take["file"]).name == "take-1-seed5.wav" and download["value"] == take["file"]
-    kept, rate = sf.read(take["file"], dtype="int16")
+    assert Path(download["value"]).name == "take-1-seed5.wav" and take["number"] == 1
+    kept, rate = sf.read(take["file"], dtype="int16")  # kept in the workbench store, as downloaded
+    assert np.array_equal(sf.read(download["value"], dtype="int16")[0], kept)
     live = np.frombuffer(b"".join(channel._pending[:-1]), np.int16)
     assert rate == 24000 and channel._pending[-1] is None and np.array_equal(kept, live)
     # the adapter changes nothing: the API, given the same voice, text and seed, makes the same samples
@@ -92,21 +93,20 @@ def test_a_take_streams_live_pcm_and_is_kept_in_the_history(tts, studio: Studio,
 
 
 def test_random_seed_is_shown_and_formats_are_named(studio: Studio, short_prompt_wav: Path) -> None:
-    *_, (status, _, _, _, _) = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), seed=-1,
-                                         stream=False, fmt="opus")
+    *_, (status, download, _, _, _) = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), seed=-1,
+                                                stream=False, fmt="opus")
     [take] = studio.history(None)
-    assert 0 <= take["seed"] < 2**31 and f"seed {take['seed']}" in status
-    assert Path(take["file"]).name == f"take-1-seed{take['seed']}.opus"
+    assert 0 <= take["seed"] < 2**31 and f"seed {take['seed']}" in status and take["format"] == "opus"
+    assert Path(download["value"]).name == f"take-1-seed{take['seed']}.opus"
     import av
 
-    with av.open(take["file"]) as container:
+    with av.open(download["value"]) as container:
         assert container.streams.audio[0].codec_context.name == "opus"
     for n, fmt in enumerate(ui.DOWNLOAD_FORMATS, start=2):
-        kept = studio._keep(n, np.zeros(24000, np.float32), fmt, text=TEXT, voice="v", mode="zero_shot", seed=7,
-                            speed=1.0, stream=True, first_audio=None, wall=0.0, stopped=False)
-        assert Path(kept.file).name == f"take-{n}-seed7.{fmt}" and kept.seconds == 1.0
+        kept = studio._download(n, np.zeros(24000, np.float32), fmt, 7)
+        assert kept.name == f"take-{n}-seed7.{fmt}"
         if fmt != "opus":
-            assert sf.info(kept.file).samplerate == 24000
+            assert sf.info(kept).samplerate == 24000
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

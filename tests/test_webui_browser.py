@@ -67,7 +67,11 @@ def app(tts, tmp_path_factory: pytest.TempPathFactory, short_prompt_wav: Path) -
     (ARTIFACTS / "webui-timings.json").write_text(json.dumps(TIMINGS, indent=2))
 
 
-def open_page(context, url: str):
+def open_page(context, url: str, *, new_visitor: bool = True):
+    """A page of the app; ``new_visitor``: as a browser never seen before (no history cookie), else as the
+    browser of the pages open before it (its tabs share one take history)."""
+    if new_visitor:
+        context.clear_cookies()
     page = context.new_page()
     page.goto(url)
     page.wait_for_selector("#generate button, button#generate")
@@ -339,7 +343,7 @@ def test_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path: Path,
         with serving(studio) as url:
             pages = []
             for n in range(4):
-                page = open_page(ctx, url)
+                page = open_page(ctx, url, new_visitor=n == 0)
                 page.get_by_role("tab", name=TABS["cross_lingual"]).click()
                 upload_prompt(page, short_prompt_wav)
                 page.fill("#text textarea", LONG_TEXT[: 120 + 20 * n])
@@ -359,7 +363,7 @@ def test_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path: Path,
             pages[2].click("#stop")  # Stop while waiting: the tab is free at once and its take never runs
             sync_api.expect(pages[2].locator("#generate")).to_be_enabled(timeout=5000)
             sync_api.expect(pages[2].locator("#stop")).to_be_disabled()
-            for page, number in ((pages[0], 1), (pages[1], 1)):
+            for page, number in ((pages[0], 1), (pages[1], 2)):  # one browser's tabs: one history
                 sync_api.expect(page.locator("#status")).to_contain_text(f"Take {number}:", timeout=120000)
                 sync_api.expect(page.locator("#generate")).to_be_enabled()
             starts = [studio.times[i].start for i in ids[:2]]
@@ -546,3 +550,65 @@ def _webm_opus(wav: Path, out: Path) -> Path:
         for packet in stream.encode(None):
             container.mux(packet)
     return out
+
+
+def test_the_history_is_kept_grows_incrementally_and_opens_batch_takes(context, app: tuple,
+                                                                       short_prompt_wav: Path) -> None:
+    """The Generate tab's history is the workbench store's: it survives a reload (numbers go on), a new take
+    fetches only itself (no earlier take's audio again), and a batch take can be opened and reproduced."""
+    from cosyvoice.workbench.batch import parse_rows, run_batch
+
+    studio, url = app
+    page = open_page(context, url)
+    fetched: list[str] = []
+    page.on("request", lambda r: fetched.append(r.url) if "/workbench/api/takes" in r.url else None)
+    page.get_by_role("tab", name=TABS["cross_lingual"]).click()
+    upload_prompt(page, short_prompt_wav)
+    history = page.locator("#take-history")
+    sync_api.expect(history.locator(".no-takes")).to_be_visible()
+    for n, seed in ((1, 3), (2, 4)):
+        page.fill("#text textarea", f"Take number {n}.")
+        page.fill("#seed input", str(seed))
+        page.click("#generate")
+        sync_api.expect(page.locator("#status")).to_contain_text(f"Take {n}:", timeout=60000)
+        page.evaluate("() => window.cvStudio.stop()")
+        sync_api.expect(history.locator(".take")).to_have_count(n)
+    takes = history.locator(".take")
+    sync_api.expect(takes.first.locator(".take-meta")).to_contain_text("Take 2")
+    sync_api.expect(takes.first.locator(".take-meta")).to_contain_text("seed 4")
+    sync_api.expect(takes.nth(1).locator(".take-text")).to_have_text("Take number 1.")
+    listings = [u for u in fetched if "/workbench/api/takes?" in u]
+    mine = studio.store.takes(owner=None, any_owner=True)[-2:]
+    assert f"after={mine[0].seq}" in listings[-1], listings  # only what is new since take 1
+    assert not [u for u in fetched if u.endswith("/audio")]  # nothing played yet, nothing downloaded
+    assert page.evaluate("async () => { const a = document.querySelector('#take-history .take audio');"
+                         " const r = await fetch(a.src); return [r.status, (await r.arrayBuffer()).byteLength] }") \
+        [0] == 200  # each player plays the stored take
+
+    page.reload()
+    page.wait_for_function("() => window.cvHistory !== undefined")
+    sync_api.expect(page.locator("#take-history .take")).to_have_count(2)  # kept on the server, per browser
+    sync_api.expect(page.locator("#take-history .take").first).to_contain_text("Take 2")
+    sync_api.expect(page.locator("#download-all")).to_be_visible()
+
+    # a batch take (the CLI and the REST API run the same function) opens in the page and is reproduced there
+    [made] = run_batch(studio.service, studio.store,
+                       parse_rows("text,voice,seed,label\nWords from a batch.,Narrator,11,sysA\n")).takes
+    page.click("#take-history .history-view[data-view=all]")
+    entry = page.locator(f"#take-history .take[data-take='{made.id}']")
+    sync_api.expect(entry).to_contain_text("condition sysA", timeout=10000)
+    sync_api.expect(entry).to_contain_text("batch")
+    entry.locator(".open-take").click()
+    sync_api.expect(page.locator("#text textarea")).to_have_value("Words from a batch.")
+    sync_api.expect(page.locator("#seed input")).to_have_value("11")
+    sync_api.expect(page.locator("#voice input")).to_have_value("Narrator (built-in)")
+    sync_api.expect(page.locator("#stream input")).not_to_be_checked()
+    page.click("#generate")
+    sync_api.expect(page.locator("#status")).to_contain_text("Take 3:", timeout=60000)
+    again = studio.store.takes(owner=None, any_owner=True)[-1]
+    assert np.array_equal(studio.store.read_audio(again), studio.store.read_audio(made))  # the same samples
+    page.click("#take-history .history-view[data-view=mine]")
+    sync_api.expect(page.locator("#take-history .history-list[data-view=mine] .take")).to_have_count(3)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "webui-history.png"), full_page=True)
+    page.close()

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import soundfile as sf
 
 from cosyvoice.encoding import encode_audio
 from cosyvoice.errors import AlreadyExistsError, InvalidInputError, NotFoundError
@@ -131,10 +132,19 @@ class Take:
     def seconds(self) -> float:
         return self.samples / self.sample_rate
 
+    @property
+    def source(self) -> str:
+        """Where the take was made, for people (the owner string itself may name an API key's hash)."""
+        if self.batch is not None:
+            return "batch"
+        if self.owner is not None and self.owner.startswith(("browser:", "session:")):
+            return "web UI"
+        return "API"
+
     def json(self) -> dict[str, Any]:
         return {"seq": self.seq, "id": self.id, "created": self.created, "batch": self.batch, "row": self.row,
-                "label": self.label, "sample_rate": self.sample_rate, "seconds": round(self.seconds, 3),
-                "provenance": self.provenance}
+                "label": self.label, "source": self.source, "sample_rate": self.sample_rate,
+                "seconds": round(self.seconds, 3), "provenance": self.provenance}
 
 
 @dataclass(frozen=True)
@@ -219,8 +229,20 @@ class WorkbenchStore:
             sql, args = sql + " AND batch = ?", [*args, batch]
         return [_take(r) for r in self._rows(sql + " ORDER BY seq LIMIT ?", *args, limit)]
 
+    def count_takes(self, owner: str | None, *, upto: int | None = None) -> int:
+        """How many takes ``owner`` has (made up to seq ``upto``): a take's number in its owner's history."""
+        sql, args = "SELECT COUNT(*) FROM takes WHERE owner IS ?", [owner]
+        if upto is not None:
+            sql, args = sql + " AND seq <= ?", [*args, upto]
+        return self._rows(sql, *args)[0][0]
+
     def audio_path(self, take: Take) -> Path:
         return self.audio_dir / take.audio
+
+    def read_audio(self, take: Take) -> np.ndarray:
+        """The take's samples as float32 in [-1, 1), as they were stored (16-bit)."""
+        samples, _ = sf.read(self.audio_path(take), dtype="float32")
+        return samples
 
     # ------------------------------------------------------------------ batches
 
