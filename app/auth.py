@@ -1,11 +1,14 @@
-"""API keys for the web UI: with ``COSYVOICE_API_KEYS`` set, nothing of the app answers without one.
+"""API keys for the web UI: with ``COSYVOICE_API_KEYS`` set, nothing of the app answers without one, but a
+listening test's rater pages.
 
 Gradio's own ``login_check`` guards only some of its routes (``/gradio_api/stream/...``, ``/heartbeat``,
 ``/cancel`` and others have none), so the gate is an ASGI middleware in front of the whole app: every
 request carries a key (``Authorization: Bearer KEY``, as REST clients and ``gradio_client(headers=...)``
 send it) or the session cookie of the small sign-in page this middleware serves itself at
-``/studio/login``. Gradio learns who is calling through ``auth_dependency`` (:meth:`KeyGate.owner`), so
-``gr.Request.username`` is the caller's owner string (``key:<sha256[:12]>``) in every event.
+``/studio/login``. Raters need only their link: what their page reaches
+(:func:`cosyvoice.server.workbench.rater_route`) passes without a key. Gradio learns who is calling through
+``auth_dependency`` (:meth:`KeyGate.owner`), so ``gr.Request.username`` is the caller's owner string
+(``key:<sha256[:12]>``) in every event.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from urllib.parse import parse_qs
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from cosyvoice.server.workbench import rater_route
 from cosyvoice.settings import key_owner
 
 LOGIN_PATH = "/studio/login"
@@ -78,7 +82,8 @@ class ApiKeys:
 
 
 class KeyGate:
-    """ASGI middleware: refuse every HTTP and WebSocket request without a valid key; serve the sign-in page."""
+    """ASGI middleware: refuse every HTTP and WebSocket request without a valid key (but a rater's); serve the
+    sign-in page."""
 
     def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
         self.app, self.keys = app, keys
@@ -87,10 +92,11 @@ class KeyGate:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         conn = HTTPConnection(scope)
-        path = scope["path"][len(scope.get("root_path", "")):] if scope.get("root_path") else scope["path"]
+        path = scope["path"].removeprefix(scope.get("root_path", ""))  # as routed behind a proxy's path prefix
         if scope["type"] == "http" and path.rstrip("/") == LOGIN_PATH:
             return await self._login(scope, receive, send)
-        if path in OPEN_PATHS or self.keys.owner(conn) is not None:
+        if (path in OPEN_PATHS or (scope["type"] == "http" and rater_route(scope["method"], path))
+                or self.keys.owner(conn) is not None):
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008, "reason": "missing or wrong API key"})

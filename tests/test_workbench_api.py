@@ -1,9 +1,11 @@
-"""The workbench over real loopback HTTP (the REST app with its router, uvicorn in a thread), on the tiny bundle."""
+"""The workbench over real loopback HTTP (the REST app with its router, uvicorn in a thread), on the tiny bundle;
+behind API keys, on the REST app and on the web UI's app: raters need only their link, everything else the key."""
 
 from __future__ import annotations
 
 import csv
 import io
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,11 +13,15 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from fastapi import FastAPI
+from starlette.testclient import TestClient
 from test_rest import Server
 
+from cosyvoice.server import common
 from cosyvoice.server.rest import create_app
+from cosyvoice.server.workbench import rater_route, workbench_router
 from cosyvoice.service import TTSService
-from cosyvoice.settings import Limits, ServerSettings
+from cosyvoice.settings import Limits, ServerSettings, default_data_dir
 from cosyvoice.voices import VoiceLibrary
 from cosyvoice.workbench.store import WorkbenchStore
 
@@ -108,3 +114,129 @@ def test_the_web_ui_serves_the_same_workbench(tts, tmp_path: Path) -> None:
         assert client.get("/workbench/api/takes", params={"browser": "x", "after": take.seq}).json()["takes"] == []
         missing = client.get("/workbench/api/tests/test-nope")
         assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found"
+
+
+# ----------------------------------------------------------------------------- behind API keys: the rater's link
+
+KEY = "owner-key"
+BEARER = {"Authorization": f"Bearer {KEY}"}
+RATER_ROUTES = {("GET", "/workbench/rate/{test_id}"), ("GET", "/workbench/api/tests/{test_id}"),
+                ("POST", "/workbench/api/tests/{test_id}/raters"), ("GET", "/workbench/api/raters/{rater_id}/next"),
+                ("POST", "/workbench/api/raters/{rater_id}/events"),
+                ("POST", "/workbench/api/raters/{rater_id}/answers"),
+                ("GET", "/workbench/api/raters/{rater_id}/audio/{position}/{slot}")}
+
+
+def test_rater_route_opens_exactly_the_rate_page_and_the_rater_api(tmp_path: Path) -> None:
+    router = workbench_router(tmp_path, lambda: pytest.fail("no service needed"))
+    opened = {(method, route.path) for route in router.routes for method in route.methods
+              if rater_route(method, re.sub(r"{[^}]+}", "x", route.path))}
+    assert opened == RATER_ROUTES  # every other route of the router (owner, results, exports, takes) stays gated
+    assert rater_route("GET", "/workbench/static/common.js") and rater_route("GET", "/workbench/static/workbench.css")
+    for method, path in [("GET", "/workbench/static/owner.html"), ("POST", "/workbench/rate/x"),
+                         ("DELETE", "/workbench/api/tests/x"), ("GET", "/workbench/api/tests"),
+                         ("GET", "/workbench/api/tests/"), ("GET", "/workbench/api/tests/x/results"),
+                         ("GET", "/workbench/rate/x/extra"), ("GET", "/workbench/api/raters/x/audio/0"),
+                         ("GET", "/other/workbench/rate/x"), ("GET", "/workbench/rate/")]:
+        assert not rater_route(method, path), (method, path)
+
+
+@pytest.mark.parametrize("gate", ["rest", "webui"])
+def test_both_gates_let_a_rater_through_behind_a_proxy_prefix(gate: str, tmp_path: Path) -> None:
+    app = FastAPI()
+    app.include_router(workbench_router(tmp_path, lambda: pytest.fail("no service needed")))
+    if gate == "rest":
+        app.add_middleware(common.ApiKeys, keys=(KEY,))
+    else:
+        pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra")
+        from app.auth import ApiKeys, KeyGate
+        app.add_middleware(KeyGate, keys=ApiKeys((KEY,)))
+    with TestClient(app, root_path="/proxy") as client:
+        missing = client.get("/proxy/workbench/api/tests/test-nope")  # reached the router: no such test
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found"
+        assert client.get("/proxy/workbench/api/tests").status_code == 401
+        assert client.get("/proxy/workbench/api/tests", headers=BEARER).status_code == 200
+
+
+@pytest.fixture(scope="module", params=["rest", "webui"])
+def keyed(request: pytest.FixtureRequest, tts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    """(url, data folder, whether it is the web UI) of an app with API keys."""
+    root = tmp_path_factory.mktemp(f"keyed-{request.param}")
+    if request.param == "rest":
+        service = TTSService(tts.model, VoiceLibrary(root / "voices", tts.frontend, model_dir=tts.model_dir))
+        server = Server(create_app(ServerSettings(voice_dir=str(root / "voices"), api_keys=(KEY,)), service))
+        yield server.url, default_data_dir(root / "voices"), False
+        server.stop()
+    else:
+        pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra")
+        from test_webui import make_studio, serving
+
+        studio = make_studio(tts, root)
+        with serving(studio, api_keys=(KEY,)) as url:
+            yield url.rstrip("/"), default_data_dir(studio.service.voices.dir.parent), True
+
+
+def test_a_rater_needs_only_the_link_and_everything_else_needs_the_key(keyed: tuple) -> None:
+    url, data_dir, webui = keyed
+    store = WorkbenchStore(data_dir)
+    tone = (0.2 * np.sin(np.arange(2400) / 5)).astype(np.float32)  # 0.1 s: listen-gating passes at once
+    a, b = (store.add_take(tone, 24000, {"text": "one"}, label=label) for label in ("sysA", "sysB"))
+    with (httpx.Client(base_url=url, timeout=30, headers=BEARER) as owner,
+          httpx.Client(base_url=url, timeout=30) as anon):
+        spec = {"kind": "ab", "items": [{"takes": [a.id, b.id]}]}
+        assert anon.post("/workbench/api/tests", json=spec).status_code == 401
+        made = owner.post("/workbench/api/tests", json=spec).json()
+        test_id = made["id"]
+        assert re.fullmatch(r"test-[0-9a-f]{32}", test_id)  # the link is the secret: 128 random bits
+
+        # the rater, without a key: page, assets, the test's rater view, join, items, audio, events, answer
+        page = anon.get(made["rate_url"], headers={"accept": "text/html"})
+        assert page.status_code == 200 and "<script" in page.text
+        for asset in ("common.js", "workbench.css"):
+            assert anon.get(f"/workbench/static/{asset}").status_code == 200
+        view = anon.get(f"/workbench/api/tests/{test_id}")
+        assert view.status_code == 200 and a.id not in view.text and b.id not in view.text
+        joined = anon.post(f"/workbench/api/tests/{test_id}/raters", json={"name": "Ann"}).json()
+        rater = joined["rater"]
+        assert re.fullmatch(r"rater-[0-9a-f]{32}", rater)
+        item = anon.get(f"/workbench/api/raters/{rater}/next").json()
+        assert item["done"] is False and [s["slot"] for s in item["slots"]] == ["A", "B"]
+        for slot in ("A", "B"):
+            assert anon.get(f"/workbench/api/raters/{rater}/audio/0/{slot}").content[:4] == b"RIFF"
+            for event in ("play", "ended"):
+                sent = anon.post(f"/workbench/api/raters/{rater}/events",
+                                 json={"position": 0, "slot": slot, "event": event})
+                assert sent.status_code == 204
+        done = anon.post(f"/workbench/api/raters/{rater}/answers", json={"position": 0, "answer": {"choice": "A"}})
+        assert done.status_code == 200 and done.json()["done"] is True
+
+        # everything else needs the key
+        for method, path in [("GET", "/workbench/api/tests"), ("GET", f"/workbench/api/tests/{test_id}/results"),
+                             ("GET", f"/workbench/api/tests/{test_id}/answers.csv"),
+                             ("GET", f"/workbench/api/tests/{test_id}/scorecard"),
+                             ("GET", f"/workbench/api/tests/{test_id}/scorecard.csv"),
+                             ("GET", "/workbench/api/takes"), ("GET", "/workbench/api/takes.csv"),
+                             ("GET", f"/workbench/api/takes/{a.id}/audio"), ("POST", "/workbench/api/batches"),
+                             ("GET", "/workbench/api/batches/batch-x"), ("GET", "/workbench/"),
+                             ("GET", f"/workbench/tests/{test_id}")]:
+            refused = anon.request(method, path, json={})
+            assert refused.status_code == 401, (method, path, refused.status_code)
+            assert a.id not in refused.text and "Ann" not in refused.text
+        for path in ("/workbench/", f"/workbench/tests/{test_id}"):  # the owner's pages, as a browser asks
+            refused = anon.get(path, headers={"accept": "text/html"})
+            if webui:
+                assert refused.status_code == 303 and refused.headers["location"].endswith("studio/login")
+            else:
+                assert refused.status_code == 401
+
+        # with the key they all answer
+        results = owner.get(f"/workbench/api/tests/{test_id}/results").json()
+        assert [(p["rater"], p["answered"]) for p in results["progress"]] == [("Ann", 1)]
+        [row] = csv.DictReader(io.StringIO(owner.get(f"/workbench/api/tests/{test_id}/answers.csv").text))
+        assert row["rater"] == "Ann" and row["answer"] == "A" and sorted(row["take_ids"].split(";")) == sorted(
+            [a.id, b.id])
+        assert test_id in [t["id"] for t in owner.get("/workbench/api/tests").json()["tests"]]
+        assert {a.id, b.id} <= {t["id"] for t in owner.get("/workbench/api/takes").json()["takes"]}
+        assert owner.get(f"/workbench/api/takes/{a.id}/audio").content[:4] == b"RIFF"
+        for path in ("/workbench/", f"/workbench/tests/{test_id}"):
+            assert "<script" in owner.get(path, headers={"accept": "text/html"}).text

@@ -2,7 +2,8 @@
 
 Two raters complete a 4-item A/B test and a 4-item MOS test through their links; one leaves half-way and resumes
 on another "device" (a fresh browser profile) after the server was killed and started again; the CSV export holds
-exactly their answers with the take ids; listen-gating refuses a rating before playback ends. Screenshots go to
+exactly their answers with the take ids; listen-gating refuses a rating before playback ends. On the web UI's app
+behind API keys, a rater without a key finishes a test through the link alone. Screenshots go to
 ``test-artifacts/``.
 """
 
@@ -221,3 +222,29 @@ def test_two_raters_finish_ab_and_mos_one_resuming_after_a_restart(setup, browse
                     assert sorted(r["take_ids"].split(";")) == sorted(shown.values())
                 else:
                     assert r["take_ids"] == shown["X"] and r["score"] == given
+
+
+def test_a_rater_without_a_key_finishes_a_test_on_the_web_ui_behind_keys(tts, browser, tmp_path: Path) -> None:
+    pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra")
+    from test_webui import make_studio, serving
+
+    from cosyvoice.settings import default_data_dir
+
+    studio = make_studio(tts, tmp_path)
+    store = WorkbenchStore(default_data_dir(studio.service.voices.dir.parent))
+    t = np.arange(7200) / 24000  # 0.3 s
+    a, b = (store.add_take((0.2 * np.sin(2 * np.pi * f * t)).astype(np.float32), 24000, {"text": "one"}, label=label)
+            for f, label in ((220, "sysA"), (330, "sysB")))
+    test_id = listening.create_test(store, "ab", [{"takes": [a.id, b.id]}], title="Behind keys")
+    with serving(studio, api_keys=("the-key",)) as url:
+        device = browser()
+        refused: list[str] = []
+        device.on("response", lambda r: refused.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+        page = join(device, f"{url}workbench/rate/{test_id}", "Ann")
+        finish(page, "B", 1)
+        device.close()
+        assert refused == []  # the rate page asks nothing of the gated routes
+        assert httpx.get(f"{url}workbench/api/tests/{test_id}/results").status_code == 401
+        [row] = csv.DictReader(io.StringIO(httpx.get(f"{url}workbench/api/tests/{test_id}/answers.csv",
+                                                     headers={"Authorization": "Bearer the-key"}).text))
+        assert (row["rater"], row["answer"], row["answer_take"]) == ("Ann", "B", row["shown"].split("B=")[1])

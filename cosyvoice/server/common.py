@@ -37,6 +37,7 @@ from cosyvoice.errors import (
     ResourceLimitError,
 )
 from cosyvoice.server.metrics import ServiceMetrics
+from cosyvoice.server.workbench import rater_route
 from cosyvoice.service import AsyncSynthesisSession, TTSService, allowed_path
 from cosyvoice.settings import ServerSettings, key_owner
 
@@ -227,13 +228,16 @@ def key_holder(conn: HTTPConnection) -> bool:
 
 
 class ApiKeys:
-    """Bearer API keys on every path but the probes."""
+    """Bearer API keys on every path but the probes and what a listening test's rater reaches with its link."""
 
     def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
         self.app, self.keys = app, keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        path = scope["path"].removeprefix(scope.get("root_path", ""))  # as routed behind a proxy's path prefix
+        if (path in OPEN_PATHS or (scope["type"] == "http" and rater_route(scope["method"], path))
                 or key_is_valid(presented_key(scope), self.keys)):
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":

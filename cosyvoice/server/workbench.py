@@ -9,6 +9,10 @@ Mounted by the REST server (``create_app``) and by the web UI's Gradio app, so b
 
 Raters reach their samples through ``/workbench/api/raters/{rater}/audio/{position}/{slot}``, which names no
 take, so a page never reveals which system it plays. Errors have the REST server's JSON shape.
+
+Behind API keys, a rater needs only the link: :func:`rater_route` names what a rater's page reaches, and both
+gates (the REST server's and the web UI's) let exactly that through without a key. The link's test id and the
+rater id the page then holds are the only secrets, so they are drawn with 128 random bits.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from starlette.routing import compile_path
 
 from cosyvoice.errors import (
     AlreadyExistsError,
@@ -42,6 +47,20 @@ logger = logging.getLogger(__name__)
 STATIC = Path(__file__).resolve().parents[1] / "workbench" / "static"
 PAGES = {"owner": "owner.html", "results": "results.html", "rate": "rate.html"}
 ASSETS = {"workbench.css": "text/css", "common.js": "text/javascript"}
+# What a rater with only a test's link reaches (method, route under /workbench): the rate page and what it loads,
+# the test's rater view (no take ids), joining, and the rater's own items, events, answers and audio. Not the owner
+# and results pages, results, exports, scorecards, takes, batches, nor the list or creation of tests.
+RATER_ROUTES = (("GET", "/rate/{test_id}"), *(("GET", f"/static/{name}") for name in ASSETS),
+                ("GET", "/api/tests/{test_id}"), ("POST", "/api/tests/{test_id}/raters"),
+                ("GET", "/api/raters/{rater_id}/next"), ("POST", "/api/raters/{rater_id}/events"),
+                ("POST", "/api/raters/{rater_id}/answers"), ("GET", "/api/raters/{rater_id}/audio/{position}/{slot}"))
+_RATER_PATTERNS = tuple((method, compile_path("/workbench" + route)[0]) for method, route in RATER_ROUTES)
+
+
+def rater_route(method: str, path: str) -> bool:
+    """Whether a request may pass an API-key gate without a key: it is one a rater's page makes (``path`` as the
+    app routes it, after any proxy's ``root_path``; matched as the router matches it, no trailing newline)."""
+    return any(method == m and pattern.fullmatch(path) for m, pattern in _RATER_PATTERNS)
 
 
 # error -> (status, type), as the REST server answers them; here because the web UI mounts this router without the

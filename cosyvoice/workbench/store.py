@@ -34,6 +34,9 @@ DB_NAME = "workbench.sqlite3"
 SCORE_METRICS = ("seconds", "rms_dbfs", "peak_dbfs", "sim_campplus", "sim_resemblyzer", "dnsmos_sig", "dnsmos_bak",
                  "dnsmos_ovrl")
 AUDIO_DIR = "takes"
+# test and rater ids are the only secret of a rater's link (the API-key gates let raters in without a key):
+# 128 random bits, unguessable; take and batch ids stay short names behind the key
+LINK_ID_BYTES = 16
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS takes (
@@ -109,9 +112,9 @@ CREATE TABLE IF NOT EXISTS scores (
 """
 
 
-def new_id(prefix: str) -> str:
-    """A short random id that says what it names (``take-…``, ``test-…``)."""
-    return f"{prefix}-{secrets.token_hex(6)}"
+def new_id(prefix: str, nbytes: int = 6) -> str:
+    """A random id that says what it names (``take-…``, ``test-…``): short where it is only a name."""
+    return f"{prefix}-{secrets.token_hex(nbytes)}"
 
 
 @dataclass(frozen=True)
@@ -274,7 +277,7 @@ class WorkbenchStore:
     # ------------------------------------------------------------------ tests and raters
 
     def add_test(self, kind: str, title: str, instructions: str, spec: dict[str, Any]) -> str:
-        test_id = new_id("test")
+        test_id = new_id("test", LINK_ID_BYTES)
         with self._tx() as db:
             db.execute("INSERT INTO tests (id, created, kind, title, instructions, spec) VALUES (?,?,?,?,?,?)",
                        (test_id, time.time(), kind, title, instructions, json.dumps(spec)))
@@ -291,7 +294,7 @@ class WorkbenchStore:
 
     def add_rater(self, test_id: str, name: str, seed: int, plan: list[dict[str, Any]]) -> Rater:
         """A new rater of ``test_id``; a name already taken in that test raises :class:`AlreadyExistsError`."""
-        rater = Rater(new_id("rater"), test_id, name, time.time(), seed, plan)
+        rater = Rater(new_id("rater", LINK_ID_BYTES), test_id, name, time.time(), seed, plan)
         try:
             with self._tx() as db:
                 db.execute("INSERT INTO raters (id, test, name, created, seed, plan) VALUES (?,?,?,?,?,?)",
