@@ -536,18 +536,19 @@ class Studio:
         except (OSError, sqlite3.Error) as exc:  # e.g. a full disk: the take is still downloadable below
             logger.error("take %s could not be kept in the history: %s", take_id, exc)
             warn(say(zh, "not_kept"))
-            number = self.store.count_takes(owner) + 1
+            number = None
         download = self._download(number, samples, record["settings"]["format"], used_seed)
-        status = (say(zh, "take_done", number=number, seconds=samples.size / self.service.sample_rate, wall=wall)
+        status = (say(zh, "take_done", number=number or "?", seconds=samples.size / self.service.sample_rate, wall=wall)
                   + (say(zh, "first_audio", first=first_audio) if first_audio is not None else "")
                   + say(zh, "seed_voice", seed=used_seed, voice=voice)
                   + (say(zh, "stopped_mark") if stopped else ""))
-        yield status, gr.update(value=str(download), visible=True), number, *idle
+        yield status, gr.update(value=str(download), visible=True), gr.skip() if number is None else number, *idle
 
-    def _download(self, number: int, samples: np.ndarray, fmt: str, seed: int) -> Path:
-        """A take encoded in its download format, under a name that says what it is."""
+    def _download(self, number: int | None, samples: np.ndarray, fmt: str, seed: int) -> Path:
+        """A take encoded in its download format, under a name that says what it is (its number in the history,
+        when it is in the history)."""
         audio = audio_format(fmt)
-        path = self._folder() / f"take-{number}-seed{seed}.{audio.extension}"
+        path = self._folder() / f"take-{'' if number is None else f'{number}-'}seed{seed}.{audio.extension}"
         path.write_bytes(encode_audio(samples, audio, self.service.sample_rate))
         return path
 

@@ -220,6 +220,17 @@ def test_a_voice_saved_after_connecting_is_usable_by_name_and_errors_are_plain(a
     assert "instruct mode needs an instruction, e.g. 'Speak slowly and calmly.'" in str(caught.value)
 
 
+def test_a_take_the_store_cannot_keep_is_still_downloadable(tts, tmp_path: Path, short_prompt_wav: Path) -> None:
+    studio = make_studio(tts, tmp_path)
+    studio.data_dir = tmp_path / "not-a-folder"
+    studio.data_dir.write_text("a file where the data folder should be")  # the store cannot open
+    with pytest.warns(UserWarning, match="could not be kept in the history"):
+        *_, (status, download, count, generate, _) = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav))
+    assert status.startswith("Take ?:") and count == gr.skip() and generate["interactive"] is True
+    samples, rate = sf.read(download["value"], dtype="int16")
+    assert Path(download["value"]).name == "take-seed5.wav" and rate == 24000 and samples.size > 0
+
+
 def test_the_session_history_downloads_as_one_zip(studio: Studio, short_prompt_wav: Path) -> None:
     import json
     import zipfile
