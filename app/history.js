@@ -204,5 +204,7 @@ window.cvHistory = (() => {
       return api.refresh();
     },
   };
+  // another tab of this browser may have made takes meanwhile: look when this one is shown again
+  document.addEventListener("visibilitychange", () => { if (!document.hidden) api.refresh(); });
   return api;
 })();

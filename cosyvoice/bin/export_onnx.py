@@ -251,7 +251,7 @@ def parity_table(manifest: dict[str, object]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cosyvoice.bin.export_onnx", description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir", help="a model directory (the released bundle or a tiny one)")
     parser.add_argument("--out", help="output folder (default MODEL_DIR/onnx)")
     parser.add_argument("--fp16", action="store_true", help="also write autocast-fp16 DiT graphs (for TensorRT)")

@@ -21,7 +21,7 @@ from cosyvoice.workbench.store import WorkbenchStore
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cosyvoice.tools.batch", description=__doc__.split("\n\n")[0])
     parser.add_argument("input", type=Path, help="a .csv (header: text,voice,...) or .jsonl file")
     parser.add_argument("--out", type=Path, required=True, help="folder for the WAV files and takes.csv")
     parser.add_argument("--model-dir", default=ServerSettings().model_dir)

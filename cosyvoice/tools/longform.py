@@ -27,7 +27,7 @@ from cosyvoice.voices import BUILTIN_VOICE_DIR
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cosyvoice.tools.longform", description=__doc__.split("\n\n")[0])
     parser.add_argument("input", help=".txt, .md or .epub file, or - for standard input")
     parser.add_argument("--voice", help="the narrator: a saved or built-in voice's name or id")
     parser.add_argument("--out", required=True, type=Path, help="folder for the audio, segments.json, subtitles")
