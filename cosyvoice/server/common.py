@@ -1,6 +1,7 @@
-"""What every HTTP adapter (the REST routers, Ray Serve) shares: the error mapping, API keys and owners, the
-body limit, prompt audio given as base64 or a path, and the two ways a session's audio leaves (streamed as it
-is produced, or collected then encoded whole), both cancelling the session the moment its client goes away.
+"""What every HTTP adapter (the REST routers, Ray Serve) shares: the error handlers (over the one mapping,
+:mod:`cosyvoice.server.errors`), API keys and owners, the body limit, prompt audio given as base64 or a path,
+and the two ways a session's audio leaves (streamed as it is produced, or collected then encoded whole), both
+cancelling the session the moment its client goes away.
 """
 
 from __future__ import annotations
@@ -29,13 +30,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cosyvoice.encoding import AudioEncoder, AudioFormat, audio_format, encode_audio
 from cosyvoice.errors import (
-    AlreadyExistsError,
     CosyVoiceError,
     InvalidInputError,
-    NotFoundError,
-    PermissionDeniedError,
-    ResourceLimitError,
 )
+from cosyvoice.server.errors import HttpError, ModelNotReady, http_error
 from cosyvoice.server.metrics import ServiceMetrics
 from cosyvoice.server.workbench import rater_route
 from cosyvoice.service import AsyncSynthesisSession, TTSService, allowed_path
@@ -51,51 +49,11 @@ SYNTHESIS_ROUTES = {"/inference_sft": "sft", "/inference_zero_shot": "zero_shot"
 CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by the client
 
 
-# ----------------------------------------------------------------------------- errors: the one mapping
-
-
-class ModelNotReady(CosyVoiceError):
-    """Requests that arrive while the model is still loading (or failed to load)."""
+# ----------------------------------------------------------------------------- errors: logged and answered once
 
 
 class ClientGone(Exception):
     """The client disconnected before its answer began (e.g. while it waited for a synthesis slot)."""
-
-
-@dataclass(frozen=True)
-class HttpError:
-    status: int
-    type: str
-    message: str
-    field: str | None = None
-    headers: dict[str, str] | None = None
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "field": self.field, "param": self.field}}
-        return JSONResponse(body, self.status, headers=self.headers)
-
-
-def http_error(exc: BaseException, settings: ServerSettings) -> HttpError:
-    """The HTTP form of any exception. Only input and limit errors say what happened (their messages are
-    written for users); a model failure's message may hold server paths or internals, so it stays in the log."""
-    busy = {"Retry-After": str(settings.retry_after_seconds)}
-    if isinstance(exc, HTTPException) and exc.status_code == 413:
-        return HttpError(413, "payload_too_large", str(exc.detail))
-    if isinstance(exc, NotFoundError):
-        return HttpError(404, "not_found", str(exc), exc.field)
-    if isinstance(exc, AlreadyExistsError):
-        return HttpError(409, "conflict", str(exc), exc.field)
-    if isinstance(exc, InvalidInputError):
-        return HttpError(400, "invalid_request_error", str(exc), exc.field)
-    if isinstance(exc, ModelNotReady):
-        return HttpError(503, "loading", str(exc), None, busy)
-    if isinstance(exc, ResourceLimitError):
-        return HttpError(503, "busy", str(exc), None, busy)
-    if isinstance(exc, PermissionDeniedError):
-        return HttpError(403, "permission_denied", str(exc))
-    if isinstance(exc, CosyVoiceError):
-        return HttpError(500, "model_error", "synthesis failed; the server log has the details")
-    return HttpError(500, "internal_error", "internal error; the server log has the details")
 
 
 def log_error(error: HttpError, exc: BaseException, where: str) -> None:

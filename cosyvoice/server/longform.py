@@ -2,9 +2,9 @@
 (``/studio/longform``), mounted on the REST server and on the web UI's own FastAPI app.
 
 A thin adapter over :class:`cosyvoice.longform.LongformStudio`: it parses the wire format, maps the studio's
-errors onto HTTP once (``rest.http_error``: 400 naming the field, 404, 409, 503, 500 without internals), and
-serves take audio, exports and subtitles as files. The page is static HTML + JavaScript that calls the same
-endpoints, so everything it does is scriptable.
+errors onto HTTP as every server does (:func:`cosyvoice.server.errors.http_error`: 400 naming the field, 404,
+409, 503, 500 without internals), and serves take audio, exports and subtitles as files. The page is static
+HTML + JavaScript that calls the same endpoints, so everything it does is scriptable.
 
     GET    /v1/longform/voices                                   built-in and saved voices
     GET    /v1/longform/projects                                 the projects, last changed first
@@ -46,9 +46,10 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from cosyvoice.encoding import encode_audio, file_format
-from cosyvoice.errors import AlreadyExistsError, CosyVoiceError, InvalidInputError, NotFoundError, ResourceLimitError
+from cosyvoice.errors import CosyVoiceError, InvalidInputError
 from cosyvoice.longform import LongformStudio, script
 from cosyvoice.longform.store import Segment, Take
+from cosyvoice.server.errors import http_error
 from cosyvoice.service import TTSService
 from cosyvoice.settings import ServerSettings
 
@@ -123,13 +124,13 @@ def longform_router(get_service: Callable[[], TTSService], data_dir: str | Path 
                     first = exc.errors()[0] if exc.errors() else {}
                     field = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path"))
                     message = f"{field}: {first.get('msg', 'invalid')}" if field else "the request body is invalid"
-                    return http_error(InvalidInputError(message, field or None), settings)
+                    return http_error(InvalidInputError(message, field or None), settings).response()
                 except HTTPException:
                     raise
                 except Exception as exc:
                     if not isinstance(exc, CosyVoiceError):
                         logger.exception("%s %s failed", request.method, request.url.path)
-                    return http_error(exc, settings)
+                    return http_error(exc, settings).response()
 
             return handle
 
@@ -282,21 +283,6 @@ def longform_router(get_service: Callable[[], TTSService], data_dir: str | Path 
         return JSONResponse(s.segments_json(project_id, s.timeline(project_id, finished)))
 
     return router
-
-
-def http_error(exc: BaseException, settings: ServerSettings) -> JSONResponse:
-    """The REST server's error body (``rest.http_error``'s mapping), kept here because the web UI mounts this
-    router without the REST server's dependencies (prometheus-client)."""
-    retry = {"Retry-After": str(settings.retry_after_seconds)}
-    status, kind, message, field, headers = (
-        (404, "not_found", str(exc), getattr(exc, "field", None), None) if isinstance(exc, NotFoundError) else
-        (409, "conflict", str(exc), exc.field, None) if isinstance(exc, AlreadyExistsError) else
-        (400, "invalid_request_error", str(exc), exc.field, None) if isinstance(exc, InvalidInputError) else
-        (503, "busy", str(exc), None, retry) if isinstance(exc, ResourceLimitError) else
-        (500, "model_error", str(exc), None, None) if isinstance(exc, CosyVoiceError) else
-        (500, "internal_error", "internal error; the server log has the details", None, None))
-    return JSONResponse({"error": {"message": message, "type": kind, "field": field, "param": field}}, status,
-                        headers=headers)
 
 
 def detail(studio: LongformStudio, project_id: str) -> dict[str, Any]:

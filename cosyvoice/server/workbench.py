@@ -31,12 +31,10 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.routing import compile_path
 
 from cosyvoice.errors import (
-    AlreadyExistsError,
     CosyVoiceError,
     InvalidInputError,
-    NotFoundError,
-    ResourceLimitError,
 )
+from cosyvoice.server.errors import http_error
 from cosyvoice.service import TTSService
 from cosyvoice.workbench import listening
 from cosyvoice.workbench.batch import TAKES_CSV_COLUMNS, parse_rows, run_batch, takes_csv_rows, write_csv
@@ -63,17 +61,12 @@ def rater_route(method: str, path: str) -> bool:
     return any(method == m and pattern.fullmatch(path) for m, pattern in _RATER_PATTERNS)
 
 
-# error -> (status, type), as the REST server answers them; here because the web UI mounts this router without the
-# server extra (cosyvoice.server.rest imports prometheus_client)
-_ERRORS = ((NotFoundError, 404, "not_found"), (AlreadyExistsError, 409, "conflict"),
-           (InvalidInputError, 400, "invalid_request_error"), (ResourceLimitError, 503, "busy"),
-           (CosyVoiceError, 500, "model_error"))
-
-
 def error_response(exc: CosyVoiceError) -> JSONResponse:
-    status, kind = next((status, kind) for cls, status, kind in _ERRORS if isinstance(exc, cls))
-    field = getattr(exc, "field", None)
-    return JSONResponse({"error": {"message": str(exc), "type": kind, "field": field, "param": field}}, status)
+    """The REST server's answer to one of our errors (the Gradio app has no handler of its own for them)."""
+    error = http_error(exc)
+    if error.status >= 500 and error.status != 503:
+        logger.error("workbench request failed", exc_info=exc)  # its message is kept from the client
+    return error.response()
 
 
 def request_owner(request: Request) -> str | None:

@@ -1,0 +1,62 @@
+"""Our errors on HTTP, the one mapping every HTTP adapter uses (the REST routers, the WebSocket, Ray Serve, and
+the workbench and long-form routers the web UI mounts too): a JSON body ``{"error": {message, type, field,
+param}}``, never a traceback. Light on purpose (no metrics, no torch), so any app can mount those routers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from cosyvoice.errors import (
+    AlreadyExistsError,
+    CosyVoiceError,
+    InvalidInputError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceLimitError,
+)
+from cosyvoice.settings import ServerSettings
+
+
+class ModelNotReady(CosyVoiceError):
+    """Requests that arrive while the model is still loading (or failed to load)."""
+
+
+@dataclass(frozen=True)
+class HttpError:
+    status: int
+    type: str
+    message: str
+    field: str | None = None
+    headers: dict[str, str] | None = None
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "field": self.field, "param": self.field}}
+        return JSONResponse(body, self.status, headers=self.headers)
+
+
+def http_error(exc: BaseException, settings: ServerSettings | None = None) -> HttpError:
+    """The HTTP form of any exception. Only input and limit errors say what happened (their messages are
+    written for users); a model failure's message may hold server paths or internals, so it stays in the log.
+    ``settings`` gives a busy answer's Retry-After (default: the default settings')."""
+    busy = {"Retry-After": str((settings or ServerSettings()).retry_after_seconds)}
+    if isinstance(exc, HTTPException) and exc.status_code == 413:
+        return HttpError(413, "payload_too_large", str(exc.detail))
+    if isinstance(exc, NotFoundError):
+        return HttpError(404, "not_found", str(exc), exc.field)
+    if isinstance(exc, AlreadyExistsError):
+        return HttpError(409, "conflict", str(exc), exc.field)
+    if isinstance(exc, InvalidInputError):
+        return HttpError(400, "invalid_request_error", str(exc), exc.field)
+    if isinstance(exc, ModelNotReady):
+        return HttpError(503, "loading", str(exc), None, busy)
+    if isinstance(exc, ResourceLimitError):
+        return HttpError(503, "busy", str(exc), None, busy)
+    if isinstance(exc, PermissionDeniedError):
+        return HttpError(403, "permission_denied", str(exc))
+    if isinstance(exc, CosyVoiceError):
+        return HttpError(500, "model_error", "synthesis failed; the server log has the details")
+    return HttpError(500, "internal_error", "internal error; the server log has the details")
