@@ -504,6 +504,7 @@ def test_signing_in_with_a_key(tts, browser, tmp_path: Path, short_prompt_wav: P
             page.wait_for_function("() => { const t = Object.values(window.cvStudio.takes).at(-1);"
                                    " return t && t.streamDone && t.samples > 0 }")  # the live audio came too
             page.evaluate("() => window.cvStudio.stop()")
+            sync_api.expect(page.locator("#take-history .take")).to_have_count(1)  # the history, behind the key too
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "webui-signed-in.png"))
             page.close()
