@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,6 +164,7 @@ def test_stop_ends_a_long_take_and_frees_the_session(context, app: tuple, short_
     page.get_by_role("tab", name=TABS["cross_lingual"]).click()
     upload_prompt(page, short_prompt_wav)
     page.fill("#text textarea", LONG_TEXT)
+    page.fill("#seed input", "4")  # a take that runs to the length limit (a random seed may end it within seconds)
     page.click("#generate")
     sync_api.expect(page.locator("#generate")).to_be_disabled()  # no silent double clicks
     page.wait_for_function("() => document.getElementById('live-player').dataset.state === 'playing'",
@@ -347,16 +349,29 @@ def test_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path: Path,
                 page.get_by_role("tab", name=TABS["cross_lingual"]).click()
                 upload_prompt(page, short_prompt_wav)
                 page.fill("#text textarea", LONG_TEXT[: 120 + 20 * n])
+                # a seed whose take runs to the length limit: with a random one, about one take in four of the
+                # random model ends within seconds, and the first could finish before the others queue
+                page.fill("#seed input", "4")
                 pages.append(page)
-            for page in pages:  # as fast as four people can click
+            ids = []
+            for n, page in enumerate(pages):  # one after another: each click has reached the server before the next
                 page.click("#generate")
-            for page in pages:
                 page.wait_for_function("() => Object.keys(window.cvStudio.takes).length > 0")
-            ids = [take_summary(page)["id"] for page in pages]
-            for n, page in enumerate(pages[1:], start=2):  # waiting: locked Generate, Stop ready, the place shown
+                ids.append(take_summary(page)["id"])
+                if n == 0:  # the first take runs: its handler has started
+                    deadline = time.time() + 15
+                    while ids[0] not in studio.times and time.time() < deadline:
+                        time.sleep(0.02)
+                    assert ids[0] in studio.times
+                else:  # the others wait: locked Generate, Stop ready, their place shown
+                    sync_api.expect(page.locator("#status")).to_contain_text(re.compile(r"queue: \d+/"),
+                                                                             timeout=15000)
+            places = []
+            for page in pages[1:]:
                 sync_api.expect(page.locator("#generate")).to_be_disabled()
                 sync_api.expect(page.locator("#stop")).to_be_enabled()
-                sync_api.expect(page.locator("#status")).to_contain_text(f"{n - 1}/", timeout=15000)
+                places.append(int(re.search(r"queue: (\d+)/", page.locator("#status").inner_text()).group(1)))
+            assert places == [1, 2, 3], places  # in click order
             ARTIFACTS.mkdir(exist_ok=True)
             pages[2].screenshot(path=str(ARTIFACTS / "webui-queued.png"), full_page=True)
             pages[3].close()  # a waiting tab closed: its take leaves the queue
