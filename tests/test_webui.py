@@ -244,6 +244,12 @@ def test_the_session_history_downloads_as_one_zip(studio: Studio, short_prompt_w
         assert sorted(archive.namelist()) == sorted(["takes.json", "take-1-seed5.mp3", "take-2-seed9.flac"])
     assert [(t["number"], t["seed"], t["mode"], t["text"], t["format"]) for t in takes] == [
         (2, 9, "cross_lingual", TEXT, "flac"), (1, 5, "cross_lingual", TEXT, "mp3")]
+    from cosyvoice.bundle import bundle_digest
+
+    made = takes[0]["provenance"]  # how each take was made, as a batch take records it
+    assert made["model_id"] == bundle_digest(studio.service.status().model_dir) and made["voice_id"]
+    assert made["segments"] and made["timings"]["synthesis_seconds"] > 0 and made["settings"]["stream"] is False
+    assert {"instruction", "prompt_text", "software", "engine_mode"} <= set(made)
 
 
 def test_stop_before_the_first_chunk_and_while_queued(studio: Studio, short_prompt_wav: Path) -> None:
