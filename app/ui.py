@@ -46,7 +46,7 @@ from cosyvoice.errors import (
 )
 from cosyvoice.server.longform import longform_router
 from cosyvoice.server.workbench import workbench_router
-from cosyvoice.service import SynthesisRequest, SynthesisSession, TTSService
+from cosyvoice.service import PreparedRequest, SynthesisRequest, SynthesisSession, TTSService
 from cosyvoice.settings import SPEED_RANGE, default_data_dir, default_voice_dir
 from cosyvoice.voices import BUILTIN_VOICE_DIR, EXPORT_SUFFIX
 from cosyvoice.workbench.batch import provenance
@@ -526,23 +526,31 @@ class Studio:
         samples = np.concatenate(pieces)
         stopped = outcome != "done"
         owner = history_owner(request)
-        record = provenance(self.service, synthesis, prepared, samples.size,
-                            {"synthesis_seconds": wall, "first_chunk_seconds": first_audio})
-        record["settings"]["format"] = audio_format(fmt if fmt in DOWNLOAD_FORMATS else "wav").name
-        record.update(form_mode=mode, voice_label=voice, **({"stopped": True} if stopped else {}))
+        timings = {"synthesis_seconds": wall, "first_chunk_seconds": first_audio}
+        download_format = audio_format(fmt if fmt in DOWNLOAD_FORMATS else "wav").name
         try:
-            kept = self.store.add_take(samples, self.service.sample_rate, record, owner=owner)
+            kept = self._keep(samples, synthesis, prepared, timings, download_format, owner, form_mode=mode,
+                              voice_label=voice, **({"stopped": True} if stopped else {}))
             number = self.store.count_takes(owner, upto=kept.seq)
         except (OSError, sqlite3.Error) as exc:  # e.g. a full disk: the take is still downloadable below
             logger.error("take %s could not be kept in the history: %s", take_id, exc)
             warn(say(zh, "not_kept"))
             number = None
-        download = self._download(number, samples, record["settings"]["format"], used_seed)
+        download = self._download(number, samples, download_format, used_seed)
         status = (say(zh, "take_done", number=number or "?", seconds=samples.size / self.service.sample_rate, wall=wall)
                   + (say(zh, "first_audio", first=first_audio) if first_audio is not None else "")
                   + say(zh, "seed_voice", seed=used_seed, voice=voice)
                   + (say(zh, "stopped_mark") if stopped else ""))
         yield status, gr.update(value=str(download), visible=True), gr.skip() if number is None else number, *idle
+
+    def _keep(self, samples: np.ndarray, synthesis: SynthesisRequest, prepared: PreparedRequest,
+              timings: dict[str, float | None], fmt: str, owner: str | None, **form: Any) -> StoredTake:
+        """Store a take with a batch take's provenance, its download format ``fmt``, and what the page's form
+        said (``form``)."""
+        record = provenance(self.service, synthesis, prepared, samples.size, timings)
+        record["settings"]["format"] = fmt
+        record.update(form)
+        return self.store.add_take(samples, self.service.sample_rate, record, owner=owner)
 
     def _download(self, number: int | None, samples: np.ndarray, fmt: str, seed: int) -> Path:
         """A take encoded in its download format, under a name that says what it is (its number in the history,
@@ -625,13 +633,11 @@ class Studio:
         except CosyVoiceError as exc:
             raise gr.Error(_page_message(exc), print_exception=False) from exc
         samples = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
-        record = provenance(self.service, synthesis, prepared, samples.size,
-                            {"synthesis_seconds": time.perf_counter() - started, "first_chunk_seconds": None})
-        record["settings"]["format"] = audio.name
-        record.update(form_mode=mode or "zero_shot", voice_label=voice_label)
+        timings = {"synthesis_seconds": time.perf_counter() - started, "first_chunk_seconds": None}
         try:  # the page's "All takes" lists it: an API take can be opened, replayed and reproduced there
-            self.store.add_take(samples, self.service.sample_rate, record,
-                                owner=None if request is None else request.username)
+            self._keep(samples, synthesis, prepared, timings, audio.name,
+                       None if request is None else request.username, form_mode=mode or "zero_shot",
+                       voice_label=voice_label)
         except (OSError, sqlite3.Error) as exc:
             logger.error("an API take could not be kept: %s", exc)
         path = self._folder() / f"cosyvoice-seed{synthesis.seed}.{audio.extension}"

@@ -33,7 +33,7 @@ from cosyvoice.errors import (
     CosyVoiceError,
     InvalidInputError,
 )
-from cosyvoice.server.errors import HttpError, ModelNotReady, http_error
+from cosyvoice.server.errors import HttpError, ModelNotReady, http_error, log_error
 from cosyvoice.server.metrics import ServiceMetrics
 from cosyvoice.server.workbench import rater_route
 from cosyvoice.service import AsyncSynthesisSession, TTSService, allowed_path
@@ -54,13 +54,6 @@ CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by the 
 
 class ClientGone(Exception):
     """The client disconnected before its answer began (e.g. while it waited for a synthesis slot)."""
-
-
-def log_error(error: HttpError, exc: BaseException, where: str) -> None:
-    if error.status == 503:  # busy or loading: a declared, expected answer under load, not a failure to trace
-        logger.info("%s: %s (503)", where, error.type)
-    elif error.status >= 500:
-        logger.error("%s failed", where, exc_info=exc)
 
 
 @contextlib.contextmanager

@@ -5,9 +5,14 @@ param}}``, never a traceback. Light on purpose (no metrics, no torch), so any ap
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from fastapi import Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from cosyvoice.errors import (
@@ -19,6 +24,8 @@ from cosyvoice.errors import (
     ResourceLimitError,
 )
 from cosyvoice.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
 
 
 class ModelNotReady(CosyVoiceError):
@@ -60,3 +67,38 @@ def http_error(exc: BaseException, settings: ServerSettings | None = None) -> Ht
     if isinstance(exc, CosyVoiceError):
         return HttpError(500, "model_error", "synthesis failed; the server log has the details")
     return HttpError(500, "internal_error", "internal error; the server log has the details")
+
+
+def log_error(error: HttpError, exc: BaseException, where: str) -> None:
+    if error.status == 503:  # busy or loading: a declared, expected answer under load, not a failure to trace
+        logger.info("%s: %s (503)", where, error.type)
+    elif error.status >= 500:
+        logger.error("%s failed", where, exc_info=exc)
+
+
+def error_route(settings: ServerSettings | None = None) -> type[APIRoute]:
+    """A route class that answers its own errors through :func:`http_error`, for routers mounted on apps
+    without our exception handlers (the web UI's Gradio app mounts the workbench and long-form routers)."""
+
+    class ErrorRoute(APIRoute):
+        def get_route_handler(self) -> Callable:
+            handler = super().get_route_handler()
+
+            async def handle(request: Request) -> Response:
+                try:
+                    return await handler(request)
+                except RequestValidationError as exc:
+                    first = exc.errors()[0] if exc.errors() else {}
+                    field = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path"))
+                    message = f"{field}: {first.get('msg', 'invalid')}" if field else "the request body is invalid"
+                    return http_error(InvalidInputError(message, field or None), settings).response()
+                except HTTPException:
+                    raise
+                except Exception as exc:
+                    error = http_error(exc, settings)
+                    log_error(error, exc, f"{request.method} {request.url.path}")
+                    return error.response()
+
+            return handle
+
+    return ErrorRoute

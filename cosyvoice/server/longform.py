@@ -37,19 +37,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, File, Form, Request, UploadFile
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, File, Form, UploadFile
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException
 
 from cosyvoice.encoding import encode_audio, file_format
-from cosyvoice.errors import CosyVoiceError, InvalidInputError
+from cosyvoice.errors import InvalidInputError
 from cosyvoice.longform import LongformStudio, script
 from cosyvoice.longform.store import Segment, Take
-from cosyvoice.server.errors import http_error
+from cosyvoice.server.errors import error_route
 from cosyvoice.service import TTSService
 from cosyvoice.settings import ServerSettings
 
@@ -111,30 +108,7 @@ def longform_router(get_service: Callable[[], TTSService], data_dir: str | Path 
                 holder["studio"] = LongformStudio(get_service(), data_dir)
             return holder["studio"]
 
-    class Route(APIRoute):
-        """Errors answered here, so the router behaves the same on any app it is mounted on."""
-
-        def get_route_handler(self) -> Callable:
-            handler = super().get_route_handler()
-
-            async def handle(request: Request) -> Response:
-                try:
-                    return await handler(request)
-                except RequestValidationError as exc:
-                    first = exc.errors()[0] if exc.errors() else {}
-                    field = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path"))
-                    message = f"{field}: {first.get('msg', 'invalid')}" if field else "the request body is invalid"
-                    return http_error(InvalidInputError(message, field or None), settings).response()
-                except HTTPException:
-                    raise
-                except Exception as exc:
-                    if not isinstance(exc, CosyVoiceError):
-                        logger.exception("%s %s failed", request.method, request.url.path)
-                    return http_error(exc, settings).response()
-
-            return handle
-
-    router = APIRouter(route_class=Route)
+    router = APIRouter(route_class=error_route(settings))
 
     # -------------------------------------------------------------- the page
 

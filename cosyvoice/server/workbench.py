@@ -17,7 +17,6 @@ rater id the page then holds are the only secrets, so they are drawn with 128 ra
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -30,12 +29,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.routing import compile_path
 
-from cosyvoice.errors import (
-    CosyVoiceError,
-    InvalidInputError,
-)
-from cosyvoice.server.errors import http_error
+from cosyvoice.errors import InvalidInputError
+from cosyvoice.server.errors import error_route
 from cosyvoice.service import TTSService
+from cosyvoice.settings import key_owner
 from cosyvoice.workbench import listening
 from cosyvoice.workbench.batch import TAKES_CSV_COLUMNS, parse_rows, run_batch, takes_csv_rows, write_csv
 from cosyvoice.workbench.scorecard import Scorer, scorecard
@@ -61,25 +58,17 @@ def rater_route(method: str, path: str) -> bool:
     return any(method == m and pattern.fullmatch(path) for m, pattern in _RATER_PATTERNS)
 
 
-def error_response(exc: CosyVoiceError) -> JSONResponse:
-    """The REST server's answer to one of our errors (the Gradio app has no handler of its own for them)."""
-    error = http_error(exc)
-    if error.status >= 500 and error.status != 503:
-        logger.error("workbench request failed", exc_info=exc)  # its message is kept from the client
-    return error.response()
-
-
 def request_owner(request: Request) -> str | None:
     """The service's owner string of an API-key client (``key:<sha256[:12]>``); None without a key."""
     auth = request.headers.get("authorization", "")
     token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-    return f"key:{hashlib.sha256(token.encode()).hexdigest()[:12]}" if token else None
+    return key_owner(token) if token else None
 
 
 def workbench_router(data_dir: str | Path, service: Callable[[], TTSService]) -> APIRouter:
     """The routes over the store in ``data_dir`` (opened on first use) and the service ``service()`` returns
     (called only for batches, so rating works while a model loads)."""
-    router = APIRouter(prefix="/workbench", include_in_schema=True, tags=["workbench"])
+    router = APIRouter(prefix="/workbench", include_in_schema=True, tags=["workbench"], route_class=error_route())
     lock = threading.RLock()  # scorer() opens the store while holding it
     opened: dict[str, WorkbenchStore] = {}
 
@@ -88,13 +77,6 @@ def workbench_router(data_dir: str | Path, service: Callable[[], TTSService]) ->
             if "store" not in opened:
                 opened["store"] = WorkbenchStore(data_dir)
             return opened["store"]
-
-    def answer(fn: Callable[[], Any]) -> Any:
-        """Our errors as the REST server's JSON errors (the Gradio app has no handler of its own for them)."""
-        try:
-            return fn()
-        except CosyVoiceError as exc:
-            return error_response(exc)
 
     async def body(request: Request) -> dict[str, Any]:
         try:
@@ -151,41 +133,36 @@ def workbench_router(data_dir: str | Path, service: Callable[[], TTSService]) ->
 
     @router.get("/api/takes/{take_id}/audio")
     def take_audio(take_id: str) -> Any:
-        def run() -> FileResponse:
-            take = store().take(take_id)
-            return FileResponse(store().audio_path(take), media_type="audio/wav", filename=f"{take.id}.wav")
-        return answer(run)
+        take = store().take(take_id)
+        return FileResponse(store().audio_path(take), media_type="audio/wav", filename=f"{take.id}.wav")
 
     @router.post("/api/batches", status_code=202)
     async def start_batch(request: Request) -> Any:
         """A CSV or JSONL body (or JSON ``{"rows": [...]}``): the batch runs in the background; poll its id."""
         raw = await request.body()
         owner = request_owner(request)
+        data: str | bytes = raw
+        if request.headers.get("content-type", "").startswith("application/json"):
+            rows = json.loads(raw or b"{}").get("rows") if raw.strip().startswith(b"{") else None
+            if not isinstance(rows, list):
+                raise InvalidInputError("send {\"rows\": [...]}, or the CSV/JSONL file as the body", "rows")
+            data = "\n".join(json.dumps(r) for r in rows)
+        parsed = parse_rows(data, "input.jsonl" if isinstance(data, str) else "")
+        svc = service()
+        batch_id = store().start_batch("http", len(parsed))
 
-        def run() -> Any:
-            data: str | bytes = raw
-            if request.headers.get("content-type", "").startswith("application/json"):
-                rows = json.loads(raw or b"{}").get("rows") if raw.strip().startswith(b"{") else None
-                if not isinstance(rows, list):
-                    raise InvalidInputError("send {\"rows\": [...]}, or the CSV/JSONL file as the body", "rows")
-                data = "\n".join(json.dumps(r) for r in rows)
-            parsed = parse_rows(data, "input.jsonl" if isinstance(data, str) else "")
-            svc = service()
-            batch_id = store().start_batch("http", len(parsed))
+        def work() -> None:
+            try:
+                run_batch(svc, store(), parsed, owner=owner, batch_id=batch_id)
+            except Exception:
+                logger.exception("batch %s failed", batch_id)
 
-            def work() -> None:
-                try:
-                    run_batch(svc, store(), parsed, owner=owner, batch_id=batch_id)
-                except Exception:
-                    logger.exception("batch %s failed", batch_id)
-
-            threading.Thread(target=work, daemon=True, name=f"workbench-{batch_id}").start()
-            return JSONResponse({"id": batch_id, "rows": len(parsed)}, 202)
-        return answer(run)
+        threading.Thread(target=work, daemon=True, name=f"workbench-{batch_id}").start()
+        return JSONResponse({"id": batch_id, "rows": len(parsed)}, 202)
 
     @router.get("/api/batches/{batch_id}")
     def batch(batch_id: str) -> Any:
-        return answer(lambda: store().batch(batch_id))
+        return store().batch(batch_id)
 
     # -------------------------------------------------------------- tests (owner)
 
@@ -200,45 +177,35 @@ def workbench_router(data_dir: str | Path, service: Callable[[], TTSService]) ->
     async def create_test(request: Request) -> Any:
         """``{kind, title?, instructions?, allow_none?}`` with ``items`` (explicit take ids) or ``conditions``
         (take labels; items are designed text by text) plus ``reference`` / ``anchor`` labels."""
-        try:
-            spec = await body(request)
-        except InvalidInputError as exc:
-            return error_response(exc)
-
-        def run() -> Any:
-            s, kind = store(), spec.get("kind")
-            if "items" in spec:
-                items = listening.check_items(kind, spec["items"], s)
-            else:
-                conditions = spec.get("conditions")
-                if not isinstance(conditions, list) or not all(isinstance(c, str) for c in conditions):
-                    raise InvalidInputError("give 'conditions' (take labels) or 'items'", "conditions")
-                items = listening.design(kind, s.takes(limit=1_000_000), conditions, reference=spec.get("reference"),
-                                         anchor=spec.get("anchor"))
-            test_id = listening.create_test(s, kind, items, title=spec.get("title", ""),
-                                            instructions=spec.get("instructions", ""),
-                                            allow_none=spec.get("allow_none", False))
-            return JSONResponse({"id": test_id, "items": len(items), "rate_url": f"/workbench/rate/{test_id}",
-                                 "results_url": f"/workbench/tests/{test_id}"}, 201)
-        return answer(run)
+        spec = await body(request)
+        s, kind = store(), spec.get("kind")
+        if "items" in spec:
+            items = listening.check_items(kind, spec["items"], s)
+        else:
+            conditions = spec.get("conditions")
+            if not isinstance(conditions, list) or not all(isinstance(c, str) for c in conditions):
+                raise InvalidInputError("give 'conditions' (take labels) or 'items'", "conditions")
+            items = listening.design(kind, s.takes(limit=1_000_000), conditions, reference=spec.get("reference"),
+                                     anchor=spec.get("anchor"))
+        test_id = listening.create_test(s, kind, items, title=spec.get("title", ""),
+                                        instructions=spec.get("instructions", ""),
+                                        allow_none=spec.get("allow_none", False))
+        return JSONResponse({"id": test_id, "items": len(items), "rate_url": f"/workbench/rate/{test_id}",
+                             "results_url": f"/workbench/tests/{test_id}"}, 201)
 
     @router.get("/api/tests/{test_id}/results")
     def results(test_id: str) -> Any:
-        def run() -> Any:
-            s = store()
-            test = s.test(test_id)
-            return {"id": test_id, "kind": test["kind"], "title": test["title"], "items": len(test["spec"]["items"]),
-                    "progress": listening.progress(s, test_id), "summary": listening.summary(s, test_id)}
-        return answer(run)
+        s = store()
+        test = s.test(test_id)
+        return {"id": test_id, "kind": test["kind"], "title": test["title"], "items": len(test["spec"]["items"]),
+                "progress": listening.progress(s, test_id), "summary": listening.summary(s, test_id)}
 
     @router.get("/api/tests/{test_id}/answers.csv")
     def answers_csv(test_id: str) -> Any:
-        def run() -> Response:
-            out = io.StringIO()
-            write_csv(out, listening.export_rows(store(), test_id), listening.EXPORT_COLUMNS)
-            return Response(out.getvalue(), media_type="text/csv",
-                            headers={"Content-Disposition": f'attachment; filename="{test_id}-answers.csv"'})
-        return answer(run)
+        out = io.StringIO()
+        write_csv(out, listening.export_rows(store(), test_id), listening.EXPORT_COLUMNS)
+        return Response(out.getvalue(), media_type="text/csv",
+                        headers={"Content-Disposition": f'attachment; filename="{test_id}-answers.csv"'})
 
     def test_takes(test_id: str) -> list:
         s = store()
@@ -258,82 +225,58 @@ def workbench_router(data_dir: str | Path, service: Callable[[], TTSService]) ->
     @router.get("/api/tests/{test_id}/scorecard")
     def test_scorecard(test_id: str) -> Any:
         """Objective measures of the test's takes, per take and per condition (computed now, then kept)."""
-        return answer(lambda: scorecard(scorer(), test_takes(test_id)))
+        return scorecard(scorer(), test_takes(test_id))
 
     @router.get("/api/tests/{test_id}/scorecard.csv")
     def test_scorecard_csv(test_id: str) -> Any:
-        def run() -> Response:
-            card = scorecard(scorer(), test_takes(test_id))
-            out = io.StringIO()
-            write_csv(out, card["takes"], ["take_id", "condition", *SCORE_METRICS])
-            return Response(out.getvalue(), media_type="text/csv",
-                            headers={"Content-Disposition": f'attachment; filename="{test_id}-scorecard.csv"'})
-        return answer(run)
+        card = scorecard(scorer(), test_takes(test_id))
+        out = io.StringIO()
+        write_csv(out, card["takes"], ["take_id", "condition", *SCORE_METRICS])
+        return Response(out.getvalue(), media_type="text/csv",
+                        headers={"Content-Disposition": f'attachment; filename="{test_id}-scorecard.csv"'})
 
     # -------------------------------------------------------------- raters
 
     @router.get("/api/tests/{test_id}")
     def test_info(test_id: str) -> Any:
         """What a rater may see before starting: no take ids."""
-        def run() -> Any:
-            t = store().test(test_id)
-            return {"id": t["id"], "kind": t["kind"], "title": t["title"], "instructions": t["instructions"],
-                    "items": len(t["spec"]["items"]), "allow_none": t["spec"].get("allow_none", False)}
-        return answer(run)
+        t = store().test(test_id)
+        return {"id": t["id"], "kind": t["kind"], "title": t["title"], "instructions": t["instructions"],
+                "items": len(t["spec"]["items"]), "allow_none": t["spec"].get("allow_none", False)}
 
     @router.post("/api/tests/{test_id}/raters")
     async def join(test_id: str, request: Request) -> Any:
-        try:
-            name = (await body(request)).get("name")
-        except InvalidInputError as exc:
-            return error_response(exc)
-
-        def run() -> Any:
-            rater, resumed = listening.join(store(), test_id, name)
-            return {"rater": rater.id, "name": rater.name, "resumed": resumed,
-                    "resume_url": f"/workbench/rate/{test_id}?rater={rater.id}"}
-        return answer(run)
+        name = (await body(request)).get("name")
+        rater, resumed = listening.join(store(), test_id, name)
+        return {"rater": rater.id, "name": rater.name, "resumed": resumed,
+                "resume_url": f"/workbench/rate/{test_id}?rater={rater.id}"}
 
     @router.get("/api/raters/{rater_id}/next")
     def next_item(rater_id: str) -> Any:
-        return answer(lambda: listening.next_item(store(), store().rater(rater_id)))
+        return listening.next_item(store(), store().rater(rater_id))
 
     @router.post("/api/raters/{rater_id}/events")
     async def event(rater_id: str, request: Request) -> Any:
-        try:
-            data = await body(request)
-        except InvalidInputError as exc:
-            return error_response(exc)
-
-        def run() -> Response:
-            listening.record_play(store(), store().rater(rater_id), data.get("position"), data.get("slot"),
-                                  data.get("event"))
-            return Response(status_code=204)
-        return answer(run)
+        data = await body(request)
+        listening.record_play(store(), store().rater(rater_id), data.get("position"), data.get("slot"),
+                              data.get("event"))
+        return Response(status_code=204)
 
     @router.post("/api/raters/{rater_id}/answers")
     async def submit(rater_id: str, request: Request) -> Any:
-        try:
-            data = await body(request)
-        except InvalidInputError as exc:
-            return error_response(exc)
-
-        def run() -> Any:
-            s = store()
-            listening.submit(s, s.rater(rater_id), data.get("position"), data.get("answer"))
-            return listening.next_item(s, s.rater(rater_id))
-        return answer(run)
+        data = await body(request)
+        s = store()
+        listening.submit(s, s.rater(rater_id), data.get("position"), data.get("answer"))
+        return listening.next_item(s, s.rater(rater_id))
 
     @router.get("/api/raters/{rater_id}/audio/{position}/{slot}")
     def rater_audio(rater_id: str, position: int, slot: str) -> Any:
-        def run() -> FileResponse:
-            s = store()
-            entry = listening.entry_at(s.rater(rater_id), position)
-            take_id = next((x["take"] for x in entry["slots"] if x["slot"] == slot), None)
-            if take_id is None:
-                raise InvalidInputError(f"no sample {slot!r} in this item", "slot")
-            return FileResponse(s.audio_path(s.take(take_id)), media_type="audio/wav",
-                                headers={"Cache-Control": "no-store"})  # no file name: it would name the take
-        return answer(run)
+        s = store()
+        entry = listening.entry_at(s.rater(rater_id), position)
+        take_id = next((x["take"] for x in entry["slots"] if x["slot"] == slot), None)
+        if take_id is None:
+            raise InvalidInputError(f"no sample {slot!r} in this item", "slot")
+        return FileResponse(s.audio_path(s.take(take_id)), media_type="audio/wav",
+                            headers={"Cache-Control": "no-store"})  # no file name: it would name the take
 
     return router

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import soundfile as sf
 import soxr
 import torch
 
@@ -89,7 +88,7 @@ class Scorer:
         self._prompts: dict[str, dict[str, np.ndarray]] = {}
 
     def score(self, take: Take) -> dict[str, float | None]:
-        pcm, rate = sf.read(self.store.audio_path(take), dtype="float32")
+        pcm, rate = self.store.read_audio(take), take.sample_rate
         x16 = _resample(pcm, rate, DNSMOS_RATE)
         rms = float(np.sqrt(np.mean(pcm.astype(np.float64) ** 2))) if pcm.size else 0.0
         out: dict[str, float | None] = {  # a None is "not measurable here" (no voice, model not installed)
