@@ -9,7 +9,7 @@ HTML + JavaScript that calls the same endpoints, so everything it does is script
     GET    /v1/longform/voices                                   built-in and saved voices
     GET    /v1/longform/projects                                 the projects, last changed first
     POST   /v1/longform/projects                                 {text, name, kind, voice, speakers, preset, ...}
-    POST   /v1/longform/projects/upload                          multipart: file (.txt/.md/.epub), name, voice, ...
+    POST   /v1/longform/projects/upload                          multipart: file (.txt/.md/.epub/.pdf/.docx), name, voice, ...
     GET    /v1/longform/projects/{p}                             settings, segment table (status, takes), progress
     PATCH  /v1/longform/projects/{p}                             {name, pauses, preset, margin}
     DELETE /v1/longform/projects/{p}                             the project and every take
@@ -142,7 +142,7 @@ def longform_router(get_service: Callable[[], TTSService], data_dir: str | Path 
     def upload(file: Annotated[UploadFile, File()], name: Annotated[str, Form()] = "",
                voice: Annotated[str | None, Form()] = None, kind: Annotated[str, Form()] = "document",
                speakers: Annotated[str, Form()] = "", preset: Annotated[str, Form()] = "podcast") -> JSONResponse:
-        """A project from a .txt, .md or .epub file (``speakers``: JSON object for dialogue scripts)."""
+        """A project from a .txt, .md, .epub, .pdf or .docx file (``speakers``: JSON object for dialogue scripts)."""
         s = studio()
         data = file.file.read(MAX_UPLOAD_BYTES + 1)
         if len(data) > MAX_UPLOAD_BYTES:
