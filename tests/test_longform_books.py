@@ -8,6 +8,7 @@ import random
 
 import numpy as np
 import pytest
+import soundfile as sf
 
 from cosyvoice.errors import InvalidInputError
 from cosyvoice.longform import finishing, script
@@ -178,3 +179,42 @@ def test_the_models_length_bounds_flag_a_take() -> None:
     assert finishing.token_bounds(20, 10, 2.0, 20.0) == (
         "stopped at the model's shortest length (20 speech tokens for 10 text tokens)")
     assert finishing.token_bounds(70, 10, 2.0, 20.0) is None
+
+
+# ----------------------------------------------------------------------------- a project
+
+
+@pytest.fixture(scope="module")
+def studio(tts, tmp_path_factory: pytest.TempPathFactory):
+    from cosyvoice.longform import LongformStudio
+    from cosyvoice.service import TTSService
+    from cosyvoice.settings import Limits
+    from cosyvoice.voices import VoiceLibrary
+
+    folder = tmp_path_factory.mktemp("books")
+    service = TTSService(tts.model, VoiceLibrary(folder / "voices", tts.frontend, model_dir=tts.model_dir),
+                         Limits(max_sessions=2, queue_timeout_seconds=60))
+    t = np.arange(24000) / 16000
+    vowel = sum(np.sin(2 * np.pi * k * 200 * t) / k for k in range(1, 8)) * (1 - np.cos(2 * np.pi * 2 * t))
+    sf.write(folder / "narrator.wav", (0.1 * vowel).astype(np.float32), 16000)
+    service.create_voice("Narrator", folder / "narrator.wav", "Hello, I read books.")
+    s = LongformStudio(service, folder / "data")
+    yield s
+    s.close()
+
+
+def test_a_generated_book_is_checked_per_chapter_and_mastered_to_acx(studio) -> None:
+    project = studio.create("Book", "# One\n\nHi there.\n\n# Two\n\nBye now.", voice="Narrator",
+                            preset="podcast")
+    studio.generate(project.id)
+    studio.wait(project.id, timeout=300)
+    before = studio.acx(project.id)
+    assert [c["title"] for c in before["chapters"]] == ["One", "Two"]
+    assert before["book"]["seconds"] == pytest.approx(studio.timeline(project.id).seconds, abs=1e-3)
+    assert not before["passed"]  # podcast loudness (-16 LUFS) is louder than ACX allows
+    studio.update_settings(project.id, preset="acx")
+    after = studio.acx(project.id)
+    assert after["passed"], after
+    timeline = studio.export_to(io.BytesIO(), project.id, "wav")
+    assert timeline.acx == after
+    assert studio.segments_json(project.id, timeline)["acx"] == after

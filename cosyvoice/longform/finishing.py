@@ -158,8 +158,8 @@ class AcxReport:
 
 class AcxMeter:
     """ACX's three measurements over audio fed piece by piece (a book is never held in memory): RMS of every
-    sample, the sample peak, and the noise floor as the quietest half-second window (hop 50 ms) that is not
-    digital silence."""
+    sample, the sample peak, and the noise floor as the RMS of the quietest half-second window (hop 50 ms), as
+    ACX's own check measures it: a pause of digital silence has no floor at all (-inf, reported as null)."""
 
     def __init__(self, sample_rate: int) -> None:
         self.sample_rate = sample_rate
@@ -182,10 +182,8 @@ class AcxMeter:
         starts = np.arange(0, len(buffer) - self.window + 1, self.hop)
         if len(starts):
             sums = np.concatenate([[0.0], np.cumsum(buffer ** 2)])
-            energy = sums[starts + self.window] - sums[starts]
-            audible = energy > 0
-            if audible.any():
-                self.quietest = min(self.quietest, float(np.min(energy[audible])) / self.window)
+            energy = np.maximum(sums[starts + self.window] - sums[starts], 0.0)  # cumsum rounding
+            self.quietest = min(self.quietest, float(np.min(energy)) / self.window)
             self._tail = buffer[starts[-1] + self.hop:]
         else:
             self._tail = buffer

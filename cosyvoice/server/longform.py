@@ -9,7 +9,7 @@ HTML + JavaScript that calls the same endpoints, so everything it does is script
     GET    /v1/longform/voices                                   built-in and saved voices
     GET    /v1/longform/projects                                 the projects, last changed first
     POST   /v1/longform/projects                                 {text, name, kind, voice, speakers, preset, ...}
-    POST   /v1/longform/projects/upload                          multipart: file (.txt/.md/.epub/.pdf/.docx), name, voice, ...
+    POST   /v1/longform/projects/upload                          multipart: file (.txt .md .epub .pdf .docx), ...
     GET    /v1/longform/projects/{p}                             settings, segment table (status, takes), progress
     PATCH  /v1/longform/projects/{p}                             {name, pauses, preset, margin}
     DELETE /v1/longform/projects/{p}                             the project and every take

@@ -3,7 +3,8 @@
     python -m cosyvoice.tools.longform INPUT --voice NAME --out DIR [--model-dir DIR]
     python -m cosyvoice.tools.longform SCRIPT --dialogue --speaker Alice=VoiceA --speaker Bob=VoiceB --out DIR
 
-INPUT is a .txt, .md, .epub, .pdf or .docx file (``-`` reads standard input). NAME is a saved or built-in voice's name or id.
+INPUT is a .txt, .md, .epub, .pdf or .docx file (``-`` reads standard input). NAME is a saved or built-in
+voice's name or id.
 DIR receives the audio (``<name>.<format>``), ``segments.json`` (per segment: text, start/end seconds, seed,
 take id, voice id) and ``subtitles.srt`` / ``subtitles.vtt``. The run is a project in the data folder
 (``COSYVOICE_DATA_DIR``), so the web page can reopen it to fix single segments.
