@@ -275,12 +275,20 @@ def pdf_chapters(data: bytes) -> list[tuple[str | None, str]]:
         raise InvalidInputError(f"the PDF could not be read: {exc}", "file") from exc
     if not lines:
         raise InvalidInputError("the PDF has no text layer (a scanned book needs text recognition first)", "file")
-    body = float(np.median([line.size for line in lines]))
+    body = _body_size(lines)
     if outline:
         return _outline_chapters(lines, outline, body)
     paragraphs = _pdf_paragraphs(lines, body)
     sizes = sorted({size for size, _ in paragraphs if size is not None}, reverse=True)
     return _chapters_at([(None if size is None else sizes.index(size), text) for size, text in paragraphs])
+
+
+def _body_size(lines: list[_PdfLine]) -> float:
+    """The type size that sets the most characters: the body's, however few lines a short document has."""
+    chars: dict[float, int] = {}
+    for line in lines:
+        chars[round(line.size, 1)] = chars.get(round(line.size, 1), 0) + len(line.text)
+    return max(chars, key=lambda size: chars[size])
 
 
 def _pdf_lines(number: int, page: object) -> list[_PdfLine]:

@@ -24,6 +24,7 @@ HTML + JavaScript that calls the same endpoints, so everything it does is script
     GET    /v1/longform/projects/{p}/progress                    {running, total, done, failed, queued, eta, ...}
     GET    /v1/longform/projects/{p}/export?format=wav&finished=true   wav mp3 flac opus m4b mp4
     GET    /v1/longform/projects/{p}/subtitles.srt | subtitles.vtt | segments.json
+    GET    /v1/longform/projects/{p}/acx                         the finished mix against ACX, per chapter and book
 """
 
 from __future__ import annotations
@@ -235,13 +236,19 @@ def longform_router(get_service: Callable[[], TTSService], data_dir: str | Path 
         fmt = file_format(format)
         with tempfile.NamedTemporaryFile(dir=s.store.root, suffix=".export", delete=False) as out:
             try:
-                s.export_to(out, project_id, fmt.name, finished)
+                timeline = s.export_to(out, project_id, fmt.name, finished)
             except BaseException:
                 out.close()
                 os.unlink(out.name)
                 raise
+        acx = "pass" if timeline.acx and timeline.acx["passed"] else "fail"
         return FileResponse(out.name, media_type=fmt.content_type, background=BackgroundTask(os.unlink, out.name),
-                            headers=_attachment(s.file_name(project_id, fmt.name)))
+                            headers={**_attachment(s.file_name(project_id, fmt.name)), "X-ACX-Check": acx})
+
+    @router.get("/v1/longform/projects/{project_id}/acx")
+    def acx(project_id: str) -> JSONResponse:
+        """The finished mix against ACX's requirements (RMS, peak, noise floor), per chapter and for the book."""
+        return JSONResponse(studio().acx(project_id))
 
     @router.get("/v1/longform/projects/{project_id}/subtitles.{kind}")
     def subtitles(project_id: str, kind: str, finished: bool = True) -> Response:
