@@ -30,6 +30,7 @@ from cosyvoice.workbench.store import SCORE_METRICS, Answer, Rater, Take, Workbe
 KINDS = ("ab", "abx", "mos", "cmos", "mushra", "mushra_noref")
 PAIRED = ("ab", "abx")  # kinds whose items are two takes compared with each other
 SCALES = {"mos": (1, 5), "cmos": (-3, 3), "mushra": (0, 100), "mushra_noref": (0, 100)}
+PUBLIC_TITLE = "Listening test"  # what raters see when the owner gives no public title
 HIDDEN_REFERENCE_MIN = 90  # MUSHRA post-screening (ITU-R BS.1534): the hidden reference should score >= 90
 LISTEN_TOLERANCE_SECONDS = 0.3  # play start to end may fall this much short of the take's length (clock jitter)
 EXPORT_COLUMNS = ("test", "kind", "rater", "rater_id", "item", "position", "take_ids", "conditions", "shown",
@@ -463,12 +464,18 @@ def _num(x: float) -> float | None:
 
 
 def create_test(store: WorkbenchStore, kind: str, items: list[dict[str, Any]], *, title: str = "",
-                instructions: str = "", allow_none: bool = False) -> str:
-    """Store a test over ``items`` (from :func:`design` or :func:`check_items`); the instructions default to the
-    kind's standard wording."""
+                instructions: str = "", allow_none: bool = False, name: str = "") -> str:
+    """Store a test over ``items`` (from :func:`design` or :func:`check_items`). ``title`` and ``instructions`` are
+    what raters see (a neutral title and the kind's standard wording by default: the owner's working ``name``,
+    which often names the systems compared, is never shown to them)."""
     _check_kind(kind)
-    if not isinstance(title, str) or not isinstance(instructions, str):
-        raise InvalidInputError("title and instructions must be text", "title")
-    return store.add_test(kind, title.strip() or f"{kind.upper()} test", instructions.strip() or
-                          DEFAULT_INSTRUCTIONS[kind], {"allow_none": bool(allow_none) and kind == "ab",
-                                                       "items": items})
+    if not all(isinstance(x, str) for x in (title, instructions, name)):
+        raise InvalidInputError("name, title and instructions must be text", "title")
+    return store.add_test(kind, title.strip() or PUBLIC_TITLE, instructions.strip() or DEFAULT_INSTRUCTIONS[kind],
+                          {"allow_none": bool(allow_none) and kind == "ab", "items": items,
+                           "name": name.strip() or f"{kind.upper()} test"})
+
+
+def owner_name(test: dict[str, Any]) -> str:
+    """The owner's name for a test (tests made before names existed: their title)."""
+    return test["spec"].get("name") or test["title"]
