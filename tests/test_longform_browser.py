@@ -131,3 +131,35 @@ def test_paste_review_generate_regenerate_export_download(page, tmp_path: Path) 
     assert page.inner_text("#toast").startswith("speed must be a number")
     page.wait_for_function("() => document.querySelector('#segments input.speed').value === '1'")
     shot(page, "5-error")
+
+
+def test_a_pdf_book_becomes_chapters_and_is_mastered_to_acx(page, tmp_path: Path) -> None:
+    from test_longform_books import pdf_book
+
+    book = tmp_path / "book.pdf"
+    book.write_bytes(pdf_book(outline=True, body="Hi.", paragraphs=1))
+    page.fill("#new-name", "PDF book")
+    page.fill("#new-text", "")
+    page.select_option("#new-voice", label="Narrator (built-in)")
+    page.select_option("#new-preset", "none")
+    page.set_input_files("#new-file", str(book))
+    page.click("#create")
+    page.wait_for_function("() => current && current.name === 'PDF book'")
+    chapters = page.locator("#segments tr.chapter td:first-child").all_inner_texts()
+    assert chapters == ["Chapter: The Beginning", "Chapter: The Middle"]
+    page.click("#generate")
+    page.wait_for_function("() => current.progress.total > 0 && current.progress.done === current.progress.total",
+                           timeout=600_000)
+    page.click("#acx-check")  # the tiny model's raw takes are near full scale
+    page.wait_for_function("() => document.querySelector('#acx-state').textContent === 'does not meet ACX'",
+                           timeout=120_000)
+    parts = page.locator("#acx-table tbody tr td:first-child").all_inner_texts()
+    assert parts == ["Whole book", "The Beginning", "The Middle"]
+    assert page.locator("#acx-master").is_visible()
+    shot(page, "6-acx-fails")
+    page.click("#acx-master")
+    page.wait_for_function("() => document.querySelector('#acx-state').textContent === 'meets ACX'",
+                           timeout=120_000)
+    assert page.locator("#acx-table td.fail").count() == 0 and page.locator("#acx-table td.pass").count() == 3
+    assert page.input_value("#preset") == "acx" and not page.locator("#acx-master").is_visible()
+    shot(page, "7-acx-mastered")

@@ -93,7 +93,7 @@ def test_batch_over_http_reports_progress_and_bad_rows(app_url: tuple[str, Path]
         for path in ("/workbench/", f"/workbench/rate/{test_id}", f"/workbench/tests/{test_id}"):
             assert "<script" in client.get(path).text
         assert client.get("/workbench/api/tests/test-nope/results").status_code == 404
-        bad = client.post("/workbench/api/tests", json={"kind": "abx", "conditions": ["sysA"]})
+        bad = client.post("/workbench/api/tests", json={"kind": "abcx", "conditions": ["sysA"]})
         assert bad.status_code == 400 and bad.json()["error"]["field"] == "kind"
 
 

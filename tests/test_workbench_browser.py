@@ -248,3 +248,79 @@ def test_a_rater_without_a_key_finishes_a_test_on_the_web_ui_behind_keys(tts, br
         [row] = csv.DictReader(io.StringIO(httpx.get(f"{url}workbench/api/tests/{test_id}/answers.csv",
                                                      headers={"Authorization": "Bearer the-key"}).text))
         assert (row["rater"], row["answer"], row["answer_take"]) == ("Ann", "B", row["shown"].split("B=")[1])
+
+
+@pytest.fixture(scope="module")
+def abx_and_mushra(setup) -> tuple[str, str]:
+    """An ABX test and a MUSHRA test (hidden reference) over the same takes, added beside the running server."""
+    app, _, _ = setup
+    store = WorkbenchStore(app.env["COSYVOICE_DATA_DIR"])
+    abx = listening.create_test(store, "abx", listening.design("abx", store.takes(), ["sysA", "sysB"])[:2],
+                                title="ABX")
+    mushra = listening.create_test(store, "mushra", listening.design("mushra", store.takes(), ["sysA", "sysB"],
+                                                                     reference="sysA")[:2], title="MUSHRA")
+    store.close()
+    return abx, mushra
+
+
+def play_all(page) -> None:
+    for button in page.locator("button.play").all():
+        slot = button.get_attribute("data-slot")
+        button.click()
+        sync_api.expect(page.locator(f".slot[data-slot='{slot}']")).to_have_class("slot played", timeout=15000)
+
+
+def test_abx_and_mushra_items_and_an_answer_sent_while_the_server_restarts(setup, abx_and_mushra, browser) -> None:
+    app, _, _ = setup
+    abx, mushra = abx_and_mushra
+    expect = sync_api.expect
+    device = browser()
+
+    # ABX: A, B and X played; the rater says which one X is; the answer is scored against the plan
+    page = join(device, f"{app.url}/workbench/rate/{abx}", "Cleo")
+    expect(page.locator("#question")).to_have_text("X is the same recording as A or as B. Which one?")
+    assert page.locator("button.play").evaluate_all("bs => bs.map(b => b.dataset.slot)") == ["A", "B", "X"]
+    answer_item(page, "A")
+    answer_item(page, "B")
+    expect(page.locator("#done")).to_be_visible()
+    rows = list(csv.DictReader(io.StringIO(httpx.get(f"{app.url}/workbench/api/tests/{abx}/answers.csv").text)))
+    assert len(rows) == 2
+    for row in rows:
+        shown = dict(pair.split("=") for pair in row["shown"].split(";"))
+        assert row["answer_take"] == shown[row["answer"]] and row["score"] == str(int(shown["X"] == row["answer_take"]))
+    results = device.new_page()
+    results.goto(f"{app.url}/workbench/tests/{abx}")
+    results.wait_for_function("() => window.wbReady")
+    correct = sum(int(r["score"]) for r in rows)
+    expect(results.locator("#summary td").nth(1)).to_have_text(f"{correct} of 2")
+
+    # MUSHRA: BS.1534's scale labels; a slider nobody moved keeps Save disabled, a click confirms a value as it is
+    page = join(device, f"{app.url}/workbench/rate/{mushra}", "Cleo")
+    expect(page.locator(".mushra .scale span")).to_have_text(["Bad", "Poor", "Fair", "Good", "Excellent"])
+    play_all(page)
+    sliders = page.locator("#controls input[type=range]")
+    assert sliders.count() == 2  # the stimulus and the hidden reference (the anchor-less design)
+    expect(page.locator("#submit")).to_be_disabled()
+    expect(page.locator("#submit-hint")).to_contain_text("Move every slider")
+    sliders.nth(0).focus()
+    for _ in range(30):
+        page.keyboard.press("ArrowRight")
+    expect(page.locator(".mushra .value").nth(0)).to_have_text("80 Excellent")
+    expect(page.locator("#submit")).to_be_disabled()  # one slider still untouched
+    page.locator(".mushra .value").nth(1).click()  # keep 50: confirmed
+    expect(page.locator(".mushra .value").nth(1)).to_have_text("50 Fair")
+    expect(page.locator("#submit")).to_be_enabled()
+    page.screenshot(path=str(ARTIFACTS / "workbench-rater-mushra.png"), full_page=True)
+
+    # the server goes away as the rater saves: "reconnecting", and the answer arrives once it is back
+    app.stop()
+    page.click("#submit")
+    expect(page.locator("#reconnecting")).to_be_visible(timeout=15000)
+    assert page.evaluate(f"() => JSON.parse(localStorage.getItem('wb-pending:{mushra}')).answer.scores") is not None
+    page.screenshot(path=str(ARTIFACTS / "workbench-rater-reconnecting.png"), full_page=True)
+    app.start()
+    expect(page.locator("#reconnecting")).to_be_hidden(timeout=60000)
+    expect(page.locator("#item-progress")).to_have_text("Item 2 of 2")
+    rows = list(csv.DictReader(io.StringIO(httpx.get(f"{app.url}/workbench/api/tests/{mushra}/answers.csv").text)))
+    assert sorted(int(r["score"]) for r in rows) == [50, 80]
+    device.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -155,7 +156,7 @@ def test_mushra_hidden_reference_and_anchor(store: WorkbenchStore) -> None:
 def test_bad_designs_and_names_are_refused(store: WorkbenchStore) -> None:
     make_takes(store, ["sysA"], ["one"])
     with pytest.raises(InvalidInputError, match="unknown test kind"):
-        listening.design("abx", store.takes(), ["sysA"])
+        listening.design("abcx", store.takes(), ["sysA"])
     with pytest.raises(InvalidInputError, match="needs a reference"):
         listening.design("cmos", store.takes(), ["sysA"])
     with pytest.raises(InvalidInputError, match="no items"):
@@ -168,3 +169,33 @@ def test_bad_designs_and_names_are_refused(store: WorkbenchStore) -> None:
     store.add_rater(test_id, "Zoe", 1, [])
     with pytest.raises(AlreadyExistsError):
         store.add_rater(test_id, "Zoe", 2, [])
+
+
+def test_abx_draws_x_per_rater_scores_it_and_tests_against_guessing(store: WorkbenchStore) -> None:
+    takes = make_takes(store, ["sysA", "sysB"], ["one", "two", "three"])
+    items = listening.design("abx", store.takes(), ["sysA", "sysB"])
+    assert [it["takes"] for it in items] == [[takes[("sysA", t)].id, takes[("sysB", t)].id]
+                                             for t in ("one", "two", "three")]
+    test_id = listening.create_test(store, "abx", items)
+    xs = set()
+    for name in ("Ann", "Bob", "Cy", "Di"):
+        rater, _ = listening.join(store, test_id, name)
+        for position, entry in enumerate(rater.plan):
+            slots = {s["slot"]: s for s in entry["slots"]}
+            assert list(slots) == ["A", "B", "X"] and slots["X"]["take"] in (slots["A"]["take"], slots["B"]["take"])
+            xs.add(slots["X"]["take"] == slots["A"]["take"])
+            listen(store, rater, position)
+            with pytest.raises(InvalidInputError, match="X is A or B"):
+                listening.submit(store, rater, position, {"choice": "none"})
+            right = "A" if slots["X"]["take"] == slots["A"]["take"] else "B"
+            wrong = "B" if right == "A" else "A"
+            answer = listening.submit(store, rater, position, {"choice": wrong if name == "Di" else right})
+            assert answer.answer["correct"] is (name != "Di")
+    assert xs == {True, False}  # X is drawn per rater and item, not always the same side
+    summary = listening.summary(store, test_id)
+    [pair] = summary["pairs"]
+    assert (pair["correct"], pair["n"]) == (9, 12)
+    assert pair["p_value"] == pytest.approx(sum(math.comb(12, k) for k in range(9, 13)) / 2**12)  # 0.073
+    assert {r["rater"]: r["correct"] for r in summary["per_rater"]} == {"Ann": 3, "Bob": 3, "Cy": 3, "Di": 0}
+    rows = listening.export_rows(store, test_id)
+    assert {r["score"] for r in rows} == {0, 1} and all(r["kind"] == "abx" for r in rows)

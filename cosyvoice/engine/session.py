@@ -38,6 +38,7 @@ class AudioChunk:
     token_end: int
     final: bool  # last chunk of its text segment
     seconds_to_produce: float  # wall time from the request start (chunk 0) or the previous chunk
+    tokens: tuple[int, ...] = ()  # the speech tokens [token_start, token_end) themselves (take checks read them)
 
     def int16(self) -> np.ndarray:
         """PCM16 little-endian samples, as streamed by the servers."""

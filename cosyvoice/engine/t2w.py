@@ -147,7 +147,7 @@ class Token2Wav:
             state.trim = state.trim if state.trim.waiting else None
         now = time.perf_counter()
         chunk = AudioChunk(pcm, self.sample_rate, state.next_index, state.sample_offset, work.start, work.stop,
-                           work.final, now - state.last_output)
+                           work.final, now - state.last_output, tuple(work.tokens[work.start:work.stop]))
         state.next_index += 1
         state.sample_offset += pcm.numel()
         state.last_output = now

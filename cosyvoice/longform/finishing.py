@@ -1,4 +1,5 @@
-"""Finishing long-form segments: silence trimmed to a margin, loudness per segment, subtitles, take checks.
+"""Finishing long-form segments: silence trimmed to a margin, loudness per segment, subtitles, take checks,
+and the audiobook platforms' (ACX) check with the mastering that meets it.
 
 Everything here is a pure function of ONE segment's take (and the project's settings), never of its
 neighbours: regenerating one segment leaves every other segment's finished samples bit-identical, and the
@@ -19,6 +20,8 @@ PRESETS = {  # name -> (integrated loudness target in LUFS, true-peak ceiling in
     "podcast": (-16.0, -1.0),
     "broadcast": (-23.0, -1.0),  # EBU R128
 }
+ACX_PRESET = "acx"  # mastered per segment to ACX's levels (master_acx) instead of to a loudness
+PRESET_NAMES = (*PRESETS, ACX_PRESET)
 LOUDNESS_BLOCK_SECONDS = 0.4  # BS.1770's gating block: shorter audio is measured repeated to that length
 
 
@@ -94,9 +97,159 @@ def normalise(x: np.ndarray, sample_rate: int, target_lufs: float, ceiling_dbtp:
 def finish_segment(x: np.ndarray, sample_rate: int, finish: Finish) -> np.ndarray:
     """One take finished: trimmed to the margin, then at the preset's loudness (if any)."""
     y = trim(x, sample_rate, finish.margin)
+    if finish.preset == ACX_PRESET:
+        return master_acx(y, sample_rate)
     if finish.target is not None:
         y = normalise(y, sample_rate, *finish.target)
     return y
+
+
+# ----------------------------------------------------------------------------- ACX (audiobook platforms)
+
+ACX_RMS_DB = (-23.0, -18.0)  # ACX's submission requirements: RMS level of the whole file
+ACX_PEAK_DB = -3.0  # sample peak
+ACX_NOISE_FLOOR_DB = -60.0  # RMS of the quietest half second
+ACX_NOISE_WINDOW = 0.5
+# Mastering aims inside the bounds with room to spare: a chapter's pauses between segments pull its RMS about
+# 1 dB below its segments' level, so segments are set to -19.5 dB RMS and peaks limited to -3.5 dB.
+MASTER_RMS_DB = -19.5
+MASTER_PEAK_DB = -3.5
+GATE_FLOOR_DB = -65.0  # where noise between words is put (ACX's floor is -60 dB)
+LIMITER_BLOCK_SECONDS = 0.0025
+LIMITER_RELEASE_DB_PER_SECOND = 60.0
+
+
+def _db(value: float) -> float:
+    return 20 * math.log10(value) if value > 0 else float("-inf")
+
+
+@dataclass(frozen=True)
+class AcxReport:
+    """One file's measurements against ACX's requirements."""
+
+    seconds: float
+    rms_db: float
+    peak_db: float
+    noise_floor_db: float
+
+    @property
+    def problems(self) -> list[str]:
+        low, high = ACX_RMS_DB
+        found = []
+        if not low <= self.rms_db <= high:
+            found.append(f"RMS {self.rms_db:.1f} dB is outside {low:g} to {high:g} dB")
+        if self.peak_db > ACX_PEAK_DB:
+            found.append(f"peak {self.peak_db:.1f} dB is above {ACX_PEAK_DB:g} dB")
+        if self.noise_floor_db > ACX_NOISE_FLOOR_DB:
+            found.append(f"noise floor {self.noise_floor_db:.1f} dB is above {ACX_NOISE_FLOOR_DB:g} dB")
+        return found
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict:
+        def number(value: float) -> float | None:  # JSON has no -inf: digital silence is reported as null
+            return round(value, 2) if math.isfinite(value) else None
+
+        return {"seconds": round(self.seconds, 3), "rms_db": number(self.rms_db), "peak_db": number(self.peak_db),
+                "noise_floor_db": number(self.noise_floor_db), "passed": self.passed, "problems": self.problems}
+
+
+class AcxMeter:
+    """ACX's three measurements over audio fed piece by piece (a book is never held in memory): RMS of every
+    sample, the sample peak, and the noise floor as the RMS of the quietest half-second window (hop 50 ms), as
+    ACX's own check measures it: a pause of digital silence has no floor at all (-inf, reported as null)."""
+
+    def __init__(self, sample_rate: int) -> None:
+        self.sample_rate = sample_rate
+        self.window = round(ACX_NOISE_WINDOW * sample_rate)
+        self.hop = max(1, self.window // 10)
+        self.count = 0
+        self.sum_squares = 0.0
+        self.peak = 0.0
+        self.quietest = float("inf")
+        self._tail = np.zeros(0, np.float64)
+
+    def feed(self, x: np.ndarray) -> None:
+        x = np.asarray(x, np.float64)
+        if not len(x):
+            return
+        self.count += len(x)
+        self.sum_squares += float(np.dot(x, x))
+        self.peak = max(self.peak, float(np.max(np.abs(x))))
+        buffer = np.concatenate([self._tail, x])
+        starts = np.arange(0, len(buffer) - self.window + 1, self.hop)
+        if len(starts):
+            sums = np.concatenate([[0.0], np.cumsum(buffer ** 2)])
+            energy = np.maximum(sums[starts + self.window] - sums[starts], 0.0)  # cumsum rounding
+            self.quietest = min(self.quietest, float(np.min(energy)) / self.window)
+            self._tail = buffer[starts[-1] + self.hop:]
+        else:
+            self._tail = buffer
+
+    def report(self) -> AcxReport:
+        rms = math.sqrt(self.sum_squares / self.count) if self.count else 0.0
+        floor = math.sqrt(self.quietest) if math.isfinite(self.quietest) else 0.0
+        return AcxReport(self.count / self.sample_rate, _db(rms), _db(self.peak), _db(floor))
+
+
+def acx_check(x: np.ndarray, sample_rate: int) -> AcxReport:
+    meter = AcxMeter(sample_rate)
+    meter.feed(x)
+    return meter.report()
+
+
+def limit_peaks(x: np.ndarray, sample_rate: int, ceiling_db: float) -> np.ndarray:
+    """``x`` with no sample above ``ceiling_db``: a look-ahead peak limiter. The gain of each 2.5 ms block is the
+    lowest its neighbours need, drops at once and recovers at 60 dB/s, and is interpolated between block
+    centres, so it is never above what any sample needs and never steps audibly."""
+    ceiling = 10 ** (ceiling_db / 20)
+    n = max(1, round(LIMITER_BLOCK_SECONDS * sample_rate))
+    blocks = math.ceil(len(x) / n)
+    if blocks == 0:
+        return x.astype(np.float32)
+    padded = np.zeros(blocks * n, np.float64)
+    padded[: len(x)] = np.abs(x)
+    need = np.minimum(1.0, ceiling / np.maximum(padded.reshape(blocks, n).max(axis=1), 1e-12))
+    near = np.minimum(need, np.minimum(np.r_[need[1:], 1.0], np.r_[1.0, need[:-1]]))
+    step = 10 ** (LIMITER_RELEASE_DB_PER_SECOND * n / sample_rate / 20)
+    gain = near.copy()
+    for b in range(1, blocks):
+        gain[b] = min(near[b], gain[b - 1] * step)
+    centres = (np.arange(blocks) + 0.5) * n
+    y = x.astype(np.float64) * np.interp(np.arange(len(x)), centres, gain)
+    return np.clip(y, -ceiling, ceiling).astype(np.float32)
+
+
+def gate_noise(x: np.ndarray, sample_rate: int, floor_db: float = GATE_FLOOR_DB) -> np.ndarray:
+    """``x`` with the frames that are only noise turned down to ``floor_db``: a 10 ms frame is noise when it is
+    within 6 dB of the quietest tenth of the audible frames and 20 dB under the loudest tenth (speech's level);
+    the gain moves between frame centres, so it never clicks. Digital silence stays as it is."""
+    levels = frame_db(x, sample_rate)
+    audible = levels > -150
+    if not audible.any():
+        return x.astype(np.float32)
+    quiet, loud = np.percentile(levels[audible], [10, 90])
+    threshold = min(quiet + 6.0, loud - 20.0)
+    cut = np.where(levels < threshold, np.minimum(0.0, floor_db - levels), 0.0)
+    n = max(1, int(sample_rate * FRAME_SECONDS))
+    centres = (np.arange(len(levels)) + 0.5) * n
+    return (x.astype(np.float64) * 10 ** (np.interp(np.arange(len(x)), centres, cut) / 20)).astype(np.float32)
+
+
+def master_acx(x: np.ndarray, sample_rate: int, rms_db: float = MASTER_RMS_DB,
+               peak_db: float = MASTER_PEAK_DB) -> np.ndarray:
+    """``x`` at ``rms_db`` RMS with peaks limited to ``peak_db`` and its quiet frames gated: what ACX asks of a
+    file, per segment (a chapter of such segments measures about 1 dB lower for its pauses). Limiting lowers the
+    RMS a little, so gain and limiter are applied three times. Silence is returned unchanged."""
+    y = x.astype(np.float32)
+    for _ in range(3):
+        rms = float(np.sqrt(np.mean(y.astype(np.float64) ** 2))) if len(y) else 0.0
+        if rms <= 0:
+            return y
+        y = limit_peaks(y * np.float32(10 ** ((rms_db - _db(rms)) / 20)), sample_rate, peak_db)
+    return gate_noise(y, sample_rate)
 
 
 # ----------------------------------------------------------------------------- automatic check
@@ -135,6 +288,40 @@ def check_take(x: np.ndarray, sample_rate: int, text: str, speed: float = 1.0) -
     if clipped > 0.001:
         flags.append(f"clipping: {100 * clipped:.1f}% of samples at full scale")
     return flags
+
+
+LOOP_MIN_REPEATS = 3  # a stretch of speech tokens that repeats its first `period` tokens this often ...
+LOOP_MIN_TOKENS = 75  # ... over at least this many tokens (3 s at 25 tokens/s) is the LLM looping
+LOOP_MAX_PERIOD = 100
+
+
+def token_loop(tokens: list[int] | tuple[int, ...], token_rate: float = 25.0) -> str | None:
+    """Why a take's speech tokens look like the LLM looping (the same stretch said over and over), or None.
+    Sampled speech never repeats a stretch of tokens exactly, let alone three times in a row."""
+    t = np.asarray(tokens, np.int64)
+    for period in range(1, min(LOOP_MAX_PERIOD, len(t) // LOOP_MIN_REPEATS) + 1):
+        same = np.r_[False, t[period:] == t[:-period], False]
+        edges = np.flatnonzero(np.diff(same.astype(np.int8)))
+        for start, stop in zip(edges[::2], edges[1::2], strict=True):
+            span = stop - start + period  # tokens covered by the repetition
+            if span >= LOOP_MIN_TOKENS and span >= LOOP_MIN_REPEATS * period:
+                return (f"the speech loops: {period} token(s) said {span / period:.0f} times "
+                        f"from {start / token_rate:.1f} s")
+    return None
+
+
+def token_bounds(n_tokens: int, n_text_tokens: int, min_ratio: float, max_ratio: float) -> str | None:
+    """Why a take's length is outside what the model allows for its text (speech tokens per text token), or
+    None: the LLM stops at ``max_ratio`` only when it never found the end, and at ``min_ratio`` when it was held
+    from ending."""
+    if n_text_tokens <= 0:
+        return None
+    ratio = n_tokens / n_text_tokens
+    if ratio >= max_ratio:
+        return f"ran to the model's length limit ({n_tokens} speech tokens for {n_text_tokens} text tokens)"
+    if ratio <= min_ratio:
+        return f"stopped at the model's shortest length ({n_tokens} speech tokens for {n_text_tokens} text tokens)"
+    return None
 
 
 def _longest_run(mask: np.ndarray) -> int:

@@ -63,6 +63,7 @@ class Timeline:
 
     sample_rate: int
     rows: list[tuple[Segment, Take, float, float]]
+    acx: dict | None = field(default=None, kw_only=True)  # the mix's ACX check (AcxBook.result), once made
 
     @property
     def seconds(self) -> float:
@@ -181,9 +182,9 @@ class LongformStudio:
                     pauses[brk] = _seconds(seconds, f"pauses.{brk}")
                 out["pauses"] = pauses
             elif key == "preset":
-                if value not in (*finishing.PRESETS, None, "none"):
+                if value not in (*finishing.PRESET_NAMES, None, "none"):
                     raise InvalidInputError(f"unknown loudness preset {value!r}; use "
-                                            f"{', '.join(finishing.PRESETS)} or none", "preset")
+                                            f"{', '.join(finishing.PRESET_NAMES)} or none", "preset")
                 out["preset"] = None if value == "none" else value
             elif key == "margin":
                 out["margin"] = _seconds(value, "margin", 2.0)
@@ -527,12 +528,25 @@ class LongformStudio:
 
     def export_to(self, out: BinaryIO, project_id: str, fmt: str = "wav", finished: bool = True) -> Timeline:
         """Write the mix into the seekable file ``out`` in ``fmt`` (wav, mp3, flac, opus, m4b, mp4; the MP4
-        formats carry the chapters), one segment at a time."""
+        formats carry the chapters), one segment at a time; the timeline carries the mix's ACX check."""
         audio_fmt = file_format(fmt)
         rows: list = []
-        write_file(out, self._pieces(project_id, finished, rows), audio_fmt, self.sample_rate,
-                   lambda: Timeline(self.sample_rate, rows).chapters)
-        return Timeline(self.sample_rate, rows)
+        meters = AcxBook(self.sample_rate, self._has_chapters(project_id))
+        write_file(out, meters.measure(self._pieces(project_id, finished, rows), rows), audio_fmt,
+                   self.sample_rate, lambda: Timeline(self.sample_rate, rows).chapters)
+        return Timeline(self.sample_rate, rows, acx=meters.result())
+
+    def acx(self, project_id: str) -> dict:
+        """The finished mix checked against ACX's requirements, per chapter (as the export's chapters) and for the
+        whole book, without writing a file."""
+        rows: list = []
+        meters = AcxBook(self.sample_rate, self._has_chapters(project_id))
+        for _ in meters.measure(self._pieces(project_id, True, rows), rows):
+            pass
+        return meters.result()
+
+    def _has_chapters(self, project_id: str) -> bool:
+        return any(segment.chapter for segment in self.store.segments(project_id))
 
     def export(self, project_id: str, fmt: str = "wav", finished: bool = True) -> tuple[str, bytes, Timeline]:
         """(file name, bytes, timeline) of the mix in ``fmt``, in memory."""
@@ -549,6 +563,7 @@ class LongformStudio:
         return {"project": project.id, "name": project.name, "sample_rate": timeline.sample_rate,
                 "duration": round(timeline.seconds, 3),
                 "preset": project.settings.get("preset"),
+                **({"acx": timeline.acx} if timeline.acx is not None else {}),
                 "segments": [{"index": i, "id": s.id, "text": s.text, "start": round(a, 3), "end": round(b, 3),
                               "seed": t.seed, "take": t.id, "voice": t.voice, "voice_id": t.voice_id,
                               "speaker": s.speaker, "instruction": s.instruction, "chapter": s.chapter,
@@ -562,6 +577,39 @@ class LongformStudio:
             raise InvalidInputError(f"subtitles are srt or vtt, not {kind!r}", "format")
         cues = self.timeline(project_id, finished).cues
         return finishing.srt(cues) if kind == "srt" else finishing.vtt(cues)
+
+
+class AcxBook:
+    """ACX meters over a mix as it is made: one for the book, one per chapter as ``Timeline.chapters`` cuts them
+    (a "Start" chapter before the first heading)."""
+
+    def __init__(self, sample_rate: int, chapters: bool) -> None:
+        self.sample_rate = sample_rate
+        self.book = finishing.AcxMeter(sample_rate)
+        self.chapters: list[tuple[str, finishing.AcxMeter]] = []
+        self._by_chapter = chapters
+
+    def measure(self, pieces: Iterator[np.ndarray], rows: list) -> Iterator[np.ndarray]:
+        """``pieces`` passed on, measured; ``rows`` is the list ``_pieces`` appends each segment's place to."""
+        seen = 0
+        for piece in pieces:
+            if len(rows) > seen:  # a segment's audio (a pause does not add a row)
+                seen = len(rows)
+                title = rows[-1][0].chapter
+                if self._by_chapter and (title or not self.chapters):
+                    self.chapters.append((title or "Start", finishing.AcxMeter(self.sample_rate)))
+            self.book.feed(piece)
+            if self.chapters:
+                self.chapters[-1][1].feed(piece)
+            yield piece
+
+    def result(self) -> dict:
+        book = self.book.report()
+        chapters = [{"title": title, **meter.report().as_dict()} for title, meter in self.chapters]
+        return {"passed": book.passed and all(c["passed"] for c in chapters), "book": book.as_dict(),
+                "chapters": chapters,
+                "requirements": {"rms_db": list(finishing.ACX_RMS_DB), "peak_db": finishing.ACX_PEAK_DB,
+                                 "noise_floor_db": finishing.ACX_NOISE_FLOOR_DB}}
 
 
 def _seconds(value: object, field_name: str, limit: float = script.MAX_PAUSE_SECONDS) -> float:

@@ -9,7 +9,7 @@ HTML + JavaScript that calls the same endpoints, so everything it does is script
     GET    /v1/longform/voices                                   built-in and saved voices
     GET    /v1/longform/projects                                 the projects, last changed first
     POST   /v1/longform/projects                                 {text, name, kind, voice, speakers, preset, ...}
-    POST   /v1/longform/projects/upload                          multipart: file (.txt/.md/.epub), name, voice, ...
+    POST   /v1/longform/projects/upload                          multipart: file (.txt .md .epub .pdf .docx), ...
     GET    /v1/longform/projects/{p}                             settings, segment table (status, takes), progress
     PATCH  /v1/longform/projects/{p}                             {name, pauses, preset, margin}
     DELETE /v1/longform/projects/{p}                             the project and every take
@@ -24,6 +24,7 @@ HTML + JavaScript that calls the same endpoints, so everything it does is script
     GET    /v1/longform/projects/{p}/progress                    {running, total, done, failed, queued, eta, ...}
     GET    /v1/longform/projects/{p}/export?format=wav&finished=true   wav mp3 flac opus m4b mp4
     GET    /v1/longform/projects/{p}/subtitles.srt | subtitles.vtt | segments.json
+    GET    /v1/longform/projects/{p}/acx                         the finished mix against ACX, per chapter and book
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def longform_router(get_service: Callable[[], TTSService], data_dir: str | Path 
     def upload(file: Annotated[UploadFile, File()], name: Annotated[str, Form()] = "",
                voice: Annotated[str | None, Form()] = None, kind: Annotated[str, Form()] = "document",
                speakers: Annotated[str, Form()] = "", preset: Annotated[str, Form()] = "podcast") -> JSONResponse:
-        """A project from a .txt, .md or .epub file (``speakers``: JSON object for dialogue scripts)."""
+        """A project from a .txt, .md, .epub, .pdf or .docx file (``speakers``: JSON object for dialogue scripts)."""
         s = studio()
         data = file.file.read(MAX_UPLOAD_BYTES + 1)
         if len(data) > MAX_UPLOAD_BYTES:
@@ -235,13 +236,19 @@ def longform_router(get_service: Callable[[], TTSService], data_dir: str | Path 
         fmt = file_format(format)
         with tempfile.NamedTemporaryFile(dir=s.store.root, suffix=".export", delete=False) as out:
             try:
-                s.export_to(out, project_id, fmt.name, finished)
+                timeline = s.export_to(out, project_id, fmt.name, finished)
             except BaseException:
                 out.close()
                 os.unlink(out.name)
                 raise
+        acx = "pass" if timeline.acx and timeline.acx["passed"] else "fail"
         return FileResponse(out.name, media_type=fmt.content_type, background=BackgroundTask(os.unlink, out.name),
-                            headers=_attachment(s.file_name(project_id, fmt.name)))
+                            headers={**_attachment(s.file_name(project_id, fmt.name)), "X-ACX-Check": acx})
+
+    @router.get("/v1/longform/projects/{project_id}/acx")
+    def acx(project_id: str) -> JSONResponse:
+        """The finished mix against ACX's requirements (RMS, peak, noise floor), per chapter and for the book."""
+        return JSONResponse(studio().acx(project_id))
 
     @router.get("/v1/longform/projects/{project_id}/subtitles.{kind}")
     def subtitles(project_id: str, kind: str, finished: bool = True) -> Response:

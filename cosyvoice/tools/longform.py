@@ -3,7 +3,8 @@
     python -m cosyvoice.tools.longform INPUT --voice NAME --out DIR [--model-dir DIR]
     python -m cosyvoice.tools.longform SCRIPT --dialogue --speaker Alice=VoiceA --speaker Bob=VoiceB --out DIR
 
-INPUT is a .txt, .md or .epub file (``-`` reads standard input). NAME is a saved or built-in voice's name or id.
+INPUT is a .txt, .md, .epub, .pdf or .docx file (``-`` reads standard input). NAME is a saved or built-in
+voice's name or id.
 DIR receives the audio (``<name>.<format>``), ``segments.json`` (per segment: text, start/end seconds, seed,
 take id, voice id) and ``subtitles.srt`` / ``subtitles.vtt``. The run is a project in the data folder
 (``COSYVOICE_DATA_DIR``), so the web page can reopen it to fix single segments.
@@ -28,7 +29,7 @@ from cosyvoice.voices import BUILTIN_VOICE_DIR
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cosyvoice.tools.longform", description=__doc__.split("\n\n")[0])
-    parser.add_argument("input", help=".txt, .md or .epub file, or - for standard input")
+    parser.add_argument("input", help=".txt, .md, .epub, .pdf or .docx file, or - for standard input")
     parser.add_argument("--voice", help="the narrator: a saved or built-in voice's name or id")
     parser.add_argument("--out", required=True, type=Path, help="folder for the audio, segments.json, subtitles")
     parser.add_argument("--model-dir", default=ServerSettings.from_env().model_dir)

@@ -1,6 +1,7 @@
 """Blind listening tests over stored takes: designs, per-rater plans, listen-gating, answers, results.
 
-Kinds: ``ab`` (pairwise preference, "no preference" optional), ``mos`` (ITU-T P.800 ACR, 1–5), ``cmos``
+Kinds: ``ab`` (pairwise preference, "no preference" optional), ``abx`` (is X, one of the pair drawn per rater,
+A or B: can listeners tell the two apart at all), ``mos`` (ITU-T P.800 ACR, 1–5), ``cmos``
 (−3..+3, a take against a reference), ``mushra`` (0–100 for several takes beside an explicit reference, with
 the reference hidden among them and an optional anchor) and ``mushra_noref`` (the same without any reference,
 so a system that beats the human recording is not penalised).
@@ -26,8 +27,10 @@ from cosyvoice.errors import InvalidInputError, NotFoundError
 from cosyvoice.workbench import stats
 from cosyvoice.workbench.store import SCORE_METRICS, Answer, Rater, Take, WorkbenchStore
 
-KINDS = ("ab", "mos", "cmos", "mushra", "mushra_noref")
+KINDS = ("ab", "abx", "mos", "cmos", "mushra", "mushra_noref")
+PAIRED = ("ab", "abx")  # kinds whose items are two takes compared with each other
 SCALES = {"mos": (1, 5), "cmos": (-3, 3), "mushra": (0, 100), "mushra_noref": (0, 100)}
+PUBLIC_TITLE = "Listening test"  # what raters see when the owner gives no public title
 HIDDEN_REFERENCE_MIN = 90  # MUSHRA post-screening (ITU-R BS.1534): the hidden reference should score >= 90
 LISTEN_TOLERANCE_SECONDS = 0.3  # play start to end may fall this much short of the take's length (clock jitter)
 EXPORT_COLUMNS = ("test", "kind", "rater", "rater_id", "item", "position", "take_ids", "conditions", "shown",
@@ -35,6 +38,7 @@ EXPORT_COLUMNS = ("test", "kind", "rater", "rater_id", "item", "position", "take
                   "answered_at", *(f"obj_{m}" for m in SCORE_METRICS))
 DEFAULT_INSTRUCTIONS = {
     "ab": "Listen to both samples, A and B, to the end. Then choose the one that sounds better overall.",
+    "abx": "Listen to A, B and X to the end. X is the same recording as either A or B: say which.",
     "mos": "Listen to each sample to the end, then rate its overall quality: 5 Excellent, 4 Good, 3 Fair, "
            "2 Poor, 1 Bad.",
     "cmos": "Listen to A and B to the end, then say how B compares with A, from -3 (much worse) to +3 (much "
@@ -69,10 +73,10 @@ def design(kind: str, takes: Sequence[Take], conditions: Sequence[str], *, refer
     items: list[dict[str, Any]] = []
     for group in by_text.values():
         ref, anchors = group.get(reference or "", []), group.get(anchor or "", [])
-        if kind == "ab":
+        if kind in PAIRED:
             for a, b in itertools.combinations(conditions, 2):
                 items += [{"takes": [x.id, y.id]} for x, y in zip(group.get(a, []), group.get(b, []), strict=False)]
-            if anchors and group.get(conditions[0]):
+            if kind == "ab" and anchors and group.get(conditions[0]):
                 good = group[conditions[0]][0].id
                 items.append({"takes": [good, anchors[0].id], "check": {"expect": good}})
         elif kind == "mos":
@@ -111,9 +115,9 @@ def check_items(kind: str, items: object, store: WorkbenchStore) -> list[dict[st
         if not isinstance(item, dict) or not isinstance(item.get("takes"), list) or not item["takes"]:
             raise InvalidInputError(f"item {n} needs 'takes', a list of take ids", "items")
         count = len(item["takes"])
-        want = {"ab": count == 2, "mos": count == 1, "cmos": count == 1}.get(kind, count >= 1)
+        want = {"ab": count == 2, "abx": count == 2, "mos": count == 1, "cmos": count == 1}.get(kind, count >= 1)
         if not want:
-            raise InvalidInputError(f"item {n}: a {kind} item has {'2 takes' if kind == 'ab' else '1 take'}",
+            raise InvalidInputError(f"item {n}: a {kind} item has {'2 takes' if kind in PAIRED else '1 take'}",
                                     "items")
         if kind in ("cmos", "mushra") and not isinstance(item.get("reference"), str):
             raise InvalidInputError(f"item {n}: a {kind} item needs a 'reference' take id", "items")
@@ -147,6 +151,11 @@ def make_plan(kind: str, items: list[dict[str, Any]], seed: int) -> list[dict[st
             if rng.random() < 0.5:
                 pair.reverse()
             slots = [{"slot": s, "take": t, "role": "stimulus"} for s, t in zip("AB", pair, strict=True)]
+        elif kind == "abx":
+            pair = list(item["takes"])
+            rng.shuffle(pair)
+            slots = [{"slot": s, "take": t, "role": "stimulus"} for s, t in zip("AB", pair, strict=True)]
+            slots.append({"slot": "X", "take": rng.choice(pair), "role": "x"})
         elif kind == "mos":
             slots = [{"slot": "X", "take": item["takes"][0], "role": "stimulus"}]
         elif kind == "cmos":
@@ -275,6 +284,11 @@ def _canonical(kind: str, entry: dict[str, Any], item: dict[str, Any], payload: 
         else:
             raise InvalidInputError("choose A or B" + (" or no preference" if allow_none else ""), "answer")
         return {"choice": chosen, "shown": choice}, None if check is None else chosen != check["expect"]
+    if kind == "abx":
+        if payload.get("choice") not in ("A", "B"):
+            raise InvalidInputError("say whether X is A or B", "answer")
+        chosen, x = slots[payload["choice"]]["take"], slots["X"]["take"]
+        return {"chosen": chosen, "x": x, "correct": chosen == x, "shown": payload["choice"]}, None
     if kind in ("mos", "cmos"):
         shown = _score(payload.get("score"), kind)
         # CMOS asks "B compared with A"; canonical: the stimulus compared with the reference
@@ -333,6 +347,10 @@ def export_rows(store: WorkbenchStore, test_id: str) -> list[dict[str, Any]]:
             rows.append({**base, "answer": a.answer["shown"], "answer_take": "" if chosen == "none" else chosen,
                          "answer_condition": "none" if chosen == "none" else cond(chosen), "score": "",
                          **objective(chosen)})
+        elif test["kind"] == "abx":
+            rows.append({**base, "answer": a.answer["shown"], "answer_take": a.answer["chosen"],
+                         "answer_condition": cond(a.answer["chosen"]), "score": int(a.answer["correct"]),
+                         **objective(a.answer["chosen"])})
         elif test["kind"] in ("mos", "cmos"):
             rows.append({**base, "answer": a.answer["shown"], "answer_take": item["takes"][0],
                          "answer_condition": cond(item["takes"][0]), "score": a.answer["score"],
@@ -367,11 +385,14 @@ def summary(store: WorkbenchStore, test_id: str) -> dict[str, Any]:
     test = store.test(test_id)
     rows = [r for r in export_rows(store, test_id) if r["check"] == ""]
     out: dict[str, Any] = {"kind": test["kind"], "answers": len(rows), "conditions": [], "pairs": [],
-                           "bradley_terry": None, "per_rater": [], "agreement": None}
+                           "bradley_terry": None, "per_rater": [], "agreement": None,
+                           "scale": list(SCALES[test["kind"]]) if test["kind"] in SCALES else None}
     if not rows:
         return out
     if test["kind"] == "ab":
         return {**out, **_ab_summary(rows)}
+    if test["kind"] == "abx":
+        return {**out, **_abx_summary(rows)}
     by_condition: dict[str, list[float]] = defaultdict(list)
     by_rater: dict[tuple[str, str], list[float]] = defaultdict(list)
     units: dict[tuple[int, str], dict[str, float]] = defaultdict(dict)
@@ -417,6 +438,21 @@ def _ab_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"pairs": table, "bradley_terry": bt, "per_rater": per_rater, "agreement": _agreement(units, "nominal")}
 
 
+def _abx_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per pair of conditions: how often X was named correctly, and the one-sided binomial p-value of doing
+    that well by guessing; per rater the same."""
+    pairs: dict[tuple[str, str], list[int]] = defaultdict(list)
+    by_rater: dict[str, list[int]] = defaultdict(list)
+    for r in rows:
+        a, b = sorted(r["conditions"].split(";"))
+        pairs[(a, b)].append(int(r["score"]))
+        by_rater[r["rater"]].append(int(r["score"]))
+    table = [{"a": a, "b": b, "correct": sum(v), "n": len(v), "share": sum(v) / len(v),
+              "p_value": stats.binomial_tail(sum(v), len(v))} for (a, b), v in sorted(pairs.items())]
+    per_rater = [{"rater": rater, "correct": sum(v), "n": len(v)} for rater, v in sorted(by_rater.items())]
+    return {"pairs": table, "per_rater": per_rater}
+
+
 def _agreement(units: dict[Any, dict[str, Any]], metric: str) -> dict[str, Any]:
     raters = sorted({r for u in units.values() for r in u})
     value = stats.krippendorff_alpha([[u.get(r) for r in raters] for u in units.values()], metric)
@@ -428,12 +464,18 @@ def _num(x: float) -> float | None:
 
 
 def create_test(store: WorkbenchStore, kind: str, items: list[dict[str, Any]], *, title: str = "",
-                instructions: str = "", allow_none: bool = False) -> str:
-    """Store a test over ``items`` (from :func:`design` or :func:`check_items`); the instructions default to the
-    kind's standard wording."""
+                instructions: str = "", allow_none: bool = False, name: str = "") -> str:
+    """Store a test over ``items`` (from :func:`design` or :func:`check_items`). ``title`` and ``instructions`` are
+    what raters see (a neutral title and the kind's standard wording by default: the owner's working ``name``,
+    which often names the systems compared, is never shown to them)."""
     _check_kind(kind)
-    if not isinstance(title, str) or not isinstance(instructions, str):
-        raise InvalidInputError("title and instructions must be text", "title")
-    return store.add_test(kind, title.strip() or f"{kind.upper()} test", instructions.strip() or
-                          DEFAULT_INSTRUCTIONS[kind], {"allow_none": bool(allow_none) and kind == "ab",
-                                                       "items": items})
+    if not all(isinstance(x, str) for x in (title, instructions, name)):
+        raise InvalidInputError("name, title and instructions must be text", "title")
+    return store.add_test(kind, title.strip() or PUBLIC_TITLE, instructions.strip() or DEFAULT_INSTRUCTIONS[kind],
+                          {"allow_none": bool(allow_none) and kind == "ab", "items": items,
+                           "name": name.strip() or f"{kind.upper()} test"})
+
+
+def owner_name(test: dict[str, Any]) -> str:
+    """The owner's name for a test (tests made before names existed: their title)."""
+    return test["spec"].get("name") or test["title"]

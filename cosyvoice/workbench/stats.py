@@ -104,6 +104,14 @@ def binomial_test(k: int, n: int, p: float = 0.5) -> float:
     return min(1.0, sum(q for q in probs if q <= observed))
 
 
+def binomial_tail(k: int, n: int, p: float = 0.5) -> float:
+    """One-sided p-value: the probability of ``k`` or more successes in ``n`` trials. An ABX test asks only
+    whether listeners do better than guessing, so doing worse is no evidence of a difference."""
+    if not 0 <= k <= n:
+        raise ValueError("need 0 <= k <= n")
+    return min(1.0, sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1)))
+
+
 def bradley_terry(comparisons: Sequence[tuple[Hashable, Hashable, float]], level: float = 0.95,
                   iterations: int = 10_000) -> dict[Hashable, Interval]:
     """Log-strengths θ (summing to zero; P(i beats j) = 1 / (1 + exp(θj − θi))) with Wald intervals.

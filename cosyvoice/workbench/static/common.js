@@ -23,3 +23,8 @@ function el(tag, attrs, ...children) {
   return node;
 }
 function fmt(x, digits = 2) { return x === null || x === undefined || Number.isNaN(x) ? "–" : Number(x).toFixed(digits); }
+// A value as a reader expects it: counts as whole numbers, measurements to ``digits`` places, nothing as "–".
+function number(x, digits = 2) {
+  if (typeof x !== "number") return x ?? "–";
+  return Number.isInteger(x) ? String(x) : fmt(x, digits);
+}
