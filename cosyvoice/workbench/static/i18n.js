@@ -1,0 +1,310 @@
+// The workbench, rater, results and long-form pages in the browser's language, as the studio is: English as the
+// pages are written, Chinese from the tables below (?lang=en or ?lang=zh overrides the browser). The pages stay
+// written in English; every text node, placeholder, title and label is looked up when it appears (a
+// MutationObserver follows what the scripts draw), whole strings first, then the patterns of strings with numbers.
+// What the server says (error messages) stays as the server wrote it.
+(() => {
+  const asked = new URLSearchParams(location.search).get("lang");
+  const lang = asked || (navigator.languages && navigator.languages[0]) || navigator.language || "en";
+  window.wbLang = /^zh/i.test(lang) ? "zh" : "en";
+  if (window.wbLang !== "zh") return;
+  document.documentElement.lang = "zh-CN";
+
+  const ZH = {
+    // rater page
+    "Listening test": "听音测试",
+    "Instructions": "说明",
+    "Use headphones in a quiet room. Each sample must be played to its end before your answer counts. Your answers are saved after every item: you can close the page and come back later, on any device, with the same name or your personal link.":
+      "请在安静的房间里佩戴耳机。每个样本都要完整播放到结尾，您的回答才会计入。每一项回答后都会保存：您可以关闭页面，稍后用您的个人链接在任何设备上继续。",
+    "Your name": "您的名字",
+    "Start": "开始",
+    "· rating as": "· 评分人",
+    "Loop": "循环",
+    "Segment from": "片段：从",
+    "to": "到",
+    "s": "秒",
+    "start": "开始",
+    "end": "结束",
+    "(replays count as extra listening; only a play from the start to the end unlocks saving)":
+      "（重放算作额外聆听；只有从头播放到结尾才能解锁保存）",
+    "Save and continue": "保存并继续",
+    "Reconnecting to the server… your answer is kept on this device and will be saved as soon as the server answers again. Please keep this page open.":
+      "正在重新连接服务器……您的回答已保存在本设备上，服务器恢复后会立即提交。请不要关闭此页面。",
+    "Your personal link (bookmark it to continue on another device):": "您的个人链接（加入书签，可在其他设备上继续）：",
+    "Thank you!": "谢谢！",
+    "All": "全部",
+    "answers are saved. You can close this page.": "条回答均已保存。您可以关闭此页面。",
+    // the kinds' standard instructions (cosyvoice/workbench/listening.py DEFAULT_INSTRUCTIONS), as tests store them
+    "Listen to both samples, A and B, to the end. Then choose the one that sounds better overall.":
+      "请把 A、B 两个样本都听到结尾，然后选择整体听起来更好的一个。",
+    "Listen to A, B and X to the end. X is the same recording as either A or B: say which.":
+      "请把 A、B 和 X 都听到结尾。X 与 A 或 B 是同一段录音：请指出是哪一个。",
+    "Listen to each sample to the end, then rate its overall quality: 5 Excellent, 4 Good, 3 Fair, 2 Poor, 1 Bad.":
+      "请把每个样本听到结尾，然后为其整体质量打分：5 优，4 良，3 中，2 差，1 劣。",
+    "Listen to A and B to the end, then say how B compares with A, from -3 (much worse) to +3 (much better); 0 means about the same.":
+      "请把 A 和 B 听到结尾，然后评价 B 与 A 相比如何，从 -3（差很多）到 +3（好很多）；0 表示差不多。",
+    "Listen to the reference and to every sample to the end. Rate each sample from 0 to 100 for how close it is to the reference; one of them is the reference itself.":
+      "请把参考和每个样本都听到结尾。按与参考的接近程度为每个样本打 0 到 100 分；其中一个样本就是参考本身。",
+    "Listen to every sample to the end. Rate each from 0 (bad) to 100 (excellent) for overall quality, comparing them with each other.":
+      "请把每个样本都听到结尾。相互比较，为每个样本的整体质量打 0（很差）到 100（优秀）分。",
+    "Which sample sounds better overall?": "哪个样本整体听起来更好？",
+    "X is the same recording as A or as B. Which one?": "X 与 A 或 B 是同一段录音。是哪一个？",
+    "How good is the overall quality of this sample?": "这个样本的整体质量如何？",
+    "How does B compare with A?": "与 A 相比，B 如何？",
+    "Rate each sample against the reference (0 bad … 100 identical to the reference).":
+      "对照参考为每个样本打分（0 很差 … 100 与参考完全相同）。",
+    "Rate each sample's overall quality (0 bad … 100 excellent).": "为每个样本的整体质量打分（0 很差 … 100 优秀）。",
+    "5 Excellent": "5 优", "4 Good": "4 良", "3 Fair": "3 中", "2 Poor": "2 差", "1 Bad": "1 劣",
+    "-3 much worse": "-3 差很多", "-2 worse": "-2 较差", "-1 slightly worse": "-1 略差", "0 about the same": "0 差不多",
+    "+1 slightly better": "+1 略好", "+2 better": "+2 较好", "+3 much better": "+3 好很多",
+    "Excellent": "优", "Good": "良", "Fair": "中", "Poor": "差", "Bad": "劣",
+    "A is better": "A 更好", "B is better": "B 更好", "No preference": "没有偏好",
+    "X is A": "X 是 A", "X is B": "X 是 B",
+    "Reference": "参考", "Sample": "样本",
+    "▶ Play": "▶ 播放",
+    "not played yet": "尚未播放",
+    "playing…": "播放中……",
+    "playing a segment…": "播放片段中……",
+    "✓ played to the end": "✓ 已播放到结尾",
+    "not rated": "未评分",
+    "click to confirm this value": "点击确认此分值",
+    "Play every sample to the end first.": "请先把每个样本播放到结尾。",
+    "Choose an answer.": "请选择一个答案。",
+    // workbench owner page
+    "Listening-test workbench": "听音测试工作台",
+    "Make takes in batches (each with its provenance), build blind tests from them, send raters their link, read the results. Takes made by the batch CLI, the REST API or this page all appear here.":
+      "批量生成录音（每条都带有来源记录），用它们构建盲测，把链接发给评分人，查看结果。批处理命令行、REST API 或本页生成的录音都会出现在这里。",
+    "1. Batch takes": "1. 批量生成",
+    "A CSV (header": "CSV 文件（表头",
+    ") or JSONL file.": "）或 JSONL 文件。",
+    "is a saved voice's id or name (built-ins included);": "是已保存声音的 id 或名称（包括内置声音）；",
+    "is the condition a row belongs to.": "是该行所属的条件。",
+    "Run batch": "运行批处理",
+    "…or texts × voices × speeds (one take each; the label is the voice, plus the speed when several are given):":
+      "……或 文本 × 声音 × 语速（每个组合一条录音；标签为声音名，给出多个语速时再加上语速）：",
+    "one text per line": "每行一段文本",
+    "Voices": "声音",
+    "Speeds": "语速",
+    "Run texts × voices × speeds": "运行 文本 × 声音 × 语速",
+    "2. Takes": "2. 录音",
+    "(one row per take with its provenance)": "（每条录音一行，附来源记录）",
+    "take": "录音",
+    "text (normalised)": "文本（规范化后）",
+    "voice · mode · seed": "声音 · 模式 · 种子",
+    "length": "时长",
+    "listen": "试听",
+    "3. New blind test": "3. 新建盲测",
+    "Kind": "类型",
+    "A/B preference": "A/B 偏好",
+    "ABX (can listeners tell two conditions apart?)": "ABX（听者能否区分两个条件？）",
+    "MOS (ACR 1–5)": "MOS（ACR 1–5）",
+    "CMOS (−3..+3 vs a reference)": "CMOS（与参考比较，−3..+3）",
+    "MUSHRA (hidden reference + anchor)": "MUSHRA（隐藏参考 + 锚点）",
+    "MUSHRA without reference": "无参考 MUSHRA",
+    "Title": "标题",
+    "Conditions (take labels) to compare:": "要比较的条件（录音标签）：",
+    "Anchor / attention check": "锚点 / 注意力检查",
+    "allow \"no preference\" (A/B)": "允许“没有偏好”（A/B）",
+    "Instructions for raters (empty: the standard wording of the kind)": "给评分人的说明（留空：使用该类型的标准说明）",
+    "Create test": "创建测试",
+    "4. Tests": "4. 测试",
+    "test": "测试",
+    "kind": "类型",
+    "items": "项数",
+    "raters (answered / total)": "评分人（已答 / 总数）",
+    "links": "链接",
+    "rater link": "评分链接",
+    "results": "结果",
+    "none yet": "暂无",
+    "(none)": "（无）",
+    "choose a CSV or JSONL file first": "请先选择 CSV 或 JSONL 文件",
+    "give at least one text and one voice": "请至少给出一段文本和一个声音",
+    // results page
+    "Test results": "测试结果",
+    "← workbench": "← 工作台",
+    "Results": "结果",
+    "Raters": "评分人",
+    "Rater link:": "评分链接：",
+    "rater": "评分人",
+    "progress": "进度",
+    "attention checks failed": "未通过的注意力检查",
+    "seed": "种子",
+    "Summary": "汇总",
+    "Download answers.csv": "下载 answers.csv",
+    "(one row per answer: test, rater, item, take ids, conditions, answer, time spent, play count, attention check)":
+      "（每个回答一行：测试、评分人、项目、录音 id、条件、回答、用时、播放次数、注意力检查）",
+    "Per rater": "按评分人",
+    "Objective scorecard": "客观评分卡",
+    "Speaker similarity, predicted quality, duration and loudness per condition, computed on this machine from the takes (no listener). With the demo model these numbers mean nothing.":
+      "各条件的说话人相似度、预测质量、时长和响度，由本机根据录音计算（无需听者）。使用演示模型时这些数字没有意义。",
+    "Compute scorecard": "计算评分卡",
+    "computing…": "计算中……",
+    "(per take)": "（每条录音）",
+    "Not enough answers for intervals yet.": "回答还不足以计算置信区间。",
+    "mean with 95% t-interval": "均值及 95% t 区间",
+    "Bradley–Terry log-strength, 95% interval (ranked by lower bound)": "Bradley–Terry 对数强度，95% 区间（按下界排序）",
+    "pair": "配对", "wins": "胜场", "no preference": "没有偏好", "share of first": "前者占比",
+    "binomial p (two-sided)": "二项检验 p（双侧）",
+    "X named correctly": "正确识别 X",
+    "share": "占比",
+    "binomial p (one-sided: better than guessing)": "二项检验 p（单侧：优于猜测）",
+    "correct": "正确",
+    "chose": "选择", "times": "次数", "condition": "条件", "mean": "均值", "95% CI": "95% 置信区间",
+    // long-form page
+    "Long-form projects · CosyVoice3 Studio": "长文本项目 · CosyVoice3 Studio",
+    "Long-form projects": "长文本项目",
+    "back to the studio": "返回工作室",
+    "Projects": "项目",
+    "Project": "项目",
+    "Open": "打开",
+    "Delete": "删除",
+    "New project": "新建项目",
+    "Name": "名称",
+    "My article": "我的文章",
+    "Narration": "旁白",
+    "Dialogue (Name: line)": "对话（名字: 台词）",
+    "Voice": "声音",
+    "Loudness": "响度",
+    "podcast −16 LUFS": "播客 −16 LUFS",
+    "broadcast −23 LUFS": "广播 −23 LUFS",
+    "audiobook (ACX)": "有声书（ACX）",
+    "unchanged": "不变",
+    "or a file (.txt .md .epub .pdf .docx)": "或一个文件（.txt .md .epub .pdf .docx）",
+    "Speakers (dialogue: one per line,": "说话人（对话：每行一个，",
+    "Text (paragraphs: blank lines; chapters:": "文本（段落：空行分隔；章节：",
+    "; pauses:": "；停顿：",
+    "; dialogue:": "；对话：",
+    "or": "或",
+    "Create project": "创建项目",
+    "podcast −16 LUFS / −1 dBTP": "播客 −16 LUFS / −1 dBTP",
+    "broadcast −23 LUFS / −1 dBTP": "广播 −23 LUFS / −1 dBTP",
+    "audiobook (ACX: −20 dB RMS / −3.5 dB peak)": "有声书（ACX：−20 dB RMS / −3.5 dB 峰值）",
+    "Margin s": "边距（秒）",
+    "Sentence s": "句间（秒）",
+    "Paragraph s": "段间（秒）",
+    "Chapter s": "章间（秒）",
+    "Turn s": "轮次间（秒）",
+    "Save settings": "保存设置",
+    "Generate": "生成",
+    "Stop": "停止",
+    "play the chosen takes in order, with their pauses, as they are made": "按顺序播放选定的录音（含停顿），边生成边播放",
+    "Play all": "全部播放",
+    "Stop playing": "停止播放",
+    "Status": "状态",
+    "Text": "文本",
+    "Instruction": "指令",
+    "Speed": "语速",
+    "Pause s": "停顿（秒）",
+    "Take": "录音",
+    "Export": "导出",
+    "Finishing": "后期处理",
+    "trimmed + levelled": "修剪 + 响度统一",
+    "raw takes": "原始录音",
+    "Audiobook check (ACX)": "有声书检查（ACX）",
+    "RMS −23 to −18 dB, peak ≤ −3 dB, noise floor ≤ −60 dB, per chapter and for the book":
+      "RMS −23 至 −18 dB，峰值 ≤ −3 dB，底噪 ≤ −60 dB，逐章及全书",
+    "Check": "检查",
+    "Master to ACX": "按 ACX 母带处理",
+    "Part": "部分",
+    "Length": "时长",
+    "RMS dB": "RMS dB",
+    "Peak dB": "峰值 dB",
+    "Noise floor dB": "底噪 dB",
+    "Result": "结果",
+    "Whole book": "全书",
+    "passes": "通过",
+    "meets ACX": "符合 ACX",
+    "does not meet ACX": "不符合 ACX",
+    "measuring…": "测量中……",
+    "silence": "静音",
+    "mastered to ACX: the export now uses the audiobook preset": "已按 ACX 处理：导出将使用有声书预设",
+    "settings saved": "设置已保存",
+    "Delete this project and all its takes?": "删除此项目及其所有录音？",
+    "(no takes)": "（无录音）",
+    "(none chosen)": "（未选择）",
+    "new take with a new seed": "用新种子生成新录音",
+    "split at the cursor": "在光标处拆分",
+    "merge with the next segment": "与下一段合并",
+    "place the cursor in the text where it should be split": "请把光标放在文本中要拆分的位置",
+    "the browser refused to play audio": "浏览器拒绝播放音频",
+    "Regenerate": "重新生成", "Split": "拆分", "Merge ↓": "合并 ↓",
+    "pending": "待生成", "queued": "排队中", "running": "生成中", "done": "完成", "failed": "失败",
+    " (built-in)": "（内置）",
+  };
+  const PATTERNS = [
+    [/^Item (\d+) of (\d+)$/, "第 $1 项，共 $2 项"],
+    [/^Sample (\S+)$/, "样本 $1"],
+    [/^(\d+) (Excellent|Good|Fair|Poor|Bad)$/, (m, n, b) => `${n} ${ZH[b]}`],
+    [/^Move every slider to your rating \((\d+) not rated yet; click a value to keep it as it is\)\.$/,
+     "请把每个滑块拖到您的评分（还有 $1 个未评分；点击分值可保留当前值）。"],
+    [/^Created with (\d+) items\. Send raters $/, "已创建，共 $1 项。把此链接发给评分人："],
+    [/^(\d+) of (\d+) rows$/, "$1 / $2 行"],
+    [/^, about (\d+) s left$/, "，约剩 $1 秒"],
+    [/^(.*) \((\w+), (\d+) items\)$/, "$1（$2，$3 项）"],
+    [/^(\d+) of (\d+)$/, "$1 / $2"],
+    [/^Agreement: (.*) = (.*) over (\d+) raters$/, "一致性：$1 = $2（$3 位评分人）"],
+    [/^(\d+) of (\d+) segments done$/, "已完成 $1 / $2 段"],
+    [/^, (\d+) failed$/, "，$1 段失败"],
+    [/^ · generating$/, " · 生成中"],
+    [/^ · about (\d+) s left$/, " · 约剩 $1 秒"],
+    [/^playing (\d+) of (\d+)$/, "正在播放 $1 / $2"],
+    [/^waiting for segment (\d+)$/, "等待第 $1 段"],
+    [/^take (\d+) · seed (\d+) · ([\d.]+) s$/, "录音 $1 · 种子 $2 · $3 秒"],
+    [/^project created: (\d+) segments$/, "项目已创建：$1 段"],
+    [/^exported (.+)$/, "已导出 $1"],
+    [/^Chapter: (.+)$/, "章节：$1"],
+    [/^(.+) \(built-in\)$/, "$1（内置）"],
+  ];
+
+  function translate(text) {
+    const core = text.trim().replace(/\s+/g, " ");
+    if (!core) return text;
+    let out = Object.prototype.hasOwnProperty.call(ZH, core) ? ZH[core] : null;
+    for (const [pattern, replacement] of out === null ? PATTERNS : []) {
+      if (pattern.test(core)) { out = core.replace(pattern, replacement); break; }
+    }
+    if (out === null) {
+      if (Object.prototype.hasOwnProperty.call(ZH, text)) return ZH[text];  // a string whose spaces matter
+      for (const [pattern, replacement] of PATTERNS) if (pattern.test(text)) return text.replace(pattern, replacement);
+      return text;
+    }
+    const lead = text.match(/^\s*/)[0], trail = text.match(/\s*$/)[0];
+    return lead + out + trail;
+  }
+
+  const SKIP = new Set(["SCRIPT", "STYLE", "TEXTAREA", "CODE"]);
+  function visit(node) {
+    if (node.nodeType === Node.TEXT_NODE) {
+      if (node.parentNode && SKIP.has(node.parentNode.nodeName)) return;
+      const done = translate(node.data);
+      if (done !== node.data) node.data = done;
+      return;
+    }
+    if (node.nodeType !== Node.ELEMENT_NODE) return;
+    for (const attr of ["placeholder", "title", "aria-label"]) {
+      const value = node.getAttribute(attr);
+      if (value) {
+        const done = translate(value);
+        if (done !== value) node.setAttribute(attr, done);
+      }
+    }
+    if (!SKIP.has(node.nodeName)) for (const child of node.childNodes) visit(child);
+  }
+
+  const start = () => {
+    visit(document.body);
+    document.title = translate(document.title);
+    new MutationObserver((changes) => {
+      for (const change of changes) {
+        if (change.type === "characterData") visit(change.target);
+        else if (change.type === "attributes") visit(change.target);
+        else change.addedNodes.forEach(visit);
+      }
+      const title = translate(document.title);
+      if (title !== document.title) document.title = title;
+    }).observe(document.body, {childList: true, subtree: true, characterData: true, attributes: true,
+                               attributeFilter: ["placeholder", "title", "aria-label"]});
+  };
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", start);
+  else start();
+})();
