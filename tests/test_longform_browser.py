@@ -163,3 +163,24 @@ def test_a_pdf_book_becomes_chapters_and_is_mastered_to_acx(page, tmp_path: Path
     assert page.locator("#acx-table td.fail").count() == 0 and page.locator("#acx-table td.pass").count() == 3
     assert page.input_value("#preset") == "acx" and not page.locator("#acx-master").is_visible()
     shot(page, "7-acx-mastered")
+
+
+def test_a_project_has_its_own_address_and_the_form_is_cleared(page, app: str) -> None:
+    page.goto(app + "studio/longform")
+    page.wait_for_function("() => window.longformReady === true")
+    page.fill("#new-name", "Addressed")
+    page.select_option("#new-voice", label="Narrator (built-in)")
+    page.fill("#new-text", "One line.")
+    page.click("#create")
+    page.wait_for_function("() => current && current.name === 'Addressed'")
+    assert page.input_value("#new-name") == "" and page.input_value("#new-text") == ""  # a second click makes none
+    project = page.evaluate("() => current.id")
+    assert page.url.endswith(f"?project={project}")
+    other = page.context.new_page()  # the address alone opens it
+    other.goto(page.url)
+    other.wait_for_function("() => window.longformReady === true")
+    assert other.evaluate("() => current && current.id") == project
+    other.goto(app + "studio/longform?project=nope")
+    other.wait_for_function("() => window.longformReady === true")
+    sync_api.expect(other.locator("#toast")).to_be_visible()
+    other.close()
