@@ -184,3 +184,25 @@ def test_a_project_has_its_own_address_and_the_form_is_cleared(page, app: str) -
     other.wait_for_function("() => window.longformReady === true")
     sync_api.expect(other.locator("#toast")).to_be_visible()
     other.close()
+
+
+def test_a_docx_book_becomes_chapters(page, app: str, tmp_path: Path) -> None:
+    import docx
+
+    document = docx.Document()
+    for title in ("Morning", "Evening"):
+        document.add_heading(title, 1)
+        document.add_paragraph(f"It was {title.lower()}.")
+    book = tmp_path / "book.docx"
+    document.save(book)
+    page.goto(app + "studio/longform")
+    page.wait_for_function("() => window.longformReady === true")
+    page.fill("#new-name", "DOCX book")
+    page.select_option("#new-voice", label="Narrator (built-in)")
+    page.set_input_files("#new-file", str(book))
+    page.click("#create")
+    page.wait_for_function("() => current && current.name === 'DOCX book'")
+    chapters = page.locator("#segments tr.chapter td:first-child").all_inner_texts()
+    assert chapters == ["Chapter: Morning", "Chapter: Evening"]
+    texts = page.locator("#segments textarea.text").evaluate_all("ts => ts.map(t => t.value)")
+    assert texts == ["Morning.", "It was morning.", "Evening.", "It was evening."]
