@@ -338,6 +338,7 @@ class JobRunner:
                 if self._closed:
                     return
                 token = self._tokens[job.id] = CancelToken()
+                self._wake.notify_all()  # the watcher follows this job's cancel flag from now on
             try:
                 self._run(job, token)
             except Exception:  # the runner's own bookkeeping failed (e.g. its database): the job is interrupted
