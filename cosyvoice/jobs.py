@@ -247,6 +247,7 @@ class JobRunner:
         """Continue an interrupted job from its first unfinished item, in this process."""
         with self._tx() as db:
             job = self.job(job_id)
+            assert job.kind in self._kinds, job.kind
             if job.state is not JobState.INTERRUPTED:
                 raise InvalidInputError(f"only an interrupted job can be resumed; this one is {job.state.value}",
                                         "job")
@@ -341,8 +342,11 @@ class JobRunner:
                 self._wake.notify_all()  # the watcher follows this job's cancel flag from now on
             try:
                 self._run(job, token)
-            except Exception:  # the runner's own bookkeeping failed (e.g. its database): the job is interrupted
+            except Exception as exc:  # the runner's own bookkeeping failed (e.g. its database's disk is full)
                 logger.exception("job %s stopped", job.id)
+                with contextlib.suppress(Exception):
+                    self._update(job.id, state=JobState.FAILED.value, current=None, error=describe(exc),
+                                 finished=time.time())
             finally:
                 with self._wake:
                     self._tokens.pop(job.id, None)
@@ -351,10 +355,12 @@ class JobRunner:
 
     def _claim(self) -> Job | None:
         """This process's oldest queued job whose subject has no running job, now running (call with the lock)."""
+        kinds = list(self._kinds)
         with self._tx() as db:
-            row = db.execute("SELECT * FROM jobs j WHERE state='queued' AND host=? AND pid=? AND NOT EXISTS "
-                             "(SELECT 1 FROM jobs r WHERE r.subject=j.subject AND r.state='running') "
-                             "ORDER BY created LIMIT 1", (self._host, self._pid)).fetchone()
+            row = db.execute(f"SELECT * FROM jobs j WHERE state='queued' AND host=? AND pid=? AND kind IN "
+                             f"({','.join('?' * len(kinds))}) AND NOT EXISTS (SELECT 1 FROM jobs r WHERE "
+                             "r.subject=j.subject AND r.state='running') ORDER BY created LIMIT 1",
+                             (self._host, self._pid, *kinds)).fetchone()
             if row is None:
                 return None
             db.execute("UPDATE jobs SET state='running', started=COALESCE(started, ?) WHERE id=?",
@@ -396,7 +402,7 @@ class JobRunner:
                 end = JobState.CANCELLED
         final = self.job(job.id)
         if end is JobState.DONE and final.total and final.failed == final.total:
-            end, error = JobState.FAILED, "every item failed; the errors name each one"
+            end = JobState.FAILED  # every item failed: the items' errors say why
         self._update(job.id, state=end.value, current=None, error=error, finished=time.time())
 
     @staticmethod

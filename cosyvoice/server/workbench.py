@@ -4,7 +4,8 @@ Mounted by the REST server (``create_app``) and by the web UI's Gradio app, so b
 
 * pages: ``/workbench/`` (owner: takes, batches, tests), ``/workbench/tests/{id}`` (owner: progress, results,
   plots, export), ``/workbench/rate/{id}`` (the link raters get);
-* API under ``/workbench/api``: takes (incremental with ``?after=``), batches with progress and ETA, tests,
+* API under ``/workbench/api``: takes (incremental with ``?after=``), batches (jobs of :mod:`cosyvoice.jobs`:
+  progress, ETA, per-row errors, ``/cancel``, ``/resume`` of an interrupted one), tests,
   raters, play events, answers, results, ``answers.csv`` and ``takes.csv``.
 
 Raters reach their samples through ``/workbench/api/raters/{rater}/audio/{position}/{slot}``, which names no
