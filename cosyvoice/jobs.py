@@ -97,6 +97,10 @@ class Cancelled(Exception):
     """Raised by a task that saw its token cancelled before it kept anything: the item is not counted."""
 
 
+class Interrupted(Exception):
+    """The service stopped a task's request (the server is shutting down): the job can be resumed later."""
+
+
 class JobGone(CosyVoiceError):
     """The job's subject was deleted meanwhile (e.g. by another server): the job ends cancelled, cleanly."""
 
@@ -163,24 +167,35 @@ class Made:
 
 
 def synthesize(service: TTSService, request: SynthesisRequest, token: CancelToken) -> Made:
-    """``request``'s audio for a job: waits for its slot in the service's admission, in order, and raises
-    :class:`Cancelled` if ``token`` was cancelled meanwhile (a cut-short take is never kept)."""
+    """``request``'s audio for a job: waits for its slot in the service's admission, in order. Raises
+    :class:`Cancelled` if ``token`` was cancelled meanwhile, :class:`Interrupted` if the service stopped the
+    request (shutting down): a cut-short take is never kept."""
     started = time.perf_counter()
     first: float | None = None
     pieces: list[np.ndarray] = []
+    own = CancelToken()  # the request's: the service's shutdown cancels it, not the job
+    unsubscribe = token.subscribe(own.cancel)
     try:
-        with service.synthesize(request, cancel=token, wait=True) as session:
+        try:
+            session = service.synthesize(request, cancel=own, wait=True)
+        except ResourceLimitError:  # a waiting request is refused when cancelled or shutting down, or too long
+            if token.cancelled:
+                raise Cancelled from None
+            if service.shutting_down:
+                raise Interrupted from None
+            raise
+        with session:
             for chunk in session:
                 if first is None and chunk.pcm.numel():
                     first = time.perf_counter() - started
                 pieces.append(chunk.pcm.reshape(-1).cpu().numpy())
             prepared = session.prepared
-    except ResourceLimitError:
-        if token.cancelled:
-            raise Cancelled from None
-        raise
+    finally:
+        unsubscribe()
     if token.cancelled:
         raise Cancelled
+    if own.cancelled:
+        raise Interrupted
     pcm = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
     return Made(pcm, prepared, time.perf_counter() - started, first)
 
@@ -381,6 +396,9 @@ class JobRunner:
                 task.run(token)
             except Cancelled:
                 end = JobState.CANCELLED
+                break
+            except Interrupted:
+                end, error = JobState.INTERRUPTED, "the server stopped while it ran; resume it"
                 break
             except JobGone as exc:
                 logger.info("job %s ends: %s", job.id, exc)

@@ -253,6 +253,10 @@ class Admission:
     def waiting(self) -> int:
         return len(self._queue)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _enter(self, waiter: _Waiter, bounded: bool = True) -> bool:
         """Take a slot now (True) or queue ``waiter`` (False); raises when refused. Call with the lock held."""
         if self._closed:
@@ -558,6 +562,11 @@ class TTSService:
     @property
     def queued_requests(self) -> int:
         return self._admission.waiting
+
+    @property
+    def shutting_down(self) -> bool:
+        """Whether :meth:`drain` has begun: new requests are refused (a long job stops resumable)."""
+        return self._admission.closed
 
     def status(self) -> ServiceStatus:
         return ServiceStatus(self.model_dir, self.sample_rate, self._admission.active, self._admission.waiting,

@@ -294,7 +294,8 @@ def test_deleting_a_project_on_one_server_ends_its_render_on_the_other_cleanly(t
     until(lambda: httpx.get(f"{b.url}/v1/longform/projects/{pid}/progress").json()["done"] >= 1, 120, "a take")
     assert httpx.delete(f"{b.url}/v1/longform/projects/{pid}", timeout=60).status_code == 200
     until(lambda: httpx.get(f"{a.url}/v1/longform/projects/{pid}/progress").status_code == 404, 30, "the delete")
-    time.sleep(2.0)  # what A was making when the project went
+    until(lambda: httpx.get(f"{a.url}/ready").json()["active_sessions"] == 0, 60, "the end of A's last take")
+    time.sleep(0.5)
     assert not (tmp_path / "data" / "longform" / pid).exists()  # no orphan take file
     for server in (a, b):
         assert "Traceback" not in server.log.read_text(), server.log.read_text()
