@@ -150,11 +150,6 @@ class Job:
             return None
         return round(self.work_seconds / self.units_done * max(0.0, self.units_total - self.units_done), 1)
 
-    def json(self) -> dict[str, Any]:
-        return {"id": self.id, "kind": self.kind, "state": self.state.value, "total": self.total, "done": self.done,
-                "failed": self.failed, "current": self.current, "error": self.error, "eta_seconds": self.eta_seconds,
-                "created": self.created, "started": self.started, "finished": self.finished}
-
 
 @dataclass(frozen=True)
 class Made:
