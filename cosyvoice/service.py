@@ -253,14 +253,18 @@ class Admission:
     def waiting(self) -> int:
         return len(self._queue)
 
-    def _enter(self, waiter: _Waiter) -> bool:
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _enter(self, waiter: _Waiter, bounded: bool = True) -> bool:
         """Take a slot now (True) or queue ``waiter`` (False); raises when refused. Call with the lock held."""
         if self._closed:
             raise ResourceLimitError("shutting down: this server takes no new requests; retry on another")
         if self.active < self.max_active and not self._queue:
             self.active += 1
             return True
-        if len(self._queue) >= self.max_waiting:
+        if bounded and len(self._queue) >= self.max_waiting:
             raise ResourceLimitError(f"busy: {self.active} requests are synthesising and {len(self._queue)} are "
                                      "waiting; retry later")
         self._queue.append(waiter)
@@ -277,14 +281,21 @@ class Admission:
             raise ResourceLimitError("shutting down: this server takes no new requests; retry on another")
         raise ResourceLimitError(f"busy: no synthesis slot became free within {self.timeout:g} s; retry later")
 
-    def acquire(self) -> None:
-        """Wait for a slot (blocking)."""
+    def acquire(self, job: CancelToken | None = None) -> None:
+        """Wait for a slot (blocking). A long job's request (``job``: its token) waits in the same queue, in
+        order, past the queue's bound and without timeout, until granted or cancelled: jobs are few (the job
+        runner's workers) and should wait out other users rather than fail."""
         event = threading.Event()
         waiter = _Waiter(event.set)
         with self._lock:
-            if self._enter(waiter):
+            if self._enter(waiter, bounded=job is None):
                 return
-        event.wait(self.timeout)
+        if job is None:
+            event.wait(self.timeout)
+        else:
+            unsubscribe = job.subscribe(event.set)
+            event.wait()
+            unsubscribe()
         self._settle(waiter)
 
     async def aacquire(self) -> None:
@@ -552,6 +563,11 @@ class TTSService:
     def queued_requests(self) -> int:
         return self._admission.waiting
 
+    @property
+    def shutting_down(self) -> bool:
+        """Whether :meth:`drain` has begun: new requests are refused (a long job stops resumable)."""
+        return self._admission.closed
+
     def status(self) -> ServiceStatus:
         return ServiceStatus(self.model_dir, self.sample_rate, self._admission.active, self._admission.waiting,
                              self._admission.max_active, self._admission.max_waiting, len(self.list_voices()))
@@ -564,11 +580,14 @@ class TTSService:
         return self._resolve(request, self._check(request))
 
     def synthesize(self, request: SynthesisRequest, *, cancel: CancelToken | None = None,
-                   owner: str | None = None) -> SynthesisSession:
+                   owner: str | None = None, wait: bool = False) -> SynthesisSession:
         """Validate, wait for a slot (or raise "busy"), resolve the voice and start: errors in the request raise
-        here, before any audio. Iterate the returned session for chunks; close it (or ``cancel``) to stop."""
+        here, before any audio. Iterate the returned session for chunks; close it (or ``cancel``) to stop.
+        ``wait`` (long jobs, with ``cancel``): wait for the slot in order until granted or cancelled."""
+        assert not wait or cancel is not None, "a waiting request needs a token that can end its wait"
         started = time.perf_counter()
-        ending = self._admit(request, started, lambda checked: self._resolve(request, checked, owner), cancel)
+        ending = self._admit(request, started, lambda checked: self._resolve(request, checked, owner), cancel,
+                             job=cancel if wait else None)
         p = ending.prepared
         chunks = pipeline.run_segments(self.model, p.cond, list(p.segments), stream=p.stream, speed=p.speed,
                                        seed=p.seed, cancel=ending.token)
@@ -671,12 +690,12 @@ class TTSService:
     # ------------------------------------------------------------------ admission
 
     def _admit(self, request: SynthesisRequest, started: float, resolve: Callable[[_Checked], PreparedRequest],
-               cancel: CancelToken | None, has_text: bool = True) -> _Ending:
+               cancel: CancelToken | None, has_text: bool = True, job: CancelToken | None = None) -> _Ending:
         """Check, take a slot (blocking), resolve: the request's :class:`_Ending`, holding its slot."""
         mode = mode_label(request.mode)
         try:
             checked = self._check(request, has_text=has_text)  # before taking a slot: a bad request never waits
-            self._admission.acquire()
+            self._admission.acquire(job)
         except BaseException as exc:
             self.report_failure(mode, exc, started)
             raise

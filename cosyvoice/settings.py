@@ -125,6 +125,8 @@ class Limits:
     # audible first sound: a streamed request's leading silence is sent only from this many ms before its first
     # audible sample (cosyvoice/engine/silence.py; nothing audible is ever removed); 0: off
     trim_leading_silence_ms: float = 40.0
+    max_batch_rows: int = 10000  # rows of one batch (its rows are kept with its job, for resuming)
+    job_workers: int = 1  # long jobs (batches, long-form renders) running at once per process (cosyvoice.jobs)
 
     def __post_init__(self) -> None:
         for f in fields(self):

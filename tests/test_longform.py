@@ -190,7 +190,8 @@ def test_progress_statuses_and_the_automatic_check(made) -> None:
     studio, pid = made
     progress = studio.progress(pid)
     assert progress | {"elapsed": None} == {"running": False, "total": 7, "done": 7, "failed": 0, "queued": 0,
-                                            "current": None, "elapsed": None, "eta": None}
+                                            "current": None, "elapsed": None, "eta": None, "state": "done",
+                                            "error": None}
     for _, takes, status in studio.table(pid):
         assert status == "done"
         # the random tiny model speaks noise at full scale, mostly until its length limit
@@ -220,13 +221,12 @@ def test_generation_reports_eta_and_can_be_cancelled(studio: LongformStudio) -> 
     assert studio.wait(project.id, 300)["done"] == 6
 
 
-def test_a_busy_service_is_waited_out_and_a_refusal_fails_only_its_segment(service: TTSService, tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from cosyvoice.longform import projects
+def test_a_busy_service_is_waited_for_in_order_and_a_cancel_ends_the_wait(service: TTSService,
+                                                                         tmp_path: Path) -> None:
     from cosyvoice.service import SynthesisRequest
 
-    monkeypatch.setattr(projects, "BUSY_WAIT_SECONDS", 0.2)
-    one = TTSService(service.model, service.voices, Limits(max_sessions=1, max_queued_requests=0))
+    one = TTSService(service.model, service.voices, Limits(max_sessions=1, max_queued_requests=0,
+                                                           queue_timeout_seconds=0.2))
     reasons: list[str | None] = []
     one.add_listener(lambda outcome: reasons.append(outcome.reason))
     studio = LongformStudio(one, tmp_path)
@@ -234,18 +234,20 @@ def test_a_busy_service_is_waited_out_and_a_refusal_fails_only_its_segment(servi
         project = studio.create("Busy", "Hi there.", voice="Alice")
         holder = one.synthesize(SynthesisRequest("Hi.", "sft", voice="Alice", seed=1))  # takes the only slot
         studio.generate(project.id)
-        time.sleep(0.3)  # refused at least once meanwhile
+        time.sleep(1.0)  # past the queue's timeout and bound: the job waits in the admission queue, no refusal
+        assert one.queued_requests == 1 and studio.progress(project.id)["running"]
         holder.close()
         assert studio.wait(project.id, 120)["done"] == 1
-        assert "busy" in reasons and reasons[-1] is None  # refused, then made
+        assert reasons == ["cancelled", None]  # the holder, then the segment: never "busy"
         holder = one.synthesize(SynthesisRequest("Hi.", "sft", voice="Alice", seed=1))
         studio.regenerate(project.id, studio.segments(project.id)[0].id)
-        studio.wait(project.id, 120)  # four refusals: the new take fails, with the reason
+        time.sleep(0.5)
+        studio.cancel(project.id)  # ends the wait in the queue; nothing is made, nothing fails
+        progress = studio.wait(project.id, 60)
         holder.close()
+        assert one.queued_requests == 0 and progress["state"] == "cancelled" and progress["done"] == 1
         segment = studio.segments(project.id)[0]
-        assert segment.state == "failed" and segment.error.startswith("busy")
-        assert len(studio.store.takes(project.id)[segment.id]) == 1  # the earlier take is kept, and used
-        assert studio.progress(project.id)["done"] == 1 and reasons[-5:] == ["busy"] * 4 + ["cancelled"]
+        assert segment.state == "idle" and len(studio.store.takes(project.id)[segment.id]) == 1
     finally:
         studio.close()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -157,6 +158,33 @@ def test_seed_contract_default_voice_paths_uploads_and_cors(app, short_prompt_wa
     other = httpx.options(f"{url}/tts", headers={"Origin": "https://evil.example",
                                                  "Access-Control-Request-Method": "POST"})
     assert "access-control-allow-origin" not in other.headers
+
+
+def test_long_form_progress_and_cancel_answer_alike_on_every_replica(app) -> None:
+    """The long-form router is mounted in each replica over the shared data folder; its job state is in the
+    shared database, so whichever replica a poll or a cancel reaches sees and stops the render."""
+    url, saved = app
+    base = url.removesuffix(ROUTE_PREFIX) + "/v1/longform/projects"
+    text = "\n\n".join(f"Paragraph number {i} is here." for i in range(30))
+    with httpx.Client(timeout=60) as client:
+        r = client.post(base, json={"text": text, "voice": saved.name})
+        assert r.status_code == 201, r.text
+        pid = r.json()["id"]
+        assert client.post(f"{base}/{pid}/generate").status_code == 200
+        deadline = time.monotonic() + 120
+        while client.get(f"{base}/{pid}/progress").json()["done"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        answers = [client.get(f"{base}/{pid}/progress").json() for _ in range(12)]
+        assert all(a["running"] and a["current"] for a in answers), answers
+        assert client.post(f"{base}/{pid}/cancel").status_code == 200
+        deadline = time.monotonic() + 15
+        while any(client.get(f"{base}/{pid}/progress").json()["running"] for _ in range(6)):
+            assert time.monotonic() < deadline, "the cancel did not reach the replica that renders"
+            time.sleep(0.2)
+        ended = client.get(f"{base}/{pid}/progress").json()
+        assert ended["state"] == "cancelled" and ended["done"] < 30
+        assert client.delete(f"{base}/{pid}").status_code == 200
 
 
 def test_replicas_follow_the_cluster_gpus() -> None:

@@ -11,12 +11,10 @@ each segment by itself: ``finishing.finish_segment``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
-import logging
 import secrets
-import threading
 import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,35 +23,17 @@ from typing import BinaryIO
 import numpy as np
 
 from cosyvoice.encoding import Chapter, file_format, write_file
-from cosyvoice.errors import CosyVoiceError, InvalidInputError, NotFoundError, ResourceLimitError
+from cosyvoice.engine import CancelToken
+from cosyvoice.errors import InvalidInputError, NotFoundError
 from cosyvoice.frontend.frontend import CosyVoiceFrontend
+from cosyvoice.jobs import Job, JobGone, JobState, Task, release, runner, synthesize
 from cosyvoice.longform import finishing, script
 from cosyvoice.longform.store import Project, ProjectStore, Segment, Take
-from cosyvoice.service import SynthesisRequest, SynthesisSession, TTSService
+from cosyvoice.service import SynthesisRequest, TTSService
 from cosyvoice.settings import SPEED_RANGE, default_data_dir
 
-logger = logging.getLogger(__name__)
-
 MAX_SEED = 2**31  # seeds are drawn below this, so every client (JSON, JavaScript) carries them exactly
-BUSY_RETRIES = 4  # a segment refused as "busy" is asked for again this many times in all, BUSY_WAIT_SECONDS apart
-BUSY_WAIT_SECONDS = 2.0
-
-
-@dataclass
-class Job:
-    """A project's generation in progress: segments queued in order, one synthesised at a time."""
-
-    project_id: str
-    queue: deque[tuple[str, bool]] = field(default_factory=deque)  # (segment id, new take even if current)
-    started: float = field(default_factory=time.monotonic)
-    chars_done: int = 0
-    seconds_working: float = 0.0
-    done: int = 0
-    failed: int = 0
-    current: str | None = None
-    session: SynthesisSession | None = None
-    cancelled: bool = False
-    thread: threading.Thread | None = None
+KIND = "longform"  # the job kind of a project's generation
 
 
 @dataclass(frozen=True)
@@ -105,8 +85,8 @@ class LongformStudio:
         self.service = service
         self.store = ProjectStore(data_dir if data_dir is not None else default_data_dir())
         self.sample_rate = service.sample_rate
-        self._jobs: dict[str, Job] = {}
-        self._lock = threading.Lock()
+        self.jobs = runner(self.store.root, service.limits.job_workers)
+        self.jobs.register(KIND, self._tasks)
 
     @property
     def frontend(self) -> CosyVoiceFrontend:
@@ -114,10 +94,8 @@ class LongformStudio:
         return self.service.model.frontend
 
     def close(self) -> None:
-        for job in list(self._jobs.values()):
-            self._cancel(job)
-            if job.thread is not None:
-                job.thread.join()
+        """Stop this process's generation jobs (done takes stay) and close the store."""
+        release(self.jobs)
         self.store.close()
 
     # ------------------------------------------------------------------ creating
@@ -209,39 +187,47 @@ class LongformStudio:
         chosen = next((t for t in takes.get(segment.id, []) if t.id == segment.chosen_take), None)
         return chosen if chosen is not None and chosen.matches(segment) else None
 
-    def status(self, segment: Segment, takes: dict[str, list[Take]], job: Job | None) -> str:
-        """done | running | queued | failed | pending."""
-        if job is not None and job.current == segment.id:
-            return "running"
-        if job is not None and any(sid == segment.id for sid, _ in job.queue):
-            return "queued"
+    def status(self, segment: Segment, takes: dict[str, list[Take]], queued: dict[str, str]) -> str:
+        """done | running | queued | failed | pending (``queued``: :meth:`_queued`)."""
+        if segment.id in queued:
+            return queued[segment.id]
         if self.current_take(segment, takes) is not None:
             return "done"
         return "failed" if segment.state == "failed" else "pending"
+
+    def _queued(self, project_id: str) -> dict[str, str]:
+        """Segments the project's active jobs will still make: segment id -> running | queued."""
+        out: dict[str, str] = {}
+        for job in self.jobs.jobs(project_id, active=True):
+            for sid, _ in job.params["segments"][job.position:]:
+                out.setdefault(sid, "running" if sid == job.current else "queued")
+        return out
 
     def table(self, project_id: str) -> list[tuple[Segment, list[Take], str]]:
         """The segment table: each segment with its takes (oldest first) and its status."""
         segments = self.segments(project_id)
         takes = self.store.takes(project_id)
-        job = self._jobs.get(project_id)
-        return [(s, takes.get(s.id, []), self.status(s, takes, job)) for s in segments]
+        queued = self._queued(project_id)
+        return [(s, takes.get(s.id, []), self.status(s, takes, queued)) for s in segments]
 
     def progress(self, project_id: str) -> dict:
-        """The job's progress: counts, the segment being made, elapsed seconds and an ETA (from the characters
-        made so far per second of work), and whether a job runs."""
+        """The generation's progress, from the job runner's database (so any process on the data folder sees
+        it): counts, the segment being made, elapsed seconds, an ETA (at the characters per second measured so
+        far), and the last job's state and error."""
         segments = self.segments(project_id)
         takes = self.store.takes(project_id)
-        job = self._jobs.get(project_id)
-        states = [self.status(s, takes, job) for s in segments]
-        left = [s for s, st in zip(segments, states, strict=True) if st in ("queued", "running")]
-        eta = None
-        if job is not None and job.chars_done and left:
-            eta = job.seconds_working / job.chars_done * sum(len(s.text) for s in left)
-        return {"running": job is not None, "total": len(segments), "done": states.count("done"),
+        jobs = self.jobs.jobs(project_id)
+        active = [j for j in jobs if j.state.active]
+        queued = self._queued(project_id)
+        states = [self.status(s, takes, queued) for s in segments]
+        etas = [j.eta_seconds for j in active]
+        running = next((j for j in active if j.state is JobState.RUNNING), None)
+        return {"running": bool(active), "total": len(segments), "done": states.count("done"),
                 "failed": states.count("failed"), "queued": states.count("queued") + states.count("running"),
-                "current": job.current if job else None,
-                "elapsed": round(time.monotonic() - job.started, 1) if job else None,
-                "eta": None if eta is None else round(eta, 1)}
+                "current": running.current if running else None,
+                "elapsed": round(time.time() - min(j.started or j.created for j in active), 1) if active else None,
+                "eta": None if not active or None in etas else round(sum(etas), 1),
+                "state": jobs[-1].state.value if jobs else None, "error": jobs[-1].error if jobs else None}
 
     # ------------------------------------------------------------------ editing
 
@@ -332,17 +318,15 @@ class LongformStudio:
         return self.store.update_project(project_id, **changes)
 
     def delete(self, project_id: str) -> Project:
-        """Delete a project, its segments and every take (the one way takes are removed)."""
-        job = self._jobs.get(project_id)
-        if job is not None:
-            self._cancel(job)
-            if job.thread is not None:
-                job.thread.join()
+        """Delete a project, its segments and every take (the one way takes are removed). Its jobs are cancelled
+        first; one that another process runs ends there cleanly (its take is refused, its file removed)."""
+        for job in self.jobs.jobs(project_id, active=True):
+            self.jobs.cancel(job.id)
+            self.jobs.wait(job.id)
         return self.store.delete_project(project_id)
 
     def _not_running(self, segment: Segment) -> None:
-        job = self._jobs.get(segment.project_id)
-        if job is not None and (job.current == segment.id or any(sid == segment.id for sid, _ in job.queue)):
+        if segment.id in self._queued(segment.project_id):
             raise InvalidInputError("this segment is being generated; wait for it or stop the job", "segment")
 
     # ------------------------------------------------------------------ generating
@@ -361,17 +345,12 @@ class LongformStudio:
         else:
             takes = self.store.takes(project_id)
             order = [s.id for s in segments if self.current_take(s, takes) is None]
-        with self._lock:
-            job = self._jobs.get(project_id)
-            start = job is None
-            if start:
-                job = self._jobs[project_id] = Job(project_id)
-            queued = {sid for sid, _ in job.queue} | {job.current}
-            job.queue.extend((sid, new_take) for sid in order if sid not in queued)
-            if start:
-                job.thread = threading.Thread(target=self._run, args=(job,), daemon=True,
-                                              name=f"cosyvoice-longform-{project_id}")
-                job.thread.start()
+        queued = self._queued(project_id)
+        order = [sid for sid in order if sid not in queued]
+        if order:
+            texts = {s.id: len(s.text) for s in segments}
+            self.jobs.submit(KIND, project_id, {"segments": [[sid, texts[sid]] for sid in order], "new_take": new_take},
+                             total=len(order), units=sum(texts[sid] for sid in order))
         return self.progress(project_id)
 
     def regenerate(self, project_id: str, segment_id: str) -> dict:
@@ -379,101 +358,57 @@ class LongformStudio:
         return self.generate(project_id, [segment_id], new_take=True)
 
     def cancel(self, project_id: str) -> dict:
-        """Stop the project's job: the segment being made is dropped, the queue emptied; takes made stay."""
-        job = self._jobs.get(project_id)
-        if job is not None:
-            self._cancel(job)
+        """Stop the project's jobs (from any process on the data folder): the segment being made is dropped,
+        the rest not made; takes made stay."""
+        self.store.project(project_id)
+        for job in self.jobs.jobs(project_id, active=True):
+            self.jobs.cancel(job.id)
         return self.progress(project_id)
 
     def wait(self, project_id: str, timeout: float | None = None) -> dict:
-        """Block until the project's job ends (tests, the CLI)."""
-        job = self._jobs.get(project_id)
-        if job is not None and job.thread is not None:
-            job.thread.join(timeout)
+        """Block until the project's jobs in this process end (tests, the CLI)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for job in self.jobs.jobs(project_id, active=True):
+            self.jobs.wait(job.id, None if deadline is None else max(0.0, deadline - time.monotonic()))
         return self.progress(project_id)
 
-    def _cancel(self, job: Job) -> None:
-        with self._lock:
-            job.cancelled = True
-            job.queue.clear()
-            session = job.session
-        if session is not None:
-            session.cancel()
+    def _tasks(self, job: Job) -> Iterator[Task]:
+        """A generation job's tasks: one take per segment (the job kind :data:`KIND`)."""
+        for sid, chars in job.params["segments"]:
+            yield Task(sid, chars, functools.partial(self._make_take, job.subject, sid, job.params["new_take"]),
+                       functools.partial(self._failed, job.subject, sid))
 
-    def _run(self, job: Job) -> None:
+    def _failed(self, project_id: str, segment_id: str, message: str) -> None:
+        with contextlib.suppress(NotFoundError):
+            self.store.set_state(self.store.segment(project_id, segment_id), "failed", message)
+
+    def _make_take(self, project_id: str, segment_id: str, new_take: bool, token: CancelToken) -> None:
+        """One take of a segment as it is now (skipped where merged away, or already current unless
+        ``new_take``); a project deleted meanwhile ends the job (:class:`JobGone`)."""
         try:
-            while True:
-                with self._lock:
-                    if job.cancelled or not job.queue:
-                        break
-                    job.current, new_take = job.queue.popleft()
-                try:
-                    segment = self.store.segment(job.project_id, job.current)
-                except NotFoundError:  # merged away meanwhile
-                    continue
-                takes = self.store.takes(job.project_id)
-                if not new_take and self.current_take(segment, takes) is not None:
-                    continue
-                self._make_take(job, segment)
-        except Exception:
-            logger.exception("long-form job of project %s failed", job.project_id)
-        finally:
-            with self._lock:
-                job.current = None
-                self._jobs.pop(job.project_id, None)
-
-    def _admitted(self, job: Job, request: SynthesisRequest) -> SynthesisSession:
-        """The service's session for ``request``; a busy service (the queue full for ``queue_timeout_seconds``)
-        is asked again a few times, since a long job should wait out a burst of other users, not fail."""
-        attempt = 1
-        while True:
-            try:
-                return self.service.synthesize(request)
-            except ResourceLimitError:
-                if attempt >= BUSY_RETRIES or job.cancelled:
-                    raise
-            attempt += 1
-            time.sleep(BUSY_WAIT_SECONDS)
-
-    def _make_take(self, job: Job, segment: Segment) -> None:
+            segment = self.store.segment(project_id, segment_id)
+        except NotFoundError:
+            self._exists(project_id)
+            return  # merged away meanwhile
+        if not new_take and self.current_take(segment, self.store.takes(project_id)) is not None:
+            return
         seed = secrets.randbelow(MAX_SEED)
-        mode = "instruct" if segment.instruction else "sft"
-        request = SynthesisRequest(segment.text, mode, voice=segment.voice, instruction=segment.instruction,
-                                   speed=segment.speed, seed=seed, stream=False)
-        self.store.set_state(segment, "running")
-        started = time.monotonic()
+        request = SynthesisRequest(segment.text, "instruct" if segment.instruction else "sft", voice=segment.voice,
+                                   instruction=segment.instruction, speed=segment.speed, seed=seed, stream=False)
+        made = synthesize(self.service, request, token)
+        flags = finishing.check_take(made.pcm, self.sample_rate, segment.text, segment.speed)
         try:
-            session = self._admitted(job, request)
-            with self._lock:
-                job.session = session
-            if job.cancelled:
-                session.cancel()
-            with contextlib.closing(session):
-                pcm = [chunk.pcm.reshape(-1).cpu().numpy() for chunk in session]
-            voice_id = session.prepared.voice_id
-        except CosyVoiceError as exc:
-            job.failed += 1
-            self.store.set_state(segment, "failed", str(exc))
-            return
-        except Exception as exc:
-            logger.exception("segment %s of project %s failed", segment.id, segment.project_id)
-            job.failed += 1
-            self.store.set_state(segment, "failed", f"internal error ({type(exc).__name__})")
-            return
-        finally:
-            with self._lock:
-                job.session = None
-        if job.cancelled:
-            self.store.set_state(segment, "idle")
-            return
-        audio = np.concatenate(pcm).astype(np.float32) if pcm else np.zeros(0, np.float32)
-        flags = finishing.check_take(audio, self.sample_rate, segment.text, segment.speed)
-        took = time.monotonic() - started
-        self.store.add_take(segment, audio, self.sample_rate, seed=seed, voice_id=voice_id, flags=flags,
-                            seconds_to_make=took)
-        job.done += 1
-        job.chars_done += len(segment.text)
-        job.seconds_working += took
+            self.store.add_take(segment, made.pcm, self.sample_rate, seed=seed, voice_id=made.prepared.voice_id,
+                                flags=flags, seconds_to_make=made.seconds)
+        except NotFoundError:
+            self._exists(project_id)
+            raise
+
+    def _exists(self, project_id: str) -> None:
+        try:
+            self.store.project(project_id)
+        except NotFoundError as exc:
+            raise JobGone(f"the project {project_id} was deleted") from exc
 
     # ------------------------------------------------------------------ finishing and export
 
@@ -496,10 +431,15 @@ class LongformStudio:
 
     def _pieces(self, project_id: str, finished: bool, rows: list, level: bool = True) -> Iterator[np.ndarray]:
         """The mix piece by piece (a segment, then its pause), one segment in memory at a time; ``rows`` gets
-        each segment's place as it is reached. ``level=False`` skips the loudness step (lengths only)."""
+        each segment's place as it is reached. ``level=False`` skips the loudness step (lengths only). The plan
+        is checked now, before anything is written ("no audio yet" is an answer, not a half-written file)."""
         plan, finish = self._plan(project_id)
         if not level:
             finish = finishing.Finish(None, finish.margin)
+        return self._mix(plan, finish, finished, rows)
+
+    def _mix(self, plan: list[tuple[Segment, Take, float]], finish: finishing.Finish, finished: bool,
+             rows: list) -> Iterator[np.ndarray]:
         sr, at = self.sample_rate, 0
         for segment, take, pause in plan:
             audio = self.store.take_audio(take)

@@ -2,16 +2,18 @@
 
 One database file (``longform.sqlite3`` in the data folder, WAL journal, every change one transaction) and one
 folder of take audio per project (``longform/<project>/<take>.wav``, float32 samples exactly as synthesised, so
-a mix made from them is bit-identical across restarts). A take's file is written (atomically) before its row,
-so a row always has its audio. Nothing is deleted except by deleting the project: takes of a segment that is
+a mix made from them is bit-identical across restarts). A take's file is written (atomically, fsynced) before
+its row, so a row always has its audio; a file whose row cannot be written (a full disk, a deleted project) is
+removed. Nothing is deleted except by deleting the project: takes of a segment that is
 edited, split or merged are kept (they no longer match its text, so they are not used until chosen again).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
-import os
+import shutil
 import sqlite3
 import threading
 import time
@@ -23,6 +25,7 @@ import numpy as np
 import soundfile as sf
 
 from cosyvoice.errors import NotFoundError
+from cosyvoice.utils.fs import atomic_write
 from cosyvoice.utils.sqlite import open_database, write_transaction
 
 DB_NAME = "longform.sqlite3"
@@ -161,11 +164,7 @@ class ProjectStore:
             db.execute("DELETE FROM takes WHERE project_id = ?", (project_id,))
             db.execute("DELETE FROM segments WHERE project_id = ?", (project_id,))
             db.execute("DELETE FROM projects WHERE id = ?", (project_id,))
-        folder = self.audio_root / project_id
-        if folder.is_dir():
-            for f in folder.iterdir():
-                f.unlink()
-            folder.rmdir()
+        shutil.rmtree(self.audio_root / project_id, ignore_errors=True)  # a take written meanwhile removes itself
         return project
 
     def touch(self, db: sqlite3.Connection, project_id: str) -> None:
@@ -235,18 +234,26 @@ class ProjectStore:
         take = Take(new_id(), segment.project_id, segment.id, seed, segment.text, segment.voice, voice_id,
                     segment.instruction, segment.speed, len(audio), sample_rate, flags, seconds_to_make, time.time())
         path = self.take_path(take)
+        wav = io.BytesIO()
+        sf.write(wav, audio.astype(np.float32), sample_rate, subtype="FLOAT", format="WAV")
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".part")
-        sf.write(partial, audio.astype(np.float32), sample_rate, subtype="FLOAT", format="WAV")
-        os.replace(partial, path)
         row = asdict(take) | {"flags": json.dumps(flags)}
-        with self.transaction() as db:
-            db.execute(f"INSERT INTO takes ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
-                       tuple(row.values()))
-            if choose:
-                db.execute("UPDATE segments SET chosen_take = ?, state = 'idle', error = NULL WHERE id = ?",
-                           (take.id, segment.id))
-            self.touch(db, segment.project_id)
+        try:
+            atomic_write(path, lambda tmp: Path(tmp).write_bytes(wav.getvalue()))
+            with self.transaction() as db:
+                if db.execute("SELECT 1 FROM projects WHERE id = ?", (segment.project_id,)).fetchone() is None:
+                    raise NotFoundError("the project was deleted meanwhile", "project")
+                db.execute(f"INSERT INTO takes ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+                           tuple(row.values()))
+                if choose:
+                    db.execute("UPDATE segments SET chosen_take = ?, state = 'idle', error = NULL WHERE id = ?",
+                               (take.id, segment.id))
+                self.touch(db, segment.project_id)
+        except BaseException:  # no row: no file either (and no folder, if its project is gone)
+            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()
+            raise
         return take
 
     def takes(self, project_id: str) -> dict[str, list[Take]]:

@@ -22,6 +22,7 @@ from cosyvoice.errors import (
     NotFoundError,
     PermissionDeniedError,
     ResourceLimitError,
+    StorageError,
 )
 from cosyvoice.settings import ServerSettings
 
@@ -60,6 +61,8 @@ def http_error(exc: BaseException, settings: ServerSettings | None = None) -> Ht
         return HttpError(400, "invalid_request_error", str(exc), exc.field)
     if isinstance(exc, ModelNotReady):
         return HttpError(503, "loading", str(exc), None, busy)
+    if isinstance(exc, StorageError):  # nothing was saved; retrying will not help until space is freed
+        return HttpError(507, "insufficient_storage", str(exc))
     if isinstance(exc, ResourceLimitError):
         return HttpError(503, "busy", str(exc), None, busy)
     if isinstance(exc, PermissionDeniedError):
@@ -70,8 +73,8 @@ def http_error(exc: BaseException, settings: ServerSettings | None = None) -> Ht
 
 
 def log_error(error: HttpError, exc: BaseException, where: str) -> None:
-    if error.status == 503:  # busy or loading: a declared, expected answer under load, not a failure to trace
-        logger.info("%s: %s (503)", where, error.type)
+    if error.status in (503, 507):  # busy, loading, a full disk: declared answers, not failures to trace
+        logger.info("%s: %s (%d)", where, error.type, error.status)
     elif error.status >= 500:
         logger.error("%s failed", where, exc_info=exc)
 

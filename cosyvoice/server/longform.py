@@ -30,18 +30,15 @@ HTML + JavaScript that calls the same endpoints, so everything it does is script
 from __future__ import annotations
 
 import json
-import logging
-import os
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, BinaryIO
 
 from fastapi import APIRouter, File, Form, UploadFile
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
-from starlette.background import BackgroundTask
 
 from cosyvoice.encoding import encode_audio, file_format
 from cosyvoice.errors import InvalidInputError
@@ -50,8 +47,7 @@ from cosyvoice.longform.store import Segment, Take
 from cosyvoice.server.errors import error_route
 from cosyvoice.service import TTSService
 from cosyvoice.settings import ServerSettings
-
-logger = logging.getLogger(__name__)
+from cosyvoice.utils.fs import disk_full
 
 PAGE = Path(__file__).with_name("longform_page.html")
 MAX_UPLOAD_BYTES = 50 * 1024 * 1024
@@ -230,20 +226,25 @@ def longform_router(get_service: Callable[[], TTSService], data_dir: str | Path 
 
     @router.get("/v1/longform/projects/{project_id}/export")
     def export(project_id: str, format: str = "wav", finished: bool = True) -> Response:
-        """The mix as a file download (wav, mp3, flac, opus, m4b, mp4), written to a temporary file segment by
-        segment (an audiobook never sits in memory) and deleted once sent."""
+        """The mix as a file download (wav, mp3, flac, opus, m4b, mp4), written segment by segment (an audiobook
+        never sits in memory) to a temporary file without a name, so nothing is left behind however it ends."""
         s = studio()
         fmt = file_format(format)
-        with tempfile.NamedTemporaryFile(dir=s.store.root, suffix=".export", delete=False) as out:
-            try:
-                timeline = s.export_to(out, project_id, fmt.name, finished)
-            except BaseException:
-                out.close()
-                os.unlink(out.name)
-                raise
+        out = tempfile.TemporaryFile(dir=s.store.root)  # noqa: SIM115 (closed once sent, by _read)
+        try:
+            timeline = s.export_to(out, project_id, fmt.name, finished)
+        except OSError as exc:
+            out.close()
+            raise disk_full(exc) or exc from exc
+        except BaseException:
+            out.close()
+            raise
         acx = "pass" if timeline.acx and timeline.acx["passed"] else "fail"
-        return FileResponse(out.name, media_type=fmt.content_type, background=BackgroundTask(os.unlink, out.name),
-                            headers={**_attachment(s.file_name(project_id, fmt.name)), "X-ACX-Check": acx})
+        size = out.tell()
+        out.seek(0)
+        return StreamingResponse(_read(out), media_type=fmt.content_type,
+                                 headers={**_attachment(s.file_name(project_id, fmt.name)), "X-ACX-Check": acx,
+                                          "Content-Length": str(size)})
 
     @router.get("/v1/longform/projects/{project_id}/acx")
     def acx(project_id: str) -> JSONResponse:
@@ -290,6 +291,12 @@ def _segment(s: Segment, takes: list[Take], status: str, names: dict[str, str], 
             "takes": [{"id": t.id, "seed": t.seed, "flags": t.flags, "current": t.matches(s),
                        "chosen": t.id == s.chosen_take, "seconds": round(t.samples / t.sample_rate, 2),
                        "created": t.created} for t in takes]}
+
+
+def _read(file: BinaryIO, size: int = 1 << 20) -> Iterator[bytes]:
+    with file:
+        while chunk := file.read(size):
+            yield chunk
 
 
 def _attachment(name: str) -> dict[str, str]:

@@ -192,7 +192,8 @@ class CosyVoiceDeployment:
 
     def __init__(self, model_dir: str, voice_dir: str, device: str | None = None,
                  limits: dict[str, int | float] | None = None, settings: dict[str, Any] | None = None) -> None:
-        self.settings = ServerSettings.from_env(**(settings or {}))
+        # the voice folder also places the data folder (long-form, workbench, jobs): one for every replica
+        self.settings = ServerSettings.from_env(**{"voice_dir": voice_dir, **(settings or {})})
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")  # CPU fallback without a GPU
         self.limits = Limits.from_env(**(limits or {}))
         self.service = TTSService.load(model_dir, voice_dir, device=self.device, limits=self.limits)

@@ -4,7 +4,8 @@ Mounted by the REST server (``create_app``) and by the web UI's Gradio app, so b
 
 * pages: ``/workbench/`` (owner: takes, batches, tests), ``/workbench/tests/{id}`` (owner: progress, results,
   plots, export), ``/workbench/rate/{id}`` (the link raters get);
-* API under ``/workbench/api``: takes (incremental with ``?after=``), batches with progress and ETA, tests,
+* API under ``/workbench/api``: takes (incremental with ``?after=``), batches (jobs of :mod:`cosyvoice.jobs`:
+  progress, ETA, per-row errors, ``/cancel``, ``/resume`` of an interrupted one), tests,
   raters, play events, answers, results, ``answers.csv`` and ``takes.csv``.
 
 Raters reach their samples through ``/workbench/api/raters/{rater}/audio/{position}/{slot}``, which names no
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -30,15 +30,24 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.routing import compile_path
 
 from cosyvoice.errors import InvalidInputError
+from cosyvoice.jobs import JobRunner, runner
 from cosyvoice.server.errors import error_route
 from cosyvoice.service import TTSService
-from cosyvoice.settings import key_owner
+from cosyvoice.settings import Limits, key_owner
 from cosyvoice.workbench import listening
-from cosyvoice.workbench.batch import TAKES_CSV_COLUMNS, parse_rows, run_batch, takes_csv_rows, write_csv
+from cosyvoice.workbench.batch import KIND as BATCH_KIND
+from cosyvoice.workbench.batch import (
+    TAKES_CSV_COLUMNS,
+    batch_kind,
+    batch_status,
+    parse_rows,
+    submit_batch,
+    takes_csv_rows,
+    write_csv,
+)
 from cosyvoice.workbench.scorecard import Scorer, scorecard
 from cosyvoice.workbench.store import SCORE_METRICS, WorkbenchStore
 
-logger = logging.getLogger(__name__)
 STATIC = Path(__file__).resolve().parents[1] / "workbench" / "static"
 PAGES = {"owner": "owner.html", "results": "results.html", "rate": "rate.html"}
 ASSETS = {"workbench.css": "text/css", "common.js": "text/javascript", "i18n.js": "text/javascript"}
@@ -77,6 +86,19 @@ def workbench_router(data_dir: str | Path, service: Callable[[], TTSService]) ->
             if "store" not in opened:
                 opened["store"] = WorkbenchStore(data_dir)
             return opened["store"]
+
+    def jobs(svc: TTSService | None = None) -> JobRunner:
+        """The job runner of the data folder (shared with long-form in this process)."""
+        with lock:
+            if "jobs" not in opened:
+                opened["jobs"] = runner(data_dir, (svc.limits if svc is not None else Limits.from_env()).job_workers)
+            return opened["jobs"]
+
+    def batch_jobs(svc: TTSService) -> JobRunner:
+        """The runner, knowing how to make batch rows with ``svc``."""
+        found = jobs(svc)
+        found.register(BATCH_KIND, batch_kind(svc, store()))
+        return found
 
     async def body(request: Request) -> dict[str, Any]:
         try:
@@ -138,7 +160,7 @@ def workbench_router(data_dir: str | Path, service: Callable[[], TTSService]) ->
 
     @router.post("/api/batches", status_code=202)
     async def start_batch(request: Request) -> Any:
-        """A CSV or JSONL body (or JSON ``{"rows": [...]}``): the batch runs in the background; poll its id."""
+        """A CSV or JSONL body (or JSON ``{"rows": [...]}``): the batch runs as a job; poll its id."""
         raw = await request.body()
         owner = request_owner(request)
         data: str | bytes = raw
@@ -149,20 +171,27 @@ def workbench_router(data_dir: str | Path, service: Callable[[], TTSService]) ->
             data = "\n".join(json.dumps(r) for r in rows)
         parsed = parse_rows(data, "input.jsonl" if isinstance(data, str) else "")
         svc = service()
-        batch_id = store().start_batch("http", len(parsed))
-
-        def work() -> None:
-            try:
-                run_batch(svc, store(), parsed, owner=owner, batch_id=batch_id)
-            except Exception:
-                logger.exception("batch %s failed", batch_id)
-
-        threading.Thread(target=work, daemon=True, name=f"workbench-{batch_id}").start()
+        batch_id = submit_batch(batch_jobs(svc), store(), parsed, max_rows=svc.limits.max_batch_rows, source="http",
+                                owner=owner)
         return JSONResponse({"id": batch_id, "rows": len(parsed)}, 202)
 
     @router.get("/api/batches/{batch_id}")
     def batch(batch_id: str) -> Any:
-        return store().batch(batch_id)
+        return batch_status(jobs(), store(), batch_id)
+
+    @router.post("/api/batches/{batch_id}/cancel")
+    def cancel_batch(batch_id: str) -> Any:
+        """Stop a batch (from any server on this data folder); the takes made stay."""
+        store().batch(batch_id)
+        jobs().cancel(batch_id)
+        return batch_status(jobs(), store(), batch_id)
+
+    @router.post("/api/batches/{batch_id}/resume")
+    def resume_batch(batch_id: str) -> Any:
+        """Continue an interrupted batch (its server stopped) from its first row without a take."""
+        store().batch(batch_id)
+        batch_jobs(service()).resume(batch_id)
+        return batch_status(jobs(), store(), batch_id)
 
     # -------------------------------------------------------------- tests (owner)
 

@@ -54,13 +54,16 @@ def main(argv: list[str] | None = None) -> int:
         return target
 
     def report(p: Progress) -> None:
-        n = p.done + p.failed
-        what = f"{p.take.id} ({p.take.seconds:.1f} s of audio)" if p.take else f"FAILED {p.error}"
-        eta = f"ETA {p.eta_seconds:.0f} s" if p.eta_seconds else "done"
-        print(f"[{n}/{p.total}] {what}; {p.elapsed:.1f} s elapsed, {eta}", file=sys.stderr, flush=True)
+        what = f"row {p.row} FAILED: {p.error}" if p.error else f"row {p.row} done"
+        eta = f"ETA {p.eta_seconds:.0f} s" if p.eta_seconds else "done" if p.eta_seconds == 0 else "ETA unknown"
+        print(f"[{p.done + p.failed}/{p.total}] {what}; {p.elapsed:.1f} s elapsed, {eta}", file=sys.stderr, flush=True)
 
-    result = run_batch(service, store, rows, source=str(args.input), resolve_audio=resolve_audio,
-                       on_progress=report)
+    try:
+        result = run_batch(service, store, rows, source=str(args.input), resolve_audio=resolve_audio,
+                           on_progress=report)
+    except InvalidInputError as exc:
+        print(f"error: {args.input}: {exc}", file=sys.stderr)
+        return 1
     files = {}
     for take in result.takes:
         files[take.id] = f"row{take.row:03d}-{take.id}.wav"
@@ -69,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(result.takes)} takes in {args.out} (batch {result.batch_id}, store {store.root})", file=sys.stderr)
     for error in result.errors:
         print(f"error: {error}", file=sys.stderr)
+    if result.error:
+        print(f"error: the batch stopped: {result.error}", file=sys.stderr)
+        return 1
     return 2 if result.errors else 0
 
 

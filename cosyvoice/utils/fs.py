@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+
+from cosyvoice.errors import StorageError
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+DISK_FULL_MESSAGE = "disk full: the server's data folder has no space left, so nothing was saved"
+
+
+def disk_full(exc: BaseException) -> StorageError | None:
+    """The :class:`StorageError` users see for a write that failed because the disk is full, else None."""
+    return StorageError(DISK_FULL_MESSAGE) if isinstance(exc, OSError) and exc.errno in DISK_FULL else None
 
 
 def temp_path(path: Path) -> Path:
@@ -17,7 +28,7 @@ def atomic_write(path: str | Path, write: Callable[[str], object]) -> None:
     """``write(tmp)`` a temporary sibling, fsync it, rename it over ``path``, fsync the folder.
 
     A crash (even ``kill -9``) at any point leaves ``path`` as it was or complete; at worst a stale
-    ``.<name>.*.tmp`` remains, which readers ignore.
+    ``.<name>.*.tmp`` remains, which readers ignore. A full disk raises :class:`StorageError` (nothing left).
     """
     path = Path(path)
     tmp = temp_path(path)
@@ -26,6 +37,8 @@ def atomic_write(path: str | Path, write: Callable[[str], object]) -> None:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        raise disk_full(exc) or exc from exc
     finally:
         tmp.unlink(missing_ok=True)
     try:

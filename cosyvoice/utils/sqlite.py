@@ -8,6 +8,9 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from cosyvoice.errors import StorageError
+from cosyvoice.utils.fs import DISK_FULL_MESSAGE
+
 
 def open_database(path: str | Path) -> sqlite3.Connection:
     """A connection shared by a store's threads (the store serialises writes with its lock), in WAL mode so
@@ -23,12 +26,20 @@ def open_database(path: str | Path) -> sqlite3.Connection:
 @contextlib.contextmanager
 def write_transaction(db: sqlite3.Connection, lock: threading.RLock) -> Iterator[sqlite3.Connection]:
     """One write transaction: BEGIN IMMEDIATE (another process waits instead of failing half-way), rolled back
-    whole on any error."""
+    whole on any error; a full disk raises :class:`StorageError` (the database is as it was)."""
     with lock:
-        db.execute("BEGIN IMMEDIATE")
         try:
-            yield db
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_FULL:
+                raise
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise StorageError(DISK_FULL_MESSAGE) from exc

@@ -5,27 +5,28 @@ A row has ``text``, a voice (``voice``: a saved voice's id or name, built-ins in
 system the take belongs to). Every row goes through :meth:`TTSService.synthesize`, like any other request; a
 row without a seed gets one drawn here and stored, so re-running the row with its stored seed gives the same
 samples. A bad row (unknown voice, empty text, a bad speed) is reported with its row number and field, and the
-other rows still run.
+other rows still run. A batch is a job of :mod:`cosyvoice.jobs` (progress, ETA, cancel, resume after a crash).
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from cosyvoice.bundle import bundle_digest
-from cosyvoice.errors import CosyVoiceError, InvalidInputError
+from cosyvoice.engine import CancelToken
+from cosyvoice.errors import InvalidInputError
 from cosyvoice.frontend.tokenizer import END_OF_PROMPT
+from cosyvoice.jobs import Job, JobRunner, JobState, Kind, Task, release, runner, synthesize
 from cosyvoice.service import PreparedRequest, SynthesisRequest, TTSService
 from cosyvoice.workbench.store import Take, WorkbenchStore
 
@@ -33,6 +34,7 @@ COLUMNS = ("text", "voice", "prompt_audio", "prompt_text", "mode", "instruction"
 TAKES_CSV_COLUMNS = ("take_id", "row", "label", "file", "text", "normalised_text", "mode", "voice", "voice_id",
                      "prompt_text", "instruction", "seed", "speed", "model_id", "software", "sample_rate",
                      "audio_seconds", "synthesis_seconds", "first_chunk_seconds", "created")
+KIND = "batch"  # the job kind of batches
 SEED_RANGE = 2**31  # drawn seeds stay small enough for any spreadsheet to keep exactly
 
 
@@ -59,18 +61,22 @@ class RowError:
 
 @dataclass(frozen=True)
 class Progress:
+    """After each row: counts, time, the ETA at the measured rate, and the row's error if it failed."""
+
     done: int
     failed: int
     total: int
     elapsed: float
     eta_seconds: float | None
-    take: Take | None = None
-    error: RowError | None = None
+    row: int
+    error: str | None = None
 
 
 @dataclass
 class BatchResult:
     batch_id: str
+    state: JobState
+    error: str | None  # why the batch stopped (e.g. a full disk), beside the rows' own errors
     takes: list[Take] = field(default_factory=list)
     errors: list[RowError] = field(default_factory=list)
 
@@ -136,47 +142,79 @@ def row_request(row: Row, resolve_audio: Callable[[str], Path] | None) -> Synthe
                             seed=seed, stream=False, format="wav")
 
 
+def submit_batch(jobs: JobRunner, store: WorkbenchStore, rows: list[Row], *, max_rows: int, source: str = "",
+                 owner: str | None = None, listener: Callable[[Job, str, str | None], None] | None = None) -> str:
+    """Queue ``rows`` as one job of the runner (its id is the batch's); more than ``max_rows`` are refused."""
+    if len(rows) > max_rows:
+        raise InvalidInputError(f"the batch has {len(rows)} rows; at most {max_rows} are accepted "
+                                "(COSYVOICE_MAX_BATCH_ROWS)", "rows")
+    batch_id = store.start_batch(source, len(rows))
+    jobs.submit(KIND, batch_id, {"rows": [[r.number, r.values] for r in rows]}, total=len(rows), units=len(rows),
+                owner=owner, job_id=batch_id, listener=listener)
+    return batch_id
+
+
+def batch_kind(service: TTSService, store: WorkbenchStore,
+               resolve_audio: Callable[[str], Path] | None = None) -> Kind:
+    """How a batch job's rows become tasks, for :meth:`JobRunner.register`. A row whose take is in the store
+    already (made just before a crash) is not made again."""
+    def tasks(job: Job) -> Iterator[Task]:
+        rows = [Row(number, values) for number, values in job.params["rows"]]
+        made = {t.row for t in store.takes(batch=job.id, limit=len(rows) + 1)}
+        model_id = bundle_digest(service.status().model_dir)
+        software = software_version()
+        for row in rows:
+            run = _kept if row.number in made else functools.partial(
+                _run_row, service, store, row, job.id, job.owner, resolve_audio, model_id, software)
+            yield Task(str(row.number), 1.0, run)
+
+    return tasks
+
+
+def batch_status(jobs: JobRunner, store: WorkbenchStore, batch_id: str) -> dict[str, Any]:
+    """A batch as its page polls it: its record, its job's state, counts and ETA, and each failed row."""
+    job = jobs.job(batch_id)
+    errors = [RowError(int(e["item"]), e["field"], e["message"]).json() for e in jobs.errors(batch_id)]
+    return {**store.batch(batch_id), "state": job.state.value, "done": job.done, "failed": job.failed,
+            "eta_seconds": job.eta_seconds, "error": job.error, "finished": job.finished, "errors": errors}
+
+
 def run_batch(service: TTSService, store: WorkbenchStore, rows: list[Row], *, source: str = "",
               owner: str | None = None, resolve_audio: Callable[[str], Path] | None = None,
-              on_progress: Callable[[Progress], None] | None = None, batch_id: str | None = None) -> BatchResult:
-    """Synthesise every row, one after another, storing each take as soon as it is made."""
-    result = BatchResult(batch_id or store.start_batch(source, len(rows)))
-    model_id = bundle_digest(service.status().model_dir)
-    software = software_version()
-    started = time.perf_counter()
-    for n, row in enumerate(rows, 1):
-        take, error = None, None
-        try:
-            take = _run_row(service, store, row, result.batch_id, owner, resolve_audio, model_id, software)
-            result.takes.append(take)
-        except CosyVoiceError as exc:
-            error = RowError(row.number, getattr(exc, "field", None), str(exc))
-            result.errors.append(error)
-        elapsed = time.perf_counter() - started
-        eta = elapsed / n * (len(rows) - n)
-        store.batch_progress(result.batch_id, done=len(result.takes), failed=len(result.errors),
-                             errors=[e.json() for e in result.errors], eta_seconds=eta, finished=n == len(rows))
-        if on_progress is not None:
-            on_progress(Progress(len(result.takes), len(result.errors), len(rows), elapsed, eta, take, error))
-    return result
+              on_progress: Callable[[Progress], None] | None = None) -> BatchResult:
+    """Run a batch in this process to its end (the CLI): the job runner of the store's folder makes each row,
+    one after another, storing each take as soon as it is made."""
+    jobs = runner(store.root, service.limits.job_workers)
+    try:
+        jobs.register(KIND, batch_kind(service, store, resolve_audio))
+        started = time.perf_counter()
+
+        def listener(job: Job, item: str, error: str | None) -> None:
+            if on_progress is not None:
+                on_progress(Progress(job.done, job.failed, job.total, time.perf_counter() - started,
+                                     job.eta_seconds, int(item), error))
+
+        batch_id = submit_batch(jobs, store, rows, max_rows=service.limits.max_batch_rows, source=source,
+                                owner=owner, listener=listener)
+        job = jobs.wait(batch_id)
+        errors = [RowError(int(e["item"]), e["field"], e["message"]) for e in jobs.errors(batch_id, len(rows))]
+    finally:
+        release(jobs)
+    return BatchResult(batch_id, job.state, job.error, store.takes(batch=batch_id, limit=len(rows) + 1), errors)
+
+
+def _kept(token: CancelToken) -> None:
+    """A row whose take exists already: nothing to make."""
 
 
 def _run_row(service: TTSService, store: WorkbenchStore, row: Row, batch_id: str, owner: str | None,
-             resolve_audio: Callable[[str], Path] | None, model_id: str, software: str) -> Take:
+             resolve_audio: Callable[[str], Path] | None, model_id: str, software: str, token: CancelToken) -> Take:
     request = row_request(row, resolve_audio)
-    started = time.perf_counter()
-    first: float | None = None
-    pieces: list[np.ndarray] = []
-    with service.synthesize(request) as session:
-        for chunk in session:
-            if first is None and chunk.pcm.numel():
-                first = time.perf_counter() - started
-            pieces.append(chunk.pcm.numpy())
-        prepared = session.prepared
-    pcm = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
-    timings = {"synthesis_seconds": time.perf_counter() - started, "first_chunk_seconds": first}
-    return store.add_take(pcm, service.sample_rate, provenance(service, request, prepared, pcm.size, timings,
-                                                               model_id=model_id, software=software),
+    made = synthesize(service, request, token)
+    timings = {"synthesis_seconds": made.seconds, "first_chunk_seconds": made.first_chunk_seconds}
+    return store.add_take(made.pcm, service.sample_rate,
+                          provenance(service, request, made.prepared, made.pcm.size, timings, model_id=model_id,
+                                     software=software),
                           label=row.values.get("label", ""), owner=owner, batch=batch_id, row=row.number)
 
 

@@ -11,7 +11,6 @@ own locking, with a busy timeout).
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import sqlite3
 import threading
@@ -53,17 +52,11 @@ CREATE TABLE IF NOT EXISTS takes (
     provenance TEXT NOT NULL                -- JSON: how the take was made (see batch.Provenance)
 );
 CREATE TABLE IF NOT EXISTS batches (
-    id TEXT PRIMARY KEY,
+    id TEXT PRIMARY KEY,                    -- also its job's id: progress, errors and state are the job's
     created REAL NOT NULL,
     source TEXT NOT NULL,
     total INTEGER NOT NULL,
-    done INTEGER NOT NULL DEFAULT 0,
-    failed INTEGER NOT NULL DEFAULT 0,
-    pid INTEGER NOT NULL,                   -- the process running it: gone while 'running' means interrupted
-    state TEXT NOT NULL DEFAULT 'running',  -- running | finished (read as 'interrupted' once its process died)
-    errors TEXT NOT NULL DEFAULT '[]',      -- JSON [{row, field, message}]
-    eta_seconds REAL,
-    finished REAL
+    pid INTEGER NOT NULL DEFAULT 0          -- unused (0): databases made before cosyvoice.jobs require it
 );
 CREATE TABLE IF NOT EXISTS tests (
     id TEXT PRIMARY KEY,
@@ -250,29 +243,18 @@ class WorkbenchStore:
     # ------------------------------------------------------------------ batches
 
     def start_batch(self, source: str, total: int) -> str:
+        """A batch's record (its rows run as the job of the same id: :mod:`cosyvoice.workbench.batch`)."""
         batch_id = new_id("batch")
         with self._tx() as db:
-            db.execute("INSERT INTO batches (id, created, source, total, pid) VALUES (?,?,?,?,?)",
-                       (batch_id, time.time(), source, total, os.getpid()))
+            db.execute("INSERT INTO batches (id, created, source, total, pid) VALUES (?,?,?,?,0)",
+                       (batch_id, time.time(), source, total))
         return batch_id
 
-    def batch_progress(self, batch_id: str, *, done: int, failed: int, errors: list[dict[str, Any]],
-                       eta_seconds: float | None, finished: bool = False) -> None:
-        with self._tx() as db:
-            db.execute("UPDATE batches SET done=?, failed=?, errors=?, eta_seconds=?, state=?, finished=? WHERE id=?",
-                       (done, failed, json.dumps(errors), eta_seconds, "finished" if finished else "running",
-                        time.time() if finished else None, batch_id))
-
     def batch(self, batch_id: str) -> dict[str, Any]:
-        rows = self._rows("SELECT * FROM batches WHERE id=?", batch_id)
+        rows = self._rows("SELECT id, created, source, total FROM batches WHERE id=?", batch_id)
         if not rows:
             raise NotFoundError(f"no batch {batch_id!r}", "batch")
-        out = dict(rows[0])
-        out["errors"] = json.loads(out["errors"])
-        if out["state"] == "running" and not _alive(out.pop("pid")):
-            out["state"], out["eta_seconds"] = "interrupted", None  # its finished takes are kept
-        out.pop("pid", None)
-        return out
+        return dict(rows[0])
 
     # ------------------------------------------------------------------ tests and raters
 
@@ -374,14 +356,3 @@ def _take(row: sqlite3.Row) -> Take:
 def _rater(row: sqlite3.Row) -> Rater:
     return Rater(row["id"], row["test"], row["name"], row["created"], row["seed"], json.loads(row["plan"]))
 
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
