@@ -150,6 +150,9 @@ MESSAGES = {
     "stopped_mark": (" · stopped", " · 已停止"),
     "not_kept": ("This take could not be kept in the history (the server's storage failed); download it now.",
                  "此条录音未能保存到历史记录（服务器存储出错）；请立即下载。"),
+    "not_kept_read_only": ("This take is not kept in the history: this server keeps no takes (its data folder is "
+                           "read-only); download it now.",
+                           "此条录音未保存到历史记录：本服务器不保存录音（其数据文件夹为只读）；请立即下载。"),
     "voice_gone": ("The voice of that take is not in your voice list (an upload of another page, or deleted "
                    "since): pick a voice.",
                    "该录音所用的声音不在你的声音列表中（来自其他页面的上传，或已被删除）：请选择一个声音。"),

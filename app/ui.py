@@ -42,6 +42,7 @@ from cosyvoice.errors import (
     InvalidInputError,
     ModelBundleError,
     PermissionDeniedError,
+    ReadOnlyError,
     ResourceLimitError,
 )
 from cosyvoice.server.longform import longform_router
@@ -532,6 +533,9 @@ class Studio:
             kept = self._keep(samples, synthesis, prepared, timings, download_format, owner, form_mode=mode,
                               voice_label=voice, **({"stopped": True} if stopped else {}))
             number = self.store.count_takes(owner, upto=kept.seq)
+        except ReadOnlyError:  # a read-only data folder (said once in the log at start): downloadable below
+            warn(say(zh, "not_kept_read_only"))
+            number = None
         except (OSError, sqlite3.Error) as exc:  # e.g. a full disk: the take is still downloadable below
             logger.error("take %s could not be kept in the history: %s", take_id, exc)
             warn(say(zh, "not_kept"))
@@ -923,7 +927,7 @@ def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: 
     mount(page.app, studio.live, studio.service.sample_rate)
     # the workbench (the take history's store too) and long-form projects, in the studio's data folder
     page.app.include_router(longform_router(lambda: studio.service, studio.data_dir))  # /studio/longform
-    page.app.include_router(workbench_router(studio.data_dir, lambda: studio.service))
+    page.app.include_router(workbench_router(studio.data_dir, lambda: studio.service, studio.service.limits))
     if block:
         page.block_thread()
     return page

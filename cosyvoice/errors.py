@@ -54,3 +54,8 @@ class StorageError(ResourceLimitError):
 
 class PermissionDeniedError(CosyVoiceError):
     """The caller may not do this to this thing (e.g. rename, export or delete another user's saved voice)."""
+
+
+class ReadOnlyError(PermissionDeniedError):
+    """The server serves a folder read-only (voices baked into an image, a read-only mount): what it holds can be
+    used, nothing can be saved there; the message names the folder's setting."""

@@ -17,24 +17,32 @@ import torch
 from cosyvoice.errors import ConfigError, InvalidInputError
 
 DEFAULT_VOICE_DIR = "pretrained_models/.voices"  # the voice library's folder (COSYVOICE_VOICE_DIR overrides it)
+VOICE_DIR_SETTING = "COSYVOICE_VOICE_DIR"  # named in errors about the voice folder (--voice-dir on the servers)
+DATA_DIR_SETTING = "COSYVOICE_DATA_DIR"  # named in errors about the data folder (takes, tests, projects)
+CSV_FIELD_LIMIT = 131072  # the longest field Python's csv reader accepts by default (csv.field_size_limit())
 SPEED_RANGE = (0.5, 2.0)  # speed factors: the mel is stretched linearly before the vocoder (streamed: per chunk)
 TOKENIZER_MAX_SECONDS = 30.0  # speech_tokenizer_v3 refuses longer audio
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 VOICE_EDITORS = ("anyone", "creator", "admin")  # who may rename, export or delete a saved voice
 
 
+def env_name(setting: str) -> str:
+    """The environment variable of a :class:`Limits` or :class:`ServerSettings` field, as errors name it."""
+    return f"COSYVOICE_{setting.upper()}"
+
+
 def default_voice_dir(environ: dict[str, str] | None = None) -> Path:
     """Where saved voices live unless a caller says otherwise: ``COSYVOICE_VOICE_DIR`` or ``DEFAULT_VOICE_DIR``."""
     env = os.environ if environ is None else environ
-    return Path(env.get("COSYVOICE_VOICE_DIR") or DEFAULT_VOICE_DIR)
+    return Path(env.get(VOICE_DIR_SETTING) or DEFAULT_VOICE_DIR)
 
 
 def default_data_dir(voice_dir: str | Path | None = None, environ: dict[str, str] | None = None) -> Path:
     """Where the workbench keeps its database and takes: ``COSYVOICE_DATA_DIR``, else ``.studio`` beside the voice
     folder (``voice_dir``, default :func:`default_voice_dir`), so voices and takes move together."""
     env = os.environ if environ is None else environ
-    if env.get("COSYVOICE_DATA_DIR"):
-        return Path(env["COSYVOICE_DATA_DIR"])
+    if env.get(DATA_DIR_SETTING):
+        return Path(env[DATA_DIR_SETTING])
     return Path(voice_dir if voice_dir is not None else default_voice_dir(env)).parent / ".studio"
 
 
@@ -125,7 +133,12 @@ class Limits:
     # audible first sound: a streamed request's leading silence is sent only from this many ms before its first
     # audible sample (cosyvoice/engine/silence.py; nothing audible is ever removed); 0: off
     trim_leading_silence_ms: float = 40.0
-    max_batch_rows: int = 10000  # rows of one batch (its rows are kept with its job, for resuming)
+    # the workbench's inputs: a batch file's rows (kept with its job, for resuming) and the characters of any one
+    # of its fields; a listening test's title and instructions (every rater's page carries them)
+    max_batch_rows: int = 10000
+    max_batch_field_chars: int = 65536
+    max_test_title_chars: int = 200
+    max_test_instructions_chars: int = 5000
     job_workers: int = 1  # long jobs (batches, long-form renders) running at once per process (cosyvoice.jobs)
 
     def __post_init__(self) -> None:
@@ -139,6 +152,9 @@ class Limits:
         if self.max_prompt_seconds > TOKENIZER_MAX_SECONDS:
             raise ConfigError(f"max_prompt_seconds={self.max_prompt_seconds:g}: the speech tokenizer accepts at most "
                               f"{TOKENIZER_MAX_SECONDS:g} s of prompt audio")
+        if self.max_batch_field_chars > CSV_FIELD_LIMIT:
+            raise ConfigError(f"max_batch_field_chars={self.max_batch_field_chars}: the CSV reader accepts fields of "
+                              f"at most {CSV_FIELD_LIMIT} characters")
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: float) -> Limits:
@@ -205,11 +221,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         aliases = ["--model_dir"] if f.name == "model_dir" else []  # the official servers' spelling
         parser.add_argument(flag, *aliases, dest=f"server_{f.name}", action="append" if many else "store",
                             type=None if many else _KINDS.get(f.type, str), default=None, metavar=f.name.upper(),
-                            help=f"(env COSYVOICE_{f.name.upper()}; default {f.default!r})")
+                            help=f"(env {env_name(f.name)}; default {f.default!r})")
     for f in fields(Limits):
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f"limits_{f.name}", type=_KINDS[f.type],
                             default=None, metavar=f.name.upper(),
-                            help=f"(env COSYVOICE_{f.name.upper()}; default {f.default!r})")
+                            help=f"(env {env_name(f.name)}; default {f.default!r})")
 
 
 def settings_from_args(args: argparse.Namespace,
@@ -231,7 +247,7 @@ def _env_values(cls: type, environ: dict[str, str] | None) -> dict[str, object]:
     env = os.environ if environ is None else environ
     values: dict[str, object] = {}
     for f in fields(cls):
-        name = f"COSYVOICE_{f.name.upper()}"
+        name = env_name(f.name)
         raw = env.get(name)
         if raw is None:
             continue

@@ -26,7 +26,10 @@ Ownership: an unnamed upload is visible only to the owners that uploaded it (``o
 voices are visible to everyone; who may rename, export or delete one is the library's ``policy``.
 
 Caching is optional: when the disk is full or the folder turns read-only, a new upload is used without being
-cached (logged once); saving a named voice then fails with :class:`~cosyvoice.errors.StorageError`. Tensors are
+cached (logged once); saving a named voice then fails with :class:`~cosyvoice.errors.StorageError`. A folder
+that is read-only from the start (voices baked into an image, a read-only mount) is served read-only: its saved
+voices are listed and spoken with, uploads are used uncached, and every change is refused with
+:class:`~cosyvoice.errors.ReadOnlyError` naming ``COSYVOICE_VOICE_DIR``. Tensors are
 read into memory (never memory-mapped), so deleting a voice frees its space at once.
 
 Built-in voices come from a read-only folder of ``<name>.wav`` + ``<name>.txt`` (its transcript), e.g. the
@@ -65,14 +68,15 @@ from cosyvoice.errors import (
     InvalidInputError,
     NotFoundError,
     PermissionDeniedError,
+    ReadOnlyError,
     StorageError,
 )
 from cosyvoice.frontend.audio import AudioSource
 from cosyvoice.frontend.frontend import CosyVoiceFrontend, Voice
 from cosyvoice.frontend.prompt import PromptFeatures
 from cosyvoice.frontend.prompts import user_text, zero_shot_prompt_text
-from cosyvoice.settings import VoicePolicy
-from cosyvoice.utils.fs import atomic_write
+from cosyvoice.settings import VOICE_DIR_SETTING, VoicePolicy
+from cosyvoice.utils.fs import atomic_write, unwritable
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +179,8 @@ class _Upload:
 class VoiceLibrary:
     """Prompt voices of one model, persisted under ``root``; safe to share between threads and processes.
 
-    A folder it cannot use (not creatable, read-only, holding leftovers it cannot remove) raises
+    A read-only folder (or one this process may not write) is served read-only (:attr:`read_only` says why);
+    a folder it cannot use otherwise (not a folder, holding leftovers it cannot remove) raises
     :class:`ConfigError` naming the folder and the setting to change: never a silent temporary library.
     """
 
@@ -196,16 +201,24 @@ class VoiceLibrary:
         self._flock_depth = 0
         self._store_failure: int | None = None  # errno of the last failed caching, logged once
         self._builtins: dict[str, _Builtin] = {}
+        self.read_only: str | None = None  # why nothing can be saved (the folder's setting named), or None
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            with self._exclusive():
-                self._cleanup()
-                self._evict(keep=None)
+            denied = unwritable(self.dir)
+            if denied is None:
+                with self._exclusive():
+                    self._cleanup()
+                    self._evict(keep=None)
         except (OSError, StorageError) as exc:
             cause = _os_error(exc)
             raise ConfigError(
-                f"cannot use the voice folder {root} ({cause.strerror or cause}): this server needs a folder it can "
-                "write; set COSYVOICE_VOICE_DIR (voice_dir= in Python, --voice-dir for the servers) to one") from exc
+                f"cannot use the voice folder {root} ({cause.strerror or cause}); set {VOICE_DIR_SETTING} "
+                "(voice_dir= in Python, --voice-dir for the servers) to a folder the server can write") from exc
+        if denied is not None:
+            self.read_only = (f"the server's voice folder is read-only ({VOICE_DIR_SETTING}): its saved voices can "
+                              "be used, but voices cannot be saved, renamed, imported or deleted")
+            logger.warning("voice library: %s is not writable (%s); its saved voices are served read-only (set %s "
+                           "to a folder the server can write to save voices)", root, denied.strerror,
+                           VOICE_DIR_SETTING)
         if builtin_dir is not None:
             self.add_builtins(builtin_dir)
 
@@ -225,7 +238,7 @@ class VoiceLibrary:
             self._load_or_featurise(upload)
             assert upload.voice is not None
             with self._lock:
-                if self._index_serves(upload.voice_id, owner):  # a hit: nothing to write, no folder lock
+                if self._index_serves(upload.voice_id, owner) or self.read_only:  # a hit, or nowhere to cache it
                     return upload.voice_id, upload.voice
             try:
                 with self._exclusive():
@@ -248,7 +261,8 @@ class VoiceLibrary:
         """Save a recording under ``name`` in one step (featurised unless cached). A taken name, or this
         recording + text saved already under another name, is refused (:class:`AlreadyExistsError`)."""
         name = check_name(name)
-        self._check_free(name)  # before featurising: a taken name fails fast
+        self._writable()  # before featurising: a refusal or a taken name fails fast
+        self._check_free(name)
         upload = self._decode(prompt_wav, prompt_text)
         with self._featurising(upload.voice_id):
             self._load_or_featurise(upload)
@@ -520,6 +534,7 @@ class VoiceLibrary:
 
         Reentrant. ``flock`` of ``<folder>/.lock``: released by the kernel if the process dies, even by kill -9.
         """
+        self._writable()
         with self._lock:
             if self._flock_depth == 0:
                 try:
@@ -563,7 +578,8 @@ class VoiceLibrary:
         try:
             listing = list(os.scandir(self.dir))
         except OSError as exc:
-            logger.warning("voice library: cannot read its folder (%s)", exc)
+            if not (self.read_only and isinstance(exc, FileNotFoundError)):  # read-only: there may be none
+                logger.warning("voice library: cannot read its folder (%s)", exc)
             return
         for entry in listing:
             if entry.name.startswith(".") or not entry.name.endswith(".json"):
@@ -614,9 +630,10 @@ class VoiceLibrary:
         for leftover in [*self.dir.glob(".*.tmp"), *self.dir.glob("*.safetensors")]:
             if leftover.suffix == ".tmp" or not leftover.with_suffix(".json").exists():
                 leftover.unlink(missing_ok=True)
-        probe = self.dir / f".probe.{os.getpid()}.tmp"  # a folder that only looks writable (e.g. chattr +i)
-        probe.write_bytes(b"")
-        probe.unlink()
+
+    def _writable(self) -> None:
+        if self.read_only:
+            raise ReadOnlyError(self.read_only)
 
     def _paths(self, voice_id: str) -> tuple[Path, Path]:
         return self.dir / f"{voice_id}.safetensors", self.dir / f"{voice_id}.json"
@@ -638,6 +655,8 @@ class VoiceLibrary:
             return load(tensors_path.read_bytes())
         except (OSError, SafetensorError, ValueError) as exc:
             failure = exc
+        if self.read_only:  # nothing can be dropped or set aside
+            raise InvalidInputError(f"voice {key!r} could not be read from disk") from failure
         with self._exclusive():
             now = self._index.get(info.id)
             if now is None or not meta_path.exists():  # deleted by another process sharing the folder

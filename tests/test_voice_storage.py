@@ -1,5 +1,7 @@
-"""The voice folder's storage failing under the library (issue 12, items 3 and 5): a folder the server cannot use
-stops start-up with a clear message; a full disk costs only the caching of uploads; deleting frees space at once.
+"""The voice folder's storage failing under the library (issue 12, items 3 and 5; issue 20, item 11): a read-only
+folder is served read-only (its voices usable, changes refused naming the setting), one the server cannot use
+otherwise stops start-up with a clear message; a full disk costs only the caching of uploads; deleting frees space
+at once.
 
 Real file systems where root can mount them (a read-only bind mount, a 256 KiB tmpfs); where it cannot, the
 same failure is raised at the write call (the test says which in its output)."""
@@ -19,11 +21,11 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from cosyvoice.errors import ConfigError, StorageError
+from cosyvoice.errors import ConfigError, ReadOnlyError, StorageError
 from cosyvoice.frontend.prompts import zero_shot_prompt_text
 from cosyvoice.service import SynthesisRequest, TTSService
 from cosyvoice.settings import Limits
-from cosyvoice.voices import VoiceLibrary, model_identity
+from cosyvoice.voices import VoiceLibrary
 
 TRANSCRIPT = "Hello, this is a short prompt for testing."
 
@@ -37,17 +39,26 @@ def _umount(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def read_only(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """``folder`` made read-only: a read-only bind mount (root ignores permission bits), else the EROFS the
-    kernel would give, raised at the library's writes. Yields how."""
-    if _mount("--bind", str(folder), str(folder)):
-        if _mount("-o", "remount,ro,bind", str(folder)):
-            try:
-                yield "read-only bind mount"
-            finally:
-                _umount(folder)
-            return
+def read_only_mount(folder: Path) -> Iterator[bool]:
+    """``folder`` bound read-only onto itself (root ignores permission bits, not a read-only mount); yields
+    False, changing nothing, where this process may not mount."""
+    if not _mount("--bind", str(folder), str(folder)):
+        yield False
+        return
+    try:
+        yield _mount("-o", "remount,ro,bind", str(folder))
+    finally:
         _umount(folder)
+
+
+@contextlib.contextmanager
+def read_only(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """``folder`` made read-only: a read-only bind mount, else the EROFS the kernel would give, raised at the
+    library's writes. Yields how."""
+    with read_only_mount(folder) as mounted:
+        if mounted:
+            yield "read-only bind mount"
+            return
     inside = str(folder.resolve())
 
     def refuse(real: Callable) -> Callable:
@@ -62,26 +73,30 @@ def read_only(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     yield "EROFS simulated at the write call (mount not permitted here)"
 
 
-def test_a_read_only_folder_stops_start_up_naming_folder_and_setting(tiny_bundle_dir: Path, tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch,
-                                                                     capsys: pytest.CaptureFixture) -> None:
+def test_a_read_only_folder_is_served_read_only_naming_the_setting(tiny_bundle_dir: Path, tmp_path: Path,
+                                                                    short_prompt_wav: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture) -> None:
     root = tmp_path / "voices"
-    folder = root / model_identity(tiny_bundle_dir)
-    folder.mkdir(parents=True)
-    (folder / ".0123.safetensors.77.1.tmp").write_bytes(b"left by an interrupted save")
+    library = VoiceLibrary(root, None, model_dir=tiny_bundle_dir)
+    leftover = library.dir / ".0123.safetensors.77.1.tmp"
+    leftover.write_bytes(b"left by an interrupted save")
     with read_only(root, monkeypatch) as how:
         with capsys.disabled():
             print(f"\n[{how}]", end=" ")
         for start in (lambda: VoiceLibrary(root, None, model_dir=tiny_bundle_dir),  # the library
                       lambda: TTSService.load(tiny_bundle_dir, root, device="cpu",  # a server's start-up
-                                              limits=Limits(max_sessions=1))):
-            with pytest.raises(ConfigError, match=rf"cannot use the voice folder {root} \(Read-only file system\)"
-                                                  r".*COSYVOICE_VOICE_DIR"):
-                start()
-    (folder / ".0123.safetensors.77.1.tmp").unlink()
-    # no leftover: still refused (a save would fail later), never a temporary library
-    with read_only(root, monkeypatch), pytest.raises(ConfigError, match="COSYVOICE_VOICE_DIR"):
-        VoiceLibrary(root, None, model_dir=tiny_bundle_dir)
+                                              limits=Limits(max_sessions=1)).voices):
+            served = start()
+            assert served.read_only and "COSYVOICE_VOICE_DIR" in served.read_only and str(root) not in served.read_only
+            assert served.list() == []
+            with pytest.raises(ReadOnlyError, match="COSYVOICE_VOICE_DIR"):
+                served.create("Ann", short_prompt_wav, "")
+        assert leftover.exists()  # nothing removed, nothing written
+    # a folder it cannot use otherwise (a file where the folder should be) still stops start-up, naming both
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(ConfigError, match=rf"cannot use the voice folder {tmp_path / 'file'}.*COSYVOICE_VOICE_DIR"):
+        VoiceLibrary(tmp_path / "file", None, model_dir=tiny_bundle_dir)
 
 
 @dataclass

@@ -31,6 +31,7 @@ from cosyvoice.longform import finishing, script
 from cosyvoice.longform.store import Project, ProjectStore, Segment, Take
 from cosyvoice.service import SynthesisRequest, TTSService
 from cosyvoice.settings import SPEED_RANGE, default_data_dir
+from cosyvoice.utils.sqlite import require_writable
 
 MAX_SEED = 2**31  # seeds are drawn below this, so every client (JSON, JavaScript) carries them exactly
 KIND = "longform"  # the job kind of a project's generation
@@ -334,6 +335,7 @@ class LongformStudio:
     def generate(self, project_id: str, segment_ids: list[str] | None = None, *, new_take: bool = False) -> dict:
         """Queue segments (default: every segment without a current take) for synthesis in a background job;
         ``new_take`` makes a new take (new seed) even where one is current: "regenerate". Returns progress."""
+        require_writable(self.store.read_only)  # refused now, not in the job
         segments = self.segments(project_id)
         known = {s.id for s in segments}
         if segment_ids is not None:

@@ -26,7 +26,7 @@ import soundfile as sf
 
 from cosyvoice.errors import NotFoundError
 from cosyvoice.utils.fs import atomic_write
-from cosyvoice.utils.sqlite import open_database, write_transaction
+from cosyvoice.utils.sqlite import open_store, require_writable, write_transaction
 
 DB_NAME = "longform.sqlite3"
 SCHEMA = """
@@ -104,21 +104,20 @@ def new_id() -> str:
 
 
 class ProjectStore:
-    """Thread-safe: one connection, one lock, each change a transaction."""
+    """Thread-safe: one connection, one lock, each change a transaction. A data folder this process cannot write
+    is served read-only: :attr:`read_only` says why, and every change raises it."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
         self.audio_root = self.root / "longform"
         self._lock = threading.RLock()
-        self._db = open_database(self.root / DB_NAME)
-        with self.transaction() as db:
-            for statement in filter(str.strip, SCHEMA.split(";")):
-                db.execute(statement)
-            db.execute("UPDATE segments SET state = 'idle' WHERE state = 'running'")  # a job the last run left
+        self._db, self.read_only = open_store(self.root, DB_NAME, SCHEMA)
+        if not self.read_only:
+            with self.transaction() as db:
+                db.execute("UPDATE segments SET state = 'idle' WHERE state = 'running'")  # a job the last run left
 
     def transaction(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
-        return write_transaction(self._db, self._lock)
+        return write_transaction(self._db, self._lock, self.read_only)
 
     def close(self) -> None:
         with self._lock:
@@ -231,6 +230,7 @@ class ProjectStore:
     def add_take(self, segment: Segment, audio: np.ndarray, sample_rate: int, *, seed: int, voice_id: str,
                  flags: list[str], seconds_to_make: float, choose: bool = True) -> Take:
         """Keep a take of ``segment`` as it is now (its audio file first, then its row); ``choose`` marks it."""
+        require_writable(self.read_only)  # before its audio is written
         take = Take(new_id(), segment.project_id, segment.id, seed, segment.text, segment.voice, voice_id,
                     segment.instruction, segment.speed, len(audio), sample_rate, flags, seconds_to_make, time.time())
         path = self.take_path(take)

@@ -33,11 +33,12 @@ from cosyvoice.errors import (
     CosyVoiceError,
     InvalidInputError,
 )
-from cosyvoice.server.errors import HttpError, ModelNotReady, http_error, log_error
+from cosyvoice.server.errors import HttpError, ModelNotReady, http_error, invalid_request, log_error
 from cosyvoice.server.metrics import ServiceMetrics
 from cosyvoice.server.workbench import rater_route
 from cosyvoice.service import AsyncSynthesisSession, TTSService, allowed_path
-from cosyvoice.settings import ServerSettings, key_owner
+from cosyvoice.settings import ServerSettings, env_name, key_owner
+from cosyvoice.utils.sqlite import data_folder_read_only
 
 logger = logging.getLogger(__name__)
 
@@ -85,19 +86,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":
-            reason = first.get("ctx", {}).get("error", "")
-            return respond(request, InvalidInputError(f"the body is not valid JSON: {reason}"))
-        loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
-        name = ".".join(loc) or None
-        message = f"{name}: {first.get('msg', 'invalid')}" if name else str(first.get("msg", "invalid request"))
-        return respond(request, InvalidInputError(message, name))
+        return respond(request, invalid_request(exc))
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        if exc.status_code == 413:
-            return respond(request, exc)
+        invalid = invalid_request(exc)
+        if exc.status_code == 413 or invalid is not None:
+            return respond(request, invalid or exc)
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "error")
         return HttpError(exc.status_code, kind, str(exc.detail), headers=getattr(exc, "headers", None)).response()
 
@@ -121,13 +116,22 @@ class ServerState:
     metrics: ServiceMetrics = field(default_factory=ServiceMetrics)
     loaded: TTSService | None = None
     load_error: str | None = None  # the log has it in full; only key holders see it in /health and /ready
+    data_dir: Path | None = None  # the workbench's and long-form's folder (None: none served)
+    data_read_only: str | None = None  # why nothing can be stored there (found once the service is installed)
 
     def install(self, service: TTSService) -> None:
         """Serve ``service``: its outcomes feed the metrics; its voice library follows the settings' policy."""
         self.metrics.attach(service)
         if self.settings.api_keys or self.settings.admin_keys:
             service.voices.policy = self.settings.voice_policy()
+        if self.data_dir is not None:  # the stores make the folder when first used, not the server's start
+            self.data_read_only = data_folder_read_only(self.data_dir, create=False)
         self.loaded = service
+
+    def read_only(self) -> dict[str, str]:
+        """The folders served read-only (``voices``, ``data``) and what that means for users."""
+        reasons = {"voices": self.loaded.voices.read_only if self.loaded else None, "data": self.data_read_only}
+        return {folder: why for folder, why in reasons.items() if why}
 
     def service(self) -> TTSService:
         if self.loaded is None:
@@ -271,7 +275,9 @@ def audio_argument(value: object, settings: ServerSettings, name: str) -> bytes 
     try:
         return base64_audio(value, name)
     except InvalidInputError as exc:
-        where = "a file in the allowed audio folder" if settings.allowed_audio_dir else "a path (none are allowed)"
+        where = ("a file in the allowed audio folder" if settings.allowed_audio_dir else
+                 f"a server path (refused unless {env_name('allowed_audio_dir')}, --allowed-audio-dir, names "
+                 "their folder)")
         raise InvalidInputError(f"{name} is neither base64 audio nor {where}", name) from exc
 
 

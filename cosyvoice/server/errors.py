@@ -72,6 +72,26 @@ def http_error(exc: BaseException, settings: ServerSettings | None = None) -> Ht
     return HttpError(500, "internal_error", "internal error; the server log has the details")
 
 
+def invalid_request(exc: Exception) -> InvalidInputError | None:
+    """A request FastAPI could not decode or validate, as our input error naming the problem (a body that is not
+    JSON, or not UTF-8, a form it cannot parse: no field) or the field (a value of the wrong type); None for
+    other exceptions."""
+    if isinstance(exc, RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return InvalidInputError(f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+        name = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")) or None
+        message = str(first.get("msg", "invalid request"))
+        return InvalidInputError(f"{name}: {message}" if name else message, name)
+    if isinstance(exc, HTTPException) and exc.status_code == 400 and exc.__cause__ is not None:
+        cause = exc.__cause__  # FastAPI's "There was an error parsing the body", without saying what
+        if isinstance(cause, UnicodeDecodeError):
+            return InvalidInputError(f"the body is not UTF-8 text (byte {cause.object[cause.start]:#04x} at offset "
+                                     f"{cause.start})")
+        return InvalidInputError(f"the body cannot be read: {cause}")
+    return None
+
+
 def log_error(error: HttpError, exc: BaseException, where: str) -> None:
     if error.status in (503, 507):  # busy, loading, a full disk: declared answers, not failures to trace
         logger.info("%s: %s (%d)", where, error.type, error.status)
@@ -90,13 +110,11 @@ def error_route(settings: ServerSettings | None = None) -> type[APIRoute]:
             async def handle(request: Request) -> Response:
                 try:
                     return await handler(request)
-                except RequestValidationError as exc:
-                    first = exc.errors()[0] if exc.errors() else {}
-                    field = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path"))
-                    message = f"{field}: {first.get('msg', 'invalid')}" if field else "the request body is invalid"
-                    return http_error(InvalidInputError(message, field or None), settings).response()
-                except HTTPException:
-                    raise
+                except (RequestValidationError, HTTPException) as exc:
+                    invalid = invalid_request(exc)
+                    if invalid is None:
+                        raise
+                    return http_error(invalid, settings).response()
                 except Exception as exc:
                     error = http_error(exc, settings)
                     log_error(error, exc, f"{request.method} {request.url.path}")

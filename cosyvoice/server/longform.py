@@ -30,13 +30,14 @@ HTML + JavaScript that calls the same endpoints, so everything it does is script
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, BinaryIO
 
-from fastapi import APIRouter, File, Form, UploadFile
+from fastapi import APIRouter, Depends, File, Form, UploadFile
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
@@ -45,9 +46,12 @@ from cosyvoice.errors import InvalidInputError
 from cosyvoice.longform import LongformStudio, script
 from cosyvoice.longform.store import Segment, Take
 from cosyvoice.server.errors import error_route
+from cosyvoice.server.routes import RouteTable
 from cosyvoice.service import TTSService
 from cosyvoice.settings import ServerSettings
 from cosyvoice.utils.fs import disk_full
+
+logger = logging.getLogger(__name__)
 
 PAGE = Path(__file__).with_name("longform_page.html")
 MAX_UPLOAD_BYTES = 50 * 1024 * 1024
@@ -94,8 +98,8 @@ class GenerateBody(_Body):
 
 def longform_router(get_service: Callable[[], TTSService], data_dir: str | Path | None = None,
                     settings: ServerSettings | None = None) -> APIRouter:
-    """The router; the :class:`LongformStudio` is made on the first request (the model may load after start)."""
-    settings = settings or ServerSettings.from_env()
+    """The routes below over one :class:`LongformStudio`, made on the first request (the model may load after
+    start), mountable on any app (the REST server's, the web UI's)."""
     holder: dict[str, LongformStudio] = {}
     lock = threading.Lock()
 
@@ -105,166 +109,188 @@ def longform_router(get_service: Callable[[], TTSService], data_dir: str | Path 
                 holder["studio"] = LongformStudio(get_service(), data_dir)
             return holder["studio"]
 
-    router = APIRouter(route_class=error_route(settings))
+    return routes.install(studio, route_class=error_route(settings or ServerSettings.from_env()))
 
-    # -------------------------------------------------------------- the page
 
-    @router.get("/studio/longform", include_in_schema=False)
-    def page() -> HTMLResponse:
-        return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+routes = RouteTable("longform")
 
-    # -------------------------------------------------------------- projects
 
-    @router.get("/v1/longform/voices")
-    def voices() -> JSONResponse:
-        """Voices a segment can use: built-in and saved ones."""
-        return JSONResponse([{"id": v.id, "name": v.name, "builtin": v.builtin}
-                             for v in studio().service.voices.list() if v.name])
+def _studio(make: Annotated[Callable[[], LongformStudio], Depends(routes.state)]) -> LongformStudio:
+    """The mount's studio, made on its first request."""
+    return make()
 
-    @router.get("/v1/longform/projects")
-    def projects() -> JSONResponse:
-        s = studio()
-        return JSONResponse([{"id": p.id, "name": p.name, "kind": p.kind, "created": p.created,
-                              "updated": p.updated} for p in s.projects()])
 
-    @router.post("/v1/longform/projects", status_code=201)
-    def create(body: NewProject) -> JSONResponse:
-        s = studio()
-        options = {k: v for k, v in (("pauses", body.pauses), ("margin", body.margin)) if v is not None}
-        project = s.create(body.name, body.text, voice=body.voice, kind=body.kind, speakers=body.speakers,
-                           preset=body.preset, **options)
-        return JSONResponse(detail(s, project.id), 201)
+Studio = Annotated[LongformStudio, Depends(_studio)]
 
-    @router.post("/v1/longform/projects/upload", status_code=201)
-    def upload(file: Annotated[UploadFile, File()], name: Annotated[str, Form()] = "",
-               voice: Annotated[str | None, Form()] = None, kind: Annotated[str, Form()] = "document",
-               speakers: Annotated[str, Form()] = "", preset: Annotated[str, Form()] = "podcast") -> JSONResponse:
-        """A project from a .txt, .md, .epub, .pdf or .docx file (``speakers``: JSON object for dialogue scripts)."""
-        s = studio()
-        data = file.file.read(MAX_UPLOAD_BYTES + 1)
-        if len(data) > MAX_UPLOAD_BYTES:
-            raise InvalidInputError(f"the file is larger than {MAX_UPLOAD_BYTES // 2**20} MB", "file")
-        text, chapters = script.read_document(file.filename or "upload.txt", data)
-        try:
-            mapping = json.loads(speakers) if speakers.strip() else None
-        except ValueError as exc:
-            raise InvalidInputError("speakers must be a JSON object of label -> voice", "speakers") from exc
-        project = s.create(name or Path(file.filename or "").stem, text, voice=voice, kind=kind, speakers=mapping,
-                           chapters=chapters, preset=preset)
-        return JSONResponse(detail(s, project.id), 201)
+# ------------------------------------------------------------------ the page
 
-    @router.get("/v1/longform/projects/{project_id}")
-    def get_project(project_id: str) -> JSONResponse:
-        return JSONResponse(detail(studio(), project_id))
 
-    @router.patch("/v1/longform/projects/{project_id}")
-    def change_project(project_id: str, body: ProjectChanges) -> JSONResponse:
-        s = studio()
-        changes = body.model_dump(exclude_unset=True)
-        s.update_settings(project_id, **changes)
-        return JSONResponse(detail(s, project_id))
+@routes.get("/studio/longform", include_in_schema=False)
+def page() -> HTMLResponse:
+    return HTMLResponse(PAGE.read_text(encoding="utf-8"))
 
-    @router.delete("/v1/longform/projects/{project_id}")
-    def delete_project(project_id: str) -> JSONResponse:
-        project = studio().delete(project_id)
-        return JSONResponse({"deleted": project.id, "name": project.name})
 
-    # -------------------------------------------------------------- segments
+# ------------------------------------------------------------------ projects
 
-    @router.patch("/v1/longform/projects/{project_id}/segments/{segment_id}")
-    def change_segment(project_id: str, segment_id: str, body: SegmentChanges) -> JSONResponse:
-        s = studio()
-        changes = body.model_dump(exclude_unset=True)
-        if changes.pop("default_pause", False):
-            changes["pause"] = None
-        s.edit_segment(project_id, segment_id, **changes)
-        return JSONResponse(detail(s, project_id))
 
-    @router.post("/v1/longform/projects/{project_id}/segments/{segment_id}/split")
-    def split(project_id: str, segment_id: str, body: SplitAt) -> JSONResponse:
-        s = studio()
-        s.split_segment(project_id, segment_id, body.at)
-        return JSONResponse(detail(s, project_id))
+@routes.get("/v1/longform/voices")
+def voices(s: Studio) -> JSONResponse:
+    """Voices a segment can use: built-in and saved ones."""
+    return JSONResponse([{"id": v.id, "name": v.name, "builtin": v.builtin} for v in s.service.voices.list()
+                         if v.name])
 
-    @router.post("/v1/longform/projects/{project_id}/segments/{segment_id}/merge")
-    def merge(project_id: str, segment_id: str) -> JSONResponse:
-        s = studio()
-        s.merge_segments(project_id, segment_id)
-        return JSONResponse(detail(s, project_id))
 
-    @router.post("/v1/longform/projects/{project_id}/segments/{segment_id}/regenerate")
-    def regenerate(project_id: str, segment_id: str) -> JSONResponse:
-        return JSONResponse(studio().regenerate(project_id, segment_id))
+@routes.get("/v1/longform/projects")
+def projects(s: Studio) -> JSONResponse:
+    return JSONResponse([{"id": p.id, "name": p.name, "kind": p.kind, "created": p.created, "updated": p.updated}
+                         for p in s.projects()])
 
-    @router.post("/v1/longform/projects/{project_id}/segments/{segment_id}/takes/{take_id}/choose")
-    def choose(project_id: str, segment_id: str, take_id: str) -> JSONResponse:
-        s = studio()
-        s.choose_take(project_id, segment_id, take_id)
-        return JSONResponse(detail(s, project_id))
 
-    @router.get("/v1/longform/projects/{project_id}/takes/{take_id}.wav")
-    def take_audio(project_id: str, take_id: str) -> Response:
-        s = studio()
-        take = s.store.take(project_id, take_id)
-        return Response(encode_audio(s.store.take_audio(take), "wav", take.sample_rate), media_type="audio/wav")
+@routes.post("/v1/longform/projects", status_code=201)
+def create(s: Studio, body: NewProject) -> JSONResponse:
+    options = {k: v for k, v in (("pauses", body.pauses), ("margin", body.margin)) if v is not None}
+    project = s.create(body.name, body.text, voice=body.voice, kind=body.kind, speakers=body.speakers,
+                       preset=body.preset, **options)
+    return JSONResponse(detail(s, project.id), 201)
 
-    # -------------------------------------------------------------- generation
 
-    @router.post("/v1/longform/projects/{project_id}/generate")
-    def generate(project_id: str, body: GenerateBody | None = None) -> JSONResponse:
-        return JSONResponse(studio().generate(project_id, body.segments if body else None))
+@routes.post("/v1/longform/projects/upload", status_code=201)
+def upload(s: Studio, file: Annotated[UploadFile, File()], name: Annotated[str, Form()] = "",
+           voice: Annotated[str | None, Form()] = None, kind: Annotated[str, Form()] = "document",
+           speakers: Annotated[str, Form()] = "", preset: Annotated[str, Form()] = "podcast") -> JSONResponse:
+    """A project from a .txt, .md, .epub, .pdf or .docx file (``speakers``: JSON object for dialogue scripts)."""
+    data = file.file.read(MAX_UPLOAD_BYTES + 1)
+    if len(data) > MAX_UPLOAD_BYTES:
+        raise InvalidInputError(f"the file is larger than {MAX_UPLOAD_BYTES // 2**20} MB", "file")
+    text, chapters = script.read_document(file.filename or "upload.txt", data)
+    try:
+        mapping = json.loads(speakers) if speakers.strip() else None
+    except ValueError as exc:
+        raise InvalidInputError("speakers must be a JSON object of label -> voice", "speakers") from exc
+    project = s.create(name or Path(file.filename or "").stem, text, voice=voice, kind=kind, speakers=mapping,
+                       chapters=chapters, preset=preset)
+    return JSONResponse(detail(s, project.id), 201)
 
-    @router.post("/v1/longform/projects/{project_id}/cancel")
-    def cancel(project_id: str) -> JSONResponse:
-        return JSONResponse(studio().cancel(project_id))
 
-    @router.get("/v1/longform/projects/{project_id}/progress")
-    def progress(project_id: str) -> JSONResponse:
-        return JSONResponse(studio().progress(project_id))
+@routes.get("/v1/longform/projects/{project_id}")
+def get_project(s: Studio, project_id: str) -> JSONResponse:
+    return JSONResponse(detail(s, project_id))
 
-    # -------------------------------------------------------------- export
 
-    @router.get("/v1/longform/projects/{project_id}/export")
-    def export(project_id: str, format: str = "wav", finished: bool = True) -> Response:
-        """The mix as a file download (wav, mp3, flac, opus, m4b, mp4), written segment by segment (an audiobook
-        never sits in memory) to a temporary file without a name, so nothing is left behind however it ends."""
-        s = studio()
-        fmt = file_format(format)
-        out = tempfile.TemporaryFile(dir=s.store.root)  # noqa: SIM115 (closed once sent, by _read)
-        try:
-            timeline = s.export_to(out, project_id, fmt.name, finished)
-        except OSError as exc:
-            out.close()
-            raise disk_full(exc) or exc from exc
-        except BaseException:
-            out.close()
-            raise
-        acx = "pass" if timeline.acx and timeline.acx["passed"] else "fail"
-        size = out.tell()
-        out.seek(0)
-        return StreamingResponse(_read(out), media_type=fmt.content_type,
-                                 headers={**_attachment(s.file_name(project_id, fmt.name)), "X-ACX-Check": acx,
-                                          "Content-Length": str(size)})
+@routes.patch("/v1/longform/projects/{project_id}")
+def change_project(s: Studio, project_id: str, body: ProjectChanges) -> JSONResponse:
+    s.update_settings(project_id, **body.model_dump(exclude_unset=True))
+    return JSONResponse(detail(s, project_id))
 
-    @router.get("/v1/longform/projects/{project_id}/acx")
-    def acx(project_id: str) -> JSONResponse:
-        """The finished mix against ACX's requirements (RMS, peak, noise floor), per chapter and for the book."""
-        return JSONResponse(studio().acx(project_id))
 
-    @router.get("/v1/longform/projects/{project_id}/subtitles.{kind}")
-    def subtitles(project_id: str, kind: str, finished: bool = True) -> Response:
-        s = studio()
-        text = s.subtitles(project_id, kind, finished)
-        media = "text/vtt" if kind == "vtt" else "application/x-subrip"
-        name = f"{s.project(project_id).name or 'subtitles'}.{kind}"
-        return Response(text, media_type=f"{media}; charset=utf-8", headers=_attachment(name))
+@routes.delete("/v1/longform/projects/{project_id}")
+def delete_project(s: Studio, project_id: str) -> JSONResponse:
+    project = s.delete(project_id)
+    return JSONResponse({"deleted": project.id, "name": project.name})
 
-    @router.get("/v1/longform/projects/{project_id}/segments.json")
-    def segments_json(project_id: str, finished: bool = True) -> JSONResponse:
-        s = studio()
-        return JSONResponse(s.segments_json(project_id, s.timeline(project_id, finished)))
 
-    return router
+# ------------------------------------------------------------------ segments
+
+
+@routes.patch("/v1/longform/projects/{project_id}/segments/{segment_id}")
+def change_segment(s: Studio, project_id: str, segment_id: str, body: SegmentChanges) -> JSONResponse:
+    changes = body.model_dump(exclude_unset=True)
+    if changes.pop("default_pause", False):
+        changes["pause"] = None
+    s.edit_segment(project_id, segment_id, **changes)
+    return JSONResponse(detail(s, project_id))
+
+
+@routes.post("/v1/longform/projects/{project_id}/segments/{segment_id}/split")
+def split(s: Studio, project_id: str, segment_id: str, body: SplitAt) -> JSONResponse:
+    s.split_segment(project_id, segment_id, body.at)
+    return JSONResponse(detail(s, project_id))
+
+
+@routes.post("/v1/longform/projects/{project_id}/segments/{segment_id}/merge")
+def merge(s: Studio, project_id: str, segment_id: str) -> JSONResponse:
+    s.merge_segments(project_id, segment_id)
+    return JSONResponse(detail(s, project_id))
+
+
+@routes.post("/v1/longform/projects/{project_id}/segments/{segment_id}/regenerate")
+def regenerate(s: Studio, project_id: str, segment_id: str) -> JSONResponse:
+    return JSONResponse(s.regenerate(project_id, segment_id))
+
+
+@routes.post("/v1/longform/projects/{project_id}/segments/{segment_id}/takes/{take_id}/choose")
+def choose(s: Studio, project_id: str, segment_id: str, take_id: str) -> JSONResponse:
+    s.choose_take(project_id, segment_id, take_id)
+    return JSONResponse(detail(s, project_id))
+
+
+@routes.get("/v1/longform/projects/{project_id}/takes/{take_id}.wav")
+def take_audio(s: Studio, project_id: str, take_id: str) -> Response:
+    take = s.store.take(project_id, take_id)
+    return Response(encode_audio(s.store.take_audio(take), "wav", take.sample_rate), media_type="audio/wav")
+
+
+# ------------------------------------------------------------------ generation
+
+
+@routes.post("/v1/longform/projects/{project_id}/generate")
+def generate(s: Studio, project_id: str, body: GenerateBody | None = None) -> JSONResponse:
+    return JSONResponse(s.generate(project_id, body.segments if body else None))
+
+
+@routes.post("/v1/longform/projects/{project_id}/cancel")
+def cancel(s: Studio, project_id: str) -> JSONResponse:
+    return JSONResponse(s.cancel(project_id))
+
+
+@routes.get("/v1/longform/projects/{project_id}/progress")
+def progress(s: Studio, project_id: str) -> JSONResponse:
+    return JSONResponse(s.progress(project_id))
+
+
+# ------------------------------------------------------------------ export
+
+
+@routes.get("/v1/longform/projects/{project_id}/export")
+def export(s: Studio, project_id: str, format: str = "wav", finished: bool = True) -> Response:
+    """The mix as a file download (wav, mp3, flac, opus, m4b, mp4), written segment by segment (an audiobook
+    never sits in memory) to a temporary file without a name, so nothing is left behind however it ends."""
+    fmt = file_format(format)
+    folder = None if s.store.read_only else s.store.root  # a read-only store exports via the temp folder
+    out = tempfile.TemporaryFile(dir=folder)  # noqa: SIM115 (closed once sent, by _read)
+    try:
+        timeline = s.export_to(out, project_id, fmt.name, finished)
+    except OSError as exc:
+        out.close()
+        raise disk_full(exc) or exc from exc
+    except BaseException:
+        out.close()
+        raise
+    acx = "pass" if timeline.acx and timeline.acx["passed"] else "fail"
+    size = out.tell()
+    out.seek(0)
+    return StreamingResponse(_read(out), media_type=fmt.content_type,
+                             headers={**_attachment(s.file_name(project_id, fmt.name)), "X-ACX-Check": acx,
+                                      "Content-Length": str(size)})
+
+
+@routes.get("/v1/longform/projects/{project_id}/acx")
+def acx(s: Studio, project_id: str) -> JSONResponse:
+    """The finished mix against ACX's requirements (RMS, peak, noise floor), per chapter and for the book."""
+    return JSONResponse(s.acx(project_id))
+
+
+@routes.get("/v1/longform/projects/{project_id}/subtitles.{kind}")
+def subtitles(s: Studio, project_id: str, kind: str, finished: bool = True) -> Response:
+    text = s.subtitles(project_id, kind, finished)
+    media = "text/vtt" if kind == "vtt" else "application/x-subrip"
+    name = f"{s.project(project_id).name or 'subtitles'}.{kind}"
+    return Response(text, media_type=f"{media}; charset=utf-8", headers=_attachment(name))
+
+
+@routes.get("/v1/longform/projects/{project_id}/segments.json")
+def segments_json(s: Studio, project_id: str, finished: bool = True) -> JSONResponse:
+    return JSONResponse(s.segments_json(project_id, s.timeline(project_id, finished)))
 
 
 def detail(studio: LongformStudio, project_id: str) -> dict[str, Any]:

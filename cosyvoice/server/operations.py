@@ -1,5 +1,8 @@
 """Operations: ``GET /health`` (liveness), ``GET /ready`` (readiness and load), ``GET /metrics`` (Prometheus).
 
+A server whose voice or data folder is read-only is ready (synthesis works, saved voices included); ``/ready``
+lists those folders under ``read_only`` with what that means (saves refused), naming each folder's setting.
+
 The probes answer without an API key, but say no more than their status to a caller without one on a server
 with keys: the model's folder and a load failure's message (which may name server paths) are for key holders
 (and the log) only; the load counters are shown where no keys are configured.
@@ -38,7 +41,9 @@ async def ready(http: Request) -> JSONResponse:
         if state.load_error:
             body["error"] = state.load_error if key_holder(http) else "see the server log"
         return JSONResponse(body, 503)
-    body = {"status": "ready"}
+    body: dict[str, object] = {"status": "ready"}
+    if state.read_only():  # served, but what users make cannot be kept there
+        body["read_only"] = state.read_only()
     if _may_see_details(http):
         s = state.loaded.status()
         body |= {"sample_rate": s.sample_rate, "active_sessions": s.active_sessions,

@@ -48,11 +48,14 @@ ROUTERS = (operations.router, official.router, bridge.router, openai.router, voi
 
 
 def create_app(settings: ServerSettings | None = None, service: TTSService | None = None,
-               loader: Callable[[], TTSService] | None = None, routers: Sequence[APIRouter] = ROUTERS) -> FastAPI:
+               loader: Callable[[], TTSService] | None = None, routers: Sequence[APIRouter] = ROUTERS,
+               limits: Limits | None = None) -> FastAPI:
     """The REST app over a ready ``service``, or one that ``loader`` makes in the background after start-up
     (``/health`` answers at once, ``/ready`` once the model is loaded); ``routers`` are the API families
-    served (Ray Serve replicas serve their own), behind the one error mapping, API keys, body limit and CORS."""
+    served (Ray Serve replicas serve their own), behind the one error mapping, API keys, body limit and CORS.
+    ``limits`` bound the workbench's inputs (default: the service's, else the environment's)."""
     state = ServerState(settings or ServerSettings.from_env())
+    state.data_dir = default_data_dir(state.settings.voice_dir)  # the studio's services' data: beside the voices
 
     def load() -> None:
         try:
@@ -75,10 +78,9 @@ def create_app(settings: ServerSettings | None = None, service: TTSService | Non
     install_error_handlers(app)
     for router in routers:
         app.include_router(router)
-    # the studio's services beside synthesis: their data sits beside the voice folder
-    data_dir = default_data_dir(state.settings.voice_dir)
-    app.include_router(workbench_router(data_dir, state.service))  # listening tests (/workbench)
-    app.include_router(longform_router(state.service, data_dir, settings=state.settings))  # /v1/longform
+    limits = limits or (service.limits if service is not None else None)
+    app.include_router(workbench_router(state.data_dir, state.service, limits))  # listening tests (/workbench)
+    app.include_router(longform_router(state.service, state.data_dir, settings=state.settings))  # /v1/longform
     # middleware, outermost last
     app.add_middleware(BodyLimit, max_bytes=state.settings.max_body_bytes)
     if accepted_keys(state.settings):
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     settings, limits = settings_from_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(create_app(settings, loader=lambda: _load(settings, limits)), settings, args.log_level)
+    serve(create_app(settings, loader=lambda: _load(settings, limits), limits=limits), settings, args.log_level)
 
 
 def _load(settings: ServerSettings, limits: Limits) -> TTSService:

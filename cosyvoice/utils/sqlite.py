@@ -1,15 +1,32 @@
-"""The studio's embedded databases (workbench, long-form projects): one way to open them and to write."""
+"""The studio's embedded databases (workbench, long-form projects): one way to open them and to write, and one
+way to serve a data folder the server cannot write (read-only)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import sqlite3
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from cosyvoice.errors import StorageError
-from cosyvoice.utils.fs import DISK_FULL_MESSAGE
+from cosyvoice.errors import ReadOnlyError, StorageError
+from cosyvoice.settings import DATA_DIR_SETTING
+from cosyvoice.utils.fs import DISK_FULL_MESSAGE, unwritable
+
+logger = logging.getLogger(__name__)
+
+
+def data_folder_read_only(folder: str | Path, *, create: bool = True) -> str | None:
+    """Why nothing can be stored in the data folder ``folder`` (its setting named), or None where it can be
+    written. The folder is created if missing (``create=False``: see :func:`~cosyvoice.utils.fs.unwritable`)."""
+    denied = unwritable(folder, create=create)
+    if denied is None:
+        return None
+    logger.warning("the data folder %s is not writable (%s); its takes, tests and projects are served read-only "
+                   "(set %s to a folder the server can write)", folder, denied.strerror, DATA_DIR_SETTING)
+    return (f"the server's data folder is read-only ({DATA_DIR_SETTING}): takes, listening tests and long-form "
+            "projects can be read, but nothing can be made or changed")
 
 
 def open_database(path: str | Path) -> sqlite3.Connection:
@@ -23,10 +40,49 @@ def open_database(path: str | Path) -> sqlite3.Connection:
     return db
 
 
+def open_read_only(path: Path, schema: str) -> sqlite3.Connection:
+    """A store's database in a folder it cannot write, to read: the file as it is (read-only; immutable where
+    SQLite cannot make its WAL index beside it), or an empty database of ``schema`` where none was stored."""
+    if not path.is_file():
+        db = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
+        db.executescript(schema)
+    else:
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False,
+                             isolation_level=None)
+        try:
+            db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        except sqlite3.OperationalError:
+            db.close()
+            db = sqlite3.connect(f"{path.resolve().as_uri()}?immutable=1", uri=True, check_same_thread=False,
+                                 isolation_level=None)
+    db.row_factory = sqlite3.Row
+    return db
+
+
+def require_writable(read_only: str | None) -> None:
+    """:class:`ReadOnlyError` for a store that cannot write (``read_only``: why), before work it could not keep."""
+    if read_only:
+        raise ReadOnlyError(read_only)
+
+
+def open_store(folder: Path, name: str, schema: str) -> tuple[sqlite3.Connection, str | None]:
+    """A store's database ``name`` in the data folder ``folder``, its ``schema`` made (idempotent), and why it
+    is read-only (None: writable; see :func:`data_folder_read_only`)."""
+    read_only = data_folder_read_only(folder)
+    if read_only:
+        return open_read_only(folder / name, schema), read_only
+    db = open_database(folder / name)
+    db.executescript(schema)
+    return db, None
+
+
 @contextlib.contextmanager
-def write_transaction(db: sqlite3.Connection, lock: threading.RLock) -> Iterator[sqlite3.Connection]:
+def write_transaction(db: sqlite3.Connection, lock: threading.RLock,
+                      read_only: str | None = None) -> Iterator[sqlite3.Connection]:
     """One write transaction: BEGIN IMMEDIATE (another process waits instead of failing half-way), rolled back
-    whole on any error; a full disk raises :class:`StorageError` (the database is as it was)."""
+    whole on any error; a full disk raises :class:`StorageError` (the database is as it was). ``read_only``: the
+    store's reason it cannot write (:class:`ReadOnlyError`)."""
+    require_writable(read_only)
     with lock:
         try:
             db.execute("BEGIN IMMEDIATE")

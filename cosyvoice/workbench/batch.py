@@ -28,6 +28,7 @@ from cosyvoice.errors import InvalidInputError
 from cosyvoice.frontend.tokenizer import END_OF_PROMPT
 from cosyvoice.jobs import Job, JobRunner, JobState, Kind, Task, release, runner, synthesize
 from cosyvoice.service import PreparedRequest, SynthesisRequest, TTSService
+from cosyvoice.settings import Limits, env_name
 from cosyvoice.workbench.store import Take, WorkbenchStore
 
 COLUMNS = ("text", "voice", "prompt_audio", "prompt_text", "mode", "instruction", "seed", "speed", "label")
@@ -88,34 +89,90 @@ def software_version() -> str:
         return "cosyvoice3-studio (not installed)"
 
 
-def parse_rows(data: str | bytes, name: str = "") -> list[Row]:
+def parse_rows(data: str | bytes, name: str = "", limits: Limits | None = None) -> list[Row]:
     """Rows of a CSV (header line first) or JSONL (one object per line) file; JSONL when ``name`` ends in
-    ``.jsonl``/``.ndjson`` or the first non-blank character is ``{``. Unknown columns are refused by name."""
-    text = data.decode("utf-8-sig") if isinstance(data, bytes) else data.lstrip("\ufeff")
+    ``.jsonl``/``.ndjson`` or the first non-blank character is ``{``. Unknown columns are refused by name; the
+    row count and each field's length are bounded by ``limits`` (default: the environment's)."""
+    limits = limits or Limits.from_env()
+    text = _utf8(data, "the file")
     if name.lower().endswith((".jsonl", ".ndjson")) or text.lstrip().startswith("{"):
-        rows = []
+        records: list[object] = []
         for i, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InvalidInputError(f"line {i} is not JSON: {exc.msg}", "input") from exc
-            if not isinstance(value, dict):
-                raise InvalidInputError(f"line {i} must be a JSON object", "input")
-            rows.append(value)
-    else:
-        reader = csv.DictReader(io.StringIO(text))
-        rows = [{k: v for k, v in r.items() if k is not None} for r in reader]
-        if reader.fieldnames is None:
-            raise InvalidInputError("the input is empty; its first line names the columns (text, voice, ...)",
-                                    "input")
-    unknown = sorted({k for r in rows for k in r} - set(COLUMNS))
+            if line.strip():
+                records.append(_json(line, f"line {i}"))
+        return _rows(records, limits, "line")
+    return _rows(_csv_records(text, limits), limits, "row")
+
+
+def body_rows(body: bytes, content_type: str, limits: Limits | None = None) -> list[Row]:
+    """A batch's HTTP body: JSON ``{"rows": [{...}, ...]}`` (``content_type`` application/json), else the CSV
+    or JSONL file itself."""
+    if not content_type.startswith("application/json"):
+        return parse_rows(body, "", limits)
+    value = _json(_utf8(body, "the body"), "the body") if body.strip() else None
+    rows = value.get("rows") if isinstance(value, dict) else None
+    if not isinstance(rows, list):
+        raise InvalidInputError('send {"rows": [...]}, or the CSV/JSONL file as the body', "rows")
+    return _rows(rows, limits or Limits.from_env(), "row")
+
+
+def _utf8(data: str | bytes, what: str) -> str:
+    """Text without a byte-order mark; bytes that are not UTF-8 are refused saying where."""
+    if isinstance(data, str):
+        return data.lstrip("\ufeff")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise InvalidInputError(f"{what} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                                f"{exc.start}); save it as UTF-8", "input") from exc
+
+
+def _json(text: str, what: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInputError(f"{what} is not JSON: {exc.msg} (at character {exc.pos + 1})", "input") from exc
+
+
+def _csv_records(text: str, limits: Limits) -> list[object]:
+    """A CSV's rows as dicts by its header; at most one more row than the limit is read."""
+    reader = csv.DictReader(io.StringIO(text))
+    records: list[object] = []
+    try:
+        for record in reader:
+            records.append({k: v for k, v in record.items() if k is not None})
+            if len(records) > limits.max_batch_rows:
+                break
+    except csv.Error as exc:
+        if "field larger than field limit" in str(exc):
+            raise _field_too_long(len(records) + 1, "row", limits) from exc
+        raise InvalidInputError(f"the CSV cannot be read at line {reader.line_num}: {exc}", "input") from exc
+    if reader.fieldnames is None:
+        raise InvalidInputError("the input is empty; its first line names the columns (text, voice, ...)", "input")
+    return records
+
+
+def _field_too_long(number: int, unit: str, limits: Limits) -> InvalidInputError:
+    return InvalidInputError(f"{unit} {number}: a field is longer than {limits.max_batch_field_chars} characters "
+                             f"({env_name('max_batch_field_chars')})", "input")
+
+
+def _rows(records: list[object], limits: Limits, unit: str) -> list[Row]:
+    """Records (one dict per row, ``unit`` numbering them for people: line or row) -> rows, every bound checked."""
+    if len(records) > limits.max_batch_rows:
+        raise InvalidInputError(f"the input has more than {limits.max_batch_rows} rows "
+                                f"({env_name('max_batch_rows')}); split it into several batches", "input")
+    for i, record in enumerate(records, 1):
+        if not isinstance(record, dict):
+            raise InvalidInputError(f"{unit} {i} must be a JSON object", "input")
+        if any(len(v) > limits.max_batch_field_chars for v in map(str, record.values())):
+            raise _field_too_long(i, unit, limits)
+    unknown = sorted({str(k) for r in records for k in r} - set(COLUMNS))
     if unknown:
         raise InvalidInputError(f"unknown column(s) {', '.join(unknown)}; use {', '.join(COLUMNS)}", "input")
-    if not rows:
+    if not records:
         raise InvalidInputError("the input has no rows", "input")
-    return [Row(i, {k: "" if v is None else str(v).strip() for k, v in r.items()}) for i, r in enumerate(rows, 1)]
+    return [Row(i, {k: "" if v is None else str(v).strip() for k, v in r.items()}) for i, r in enumerate(records, 1)]
 
 
 def row_request(row: Row, resolve_audio: Callable[[str], Path] | None) -> SynthesisRequest:
@@ -254,12 +311,23 @@ def takes_csv_rows(takes: Iterable[Take], files: dict[str, str] | None = None) -
     return out
 
 
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")  # what makes a spreadsheet read a cell as a formula
+
+
+def spreadsheet_safe(value: object) -> object:
+    """A cell a spreadsheet shows as text: text starting like a formula (``=HYPERLINK(...)``, ``+cmd|...``) gets
+    a leading quote, so a label, text or rater name someone typed is never run by whoever opens the export.
+    Numbers stay numbers (a negative score is not a formula)."""
+    return "'" + value if isinstance(value, str) and value.startswith(FORMULA_STARTS) else value
+
+
 def write_csv(path: Path | io.StringIO, rows: list[dict[str, Any]], columns: Iterable[str]) -> None:
-    """A CSV with a header (a StringIO for HTTP answers, a path for the CLI)."""
+    """A CSV with a header (a StringIO for HTTP answers, a path for the CLI); every CSV the studio writes goes
+    through here, its cells made :func:`spreadsheet_safe`."""
     def write(f: Any) -> None:
         writer = csv.DictWriter(f, fieldnames=list(columns))
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({k: spreadsheet_safe(v) for k, v in row.items()} for row in rows)
 
     if isinstance(path, io.StringIO):
         write(path)

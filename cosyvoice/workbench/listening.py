@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cosyvoice.errors import InvalidInputError, NotFoundError
+from cosyvoice.settings import Limits, env_name
 from cosyvoice.workbench import stats
 from cosyvoice.workbench.store import SCORE_METRICS, Answer, Rater, Take, WorkbenchStore
 
@@ -464,13 +465,22 @@ def _num(x: float) -> float | None:
 
 
 def create_test(store: WorkbenchStore, kind: str, items: list[dict[str, Any]], *, title: str = "",
-                instructions: str = "", allow_none: bool = False, name: str = "") -> str:
+                instructions: str = "", allow_none: bool = False, name: str = "",
+                limits: Limits | None = None) -> str:
     """Store a test over ``items`` (from :func:`design` or :func:`check_items`). ``title`` and ``instructions`` are
     what raters see (a neutral title and the kind's standard wording by default: the owner's working ``name``,
-    which often names the systems compared, is never shown to them)."""
+    which often names the systems compared, is never shown to them). All three are bounded by ``limits``: every
+    rater's page carries the title and instructions."""
     _check_kind(kind)
     if not all(isinstance(x, str) for x in (title, instructions, name)):
         raise InvalidInputError("name, title and instructions must be text", "title")
+    limits = limits or Limits.from_env()
+    for field, value, setting in (("name", name, "max_test_title_chars"), ("title", title, "max_test_title_chars"),
+                                  ("instructions", instructions, "max_test_instructions_chars")):
+        bound = getattr(limits, setting)
+        if len(value) > bound:
+            raise InvalidInputError(f"the {field} has {len(value)} characters; at most {bound} are allowed "
+                                    f"({env_name(setting)})", field)
     return store.add_test(kind, title.strip() or PUBLIC_TITLE, instructions.strip() or DEFAULT_INSTRUCTIONS[kind],
                           {"allow_none": bool(allow_none) and kind == "ab", "items": items,
                            "name": name.strip() or f"{kind.upper()} test"})

@@ -26,7 +26,7 @@ import soundfile as sf
 from cosyvoice.encoding import encode_audio
 from cosyvoice.errors import AlreadyExistsError, InvalidInputError, NotFoundError
 from cosyvoice.utils.fs import atomic_write
-from cosyvoice.utils.sqlite import open_database, write_transaction
+from cosyvoice.utils.sqlite import open_store, require_writable, write_transaction
 
 DB_NAME = "workbench.sqlite3"
 # the objective scorecard's measures of a take (cosyvoice.workbench.scorecard), kept with it for the exports
@@ -167,24 +167,24 @@ class Answer:
 
 
 class WorkbenchStore:
-    """The database and audio folder under ``root`` (created if missing; reopened as it was)."""
+    """The database and audio folder under ``root`` (created if missing; reopened as it was). A folder this
+    process cannot write is served read-only: :attr:`read_only` says why, and every write raises it."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         self.audio_dir = self.root / AUDIO_DIR
-        self.audio_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.root / DB_NAME
         self._lock = threading.RLock()
-        self._db = open_database(self.path)
-        with self._lock:
-            self._db.executescript(SCHEMA)  # idempotent: an existing database is opened as it is
+        self._db, self.read_only = open_store(self.root, DB_NAME, SCHEMA)  # an existing database is opened as it is
+        if not self.read_only:
+            self.audio_dir.mkdir(parents=True, exist_ok=True)
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
     def _tx(self) -> AbstractContextManager[sqlite3.Connection]:
-        return write_transaction(self._db, self._lock)
+        return write_transaction(self._db, self._lock, self.read_only)
 
     def _rows(self, sql: str, *args: Any) -> list[sqlite3.Row]:
         with self._lock:
@@ -196,6 +196,7 @@ class WorkbenchStore:
                  owner: str | None = None, batch: str | None = None, row: int | None = None) -> Take:
         """Write the audio (float samples as the engine makes them -> 16-bit WAV), then the row: a take exists
         once its row does."""
+        require_writable(self.read_only)  # before its audio is written
         take_id = new_id("take")
         name = f"{take_id}.wav"
         data = encode_audio(pcm, "wav", sample_rate)
