@@ -13,7 +13,7 @@ import contextlib
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -66,6 +66,18 @@ def wire_fields(names: dict[str, str]) -> Iterator[None]:
         raise
 
 
+def invalid_body(errors: Sequence[Mapping[str, Any]]) -> InvalidInputError:
+    """The user's error for pydantic's (or FastAPI's) validation ``errors`` of a request: its first error,
+    naming the field at fault."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return InvalidInputError(f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
+    name = ".".join(loc) or None
+    message = f"{name}: {first.get('msg', 'invalid')}" if name else str(first.get("msg", "invalid request"))
+    return InvalidInputError(message, name)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error of every router answers through :func:`http_error` (once, here): a JSON body, never a
     traceback; failures of synthesis routes are counted in the metrics under their mode."""
@@ -85,14 +97,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":
-            reason = first.get("ctx", {}).get("error", "")
-            return respond(request, InvalidInputError(f"the body is not valid JSON: {reason}"))
-        loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
-        name = ".".join(loc) or None
-        message = f"{name}: {first.get('msg', 'invalid')}" if name else str(first.get("msg", "invalid request"))
-        return respond(request, InvalidInputError(message, name))
+        return respond(request, invalid_body(exc.errors()))
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -168,8 +173,13 @@ def accepted_keys(settings: ServerSettings) -> tuple[str, ...]:
 
 def request_owner(conn: HTTPConnection) -> str | None:
     """Who makes this request, for the voice library: the key's owner; ``None`` on a server without keys."""
-    keys = accepted_keys(server_state(conn).settings)
-    token = presented_key(conn.scope)
+    return scope_owner(conn.scope, server_state(conn).settings)
+
+
+def scope_owner(scope: Scope, settings: ServerSettings) -> str | None:
+    """:func:`request_owner` of an ASGI ``scope`` (only its headers are read) on a server with ``settings``."""
+    keys = accepted_keys(settings)
+    token = presented_key(scope)
     return key_owner(token) if keys and key_is_valid(token, keys) else None
 
 
@@ -198,12 +208,20 @@ class ApiKeys:
         await response(scope, receive, send)
 
 
+def cors_options(settings: ServerSettings) -> dict[str, Any] | None:
+    """The CORS policy of ``settings`` as :class:`CORSMiddleware` arguments (``None``: CORS closed)."""
+    if not settings.cors_origins:
+        return None
+    return {"allow_origins": list(settings.cors_origins), "allow_methods": ["*"], "allow_headers": ["*"],
+            "expose_headers": ["X-Audio-Duration", "X-Sample-Rate"],
+            "allow_credentials": "*" not in settings.cors_origins}
+
+
 def add_cors(app: FastAPI, settings: ServerSettings) -> None:
     """CORS for the configured origins (none: closed); preflights are answered."""
-    if settings.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["X-Audio-Duration", "X-Sample-Rate"],
-                           allow_credentials="*" not in settings.cors_origins)
+    options = cors_options(settings)
+    if options is not None:
+        app.add_middleware(CORSMiddleware, **options)
 
 
 # ----------------------------------------------------------------------------- the body limit
@@ -390,10 +408,15 @@ async def whole_file(session: AsyncSynthesisSession, fmt: str | AudioFormat, rec
     pcm = await collect(session, receive)
     if pcm is None:
         return Response(status_code=CLIENT_GONE)  # nobody reads it; the access log shows the hang-up
-    seconds = pcm.numel() / session.sample_rate
-    encoded = encode_audio(pcm, fmt, session.sample_rate)
-    return Response(encoded, media_type=fmt.content_type,
-                    headers={"X-Audio-Duration": f"{seconds:.3f}", "X-Sample-Rate": str(session.sample_rate)})
+    encoded, headers = encoded_whole(pcm, fmt, session.sample_rate)
+    return Response(encoded, media_type=fmt.content_type, headers=headers)
+
+
+def encoded_whole(pcm: torch.Tensor, fmt: AudioFormat, sample_rate: int) -> tuple[bytes, dict[str, str]]:
+    """One complete file of ``pcm`` and its headers (``X-Audio-Duration`` in seconds, ``X-Sample-Rate``)."""
+    seconds = pcm.numel() / sample_rate
+    return (encode_audio(pcm, fmt, sample_rate),
+            {"X-Audio-Duration": f"{seconds:.3f}", "X-Sample-Rate": str(sample_rate)})
 
 
 def _sse(event: dict[str, Any]) -> bytes:
