@@ -106,15 +106,17 @@ pub async fn handle(app: Arc<App>, request: Request<Body>) -> Result<Response<Bo
     let (method, path) = (request.method().clone(), request.uri().path().to_string());
     let headers = request.headers().clone();
     let origin = header(&headers, "origin");
-    let mut response = match &app.bridge.config.cors {
+    let response = match &app.bridge.config.cors {
         Some(cors) if origin.is_some() && method == Method::OPTIONS && headers.contains_key("access-control-request-method") => {
             preflight(cors, &headers)
         }
-        _ => route(&app, request).await,
+        Some(cors) => {
+            let mut response = route(&app, request).await;
+            simple_cors(cors, origin.as_deref(), response.headers_mut());
+            response
+        }
+        None => route(&app, request).await,
     };
-    if let Some(cors) = &app.bridge.config.cors {
-        simple_cors(cors, origin.as_deref(), response.headers_mut());
-    }
     info!(
         "{} {} {} {:.1} ms",
         method,
