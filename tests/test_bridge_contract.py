@@ -107,13 +107,6 @@ class RustServer:
 
 
 @pytest.fixture(scope="module")
-def audio_dir(tmp_path_factory: pytest.TempPathFactory, short_prompt_wav: Path) -> Path:
-    folder = tmp_path_factory.mktemp("allowed")
-    (folder / "prompt.wav").write_bytes(short_prompt_wav.read_bytes())
-    return folder
-
-
-@pytest.fixture(scope="module")
 def python_server(tts, tmp_path_factory: pytest.TempPathFactory, audio_dir: Path) -> Iterator[Served]:
     library = VoiceLibrary(tmp_path_factory.mktemp("voices"), tts.frontend, model_dir=tts.model_dir)
     service = TTSService(tts.model, library, Limits(**LIMITS))
