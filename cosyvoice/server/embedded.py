@@ -170,8 +170,10 @@ class EmbeddedBridge:
                 service = self.state.service()
                 with service.synthesize(request, cancel=cancel, owner=self._owner(authorization)) as session:
                     pieces = [chunk.pcm for chunk in session]
-            if cancel.cancelled:
-                raise ResourceLimitError("shutting down: this request was cancelled; retry on another server")
+            if cancel.cancelled:  # by the drain (a client that left hears nothing); the session counted it
+                cancelled = ResourceLimitError("shutting down: this request was cancelled; retry on another server")
+                cancelled._outcome_reported = True
+                raise cancelled
             pcm = torch.cat(pieces) if pieces else torch.zeros(0)
             encoded, headers = encoded_whole(pcm, audio_format("wav"), session.sample_rate)
             return Answer(200, [("content-type", "audio/wav"), *headers.items()], encoded, mode, None,
