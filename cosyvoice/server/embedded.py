@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import email.message
 import json
 import logging
@@ -38,6 +39,7 @@ from cosyvoice.server.common import (
     wire_fields,
 )
 from cosyvoice.server.errors import HttpError, http_error, log_error
+from cosyvoice.server.memory import MemoryKeeper
 from cosyvoice.server.operations import readiness
 from cosyvoice.server.voices_api import voice_json
 from cosyvoice.service import TTSService, failure_reason, mode_label
@@ -122,6 +124,9 @@ class EmbeddedBridge:
         settings, self.limits = settings_from_args(args, {**CONTRACT_ADDRESS, **os.environ})
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.state = ServerState(settings)
+        # few malloc arenas and a trim when idle, as the REST server: each request runs on a thread of its own
+        self._memory = contextlib.ExitStack()
+        self._memory.enter_context(MemoryKeeper(lambda: self.state.loaded))
 
     @property
     def settings(self) -> ServerSettings:
@@ -207,6 +212,7 @@ class EmbeddedBridge:
         """Shutting down: refuse new requests, let running ones finish for ``grace_seconds``, cancel the rest."""
         if self.state.loaded is not None:
             asyncio.run(self.state.loaded.drain(grace_seconds))
+        self._memory.close()
 
     def _owner(self, authorization: str) -> str | None:
         return scope_owner(_authorization(authorization), self.settings)
