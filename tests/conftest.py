@@ -70,6 +70,14 @@ def short_prompt_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _voiced_wav(tmp_path_factory.mktemp("audio") / "short.wav", 1.2, 16000)
 
 
+@pytest.fixture(scope="module")
+def audio_dir(tmp_path_factory: pytest.TempPathFactory, short_prompt_wav: Path) -> Path:
+    """A server's allowed audio folder (``allowed_audio_dir``), holding ``prompt.wav``."""
+    folder = tmp_path_factory.mktemp("allowed")
+    (folder / "prompt.wav").write_bytes(short_prompt_wav.read_bytes())
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tts(tiny_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """One CosyVoice3 on the generated tiny bundle, shared by the API and engine tests (like a server)."""

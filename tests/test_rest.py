@@ -60,13 +60,6 @@ def service(tts, library: VoiceLibrary) -> TTSService:
 
 
 @pytest.fixture(scope="module")
-def audio_dir(tmp_path_factory: pytest.TempPathFactory, short_prompt_wav: Path) -> Path:
-    folder = tmp_path_factory.mktemp("allowed")
-    (folder / "prompt.wav").write_bytes(short_prompt_wav.read_bytes())
-    return folder
-
-
-@pytest.fixture(scope="module")
 def url(service: TTSService, audio_dir: Path) -> Iterator[str]:
     server = Server(create_app(ServerSettings(allowed_audio_dir=str(audio_dir)), service))
     yield server.url

@@ -23,6 +23,7 @@ from cosyvoice.server.common import (
 )
 from cosyvoice.server.voices_api import voice_json
 from cosyvoice.service import SynthesisRequest
+from cosyvoice.settings import ServerSettings
 
 router = APIRouter(tags=["bridge"])
 
@@ -57,14 +58,18 @@ def bridge_request(body: BridgeSynthesis, audio: object) -> SynthesisRequest:
                             stream=False, format="wav")
 
 
+def contract_request(body: BridgeSynthesis, settings: ServerSettings) -> SynthesisRequest:
+    """``body`` as a service request, or the contract's 400 (``prompt_audio`` is required)."""
+    if not body.prompt_audio:
+        raise InvalidInputError(PROMPT_AUDIO_REQUIRED, "prompt_audio")
+    return bridge_request(body, audio_argument(body.prompt_audio, settings, "prompt_audio"))
+
+
 @router.post("/synthesize")
 async def synthesize(http: Request, body: BridgeSynthesis) -> Response:
     """A complete WAV; ``X-Audio-Duration`` is its length in seconds. A client that leaves cancels it."""
-    state = server_state(http)
     with wire_fields(BRIDGE_FIELDS):
-        if not body.prompt_audio:
-            raise InvalidInputError(PROMPT_AUDIO_REQUIRED, "prompt_audio")
-        request = bridge_request(body, audio_argument(body.prompt_audio, state.settings, "prompt_audio"))
+        request = contract_request(body, server_state(http).settings)
         session = await while_connected(http.receive, service_of(http).asynthesize(request, owner=request_owner(http)))
     return await whole_file(session, "wav", http.receive)
 

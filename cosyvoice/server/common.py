@@ -172,8 +172,13 @@ def accepted_keys(settings: ServerSettings) -> tuple[str, ...]:
 
 def request_owner(conn: HTTPConnection) -> str | None:
     """Who makes this request, for the voice library: the key's owner; ``None`` on a server without keys."""
-    keys = accepted_keys(server_state(conn).settings)
-    token = presented_key(conn.scope)
+    return scope_owner(conn.scope, server_state(conn).settings)
+
+
+def scope_owner(scope: Scope, settings: ServerSettings) -> str | None:
+    """:func:`request_owner` of an ASGI ``scope`` (only its headers are read) on a server with ``settings``."""
+    keys = accepted_keys(settings)
+    token = presented_key(scope)
     return key_owner(token) if keys and key_is_valid(token, keys) else None
 
 
@@ -202,12 +207,20 @@ class ApiKeys:
         await response(scope, receive, send)
 
 
+def cors_options(settings: ServerSettings) -> dict[str, Any] | None:
+    """The CORS policy of ``settings`` as :class:`CORSMiddleware` arguments (``None``: CORS closed)."""
+    if not settings.cors_origins:
+        return None
+    return {"allow_origins": list(settings.cors_origins), "allow_methods": ["*"], "allow_headers": ["*"],
+            "expose_headers": ["X-Audio-Duration", "X-Sample-Rate"],
+            "allow_credentials": "*" not in settings.cors_origins}
+
+
 def add_cors(app: FastAPI, settings: ServerSettings) -> None:
     """CORS for the configured origins (none: closed); preflights are answered."""
-    if settings.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["X-Audio-Duration", "X-Sample-Rate"],
-                           allow_credentials="*" not in settings.cors_origins)
+    options = cors_options(settings)
+    if options is not None:
+        app.add_middleware(CORSMiddleware, **options)
 
 
 # ----------------------------------------------------------------------------- the body limit
@@ -396,10 +409,15 @@ async def whole_file(session: AsyncSynthesisSession, fmt: str | AudioFormat, rec
     pcm = await collect(session, receive)
     if pcm is None:
         return Response(status_code=CLIENT_GONE)  # nobody reads it; the access log shows the hang-up
-    seconds = pcm.numel() / session.sample_rate
-    encoded = encode_audio(pcm, fmt, session.sample_rate)
-    return Response(encoded, media_type=fmt.content_type,
-                    headers={"X-Audio-Duration": f"{seconds:.3f}", "X-Sample-Rate": str(session.sample_rate)})
+    encoded, headers = encoded_whole(pcm, fmt, session.sample_rate)
+    return Response(encoded, media_type=fmt.content_type, headers=headers)
+
+
+def encoded_whole(pcm: torch.Tensor, fmt: AudioFormat, sample_rate: int) -> tuple[bytes, dict[str, str]]:
+    """One complete file of ``pcm`` and its headers (``X-Audio-Duration`` in seconds, ``X-Sample-Rate``)."""
+    seconds = pcm.numel() / sample_rate
+    return (encode_audio(pcm, fmt, sample_rate),
+            {"X-Audio-Duration": f"{seconds:.3f}", "X-Sample-Rate": str(sample_rate)})
 
 
 def _sse(event: dict[str, Any]) -> bytes:

@@ -6,8 +6,9 @@ param}}``, never a traceback. Light on purpose (no metrics, no torch), so any ap
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -72,17 +73,24 @@ def http_error(exc: BaseException, settings: ServerSettings | None = None) -> Ht
     return HttpError(500, "internal_error", "internal error; the server log has the details")
 
 
+def invalid_body(errors: Sequence[Mapping[str, Any]]) -> InvalidInputError:
+    """The user's error for pydantic's (or FastAPI's) validation ``errors`` of a request: its first error,
+    naming the field at fault."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return InvalidInputError(f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
+    name = ".".join(loc) or None
+    message = f"{name}: {first.get('msg', 'invalid')}" if name else str(first.get("msg", "invalid request"))
+    return InvalidInputError(message, name)
+
+
 def invalid_request(exc: Exception) -> InvalidInputError | None:
     """A request FastAPI could not decode or validate, as our input error naming the problem (a body that is not
     JSON, or not UTF-8, a form it cannot parse: no field) or the field (a value of the wrong type); None for
     other exceptions."""
     if isinstance(exc, RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":
-            return InvalidInputError(f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
-        name = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")) or None
-        message = str(first.get("msg", "invalid request"))
-        return InvalidInputError(f"{name}: {message}" if name else message, name)
+        return invalid_body(exc.errors())
     if isinstance(exc, HTTPException) and exc.status_code == 400 and exc.__cause__ is not None:
         cause = exc.__cause__  # FastAPI's "There was an error parsing the body", without saying what
         if isinstance(cause, UnicodeDecodeError):

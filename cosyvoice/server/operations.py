@@ -13,7 +13,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from cosyvoice.server.common import accepted_keys, key_holder, server_state
+from cosyvoice.server.common import ServerState, accepted_keys, key_holder, server_state
 
 router = APIRouter(tags=["operations"])
 
@@ -35,23 +35,29 @@ async def health(http: Request) -> JSONResponse:
 @router.get("/ready")
 async def ready(http: Request) -> JSONResponse:
     """Readiness: the model is loaded; with the current load (and, for a key holder, the model folder)."""
-    state = server_state(http)
+    body, status = readiness(server_state(http), _may_see_details(http), key_holder(http))
+    return JSONResponse(body, status)
+
+
+def readiness(state: ServerState, details: bool, holder: bool) -> tuple[dict[str, object], int]:
+    """``/ready``'s body and status: the load counters if ``details``, the model folder and a load failure's
+    message only for a key ``holder``."""
     if state.loaded is None:
-        body = {"status": "failed" if state.load_error else "loading"}
+        body: dict[str, object] = {"status": "failed" if state.load_error else "loading"}
         if state.load_error:
-            body["error"] = state.load_error if key_holder(http) else "see the server log"
-        return JSONResponse(body, 503)
-    body: dict[str, object] = {"status": "ready"}
+            body["error"] = state.load_error if holder else "see the server log"
+        return body, 503
+    body = {"status": "ready"}
     if state.read_only():  # served, but what users make cannot be kept there
         body["read_only"] = state.read_only()
-    if _may_see_details(http):
+    if details:
         s = state.loaded.status()
         body |= {"sample_rate": s.sample_rate, "active_sessions": s.active_sessions,
                  "queued_requests": s.queued_requests, "max_sessions": s.max_sessions,
                  "max_queued_requests": s.max_queued_requests, "saved_voices": s.saved_voices}
-        if key_holder(http):
+        if holder:
             body["model_dir"] = str(s.model_dir)
-    return JSONResponse(body)
+    return body, 200
 
 
 @router.get("/metrics")

@@ -1,0 +1,111 @@
+//! `cosyvoice-server`: the bridge contract (`POST /synthesize`, `GET /health`, `GET /ready`, `GET /speakers`,
+//! `GET /metrics`) over hyper + tokio, with the CosyVoice3 Studio service embedded through PyO3.
+//!
+//! Rust serves HTTP, `/health`, the Prometheus metrics, API keys, CORS and the body bound; every answer that
+//! needs the model comes from one Python entry point, `cosyvoice.server.embedded.EmbeddedBridge`, which takes
+//! the same flags and `COSYVOICE_*` settings as the Python REST server and answers with its errors.
+//! Blocking Python calls run on tokio's blocking threads; the GIL is taken only there.
+
+mod bridge;
+mod environment;
+mod http;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use hyper::service::{make_service_fn, service_fn};
+use hyper::Server;
+use tracing::{error, info};
+
+
+use crate::bridge::Bridge;
+use crate::http::App;
+
+fn main() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(false).with_writer(std::io::stderr).init();
+    let code = match run() {
+        Ok(()) => 0,
+        Err(message) => {
+            eprintln!("cosyvoice-server: {}", message);
+            2
+        }
+    };
+    // the engine's threads are not joined: the drain already ended every request
+    std::process::exit(code);
+}
+
+fn run() -> Result<(), String> {
+    environment::load_dotenv();
+    let python = environment::find_python()?;
+    bridge::start_interpreter(&python)?;
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let bridge = match Bridge::new(&argv)? {
+        Some(bridge) => bridge,
+        None => return Ok(()), // --help
+    };
+    let config = bridge.config.clone();
+    let addr: SocketAddr = format!("{}:{}", bracket(&config.host), config.port)
+        .parse()
+        .map_err(|e| format!("cannot listen on {}:{}: {}", config.host, config.port, e))?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the async runtime: {}", e))?;
+    let served = runtime.block_on(serve(App::new(bridge), addr));
+    runtime.shutdown_background(); // a model still loading is not waited for
+    served
+}
+
+fn bracket(host: &str) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{}]", host)
+    } else {
+        host.to_string()
+    }
+}
+
+async fn serve(app: App, addr: SocketAddr) -> Result<(), String> {
+    let app = Arc::new(app);
+    let builder = Server::try_bind(&addr).map_err(|e| format!("cannot listen on {}: {}", addr, e))?;
+    info!(%addr, model_dir = %app.bridge.config.model_dir, "serving the bridge contract; loading the model");
+    let loader = app.clone();
+    tokio::task::spawn_blocking(move || loader.load());
+
+    let drainer = app.clone();
+    let make = make_service_fn(move |_conn| {
+        let app = app.clone();
+        async move { Ok::<_, Infallible>(service_fn(move |request| http::handle(app.clone(), request))) }
+    });
+    // SIGTERM/SIGINT: stop accepting, let running requests finish within the grace (new ones get 503),
+    // then the service cancels what still runs; the server returns once every connection has ended
+    let (drain_started, drain_handle) = tokio::sync::oneshot::channel();
+    let server = builder.serve(make).with_graceful_shutdown(async move {
+        shutdown_signal().await;
+        info!("shutting down: running requests may finish within {} s", drainer.bridge.config.grace_seconds);
+        let _ = drain_started.send(tokio::task::spawn_blocking(move || drainer.bridge.drain()));
+    });
+    server.await.map_err(|e| format!("server failed: {}", e))?;
+    if let Ok(drain) = drain_handle.await {
+        let _ = drain.await;
+    }
+    info!("stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut terminate = match signal(SignalKind::terminate()) {
+        Ok(stream) => stream,
+        Err(e) => {
+            error!("cannot listen for SIGTERM: {}", e);
+            return std::future::pending().await;
+        }
+    };
+    tokio::select! {
+        _ = terminate.recv() => {},
+        _ = tokio::signal::ctrl_c() => {},
+    }
+}
