@@ -116,6 +116,7 @@ def test_torch_plan_picks_cpu_without_a_gpu_and_cuda_with_one() -> None:
     # where PyTorch's CPU index cannot be reached (this CI: a local CPU wheel), pip's own configuration decides
     offline = install_state.torch_plan({}, gpu=False, reachable=lambda url: False)
     assert offline.build == "configured" and offline.pip_args == () and "cannot be reached" in offline.message
+    assert "3 GB" not in offline.message  # which build those indexes hold is said after installing it
     # the user decides over what was seen; a mirror replaces the CPU index
     assert install_state.torch_plan({"COSYVOICE_TORCH": "cpu"}, gpu=True, reachable=reachable).build == "cpu"
     assert install_state.torch_plan({"COSYVOICE_TORCH": "cuda"}, gpu=False, reachable=reachable).build == "cuda"
@@ -125,6 +126,21 @@ def test_torch_plan_picks_cpu_without_a_gpu_and_cuda_with_one() -> None:
     assert mirror.pip_args == ("--index-url", "https://mirror.example/cpu")
     with pytest.raises(ValueError, match="use cpu, cuda or configured"):
         install_state.torch_plan({"COSYVOICE_TORCH": "rocm"}, gpu=False, reachable=reachable)
+
+
+def test_the_installed_torch_build_is_read_from_its_metadata() -> None:
+    assert install_state.torch_build("2.13.0+cpu", ["filelock"]) == "torch 2.13.0+cpu, the CPU build"
+    assert install_state.torch_build("2.11.0+cu128", []) == "torch 2.11.0+cu128, the CUDA 12.8 build"
+    assert install_state.torch_build("2.13.0+rocm6.4", []) == "torch 2.13.0+rocm6.4, the ROCm 6.4 build"
+    pypi_linux = ["filelock", 'nvidia-cublas-cu12==12.8.4.1; platform_system == "Linux"']
+    assert "the CUDA build" in install_state.torch_build("2.13.0", pypi_linux)
+    assert install_state.torch_build("2.13.0", ["filelock"]) == "torch 2.13.0, the CPU build"  # e.g. macOS
+    done = subprocess.run([sys.executable, "scripts/install_state.py", "torch-installed"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=True)
+    import torch
+
+    assert done.stdout.startswith(f"torch {torch.__version__}, the ")
+    assert ("CUDA" in done.stdout) == (torch.version.cuda is not None)
 
 
 def test_an_nvidia_gpu_is_seen_by_its_driver_or_nvidia_smi(tmp_path: Path) -> None:
@@ -212,6 +228,7 @@ def test_setup_on_a_fresh_machine_without_gpu_asks_the_cpu_index(tmp_path: Path)
         server.shutdown()
     assert done.returncode != 0  # the fake index holds no torch
     assert f"[setup] torch: no NVIDIA GPU found: downloading the CPU build of torch==2.13.0 from {index}" in done.stderr
+    assert f"Looking in indexes: {index}" in done.stdout  # pip's own progress is shown, not silenced
     assert ("/whl/cpu/torch/", asked[0][1]) == asked[0] and asked[0][1].startswith("Python-urllib")  # the probe
     assert any(path.startswith("/whl/cpu/torch") and agent.startswith("pip/") for path, agent in asked), asked
 
