@@ -18,6 +18,7 @@ import logging
 import os
 
 from app.ui import BUILTIN_VOICE_DIR, DEMO_MODEL_DIR, launch, load_studio
+from cosyvoice.errors import command_line_errors
 from cosyvoice.settings import ServerSettings, VoicePolicy, default_voice_dir
 
 
@@ -39,9 +40,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="accept this key (repeat for more; env COSYVOICE_API_KEYS=k1,k2); none: no sign-in")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    studio = load_studio(args.model_dir, voice_dir=args.voice_dir, demo_dir=args.demo_dir,
-                         builtin_dir=args.builtin_voice_dir, device=args.device)
-    settings = ServerSettings.from_env()
+    with command_line_errors():  # a bad setting or model folder: one line, exit 2
+        settings = ServerSettings.from_env()
+        studio = load_studio(args.model_dir, voice_dir=args.voice_dir, demo_dir=args.demo_dir,
+                             builtin_dir=args.builtin_voice_dir, device=args.device)
     api_keys = tuple(args.api_keys or ()) or settings.api_keys
     if args.api_keys:  # keys from the command line: saved voices are their creators' (COSYVOICE_VOICE_EDITORS)
         studio.service.voices.policy = VoicePolicy.from_env(api_keys=api_keys)

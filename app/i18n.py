@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from cosyvoice.bundle import DEFAULT_MODEL_ID
-
-MODEL_IN_REPO = "pretrained_models/Fun-CosyVoice3-0.5B"  # the page names repository paths, never the server's
+from cosyvoice.bundle import DEFAULT_MODEL_ID, DEMO_WARNING, MODEL_IN_REPO  # the page names repository paths
 
 EN = {
     "intro": "Fun-CosyVoice3-0.5B text-to-speech: clone a voice from a short recording, speak it in another "
@@ -50,10 +48,7 @@ EN = {
     "download_all": "Download all takes (ZIP with text, voice, mode, seed, settings)",
     "import_as": "Import as (another name)",
     "import_again": "Import",
-    "demo_banner": "DEMO MODE: no model was found at {model}, so this UI runs a tiny RANDOMLY INITIALISED model that "
-                   "produces noise-like audio, not speech. For real speech, download the model with "
-                   "`modelscope download --model {model_id} --local_dir {model}` (.venv/bin/pip install -e "
-                   "'.[download]' in the repository) and restart, or start with --model-dir DIR.",
+    "demo_banner": DEMO_WARNING,  # also what the log and the command lines say
 }
 
 ZH = {
@@ -101,8 +96,7 @@ ZH = {
                    "下载模型（在仓库中执行 .venv/bin/pip install -e '.[download]'）后重启，或用 --model-dir DIR 启动。",
 }
 
-for table in (EN, ZH):
-    table["demo_banner"] = table["demo_banner"].format(model=MODEL_IN_REPO, model_id=DEFAULT_MODEL_ID)
+ZH["demo_banner"] = ZH["demo_banner"].format(model=MODEL_IN_REPO, model_id=DEFAULT_MODEL_ID)
 I18N = gr.I18n(en=EN, zh=ZH, **{"zh-CN": ZH, "zh-TW": ZH})
 t = I18N  # t("key") in component labels
 
@@ -145,7 +139,6 @@ MESSAGES = {
                    "生成中… 已生成 {seconds:.1f} 秒音频（种子 {seed}）"),
     "take_done": ("Take {number}: {seconds:.1f} s of audio in {wall:.1f} s",
                   "第 {number} 条：{wall:.1f} 秒内生成 {seconds:.1f} 秒音频"),
-    "first_audio": (", first audio after {first:.2f} s", "，首段音频用时 {first:.2f} 秒"),
     "seed_voice": (" · seed {seed} · voice: {voice}", " · 种子 {seed} · 声音：{voice}"),
     "stopped_mark": (" · stopped", " · 已停止"),
     "not_kept": ("This take could not be kept in the history (the server's storage failed); download it now.",

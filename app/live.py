@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import threading
 import time
@@ -23,6 +24,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+
+logger = logging.getLogger(__name__)
 
 TAKE_ID = re.compile(r"^[A-Za-z0-9-]{8,64}$")
 PLAYER_JS = Path(__file__).with_name("player.js")
@@ -114,8 +117,21 @@ def mount(app: FastAPI, hub: LiveHub, sample_rate: int) -> None:
                 task.result()
 
     app.add_api_websocket_route("/studio/live/{take_id}", live)
+    if not websockets_served():
+        logger.error("live playback is off: this Python lacks the websockets package, so the server answers the "
+                     "page's WebSocket with 404 (install the web UI with scripts/webui.sh, or pip install -e '.[ui]')")
+
+
+def websockets_served() -> bool:
+    """Whether Gradio's server (uvicorn) accepts WebSockets in this Python: only with the websockets (or wsproto)
+    package installed; without one it answers every WebSocket with 404."""
+    from uvicorn.protocols.websockets.auto import AutoWebSocketsProtocol
+
+    return AutoWebSocketsProtocol is not None
 
 
 def head_html() -> str:
-    """The player script for ``launch(head=...)``."""
-    return f"<script>\n{PLAYER_JS.read_text(encoding='utf-8')}\n</script>"
+    """The player script for ``launch(head=...)``, told whether this server can serve its WebSocket at all (so
+    that the page names the cause instead of a bare failure)."""
+    served = json.dumps({"websockets": websockets_served()})
+    return f"<script>\nwindow.cvLive = {served};\n{PLAYER_JS.read_text(encoding='utf-8')}\n</script>"

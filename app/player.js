@@ -5,6 +5,27 @@
 window.cvStudio = (() => {
   const ZH = (navigator.language || "").startsWith("zh");
   const LEAD_S = 0.02; // scheduling margin for the first piece and after a stall
+  // What the player line says; a failure names its cause (the take itself is still made and kept).
+  const KEPT = [" The take is still made: play it from the history below when it is done.",
+                "该条音频仍会生成：完成后可在下方历史记录中播放。"];
+  const WORDS = {
+    waiting: ["generating…", "生成中…"],
+    playing: ["playing, first sound {s} s after the click", "正在播放，点击后 {s} 秒出声"],
+    done: ["played, first sound {s} s after the click", "已播放，点击后 {s} 秒出声"],
+    stopped: ["stopped", "已停止"],
+    no_websockets: ["Live playback is off: this server cannot accept WebSockets (its Python lacks the "
+                    + "websockets package; install the web UI with scripts/webui.sh).",
+                    "实时播放不可用：服务器无法接受 WebSocket 连接（其 Python 缺少 websockets 包；请用 "
+                    + "scripts/webui.sh 安装网页界面）。"],
+    not_opened: ["Live playback failed: the live-audio connection (a WebSocket to /studio/live) could not be "
+                 + "opened; a proxy or firewall may block WebSockets.",
+                 "实时播放失败：无法打开实时音频连接（到 /studio/live 的 WebSocket）；代理或防火墙可能阻止了 WebSocket。"],
+    lost: ["Live playback failed: the live-audio connection was lost (WebSocket close code {code}).",
+           "实时播放失败：实时音频连接中断（WebSocket 关闭代码 {code}）。"],
+  };
+  const say = (key, values = {}) =>
+    WORDS[key][ZH ? 1 : 0].replace(/\{(\w+)\}/g, (_, name) => String(values[name]));
+  const liveOff = () => window.cvLive && window.cvLive.websockets === false;
   let ctx = null;
   let current = null;
   const takes = {};
@@ -19,9 +40,12 @@ window.cvStudio = (() => {
     const el = document.getElementById("live-player");
     if (!el) return;
     el.dataset.state = state;
+    el.setAttribute("role", state === "failed" ? "alert" : "status");
     const label = el.querySelector(".live-text");
     if (label) label.textContent = text;
   }
+
+  const firstSound = (take) => ((take.firstSoundAt - take.clickAt) / 1000).toFixed(2);
 
   function context(rate) {
     if (!ctx || ctx.state === "closed") {
@@ -51,7 +75,7 @@ window.cvStudio = (() => {
       const latency = ctx.outputLatency || ctx.baseLatency || 0;
       take.firstSoundAt = now() + (take.next - t + latency) * 1000;
       take.state = "playing";
-      show("playing", ZH ? "正在播放" : "playing");
+      show("playing", say("playing", { s: firstSound(take) }));
     }
     take.next += buffer.duration;
     take.samples += samples.length;
@@ -61,20 +85,26 @@ window.cvStudio = (() => {
     };
   }
 
-  function finish(take, state) {
+  // ``problem``: why playback failed (a WORDS key and its values), said with the take's fate
+  function finish(take, state, problem = null) {
     if (take.endAt !== null) return;
     take.endAt = now();
     take.state = state;
-    const words = { done: ["", ""], stopped: ["stopped", "已停止"], failed: ["playback failed", "播放失败"] };
-    if (current === take) show(state === "done" ? "idle" : state, (words[state] || ["", ""])[ZH ? 1 : 0]);
+    if (problem) take.problem = problem[0];
+    if (current !== take) return;
+    if (state === "failed") show("failed", say(...problem) + KEPT[ZH ? 1 : 0]);
+    else if (state === "done") show("idle", take.firstSoundAt === null ? "" : say("done", { s: firstSound(take) }));
+    else show(state, say(state));
   }
 
   function run(take) {
+    if (liveOff()) return finish(take, "failed", ["no_websockets"]);
     const url = new URL(`${base()}/studio/live/${take.id}`, window.location.href);
     url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
     const socket = new WebSocket(url);
     socket.binaryType = "arraybuffer";
     take.socket = socket;
+    socket.onopen = () => { take.opened = true; };
     socket.onmessage = (event) => {
       if (typeof event.data === "string") {  // the header: {"sample_rate": N}
         take.rate = JSON.parse(event.data).sample_rate || take.rate;
@@ -85,7 +115,9 @@ window.cvStudio = (() => {
     };
     socket.onclose = (event) => {
       if (take.stopped) return finish(take, "stopped");
-      if (event.code !== 1000) return finish(take, "failed");
+      if (event.code !== 1000) {
+        return finish(take, "failed", take.opened ? ["lost", { code: event.code }] : ["not_opened"]);
+      }
       take.streamDone = true;
       if (!take.sources.length || ctx.currentTime >= take.next) finish(take, "done");
     };
@@ -101,12 +133,12 @@ window.cvStudio = (() => {
       const take = {
         id, rate, clickAt: now(), firstByteAt: null, firstSoundAt: null, endAt: null, state: "waiting",
         stalls: 0, gapsMs: [], samples: 0, next: 0, sources: [], streamDone: false, stopped: false,
-        socket: null,
+        socket: null, opened: false, problem: null,
       };
       takes[id] = take;
       current = take;
       context(rate);
-      show("waiting", ZH ? "生成中…" : "generating…");
+      show("waiting", say("waiting"));
       run(take);
       return id;
     },

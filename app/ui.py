@@ -31,16 +31,15 @@ import numpy as np
 from starlette.middleware import Middleware
 
 from app.auth import ApiKeys, KeyGate
-from app.i18n import EN, I18N, MODEL_IN_REPO, say, t
+from app.i18n import I18N, say, t
 from app.live import LiveHub, head_html, mount
-from cosyvoice.bundle import validate_model_dir
+from cosyvoice.bundle import DEMO_MODEL_DIR, model_dir_or_demo
 from cosyvoice.encoding import audio_format, encode_audio, to_pcm16
 from cosyvoice.engine import AudioChunk
 from cosyvoice.errors import (
     AlreadyExistsError,
     CosyVoiceError,
     InvalidInputError,
-    ModelBundleError,
     PermissionDeniedError,
     ReadOnlyError,
     ResourceLimitError,
@@ -56,10 +55,6 @@ from cosyvoice.workbench.store import WorkbenchStore
 
 logger = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[1]  # paths resolve from the repository, not the working directory
-DEFAULT_MODEL_DIR = REPO / MODEL_IN_REPO
-DEMO_MODEL_DIR = REPO / "pretrained_models" / ".tiny-demo"
-DEMO_WARNING = EN["demo_banner"]
 HISTORY_JS = Path(__file__).with_name("history.js")
 MODES = ("zero_shot", "cross_lingual", "instruct2")
 DOWNLOAD_FORMATS = ("wav", "mp3", "flac", "opus")
@@ -541,8 +536,8 @@ class Studio:
             warn(say(zh, "not_kept"))
             number = None
         download = self._download(number, samples, download_format, used_seed)
+        # what was heard, and when, is the player's to say (the line above): the server only knows what it made
         status = (say(zh, "take_done", number=number or "?", seconds=samples.size / self.service.sample_rate, wall=wall)
-                  + (say(zh, "first_audio", first=first_audio) if first_audio is not None else "")
                   + say(zh, "seed_voice", seed=used_seed, voice=voice)
                   + (say(zh, "stopped_mark") if stopped else ""))
         yield status, gr.update(value=str(download), visible=True), gr.skip() if number is None else number, *idle
@@ -673,6 +668,8 @@ CSS = """
 #live-player .live-dot { width:10px; height:10px; border-radius:50%; background:#9ca3af; }
 #live-player[data-state=playing] .live-dot { background:#16a34a; }
 #live-player[data-state=waiting] .live-dot { background:#f59e0b; }
+#live-player[data-state=failed] { color:#b91c1c; font-weight:600; }  /* the cause, where the status is read */
+#live-player[data-state=failed] .live-dot { background:#b91c1c; flex:none; }
 #status { min-height:40px; }
 .cv-hidden { display:none !important; }
 #take-history .history-views { display:flex; gap:8px; margin-bottom:8px; }
@@ -886,23 +883,12 @@ def load_studio(model_dir: str | Path | None = None, *, voice_dir: str | Path | 
     """The engine and voice library to serve.
 
     An explicit ``model_dir`` (a folder or a ModelScope id) must load. Without one, the repository's default
-    folder is used if present; otherwise a tiny random model is generated (once) into ``demo_dir`` so the UI
-    still starts, and that is said loudly in the log and on the page. Voices are kept in ``voice_dir``, by
+    folder is used if present; otherwise the demo model in ``demo_dir`` (:func:`cosyvoice.bundle.model_dir_or_demo`,
+    as the command lines do), said loudly in the log and on the page. Voices are kept in ``voice_dir``, by
     default the servers' folder (:func:`cosyvoice.settings.default_voice_dir`): one library for all of them.
     """
-    demo = model_dir is None and not DEFAULT_MODEL_DIR.is_dir()
-    if demo:
-        logger.warning("\n%s\n%s\n%s", "!" * 100, DEMO_WARNING, "!" * 100)
-        try:
-            validate_model_dir(demo_dir)
-        except ModelBundleError:
-            from cosyvoice.tools.make_tiny_bundle import make_tiny_bundle
-
-            logger.info("writing the demo model to %s", demo_dir)
-            make_tiny_bundle(demo_dir, seed=0)
-        model_dir = demo_dir
-    service = TTSService.load(model_dir or DEFAULT_MODEL_DIR, default_voice_dir() if voice_dir is None else voice_dir,
-                              device=device)
+    model_dir, demo = model_dir_or_demo(model_dir, demo_dir)
+    service = TTSService.load(model_dir, default_voice_dir() if voice_dir is None else voice_dir, device=device)
     if builtin_dir is not None:
         service.voices.add_builtins(builtin_dir)  # start-up configuration, as the servers' voice folder
     return Studio(service, demo=demo)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import pickletools
 import re
 import threading
@@ -31,7 +32,17 @@ from cosyvoice.llm import CosyVoice3LM
 from cosyvoice.rng import SineGenRecipe
 from cosyvoice.weights import load_weights
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_MODEL_ID = "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"
+MODEL_IN_REPO = "pretrained_models/Fun-CosyVoice3-0.5B"  # where the official folder goes in a clone
+REPO = Path(__file__).resolve().parents[1]  # defaults resolve from the repository, not the working directory
+DEFAULT_MODEL_DIR = REPO / MODEL_IN_REPO
+DEMO_MODEL_DIR = REPO / "pretrained_models" / ".tiny-demo"
+DEMO_WARNING = (f"DEMO MODE: no model was found at {MODEL_IN_REPO}, so a tiny RANDOMLY INITIALISED model runs "
+                "instead, which produces noise-like audio, not speech. For real speech, download the model with "
+                f"`modelscope download --model {DEFAULT_MODEL_ID} --local_dir {MODEL_IN_REPO}` (.venv/bin/pip "
+                "install -e '.[download]' in the repository) and restart, or start with --model-dir DIR.")
 TOKENIZER_DIR = "CosyVoice-BlankEN"
 CHECKPOINTS = ("llm.pt", "flow.pt", "hift.pt")
 # ONNX file -> number of graph inputs the frontend feeds it (README of the golden set, section 2).
@@ -71,6 +82,10 @@ def _download_hint(root: Path) -> str:
             f"(or pass the id {DEFAULT_MODEL_ID!r} instead of a directory)")
 
 
+def _missing(root: Path) -> ModelBundleError:
+    return ModelBundleError(f"model directory {root} does not exist; {_download_hint(root)}")
+
+
 # ----------------------------------------------------------------------------- locating a bundle
 
 
@@ -87,9 +102,10 @@ def resolve_model_dir(model_dir_or_id: str | Path, download_root: str | Path = "
         raise ModelBundleError(f"{path} is a file; pass a model directory or a ModelScope id such as "
                                f"{DEFAULT_MODEL_ID!r}")
     model_id = str(model_dir_or_id)
-    if not _MODEL_ID_RE.match(model_id):
-        raise ModelBundleError(f"model directory {model_id!r} does not exist and is not a ModelScope id "
-                               f"(owner/name, e.g. {DEFAULT_MODEL_ID!r}); check the path")
+    # owner/name is an id, unless the owner is a folder here or the download folder (the default
+    # pretrained_models/Fun-CosyVoice3-0.5B is a path that looks like an id)
+    if not _MODEL_ID_RE.match(model_id) or path.parent.is_dir() or path.parts[0] == Path(download_root).name:
+        raise _missing(path)
     local_dir = Path(download_root).expanduser() / model_id.split("/")[1]
     if all((local_dir / name).is_file() for name in REQUIRED_FILES):
         return local_dir
@@ -335,7 +351,7 @@ def validate_model_dir(model_dir: str | Path) -> ModelBundle:
     """
     root = Path(model_dir).expanduser()
     if not root.is_dir():
-        raise ModelBundleError(f"model directory {root} does not exist; {_download_hint(root)}")
+        raise _missing(root)
     hint = _download_hint(root)
     problems: list[tuple[type[ModelBundleError], str]] = []
     usable = set()
@@ -366,6 +382,26 @@ def validate_model_dir(model_dir: str | Path) -> ModelBundle:
         raise error(f"model directory {root} has {len(problems)} problem(s):\n{listed}")
     assert config is not None
     return ModelBundle(root=root, config=config)
+
+
+def model_dir_or_demo(model_dir: str | Path | None, demo_dir: str | Path = DEMO_MODEL_DIR) -> tuple[str | Path, bool]:
+    """The model to load and whether it is the demo: ``model_dir`` as given (a folder or a ModelScope id);
+    without one the repository's model folder, or where that is missing a tiny random model generated (once)
+    into ``demo_dir``, so that the web UI and the command lines still run on a fresh clone, saying loudly
+    that their audio is noise."""
+    if model_dir is not None:
+        return model_dir, False
+    if DEFAULT_MODEL_DIR.is_dir():
+        return DEFAULT_MODEL_DIR, False
+    logger.warning("\n%s\n%s\n%s", "!" * 100, DEMO_WARNING, "!" * 100)
+    try:
+        validate_model_dir(demo_dir)
+    except ModelBundleError:
+        from cosyvoice.tools.make_tiny_bundle import make_tiny_bundle
+
+        logger.warning("writing the demo model to %s", demo_dir)
+        make_tiny_bundle(demo_dir, seed=0)
+    return Path(demo_dir), True
 
 
 def open_model_dir(model_dir_or_id: str | Path, download_root: str | Path = "pretrained_models") -> ModelBundle:

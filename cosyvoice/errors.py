@@ -4,6 +4,12 @@ Adapters (UI, REST, gRPC) map these to user-facing messages once; nothing else
 should need to catch bare ``Exception``.
 """
 
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
 
 class CosyVoiceError(Exception):
     """Base class of every error this package raises on purpose."""
@@ -59,3 +65,14 @@ class PermissionDeniedError(CosyVoiceError):
 class ReadOnlyError(PermissionDeniedError):
     """The server serves a folder read-only (voices baked into an image, a read-only mount): what it holds can be
     used, nothing can be saved there; the message names the folder's setting."""
+
+
+@contextlib.contextmanager
+def command_line_errors() -> Iterator[None]:
+    """A command line's body: one of our errors (a bad setting, input file or model folder) ends it with one
+    line naming the problem and exit status 2, as argparse does for a bad flag, never with a traceback."""
+    try:
+        yield
+    except CosyVoiceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

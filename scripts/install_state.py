@@ -4,6 +4,7 @@ torch build it should install.
     python scripts/install_state.py check VENV EXTRAS   # exit 0 when up to date, 1 otherwise
     python scripts/install_state.py mark VENV EXTRAS    # record a successful install of EXTRAS
     python scripts/install_state.py torch-plan          # line 1: what will be downloaded; then pip's arguments
+    python scripts/install_state.py torch-installed     # which torch build is installed (CPU, CUDA x.y, ...)
 
 Run with the venv's own interpreter. The stamp holds a hash of what decides the install (pyproject.toml,
 scripts/setup.sh, this interpreter's version and location) and the extras installed under it, so a second
@@ -119,18 +120,37 @@ def torch_plan(environ: Mapping[str, str], gpu: bool, reachable: Callable[[str],
                                      "COSYVOICE_TORCH=cpu installs the 200 MB CPU build instead)")
     if choice == "configured":
         return TorchPlan("configured", (), f"COSYVOICE_TORCH=configured: {TORCH_REQUIREMENT} from pip's configured "
-                                           "indexes")
+                                           "indexes (which build they hold is said once it is installed)")
     if reachable(index):
         why = "COSYVOICE_TORCH=cpu" if choice else "no NVIDIA GPU found"
         return TorchPlan("cpu", ("--index-url", index),
                          f"{why}: downloading the CPU build of {TORCH_REQUIREMENT} from {index} (about 200 MB; "
                          "COSYVOICE_TORCH=cuda installs the CUDA build instead)")
     return TorchPlan("configured", (), f"no NVIDIA GPU found, but {index} cannot be reached: {TORCH_REQUIREMENT} "
-                                       "from pip's configured indexes (from PyPI on Linux that is the CUDA build, "
-                                       "about 3 GB; COSYVOICE_TORCH_CPU_INDEX=<a reachable CPU index> avoids it)")
+                                       "from pip's configured indexes, whichever build they hold (said once it is "
+                                       "installed; COSYVOICE_TORCH_CPU_INDEX=<a reachable CPU index> asks for the "
+                                       "CPU build)")
+
+
+def torch_build(version: str, requires: list[str]) -> str:
+    """Which build an installed torch is, from its metadata (``version`` with its local tag, its requirements):
+    what setup.sh reports after installing, since pip's configured indexes may hold either."""
+    local = version.partition("+")[2]
+    if local.startswith("cu") and local[2:].isdigit():
+        return f"torch {version}, the CUDA {local[2:-1]}.{local[-1]} build"
+    if local.startswith("rocm"):
+        return f"torch {version}, the ROCm {local[4:]} build"
+    if not local and any(re.match(r"nvidia-", r) for r in requires):
+        return f"torch {version}, the CUDA build (with NVIDIA's libraries from PyPI, several GB)"
+    return f"torch {version}, the CPU build"
 
 
 def main(argv: list[str]) -> int:
+    if argv == ["torch-installed"]:
+        from importlib import metadata
+
+        print(torch_build(metadata.version("torch"), metadata.requires("torch") or []))
+        return 0
     if argv == ["torch-plan"]:
         try:
             plan = torch_plan(os.environ, has_nvidia_gpu(os.environ))

@@ -109,13 +109,15 @@ if ! torch_in_range "$PY"; then
   plan_text=$("$PY" scripts/install_state.py torch-plan)
   mapfile -t plan <<< "$plan_text"
   log "torch: ${plan[0]}"
-  "$PY" -m pip install -q "${plan[@]:1}"
+  "$PY" -m pip install "${plan[@]:1}"
 fi
+log "torch: $("$PY" scripts/install_state.py torch-installed)"
 # No other package may move torch (a CUDA wheel is several GB): pin the installed version for the rest.
 torch_pin="$VENV/torch-constraint.txt"
 "$PY" -c 'import importlib.metadata as m; print("torch==" + m.version("torch").split("+")[0])' > "$torch_pin"
 
-log "installing the project (editable, extras: $EXTRAS; pip skips what is already satisfied)"
-"$PY" -m pip install -q -c "$torch_pin" -e ".[${EXTRAS}]"
+log "installing the project (editable, extras: $EXTRAS) and its dependencies; pip shows each download and skips \
+what is already satisfied"
+"$PY" -m pip install -c "$torch_pin" -e ".[${EXTRAS}]"
 state mark
 log "done: $VENV is up to date (the next start makes no pip call)"

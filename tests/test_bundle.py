@@ -223,11 +223,18 @@ def test_download_failure_is_wrapped(monkeypatch: pytest.MonkeyPatch, tmp_path: 
         resolve_model_dir("owner/missing", download_root=tmp_path)
 
 
-@pytest.mark.parametrize("name", ["no_such_dir", "./a/b/c", "/definitely/not/here"])
-def test_nonexistent_path_that_is_not_an_id(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("name", ["no_such_dir", "./a/b/c", "/definitely/not/here", "pretrained_models/absent",
+                                  "models/absent"])
+def test_nonexistent_path_that_is_not_an_id(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            fake_modelscope: list) -> None:
+    """A missing folder is said to be missing, with the download hint, also where it reads like owner/name: under
+    the download folder, or under a folder that exists here."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ModelBundleError, match=r"does not exist and is not a ModelScope id"):
+    (tmp_path / "models").mkdir()
+    said = rf"^model directory {re.escape(str(Path(name)))} does not exist; download the model with `modelscope"
+    with pytest.raises(ModelBundleError, match=said):
         resolve_model_dir(name)
+    assert fake_modelscope == []  # nothing was downloaded
 
 
 def test_file_instead_of_directory(golden: Golden) -> None:

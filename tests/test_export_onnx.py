@@ -106,4 +106,4 @@ def test_command_line_prints_the_table(tiny_bundle_dir: Path, tmp_path: Path) ->
     assert (tmp_path / MANIFEST).is_file() and not (tmp_path / "flow_estimator.fp16.onnx").exists()
     missing = subprocess.run([sys.executable, "-m", "cosyvoice.bin.export_onnx", str(tmp_path / "nope")],
                              capture_output=True, text=True, env=env, timeout=120)
-    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr

@@ -19,6 +19,7 @@ gr = pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra: pip 
 
 from app import ui  # noqa: E402
 from app.ui import Studio, build_ui, launch, load_studio  # noqa: E402
+from cosyvoice import bundle  # noqa: E402
 from cosyvoice.frontend.prompts import zero_shot_prompt_text  # noqa: E402
 from cosyvoice.service import TTSService  # noqa: E402
 from cosyvoice.settings import VoicePolicy  # noqa: E402
@@ -162,11 +163,11 @@ def test_paths_resolve_from_the_repository(tiny_bundle_dir: Path, tmp_path: Path
                                            caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.chdir(tmp_path)  # started from another folder: the defaults still point into the repository
     repo = Path(__file__).resolve().parents[1]
-    for path in (ui.DEFAULT_MODEL_DIR, ui.DEMO_MODEL_DIR, ui.BUILTIN_VOICE_DIR):
+    for path in (bundle.DEFAULT_MODEL_DIR, ui.DEMO_MODEL_DIR, ui.BUILTIN_VOICE_DIR):
         assert path.is_absolute() and path.is_relative_to(repo)
-    monkeypatch.setattr(ui, "DEFAULT_MODEL_DIR", tmp_path / "absent")
+    monkeypatch.setattr(bundle, "DEFAULT_MODEL_DIR", tmp_path / "absent")
     monkeypatch.setenv("COSYVOICE_VOICE_DIR", str(tmp_path / "shared-voices"))  # the servers' voice folder
-    with caplog.at_level(logging.WARNING, logger="app.ui"):
+    with caplog.at_level(logging.WARNING, logger="cosyvoice.bundle"):
         studio = load_studio(demo_dir=tiny_bundle_dir, device="cpu")
     assert studio.demo and Path(studio.service.model_dir) == tiny_bundle_dir
     assert studio.service.voices.dir.is_relative_to(tmp_path / "shared-voices")

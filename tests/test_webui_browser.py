@@ -147,6 +147,9 @@ def test_each_tab_plays_while_generating(context, app: tuple, mode: str, short_p
     # the audio started playing before the server finished generating
     assert t["clickAt"] < t["server_first_chunk"] <= t["firstSoundAt"] < t["server_finished"], t
     sync_api.expect(page.locator("#status")).to_contain_text("Take 1:")
+    # what was heard and when is the player's to say, in the browser's own time
+    first = (summary["firstSoundAt"] - summary["clickAt"]) / 1000
+    sync_api.expect(page.locator("#live-player")).to_contain_text(f"first sound {first:.2f} s after the click")
     sync_api.expect(page.locator(".take-meta").first).to_contain_text(f"mode {mode}")
     sync_api.expect(page.locator(".take-meta").first).to_contain_text("seed 2")
     page.fill("#seed input", "-1")
@@ -192,6 +195,36 @@ def test_stop_ends_a_long_take_and_frees_the_session(context, app: tuple, short_
     sync_api.expect(page.locator("#status")).to_contain_text("Take 2:", timeout=60000)
     assert_usable(page)
     page.close()
+
+
+def test_without_websockets_the_player_says_why_nothing_plays(context, tts, tmp_path: Path, short_prompt_wav: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server as it runs where the websockets package is missing: uvicorn finds no WebSocket library and
+    answers the live audio's WebSocket with 404. The take is still made; the player line says, in red, why
+    nothing plays, and nothing claims a first sound."""
+    monkeypatch.setattr("uvicorn.protocols.websockets.auto.AutoWebSocketsProtocol", None)
+    studio = make_studio(tts, tmp_path, builtin_prompt=short_prompt_wav)
+    with serving(studio) as url:
+        page = open_page(context, url)
+        upload_prompt(page, short_prompt_wav)
+        page.fill("#text textarea", TEXT)
+        page.fill("#transcript textarea", TRANSCRIPT)
+        page.click("#generate")
+        player = page.locator("#live-player")
+        sync_api.expect(player).to_have_attribute("data-state", "failed")
+        sync_api.expect(player).to_have_attribute("role", "alert")
+        sync_api.expect(player).to_contain_text("Live playback is off: this server cannot accept WebSockets (its "
+                                                "Python lacks the websockets package")
+        sync_api.expect(player).to_be_visible()
+        assert page.evaluate("() => getComputedStyle(document.getElementById('live-player')).color") == \
+            "rgb(185, 28, 28)"
+        sync_api.expect(page.locator("#status")).to_contain_text("Take 1:", timeout=60000)  # made all the same
+        for line in (page.locator("#status"), player):
+            sync_api.expect(line).not_to_contain_text("first")
+        assert take_summary(page)["samples"] == 0
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "webui-live-unavailable.png"))
+        page.close()
 
 
 def test_each_invalid_input_shows_its_message_and_blocks_nothing(context, app: tuple, short_prompt_wav: Path,

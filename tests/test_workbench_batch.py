@@ -81,7 +81,7 @@ def test_batch_cli_writes_takes_with_provenance_and_reports_bad_rows(tmp_path: P
 
 def test_batch_cli_refuses_unknown_columns(tmp_path: Path, tiny_bundle_dir: Path) -> None:
     proc, _ = run_cli(tmp_path, "bad.csv", "text,colour\nhi,red\n", tiny_bundle_dir)
-    assert proc.returncode == 1 and "unknown column(s) colour" in proc.stderr
+    assert proc.returncode == 2 and "unknown column(s) colour" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_rows_from_csv_and_jsonl_read_the_same() -> None:

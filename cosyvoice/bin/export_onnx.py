@@ -31,8 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from cosyvoice.backends.graphs import CachedEstimatorGraph, EstimatorGraph, VocoderGraph, cached_io_names
-from cosyvoice.bundle import ModelBundle, validate_model_dir
-from cosyvoice.errors import ModelBundleError
+from cosyvoice.bundle import MODEL_IN_REPO, ModelBundle, model_dir_or_demo, validate_model_dir
+from cosyvoice.errors import ModelBundleError, command_line_errors
 from cosyvoice.flow.dit import chunk_causal_mask
 
 logger = logging.getLogger(__name__)
@@ -252,21 +252,20 @@ def parity_table(manifest: dict[str, object]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cosyvoice.bin.export_onnx", description=__doc__.split("\n\n")[0])
-    parser.add_argument("model_dir", help="a model directory (the released bundle or a tiny one)")
+    parser.add_argument("model_dir", nargs="?", help=f"a model directory (default: {MODEL_IN_REPO} of this "
+                                                     "repository, else the demo model, as the web UI)")
     parser.add_argument("--out", help="output folder (default MODEL_DIR/onnx)")
     parser.add_argument("--fp16", action="store_true", help="also write autocast-fp16 DiT graphs (for TensorRT)")
     parser.add_argument("--int8", action="store_true", help="also write int8 dynamic-quantised DiT graphs (CPU)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        manifest = export_onnx(args.model_dir, args.out, args.fp16, args.int8)
-    except ModelBundleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    with command_line_errors():
+        model_dir = model_dir_or_demo(args.model_dir)[0]
+        manifest = export_onnx(model_dir, args.out, args.fp16, args.int8)
     print(parity_table(manifest))
     print(f"tolerance: max |onnxruntime - pytorch| <= {ATOL:g} + rtol x max |pytorch|, rtol {RTOL:g} for the DiT, "
           f"{VOCODER_RTOL:g} for the vocoder (fp16, int8: {LOW_PRECISION_ATOL:g} + {LOW_PRECISION_RTOL:g} x max); "
-          f"manifest: {Path(args.out or Path(args.model_dir) / 'onnx') / MANIFEST}")
+          f"manifest: {Path(args.out or Path(model_dir) / 'onnx') / MANIFEST}")
     return 0
 
 

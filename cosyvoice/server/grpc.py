@@ -45,7 +45,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cosyvoice.encoding import to_pcm16
-from cosyvoice.errors import ConfigError, CosyVoiceError, InvalidInputError, NotFoundError, ResourceLimitError
+from cosyvoice.errors import (
+    ConfigError,
+    CosyVoiceError,
+    InvalidInputError,
+    NotFoundError,
+    ResourceLimitError,
+    command_line_errors,
+)
 from cosyvoice.server.common import key_is_valid
 from cosyvoice.server.memory import MemoryKeeper
 from cosyvoice.server.metrics import ServiceMetrics
@@ -277,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
+    with command_line_errors():
         settings, limits = settings_from_args(args)
         max_conc = args.max_conc
         if max_conc is None and args.limits_max_sessions is None and "COSYVOICE_MAX_SESSIONS" not in os.environ:
@@ -286,9 +293,6 @@ def main(argv: list[str] | None = None) -> int:
             limits = replace(limits, max_sessions=max_conc)
         server = GrpcServer(settings.host, settings.port, max_streams=limits.max_sessions + limits.max_queued_requests,
                             api_keys=settings.api_keys + settings.admin_keys)
-    except CosyVoiceError as exc:
-        logger.error("%s", exc)
-        return 2
     stopped = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopped.set())

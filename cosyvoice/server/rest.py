@@ -27,6 +27,7 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import APIRouter, FastAPI
 
+from cosyvoice.errors import command_line_errors
 from cosyvoice.server import bridge, official, openai, operations, voices_api, websocket
 from cosyvoice.server.common import (
     ApiKeys,
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     add_server_arguments(parser)
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
-    settings, limits = settings_from_args(args)
+    with command_line_errors():
+        settings, limits = settings_from_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serve(create_app(settings, loader=lambda: _load(settings, limits), limits=limits), settings, args.log_level)
 

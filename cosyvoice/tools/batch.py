@@ -9,12 +9,14 @@ is reported with its number and the rest still run (exit status 2 then).
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 import sys
 from pathlib import Path
 
-from cosyvoice.errors import CosyVoiceError, InvalidInputError
-from cosyvoice.settings import ServerSettings, default_data_dir, default_voice_dir
+from cosyvoice.bundle import MODEL_IN_REPO, model_dir_or_demo
+from cosyvoice.errors import InvalidInputError, command_line_errors
+from cosyvoice.settings import default_data_dir, default_voice_dir
 from cosyvoice.voices import BUILTIN_VOICE_DIR
 from cosyvoice.workbench.batch import TAKES_CSV_COLUMNS, Progress, parse_rows, run_batch, takes_csv_rows, write_csv
 from cosyvoice.workbench.store import WorkbenchStore
@@ -24,24 +26,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cosyvoice.tools.batch", description=__doc__.split("\n\n")[0])
     parser.add_argument("input", type=Path, help="a .csv (header: text,voice,...) or .jsonl file")
     parser.add_argument("--out", type=Path, required=True, help="folder for the WAV files and takes.csv")
-    parser.add_argument("--model-dir", default=ServerSettings().model_dir)
+    parser.add_argument("--model-dir", help=f"model folder or ModelScope id (default: {MODEL_IN_REPO} of this "
+                                            "repository, else the demo model, as the web UI)")
     parser.add_argument("--voice-dir", type=Path, default=None, help="the voice library (COSYVOICE_VOICE_DIR)")
     parser.add_argument("--data-dir", type=Path, default=None, help="the workbench store (COSYVOICE_DATA_DIR)")
     parser.add_argument("--device", default=None)
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    with command_line_errors():
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         rows = parse_rows(args.input.read_bytes(), args.input.name)
-    except (OSError, InvalidInputError) as exc:
-        print(f"error: {args.input}: {exc}", file=sys.stderr)
-        return 1
+    except OSError as exc:
+        raise InvalidInputError(f"{args.input}: {exc.strerror or exc}", "input") from exc
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"{args.input}: {exc}", "input") from exc
     from cosyvoice.service import TTSService  # heavy: after the input is known to be readable
 
     voice_dir = args.voice_dir or default_voice_dir()
-    try:
-        service = TTSService.load(args.model_dir, voice_dir, device=args.device)
-    except CosyVoiceError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    service = TTSService.load(model_dir_or_demo(args.model_dir)[0], voice_dir, device=args.device)
     service.voices.add_builtins(BUILTIN_VOICE_DIR)
     store = WorkbenchStore(args.data_dir or default_data_dir(voice_dir))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
 
-from cosyvoice.errors import CosyVoiceError
+from cosyvoice.bundle import MODEL_IN_REPO, model_dir_or_demo
+from cosyvoice.encoding import file_format
+from cosyvoice.errors import InvalidInputError, command_line_errors
 from cosyvoice.longform import LongformStudio
 from cosyvoice.longform.finishing import PRESETS, srt, vtt
 from cosyvoice.longform.script import read_document
 from cosyvoice.service import TTSService
-from cosyvoice.settings import DEFAULT_VOICE_DIR, ServerSettings, default_data_dir, default_voice_dir
+from cosyvoice.settings import DEFAULT_VOICE_DIR, default_data_dir, default_voice_dir
 from cosyvoice.voices import BUILTIN_VOICE_DIR
 
 
@@ -32,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("input", help=".txt, .md, .epub, .pdf or .docx file, or - for standard input")
     parser.add_argument("--voice", help="the narrator: a saved or built-in voice's name or id")
     parser.add_argument("--out", required=True, type=Path, help="folder for the audio, segments.json, subtitles")
-    parser.add_argument("--model-dir", default=ServerSettings.from_env().model_dir)
+    parser.add_argument("--model-dir", help=f"model folder or ModelScope id (default: {MODEL_IN_REPO} of this "
+                                            "repository, else the demo model, as the web UI)")
     parser.add_argument("--voice-dir", default=str(default_voice_dir()), help=f"default {DEFAULT_VOICE_DIR}")
     parser.add_argument("--builtin-dir", default=str(BUILTIN_VOICE_DIR),
                         help="the built-in voices (NAME.wav + NAME.txt; default: the repository's assets/voices)")
@@ -45,31 +49,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="podcast", choices=[*PRESETS, "none"], help="loudness target")
     parser.add_argument("--name", help="project name (default: the input's file name)")
     args = parser.parse_args(argv)
-    try:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    with command_line_errors():
         return run(args)
-    except CosyVoiceError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
 
 
 def run(args: argparse.Namespace) -> int:
+    file_format(args.format)  # a wrong --format is said before the model loads, not after the narration
     if args.input == "-":
         text, chapters, stem = sys.stdin.read(), None, "stdin"
     else:
         path = Path(args.input)
         if not path.is_file():
-            print(f"error: no file {args.input}", file=sys.stderr)
-            return 2
+            raise InvalidInputError(f"no file {args.input}", "input")
         text, chapters = read_document(path.name, path.read_bytes())
         stem = path.stem
     speakers = {}
     for item in args.speaker:
         label, sep, voice = item.partition("=")
         if not sep or not label.strip() or not voice.strip():
-            print(f"error: --speaker {item!r}: write it as LABEL=VOICE", file=sys.stderr)
-            return 2
+            raise InvalidInputError(f"--speaker {item!r}: write it as LABEL=VOICE", "speaker")
         speakers[label.strip()] = voice.strip()
-    service = TTSService.load(args.model_dir, args.voice_dir, device=args.device)
+    service = TTSService.load(model_dir_or_demo(args.model_dir)[0], args.voice_dir, device=args.device)
     if args.builtin_dir and Path(args.builtin_dir).is_dir():
         service.voices.add_builtins(args.builtin_dir)
     studio = LongformStudio(service, args.data_dir or default_data_dir())
