@@ -155,6 +155,6 @@ def test_the_batch_cli_says_in_one_line_that_a_file_is_not_utf8(tmp_path: Path) 
     rows.write_bytes("text,voice\nGrüße,Narrator\n".encode("cp1252"))
     proc = subprocess.run([sys.executable, "-m", "cosyvoice.tools.batch", str(rows), "--out", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == 2, proc.stderr  # a bad input, as every command line says it
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "Traceback" not in proc.stderr
     assert "is not UTF-8 text" in proc.stderr and "0xfc" in proc.stderr
