@@ -157,6 +157,7 @@ class Made:
 
     pcm: np.ndarray  # float32 samples
     prepared: PreparedRequest
+    speech_tokens: list[list[int]]  # per text segment of the request, the speech tokens the LLM said
     seconds: float  # from the call to the last chunk (admission wait included)
     first_chunk_seconds: float | None
 
@@ -168,6 +169,7 @@ def synthesize(service: TTSService, request: SynthesisRequest, token: CancelToke
     started = time.perf_counter()
     first: float | None = None
     pieces: list[np.ndarray] = []
+    tokens: list[list[int]] = [[]]
     own = CancelToken()  # the request's: the service's shutdown cancels it, not the job
     unsubscribe = token.subscribe(own.cancel)
     try:
@@ -184,6 +186,9 @@ def synthesize(service: TTSService, request: SynthesisRequest, token: CancelToke
                 if first is None and chunk.pcm.numel():
                     first = time.perf_counter() - started
                 pieces.append(chunk.pcm.reshape(-1).cpu().numpy())
+                tokens[-1].extend(chunk.tokens)
+                if chunk.final:
+                    tokens.append([])
             prepared = session.prepared
     finally:
         unsubscribe()
@@ -192,7 +197,7 @@ def synthesize(service: TTSService, request: SynthesisRequest, token: CancelToke
     if own.cancelled:
         raise Interrupted
     pcm = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
-    return Made(pcm, prepared, time.perf_counter() - started, first)
+    return Made(pcm, prepared, tokens[:-1] if not tokens[-1] else tokens, time.perf_counter() - started, first)
 
 
 def describe(exc: BaseException) -> str:

@@ -174,11 +174,11 @@ def test_a_looping_take_is_recognised_and_sampled_speech_is_not() -> None:
 
 
 def test_the_models_length_bounds_flag_a_take() -> None:
-    assert finishing.token_bounds(200, 10, 2.0, 20.0) == (
+    assert finishing.token_bounds(200, (20, 200), 10) == (
         "ran to the model's length limit (200 speech tokens for 10 text tokens)")
-    assert finishing.token_bounds(20, 10, 2.0, 20.0) == (
+    assert finishing.token_bounds(20, (20, 200), 10) == (
         "stopped at the model's shortest length (20 speech tokens for 10 text tokens)")
-    assert finishing.token_bounds(70, 10, 2.0, 20.0) is None
+    assert finishing.token_bounds(70, (20, 200), 10) is None
 
 
 # ----------------------------------------------------------------------------- a project
@@ -224,3 +224,22 @@ def test_a_short_pdf_tells_its_headings_from_its_body() -> None:
     _, chapters = script.read_document("short.pdf", pdf_book(outline=False, body="Hi.", paragraphs=1))
     assert chapters == [("The Beginning", "A section\n\nParagraph 0 of chapter 0. Hi."),
                         ("The Middle", "A section\n\nParagraph 0 of chapter 1. Hi.")]
+
+
+def test_a_suspect_take_is_made_again_and_every_take_is_kept(studio) -> None:
+    # the tiny random model speaks to its length limit: every take is suspect, the guard's worst case
+    project = studio.create("Guarded", "Hello there.", voice="Narrator", preset="none", retries=2)
+    studio.generate(project.id)
+    studio.wait(project.id, timeout=300)
+    [segment] = studio.segments(project.id)
+    takes = studio.store.takes(project.id)[segment.id]
+    assert len(takes) == 3 and all(t.flags for t in takes)  # made again twice, all three kept
+    assert any("the model's length limit" in f or "loops" in f for t in takes for f in t.flags)
+    assert segment.chosen_take == min(takes, key=lambda t: len(t.flags)).id
+    assert len({t.seed for t in takes}) == 3
+    studio.update_settings(project.id, retries=0)
+    studio.regenerate(project.id, segment.id)
+    studio.wait(project.id, timeout=300)
+    assert len(studio.store.takes(project.id)[segment.id]) == 4  # no retries: one take, flagged
+    with pytest.raises(InvalidInputError, match="retries must be"):
+        studio.update_settings(project.id, retries=9)

@@ -206,3 +206,25 @@ def test_a_docx_book_becomes_chapters(page, app: str, tmp_path: Path) -> None:
     assert chapters == ["Chapter: Morning", "Chapter: Evening"]
     texts = page.locator("#segments textarea.text").evaluate_all("ts => ts.map(t => t.value)")
     assert texts == ["Morning.", "It was morning.", "Evening.", "It was evening."]
+
+
+def test_a_suspect_take_is_flagged_made_again_and_the_choice_shown(page, app: str) -> None:
+    page.goto(app + "studio/longform")
+    page.wait_for_function("() => window.longformReady === true")
+    page.fill("#new-name", "Guarded")
+    page.select_option("#new-voice", label="Narrator (built-in)")
+    page.fill("#new-text", "Hello there.")
+    page.click("#create")
+    page.wait_for_function("() => current && current.name === 'Guarded'")
+    page.fill("#retries", "2")
+    page.click("#save-settings")
+    page.wait_for_function("() => current.settings.retries === 2")
+    page.click("#generate")
+    # the tiny model speaks to its length limit: each take is suspect, so two more are made and all are kept
+    page.wait_for_function("() => current.segments[0].takes.length === 3 && !current.progress.running",
+                           timeout=300_000)
+    flags = page.locator("#segments tr.segment .flags").first.inner_text()
+    assert flags.startswith("using take ") and "of 3; 3 sounded wrong" in flags and "length limit" in flags
+    options = page.locator("#segments select.takes option").all_inner_texts()
+    assert len(options) == 4 and all(o.endswith(" · suspect") for o in options[1:])
+    page.screenshot(path=str(ARTIFACTS / "longform-8-suspect.png"), full_page=True)

@@ -310,16 +310,14 @@ def token_loop(tokens: list[int] | tuple[int, ...], token_rate: float = 25.0) ->
     return None
 
 
-def token_bounds(n_tokens: int, n_text_tokens: int, min_ratio: float, max_ratio: float) -> str | None:
-    """Why a take's length is outside what the model allows for its text (speech tokens per text token), or
-    None: the LLM stops at ``max_ratio`` only when it never found the end, and at ``min_ratio`` when it was held
-    from ending."""
-    if n_text_tokens <= 0:
-        return None
-    ratio = n_tokens / n_text_tokens
-    if ratio >= max_ratio:
+def token_bounds(n_tokens: int, limits: tuple[int, int], n_text_tokens: int) -> str | None:
+    """Why a take's length is at what the model allows for its text (``limits``: the LLM's (min_len, max_len)
+    speech tokens), or None: the LLM stops at max_len only when it never found the end, and at min_len when it
+    was held from ending."""
+    shortest, longest = limits
+    if n_tokens >= longest:
         return f"ran to the model's length limit ({n_tokens} speech tokens for {n_text_tokens} text tokens)"
-    if ratio <= min_ratio:
+    if n_tokens <= shortest:
         return f"stopped at the model's shortest length ({n_tokens} speech tokens for {n_text_tokens} text tokens)"
     return None
 

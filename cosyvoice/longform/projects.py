@@ -26,7 +26,8 @@ from cosyvoice.encoding import Chapter, file_format, write_file
 from cosyvoice.engine import CancelToken
 from cosyvoice.errors import InvalidInputError, NotFoundError
 from cosyvoice.frontend.frontend import CosyVoiceFrontend
-from cosyvoice.jobs import Job, JobGone, JobState, Task, release, runner, synthesize
+from cosyvoice.jobs import Job, JobGone, JobState, Made, Task, release, runner, synthesize
+from cosyvoice.llm.model import CosyVoice3LM
 from cosyvoice.longform import finishing, script
 from cosyvoice.longform.store import Project, ProjectStore, Segment, Take
 from cosyvoice.service import SynthesisRequest, TTSService
@@ -34,6 +35,8 @@ from cosyvoice.settings import SPEED_RANGE, default_data_dir
 from cosyvoice.utils.sqlite import require_writable
 
 MAX_SEED = 2**31  # seeds are drawn below this, so every client (JSON, JavaScript) carries them exactly
+SUSPECT_RETRIES = 0  # a project's default: suspect takes are flagged; a project may ask for new takes (new seeds)
+MAX_RETRIES = 5
 KIND = "longform"  # the job kind of a project's generation
 
 
@@ -74,7 +77,8 @@ class Rendered(Timeline):
 
 
 def default_settings(**overrides: object) -> dict:
-    settings = {"pauses": dict(script.DEFAULT_PAUSES), "preset": "podcast", "margin": 0.1, "speakers": {}}
+    settings = {"pauses": dict(script.DEFAULT_PAUSES), "preset": "podcast", "margin": 0.1, "speakers": {},
+                "retries": SUSPECT_RETRIES}
     settings.update(overrides)
     return settings
 
@@ -167,6 +171,11 @@ class LongformStudio:
                 out["preset"] = None if value == "none" else value
             elif key == "margin":
                 out["margin"] = _seconds(value, "margin", 2.0)
+            elif key == "retries":
+                if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_RETRIES:
+                    raise InvalidInputError(f"retries must be a whole number of new takes in 0..{MAX_RETRIES}",
+                                            "retries")
+                out["retries"] = value
             else:
                 raise InvalidInputError(f"unknown setting {key!r}", key)
         return out
@@ -394,17 +403,41 @@ class LongformStudio:
             return  # merged away meanwhile
         if not new_take and self.current_take(segment, self.store.takes(project_id)) is not None:
             return
-        seed = secrets.randbelow(MAX_SEED)
-        request = SynthesisRequest(segment.text, "instruct" if segment.instruction else "sft", voice=segment.voice,
-                                   instruction=segment.instruction, speed=segment.speed, seed=seed, stream=False)
-        made = synthesize(self.service, request, token)
+        retries = self.store.project(project_id).settings.get("retries", SUSPECT_RETRIES)
+        made_takes: list[Take] = []
+        for _ in range(1 + retries):  # a suspect take is made again with a new seed, every take kept
+            seed = secrets.randbelow(MAX_SEED)
+            request = SynthesisRequest(segment.text, "instruct" if segment.instruction else "sft",
+                                       voice=segment.voice, instruction=segment.instruction, speed=segment.speed,
+                                       seed=seed, stream=False)
+            made = synthesize(self.service, request, token)
+            flags = self._suspect(segment, made)
+            try:
+                take = self.store.add_take(segment, made.pcm, self.sample_rate, seed=seed,
+                                           voice_id=made.prepared.voice_id, flags=flags, seconds_to_make=made.seconds,
+                                           choose=not flags)
+            except NotFoundError:
+                self._exists(project_id)
+                raise
+            if not flags:
+                return
+            made_takes.append(take)
+        # every attempt sounded wrong: all are kept, and the one with the fewest reasons is used
+        best = min(made_takes, key=lambda t: len(t.flags))
+        self.store.update_segment(self.store.segment(project_id, segment_id), chosen_take=best.id, state="idle",
+                                  error=None)
+
+    def _suspect(self, segment: Segment, made: Made) -> list[str]:
+        """Why a take needs listening to (empty: none): the automatic check of its audio, and per text segment its
+        speech tokens looping or at the model's length bounds for the text."""
         flags = finishing.check_take(made.pcm, self.sample_rate, segment.text, segment.speed)
-        try:
-            self.store.add_take(segment, made.pcm, self.sample_rate, seed=seed, voice_id=made.prepared.voice_id,
-                                flags=flags, seconds_to_make=made.seconds)
-        except NotFoundError:
-            self._exists(project_id)
-            raise
+        for text, tokens in zip(made.prepared.segments, made.speech_tokens, strict=False):
+            n_text = len(self.frontend.encode(text))
+            reason = (finishing.token_bounds(len(tokens), CosyVoice3LM.length_limits(n_text), n_text)
+                      or finishing.token_loop(tokens))
+            if reason:
+                flags.append(reason)
+        return flags
 
     def _exists(self, project_id: str) -> None:
         try:

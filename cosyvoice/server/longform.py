@@ -11,7 +11,7 @@ HTML + JavaScript that calls the same endpoints, so everything it does is script
     POST   /v1/longform/projects                                 {text, name, kind, voice, speakers, preset, ...}
     POST   /v1/longform/projects/upload                          multipart: file (.txt .md .epub .pdf .docx), ...
     GET    /v1/longform/projects/{p}                             settings, segment table (status, takes), progress
-    PATCH  /v1/longform/projects/{p}                             {name, pauses, preset, margin}
+    PATCH  /v1/longform/projects/{p}                             {name, pauses, preset, margin, retries}
     DELETE /v1/longform/projects/{p}                             the project and every take
     PATCH  /v1/longform/projects/{p}/segments/{s}                {text, voice, instruction, speed, pause}
     POST   /v1/longform/projects/{p}/segments/{s}/split          {at: character offset}
@@ -70,6 +70,7 @@ class NewProject(_Body):
     pauses: dict[str, float] | None = None
     preset: str | None = "podcast"
     margin: float | None = None
+    retries: int | None = None
 
 
 class ProjectChanges(_Body):
@@ -77,6 +78,7 @@ class ProjectChanges(_Body):
     pauses: dict[str, float] | None = None
     preset: str | None = None
     margin: float | None = None
+    retries: int | None = None  # new takes (new seeds) made for a segment whose take sounds wrong
 
 
 class SegmentChanges(_Body):
@@ -148,7 +150,8 @@ def projects(s: Studio) -> JSONResponse:
 
 @routes.post("/v1/longform/projects", status_code=201)
 def create(s: Studio, body: NewProject) -> JSONResponse:
-    options = {k: v for k, v in (("pauses", body.pauses), ("margin", body.margin)) if v is not None}
+    options = {k: v for k, v in (("pauses", body.pauses), ("margin", body.margin), ("retries", body.retries))
+               if v is not None}
     project = s.create(body.name, body.text, voice=body.voice, kind=body.kind, speakers=body.speakers,
                        preset=body.preset, **options)
     return JSONResponse(detail(s, project.id), 201)
