@@ -397,10 +397,10 @@ class WorkbenchStore:
         return {r["take"]: json.loads(r["scores"]) for r in self._rows("SELECT take, scores FROM scores")}
 
 
-def test_take_ids(spec: dict[str, Any]) -> set[str]:
-    """Every take a test's items name (rated, reference and anchor)."""
-    return {t for item in spec["items"]
-            for t in [*item["takes"], *(item[k] for k in ("reference", "anchor") if item.get(k))]}
+def test_take_ids(spec: dict[str, Any]) -> list[str]:
+    """Every take a test's items name (rated, reference and anchor), each once, in the items' order."""
+    return list(dict.fromkeys(t for item in spec["items"]
+                              for t in [*item["takes"], *(item[k] for k in ("reference", "anchor") if item.get(k))]))
 
 
 def _take(row: sqlite3.Row) -> Take:
