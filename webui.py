@@ -8,7 +8,8 @@ started from), or, when that folder is absent, a randomly initialised demo model
 page and the log say so). Built-in voices come from assets/voices (<name>.wav + <name>.txt). Voices are kept
 where the servers keep them (COSYVOICE_VOICE_DIR, else pretrained_models/.voices), so all of them share one
 library. With API keys (COSYVOICE_API_KEYS=k1,k2 or --api-key) nothing answers without one: browsers sign in
-with a key on a small page, clients send "Authorization: Bearer KEY".
+with a key on a small page, clients send "Authorization: Bearer KEY". Each visitor sees only their own
+takes, tests and projects (COSYVOICE_SHARING=team shares them; COSYVOICE_ADMIN_KEYS see everything).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from dataclasses import replace
 
 from app.ui import BUILTIN_VOICE_DIR, DEMO_MODEL_DIR, launch, load_studio
 from cosyvoice.errors import command_line_errors
-from cosyvoice.settings import ServerSettings, VoicePolicy, default_voice_dir
+from cosyvoice.settings import ServerSettings, default_voice_dir
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,10 +46,10 @@ def main(argv: list[str] | None = None) -> None:
         settings = ServerSettings.from_env()
         studio = load_studio(args.model_dir, voice_dir=args.voice_dir, demo_dir=args.demo_dir,
                              builtin_dir=args.builtin_voice_dir, device=args.device)
-    api_keys = tuple(args.api_keys or ()) or settings.api_keys
-    if args.api_keys:  # keys from the command line: saved voices are their creators' (COSYVOICE_VOICE_EDITORS)
-        studio.service.voices.policy = VoicePolicy.from_env(api_keys=api_keys)
-    launch(studio, host=args.host, port=args.port, api_keys=api_keys + settings.admin_keys)
+    if args.api_keys:
+        settings = replace(settings, api_keys=tuple(args.api_keys))
+    studio.service.voices.policy = settings.voice_policy()
+    launch(studio, host=args.host, port=args.port, owners=settings.owners())
 
 
 if __name__ == "__main__":

@@ -5,32 +5,27 @@ Gradio's own ``login_check`` guards only some of its routes (``/gradio_api/strea
 ``/cancel`` and others have none), so the gate is an ASGI middleware in front of the whole app: every
 request carries a key (``Authorization: Bearer KEY``, as REST clients and ``gradio_client(headers=...)``
 send it) or the session cookie of the small sign-in page this middleware serves itself at
-``/studio/login``. Raters need only their link: what their page reaches
-(:func:`cosyvoice.server.workbench.rater_route`) passes without a key. Gradio learns who is calling through
-``auth_dependency`` (:meth:`KeyGate.owner`), so ``gr.Request.username`` is the caller's owner string
-(``key:<sha256[:12]>``) in every event.
+``/studio/login``. Keys and sign-ins are :class:`cosyvoice.owners.Owners`'. Raters need only their link: what
+their page reaches (the ``public`` predicate the app hands over, the workbench's) passes without a key. Gradio
+learns who is calling through ``auth_dependency`` (:func:`owner_dependency`), so ``gr.Request.username`` is the
+caller's owner string (``key:<sha256[:12]>``) in every event.
 """
 
 from __future__ import annotations
 
-import hmac
 import html
-import secrets
-import threading
+from collections.abc import Callable
 from urllib.parse import parse_qs
 
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from cosyvoice.server.workbench import rater_route
-from cosyvoice.settings import key_owner
+from cosyvoice.owners import SESSION_COOKIE, Owners, PublicRoute, no_public_route
 
 LOGIN_PATH = "/studio/login"
-COOKIE = "cosyvoice-session"
 # Gradio's launch() calls this on itself without credentials; it only starts the queue, once, and says so
 OPEN_PATHS = ("/gradio_api/startup-events",)
 MAX_FORM_BYTES = 4096
-MAX_SESSIONS = 10000  # sign-ins remembered; the oldest are forgotten first (they sign in again)
 
 
 LOGIN_PAGE = """<!doctype html>
@@ -46,47 +41,23 @@ button{{padding:10px 18px;font-size:16px}} .error{{color:#b91c1c}}</style></head
 <button type="submit">Sign in / 登录</button></form></body></html>"""
 
 
-class ApiKeys:
-    """The accepted keys and the browser sessions signed in with one (shared by the gate and Gradio)."""
+def owner_dependency(owners: Owners) -> Callable[[HTTPConnection], str | None]:
+    """Gradio's ``auth_dependency``: the caller's owner string, or None without a valid key or sign-in."""
 
-    def __init__(self, keys: tuple[str, ...]) -> None:
-        assert keys, "a gate without keys would lock everyone out"
-        self.keys = tuple(k.encode() for k in keys)
-        self._sessions: dict[str, str] = {}  # cookie value -> owner
-        self._lock = threading.Lock()
+    def owner(conn: HTTPConnection) -> str | None:
+        caller = owners.caller(conn)
+        return None if caller is None else caller.owner
 
-    def owner(self, conn: HTTPConnection) -> str | None:
-        """The caller's owner string, or None without a valid key (also Gradio's ``auth_dependency``)."""
-        auth = conn.headers.get("authorization", "")
-        if auth[:7].lower() == "bearer ":
-            return self._check(auth[7:].strip())
-        with self._lock:
-            return self._sessions.get(conn.cookies.get(COOKIE, ""))
-
-    def _check(self, key: str) -> str | None:
-        if key and any(hmac.compare_digest(key.encode(), k) for k in self.keys):
-            return key_owner(key)
-        return None
-
-    def sign_in(self, key: str) -> str | None:
-        """A new session cookie value for a valid key, else None."""
-        owner = self._check(key)
-        if owner is None:
-            return None
-        token = secrets.token_urlsafe(32)
-        with self._lock:
-            self._sessions[token] = owner
-            while len(self._sessions) > MAX_SESSIONS:
-                del self._sessions[next(iter(self._sessions))]
-        return token
+    return owner
 
 
 class KeyGate:
     """ASGI middleware: refuse every HTTP and WebSocket request without a valid key (but a rater's); serve the
     sign-in page."""
 
-    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
-        self.app, self.keys = app, keys
+    def __init__(self, app: ASGIApp, owners: Owners, public: PublicRoute = no_public_route) -> None:
+        assert owners.keyed, "a gate without keys would lock everyone out"
+        self.app, self.owners, self.public = app, owners, public
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -95,8 +66,8 @@ class KeyGate:
         path = scope["path"].removeprefix(scope.get("root_path", ""))  # as routed behind a proxy's path prefix
         if scope["type"] == "http" and path.rstrip("/") == LOGIN_PATH:
             return await self._login(scope, receive, send)
-        if (path in OPEN_PATHS or (scope["type"] == "http" and rater_route(scope["method"], path))
-                or self.keys.owner(conn) is not None):
+        if (path in OPEN_PATHS or (scope["type"] == "http" and self.public(scope["method"], path))
+                or self.owners.caller(conn) is not None):
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008, "reason": "missing or wrong API key"})
@@ -117,11 +88,11 @@ class KeyGate:
             if not message.get("more_body"):
                 break
         key = (parse_qs(body.decode("utf-8", "replace")).get("key") or [""])[0].strip()
-        token = self.keys.sign_in(key)
+        token = self.owners.sign_in(key)
         if token is None:
             return await _page(send, 401, "Wrong API key. 密钥不正确。")
         secure = "; Secure" if scope.get("scheme") == "https" else ""
-        cookie = f"{COOKIE}={token}; Path=/; HttpOnly; SameSite=Lax{secure}"
+        cookie = f"{SESSION_COOKIE}={token}; Path=/; HttpOnly; SameSite=Lax{secure}"
         await _respond(send, 303, b"", [(b"location", b"../"), (b"set-cookie", cookie.encode())])
 
 

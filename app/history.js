@@ -1,7 +1,8 @@
 // CosyVoice3 Studio take history: the takes the workbench store keeps (GET workbench/api/takes), newest first.
 // "This browser" lists the takes made on this page in this browser (its id lives in the cv-browser cookie, which
 // every request of the page carries, so the history survives a reload and numbers go on from where they were);
-// "All takes" adds those of batches, the API and other browsers. Each view asks only for takes newer than the
+// "All takes" adds the visitor's batch and API takes, and others' where the server shares them (COSYVOICE_SHARING,
+// admin keys; cosyvoice/owners.py: a visitor never sees another's takes on a private server). Each view asks only for takes newer than the
 // last it shows (?after=seq), so a new take never fetches the earlier ones again, and players load their audio
 // only when played (preload="none").
 window.cvHistory = (() => {
@@ -11,7 +12,7 @@ window.cvHistory = (() => {
   const POLL_MS = 5000; // "All takes" looks for new batch and API takes this often while it is shown
   const WORDS = {
     mine: ["This browser", "此浏览器"],
-    all: ["All takes (batches, API, other browsers)", "全部录音（批量、API、其他浏览器）"],
+    all: ["All takes (batches, API, shared)", "全部录音（批量、API、共享）"],
     emptyMine: ["No takes yet: every take you generate is kept here (also after a reload), replayable and "
                 + "downloadable.", "还没有录音：生成的每一条都会保留在这里（刷新后仍在），可重播和下载。"],
     emptyAll: ["No takes in the store yet.", "存储中还没有录音。"],
@@ -122,7 +123,7 @@ window.cvHistory = (() => {
     const v = views[view];
     for (;;) {
       const query = new URLSearchParams({ after: String(v.last), limit: String(PAGE) });
-      if (view === "mine") query.set("browser", browserId());
+      if (view === "mine") query.set("mine", "true");
       const answer = await fetch(`${base()}/workbench/api/takes?${query}`, { credentials: "same-origin" });
       if (!answer.ok) throw new Error(`HTTP ${answer.status}`);
       const { takes, last } = await answer.json();

@@ -30,7 +30,7 @@ import gradio as gr
 import numpy as np
 from starlette.middleware import Middleware
 
-from app.auth import ApiKeys, KeyGate
+from app.auth import KeyGate, owner_dependency
 from app.i18n import I18N, say, t
 from app.live import LiveHub, head_html, mount
 from cosyvoice.bundle import DEMO_MODEL_DIR, model_dir_or_demo
@@ -44,8 +44,9 @@ from cosyvoice.errors import (
     ReadOnlyError,
     ResourceLimitError,
 )
+from cosyvoice.owners import LOCAL, Caller, Owners
 from cosyvoice.server.longform import longform_router
-from cosyvoice.server.workbench import workbench_router
+from cosyvoice.server.workbench import rater_route, workbench_router
 from cosyvoice.service import PreparedRequest, SynthesisRequest, SynthesisSession, TTSService
 from cosyvoice.settings import SPEED_RANGE, default_data_dir, default_voice_dir
 from cosyvoice.voices import BUILTIN_VOICE_DIR, EXPORT_SUFFIX
@@ -64,8 +65,7 @@ KEEP_TAKE_TIMES = 1024  # server times of recent takes, for measurements
 # Gradio refuses bigger uploads with its own size message; up to this multiple of the service's byte limit the
 # file reaches the service, which says what is wrong with it (e.g. a 57 MB WAV: too long, not too big)
 UPLOAD_HEADROOM = 2
-BROWSER_COOKIE = "cv-browser"  # app/history.js keeps a random id per browser in it: the take history's owner
-BROWSER_ID = re.compile(r"[0-9a-f]{32}")
+KEYLESS = Owners()  # how visitors of a server without keys are told apart: their browser, else their page
 # the form's tab of each engine mode (a take's provenance names the engine mode: sft takes ran as one of them)
 TAB_OF_ENGINE_MODE = {"zero_shot": "zero_shot", "cross_lingual": "cross_lingual", "instruct2": "instruct2"}
 
@@ -121,20 +121,16 @@ class TakeTimes:
 
 
 def owner_of(request: gr.Request | None) -> str | None:
-    """Who asks (HELPERS "owner"): the API key's owner when the app has keys (Gradio's ``username``, set by
-    :mod:`app.auth`), else this browser session; None for direct Python calls (unrestricted)."""
+    """Who asks (:mod:`cosyvoice.owners`): the API key's owner when the app has keys (Gradio's ``username``, set by
+    :mod:`app.auth`), else this browser (its ``cv-browser`` cookie, which app/history.js sets, so a visitor's takes
+    and uploads survive a reload), else this page load; None for direct Python calls (unrestricted)."""
     if request is None:
         return None
-    return request.username or f"browser:{request.session_hash}"
-
-
-def history_owner(request: gr.Request | None) -> str | None:
-    """Whose take history a page's request adds to: its browser's (the cookie app/history.js sets, so the history
-    survives a reload and is the same in every tab), else this page load's; None for direct Python calls."""
-    if request is None:
-        return None
-    cookie = (getattr(request, "cookies", None) or {}).get(BROWSER_COOKIE, "")
-    return f"browser:{cookie}" if BROWSER_ID.fullmatch(cookie) else f"session:{request.session_hash}"
+    if request.username:
+        return request.username
+    caller = KEYLESS.identify(cookies=getattr(request, "cookies", None) or {}, session=request.session_hash)
+    assert caller is not None, "a server without keys identifies everyone"
+    return caller.owner
 
 
 def is_zh(request: gr.Request | None) -> bool:
@@ -192,6 +188,7 @@ class Studio:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _files: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cosyvoice-takes-")))
     _store: WorkbenchStore | None = None
+    owners: Owners = field(default_factory=Owners)  # who visitors are and what they see (launch() sets the server's)
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir or default_data_dir(self.service.voices.dir.parent))
@@ -449,7 +446,7 @@ class Studio:
 
     def history(self, request: gr.Request | None) -> list[dict]:
         """The takes of this browser (:func:`history_owner`), newest first, as the page and the ZIP describe them."""
-        owner = history_owner(request)
+        owner = owner_of(request)
         takes = self.store.takes(owner=owner, any_owner=False, limit=1_000_000)
         return [self._entry(number, take) for number, take in reversed(list(enumerate(takes, 1)))]
 
@@ -521,7 +518,7 @@ class Studio:
             return
         samples = np.concatenate(pieces)
         stopped = outcome != "done"
-        owner = history_owner(request)
+        owner = owner_of(request)
         timings = {"synthesis_seconds": wall, "first_chunk_seconds": first_audio}
         download_format = audio_format(fmt if fmt in DOWNLOAD_FORMATS else "wav").name
         try:
@@ -584,7 +581,7 @@ class Studio:
         zh = is_zh(request)
         skip = (gr.skip(),) * 8
         try:
-            take = self.store.take(take_id or "")
+            take = self.store.take(take_id or "", self.caller(request))
         except CosyVoiceError as exc:
             warn(_page_message(exc, zh))
             return skip
@@ -597,6 +594,11 @@ class Studio:
             warn(say(zh, "voice_gone"))
         return (p.get("text", ""), tab, gr.Tabs(selected=tab), p.get("instruction", ""), voice, p.get("seed", -1),
                 p.get("speed", 1.0), bool(p.get("settings", {}).get("stream")))
+
+    def caller(self, request: gr.Request | None) -> Caller:
+        """The visitor as :mod:`cosyvoice.owners` sees it (direct Python calls: the local, unrestricted caller)."""
+        owner = owner_of(request)
+        return LOCAL if owner is None else self.owners.of(owner)
 
     def stop_clicked(self, take_id: str) -> tuple:
         self.stop(take_id)
@@ -635,7 +637,7 @@ class Studio:
         timings = {"synthesis_seconds": time.perf_counter() - started, "first_chunk_seconds": None}
         try:  # the page's "All takes" lists it: an API take can be opened, replayed and reproduced there
             self._keep(samples, synthesis, prepared, timings, audio.name,
-                       None if request is None else request.username, form_mode=mode or "zero_shot",
+                       owner_of(request), form_mode=mode or "zero_shot",
                        voice_label=voice_label)
         except (OSError, sqlite3.Error) as exc:
             logger.error("an API take could not be kept: %s", exc)
@@ -895,16 +897,18 @@ def load_studio(model_dir: str | Path | None = None, *, voice_dir: str | Path | 
 
 
 def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: bool = True,
-           api_keys: tuple[str, ...] = ()) -> gr.Blocks:
+           api_keys: tuple[str, ...] = (), owners: Owners | None = None) -> gr.Blocks:
     """Serve the page and the live-audio route (``block=False`` returns at once, the server in a thread).
 
-    With ``api_keys`` nothing answers without one of them (:mod:`app.auth`): not the page, its events, its
-    files, the live audio or the named API."""
+    ``owners`` (default: ``api_keys``, private sharing) says who callers are (:mod:`cosyvoice.owners`). With keys
+    nothing answers without one of them (:mod:`app.auth`): not the page, its events, its files, the live audio or
+    the named API; only a listening test's rater pages."""
+    studio.owners = owners = owners if owners is not None else Owners(api_keys)
     page = build_ui(studio)
     page.queue(default_concurrency_limit=studio.service.limits.max_sessions)
-    keys = ApiKeys(api_keys) if api_keys else None
-    gate = {} if keys is None else {"auth_dependency": keys.owner,
-                                    "app_kwargs": {"middleware": [Middleware(KeyGate, keys=keys)]}}
+    gate = {} if not owners.keyed else {
+        "auth_dependency": owner_dependency(owners),
+        "app_kwargs": {"middleware": [Middleware(KeyGate, owners=owners, public=rater_route)]}}
     page.launch(server_name=host, server_port=port, prevent_thread_lock=True, show_error=False, ssr_mode=False,
                 max_file_size=UPLOAD_HEADROOM * studio.service.limits.max_prompt_bytes, quiet=not block, i18n=I18N,
                 css=CSS, head=head_html() + f"<script>\n{HISTORY_JS.read_text(encoding='utf-8')}\n</script>",
@@ -912,8 +916,8 @@ def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: 
                 allowed_paths=[str(studio._files)], **gate)
     mount(page.app, studio.live, studio.service.sample_rate)
     # the workbench (the take history's store too) and long-form projects, in the studio's data folder
-    page.app.include_router(longform_router(lambda: studio.service, studio.data_dir))  # /studio/longform
-    page.app.include_router(workbench_router(studio.data_dir, lambda: studio.service, studio.service.limits))
+    page.app.include_router(longform_router(lambda: studio.service, studio.data_dir, owners=owners))
+    page.app.include_router(workbench_router(studio.data_dir, lambda: studio.service, studio.service.limits, owners))
     if block:
         page.block_thread()
     return page

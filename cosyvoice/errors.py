@@ -46,7 +46,11 @@ class NotFoundError(InvalidInputError):
     """A named thing (a saved voice) does not exist."""
 
 
-class AlreadyExistsError(InvalidInputError):
+class ConflictError(InvalidInputError):
+    """The request conflicts with what is stored (e.g. a take a listening test uses cannot be deleted)."""
+
+
+class AlreadyExistsError(ConflictError):
     """A name is taken (a saved voice); delete the holder or choose another name."""
 
 

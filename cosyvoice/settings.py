@@ -7,7 +7,6 @@ in one place (``COSYVOICE_MAX_TEXT_CHARS=20000``) rather than in each entry poin
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 
 from cosyvoice.errors import ConfigError, InvalidInputError
+from cosyvoice.owners import SHARING, Owners, key_owner
 
 DEFAULT_VOICE_DIR = "pretrained_models/.voices"  # the voice library's folder (COSYVOICE_VOICE_DIR overrides it)
 VOICE_DIR_SETTING = "COSYVOICE_VOICE_DIR"  # named in errors about the voice folder (--voice-dir on the servers)
@@ -46,21 +46,17 @@ def default_data_dir(voice_dir: str | Path | None = None, environ: dict[str, str
     return Path(voice_dir if voice_dir is not None else default_voice_dir(env)).parent / ".studio"
 
 
-def key_owner(api_key: str) -> str:
-    """The owner of what an API-key client makes: ``key:`` + 12 hex digits of the key's sha256 (never the key)."""
-    return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:12]
-
-
 @dataclass(frozen=True)
 class VoicePolicy:
     """Who may rename, export or delete a saved (named) voice; everyone may list and speak with it.
 
-    ``editors``: ``anyone``; ``creator`` (the owner who saved it, see HELPERS "owner"); or ``admin`` only.
-    Holders of an admin key and local callers (owner ``None``: the Python API, a server without keys) always
-    may. Unsaved uploads belong to their uploader whatever the policy; built-in voices are read-only.
+    ``editors``: ``anyone``; ``creator`` (the owner who saved it, :mod:`cosyvoice.owners`); or ``admin`` only.
+    Holders of an admin key and in-process callers (owner ``None``: the Python API, the CLIs) always may; a
+    voice saved before creators were recorded (creator ``None``) only they. Unsaved uploads belong to their
+    uploader whatever the policy; built-in voices are read-only.
     """
 
-    editors: str = "anyone"
+    editors: str = "creator"
     admin_owners: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
@@ -70,20 +66,14 @@ class VoicePolicy:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, *, editors: str | None = None,
-                 admin_keys: tuple[str, ...] | None = None, api_keys: tuple[str, ...] | None = None) -> VoicePolicy:
+                 admin_keys: tuple[str, ...] | None = None) -> VoicePolicy:
         """``COSYVOICE_VOICE_EDITORS`` and ``COSYVOICE_ADMIN_KEYS`` (explicit arguments win). Unset editors:
-        ``anyone`` on a server without API keys (one trusted user), ``creator`` once keys are configured."""
+        ``creator``, with keys and without (where each browser is its own visitor, cosyvoice.owners)."""
         env = os.environ if environ is None else environ
-
-        def keys(value: tuple[str, ...] | None, name: str) -> tuple[str, ...]:
-            if value is not None:
-                return value
-            return tuple(k.strip() for k in env.get(name, "").split(",") if k.strip())
-
-        editors = editors or env.get("COSYVOICE_VOICE_EDITORS", "").strip().lower()
-        if not editors:
-            editors = "creator" if keys(api_keys, "COSYVOICE_API_KEYS") else "anyone"
-        return cls(editors, frozenset(key_owner(k) for k in keys(admin_keys, "COSYVOICE_ADMIN_KEYS")))
+        if admin_keys is None:
+            admin_keys = tuple(k.strip() for k in env.get("COSYVOICE_ADMIN_KEYS", "").split(",") if k.strip())
+        editors = editors or env.get("COSYVOICE_VOICE_EDITORS", "").strip().lower() or "creator"
+        return cls(editors, frozenset(key_owner(k) for k in admin_keys))
 
     def may_edit(self, owner: str | None, creator: str | None) -> bool:
         """Whether ``owner`` may rename, export or delete a saved voice that ``creator`` saved."""
@@ -186,7 +176,8 @@ class ServerSettings:
     shutdown_grace_seconds: float = 30.0  # on SIGTERM: running requests may finish this long, then are cancelled
     default_voice: str = "en-allison"  # Ray Serve's voice when a body names none (or "qwen", the contract's alias)
     voice_editors: str = ""  # who may rename/export/delete saved voices (anyone|creator|admin; "": VoicePolicy's)
-    admin_keys: tuple[str, ...] = ()  # keys whose holders may edit every saved voice (also accepted as API keys)
+    admin_keys: tuple[str, ...] = ()  # keys whose holders see and edit everything (also accepted as API keys)
+    sharing: str = "private"  # who sees stored objects: private (owner + admins) | team (everyone; cosyvoice.owners)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -197,6 +188,8 @@ class ServerSettings:
                               "retry_after_seconds and shutdown_grace_seconds not negative")
         if self.voice_editors and self.voice_editors not in VOICE_EDITORS:
             raise ConfigError(f"voice_editors must be one of {', '.join(VOICE_EDITORS)}, got {self.voice_editors!r}")
+        if self.sharing not in SHARING:
+            raise ConfigError(f"sharing must be one of {', '.join(SHARING)}, got {self.sharing!r}")
         if "*" in self.cors_origins and self.api_keys:
             raise ConfigError("CORS origin '*' with API keys would let any web page use a visitor's key; "
                               "list the allowed origins instead")
@@ -208,8 +201,11 @@ class ServerSettings:
 
     def voice_policy(self) -> VoicePolicy:
         """The voice library's :class:`VoicePolicy` of these settings (``library.policy = ...``)."""
-        return VoicePolicy.from_env({}, editors=self.voice_editors or None, admin_keys=self.admin_keys,
-                                    api_keys=self.api_keys + self.admin_keys)
+        return VoicePolicy.from_env({}, editors=self.voice_editors or None, admin_keys=self.admin_keys)
+
+    def owners(self) -> Owners:
+        """Who callers are under these settings (:mod:`cosyvoice.owners`)."""
+        return Owners(self.api_keys, self.admin_keys, self.sharing)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:

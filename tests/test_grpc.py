@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from cosyvoice.encoding import to_pcm16
+from cosyvoice.owners import Owners
 from cosyvoice.server.grpc import MAX_AUDIO_MESSAGE_BYTES, SERVICE_NAME, GrpcServer, audio_messages, synthesis_request
 from cosyvoice.server.proto import cosyvoice_pb2 as pb
 from cosyvoice.server.proto import cosyvoice_pb2_grpc as pb_grpc
@@ -224,7 +225,7 @@ def test_busy_is_resource_exhausted(tts, service: TTSService, saved_voice) -> No
 
 
 def test_api_keys_are_required_when_configured(service: TTSService, saved_voice) -> None:
-    srv = GrpcServer("127.0.0.1", 0, api_keys=("s3cret",))
+    srv = GrpcServer("127.0.0.1", 0, owners=Owners(("s3cret",)))
     srv.serve(service)
     request = pb.Request(sft_request=pb.sftRequest(spk_id=saved_voice.id, tts_text=TEXT))
     try:
@@ -267,7 +268,7 @@ def test_metrics_count_success_and_failure(server: GrpcServer, stub, saved_voice
 
 
 def test_metrics_port_needs_the_key_when_keys_are_set(service: TTSService) -> None:
-    srv = GrpcServer("127.0.0.1", 0, api_keys=("s3cret",))
+    srv = GrpcServer("127.0.0.1", 0, owners=Owners(("s3cret",)))
     srv.serve(service)
     try:
         url = f"http://127.0.0.1:{srv.serve_metrics('127.0.0.1', 0)}/metrics"

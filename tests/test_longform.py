@@ -530,8 +530,10 @@ def test_rest_endpoints_create_generate_regenerate_and_export(service: TTSServic
                         files={"file": ("notes.pdf", b"%PDF-1.4", "application/pdf")})
         assert r.status_code == 400 and r.json()["error"]["field"] == "file"
         assert client.delete(f"/v1/longform/projects/{uploaded['id']}").status_code == 200
-    # a restarted server (a new app on the same data folder) still has the project
-    with TestClient(create_app(ServerSettings(), service)) as client:
+        browser = dict(client.cookies)  # the page gave this browser its identity: the projects are its own
+    assert set(browser) == {"cv-browser"}
+    # a restarted server (a new app on the same data folder) still has the project, for the same browser
+    with TestClient(create_app(ServerSettings(), service), cookies=browser) as client:
         assert [p["id"] for p in client.get("/v1/longform/projects").json()] == [pid]
         again = client.get(f"/v1/longform/projects/{pid}/segments.json").json()
         assert again == second

@@ -30,6 +30,9 @@ KEPT = re.compile(r"^(CosyVoice3 Studio|MUSHRA|ACX|RMS dB|wav|mp3|flac|opus|m4b|
                   r"one|A|B|X|ref|take-\w+|test-\w+|ab|abx|mos|cmos|mushra|mushra_noref|[\d.,:/ ()·%–-]+|http\S+)$")
 
 
+OWNER = "d" * 32  # the browser (cv-browser id) whose test it is
+
+
 @pytest.fixture(scope="module")
 def app(tts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     root = tmp_path_factory.mktemp("i18n")
@@ -38,7 +41,7 @@ def app(tts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, st
     t = np.arange(7200) / 24000
     a, b = (store.add_take((0.2 * np.sin(2 * np.pi * f * t)).astype(np.float32), 24000, {"text": "one"}, label=label)
             for f, label in ((220, "sysA"), (330, "sysB")))
-    test_id = listening.create_test(store, "mushra_noref", [{"takes": [a.id, b.id]}])
+    test_id = listening.create_test(store, "mushra_noref", [{"takes": [a.id, b.id]}], owner=f"browser:{OWNER}")
     with serving(studio) as url:
         yield url, test_id
 
@@ -75,6 +78,7 @@ def test_a_chinese_browser_gets_every_page_in_chinese(app, browser) -> None:
     url, test_id = app
     ARTIFACTS.mkdir(exist_ok=True)
     context = browser("zh-CN")
+    context.add_cookies([{"name": "cv-browser", "value": OWNER, "url": url}])  # the test's owner (its results page)
     page = context.new_page()
     page.goto(f"{url}workbench/rate/{test_id}")
     page.wait_for_function("() => window.wb && window.wb.ready")

@@ -106,8 +106,9 @@ def test_built_in_voices_are_read_only_for_everyone(tts, tmp_path: Path, prompt_
 
 
 def test_the_policy_setting() -> None:
-    assert VoicePolicy.from_env({}).editors == "anyone"  # one trusted user: no keys
-    assert VoicePolicy.from_env({"COSYVOICE_API_KEYS": "k1,k2"}).editors == "creator"
+    # every visitor is told apart, with keys and without (cosyvoice.owners): saved voices are their creators'
+    assert VoicePolicy.from_env({}).editors == "creator"
+    assert VoicePolicy.from_env({"COSYVOICE_VOICE_EDITORS": "anyone"}).editors == "anyone"
     policy = VoicePolicy.from_env({"COSYVOICE_VOICE_EDITORS": "admin", "COSYVOICE_ADMIN_KEYS": "admin-key"})
     assert policy.editors == "admin" and policy.admin_owners == {ADMIN}
     assert ADMIN.startswith("key:") and len(ADMIN) == 16 and "admin-key" not in ADMIN

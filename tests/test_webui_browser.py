@@ -560,7 +560,9 @@ def test_signing_in_with_a_key(tts, browser, tmp_path: Path, short_prompt_wav: P
         ctx.close()
 
 
-def test_another_visitor_does_not_see_my_upload(context, browser, app: tuple, short_prompt_wav: Path) -> None:
+def test_my_upload_is_listed_after_a_reload_and_not_for_another_visitor(context, browser, app: tuple,
+                                                                        short_prompt_wav: Path) -> None:
+    """An upload belongs to the browser (its cv-browser identity, cosyvoice/owners.py), not to one page load."""
     _, url = app
     mine = open_page(context, url)
     upload_prompt(mine, short_prompt_wav)
@@ -569,7 +571,13 @@ def test_another_visitor_does_not_see_my_upload(context, browser, app: tuple, sh
     mine.click("#generate")
     sync_api.expect(mine.locator("#status")).to_contain_text("Take 1:", timeout=60000)
     mine.evaluate("() => window.cvStudio.stop()")
-    mine.reload()  # a new page load lists the voices again; the upload was cached under this visitor
+    mine.reload()  # a new page load lists the voices again; the upload was cached under this browser
+    mine.wait_for_selector("#generate button, button#generate")
+    mine.wait_for_function("() => window.cvStudio !== undefined")
+    mine.click("#voice input")
+    options = mine.get_by_role("option").all_inner_texts()
+    assert any("recent upload" in o and "private words" in o for o in options), options
+    mine.keyboard.press("Escape")
     ctx = browser(locale="en-US")  # someone else, in another browser
     try:
         theirs = open_page(ctx, url)
@@ -640,9 +648,12 @@ def test_the_history_is_kept_grows_incrementally_and_opens_batch_takes(context, 
     sync_api.expect(page.locator("#take-history .take").first).to_contain_text("Take 2")
     sync_api.expect(page.locator("#download-all")).to_be_visible()
 
-    # a batch take (the CLI and the REST API run the same function) opens in the page and is reproduced there
+    # a batch take (the CLI and the REST API run the same function) opens in the page and is reproduced there;
+    # this visitor's batch (one the REST API ran for this browser): a private server shows a visitor only its own
+    browser_id = next(c["value"] for c in context.cookies() if c["name"] == "cv-browser")
     [made] = run_batch(studio.service, studio.store,
-                       parse_rows("text,voice,seed,label\nWords from a batch.,Narrator,11,sysA\n")).takes
+                       parse_rows("text,voice,seed,label\nWords from a batch.,Narrator,11,sysA\n"),
+                       owner=f"browser:{browser_id}").takes
     page.click("#take-history .history-view[data-view=all]")
     entry = page.locator(f"#take-history .take[data-take='{made.id}']")
     sync_api.expect(entry).to_contain_text("condition sysA", timeout=10000)
@@ -653,11 +664,12 @@ def test_the_history_is_kept_grows_incrementally_and_opens_batch_takes(context, 
     sync_api.expect(page.locator("#voice input")).to_have_value("Narrator (built-in)")
     sync_api.expect(page.locator("#stream input")).not_to_be_checked()
     page.click("#generate")
-    sync_api.expect(page.locator("#status")).to_contain_text("Take 3:", timeout=60000)
+    # the visitor's takes are numbered together: its two, its batch's, and this one
+    sync_api.expect(page.locator("#status")).to_contain_text("Take 4:", timeout=60000)
     again = studio.store.takes(owner=None, any_owner=True)[-1]
     assert np.array_equal(studio.store.read_audio(again), studio.store.read_audio(made))  # the same samples
     page.click("#take-history .history-view[data-view=mine]")
-    sync_api.expect(page.locator("#take-history .history-list[data-view=mine] .take")).to_have_count(3)
+    sync_api.expect(page.locator("#take-history .history-list[data-view=mine] .take")).to_have_count(4)
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "webui-history.png"), full_page=True)
     page.close()

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from starlette.testclient import TestClient
 from test_rest import Server
 
+from cosyvoice.owners import ANONYMOUS, Owners, key_owner
 from cosyvoice.server import common
 from cosyvoice.server.rest import create_app
 from cosyvoice.server.workbench import rater_route, workbench_router
@@ -84,7 +85,7 @@ def test_batch_over_http_reports_progress_and_bad_rows(app_url: tuple[str, Path]
         short = WorkbenchStore(data_dir).add_take(
             (0.2 * np.sin(np.arange(12000) / 9)).astype(np.float32), 24000,
             {"voice_id": takes[0]["provenance"]["voice_id"]},
-            label="tone")
+            label="tone", owner=ANONYMOUS)  # this client's: without keys or a browser cookie, "anonymous"
         mos = client.post("/workbench/api/tests", json={"kind": "mos", "items": [{"takes": [short.id]}]}).json()["id"]
         card = client.get(f"/workbench/api/tests/{mos}/scorecard", timeout=300)
         assert card.status_code == 200 and [c["condition"] for c in card.json()["conditions"]] == ["tone"]
@@ -104,15 +105,16 @@ def test_the_web_ui_serves_the_same_workbench(tts, tmp_path: Path) -> None:
 
     studio = make_studio(tts, tmp_path)
     store = WorkbenchStore(tmp_path / ".studio")  # beside the studio's voice folder
-    take = store.add_take(np.zeros(2400, np.float32), 24000, {"text": "hi"}, label="sysA", owner="browser:x")
-    with serving(studio) as url, httpx.Client(base_url=url, timeout=30) as client:
+    take = store.add_take(np.zeros(2400, np.float32), 24000, {"text": "hi"}, label="sysA", owner=f"browser:{'a' * 32}")
+    with (serving(studio) as url, httpx.Client(base_url=url, timeout=30, cookies={"cv-browser": "a" * 32}) as client,
+          httpx.Client(base_url=url, timeout=30, cookies={"cv-browser": "b" * 32}) as other):
         assert "Listening-test workbench" in client.get("/workbench/").text
         assert [t["id"] for t in client.get("/workbench/api/takes").json()["takes"]] == [take.id]
-        # a browser's own history (the page keeps its id in local storage): only its takes, only newer ones
-        mine = client.get("/workbench/api/takes", params={"browser": "x"}).json()
+        # a browser's own history (its id in the cv-browser cookie): only its takes, only newer ones
+        mine = client.get("/workbench/api/takes", params={"mine": True}).json()
         assert [t["id"] for t in mine["takes"]] == [take.id] and mine["last"] == take.seq
-        assert client.get("/workbench/api/takes", params={"browser": "y"}).json()["takes"] == []
-        assert client.get("/workbench/api/takes", params={"browser": "x", "after": take.seq}).json()["takes"] == []
+        assert other.get("/workbench/api/takes").json()["takes"] == []
+        assert client.get("/workbench/api/takes", params={"mine": True, "after": take.seq}).json()["takes"] == []
         missing = client.get("/workbench/api/tests/test-nope")
         assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found"
 
@@ -147,11 +149,11 @@ def test_both_gates_let_a_rater_through_behind_a_proxy_prefix(gate: str, tmp_pat
     app = FastAPI()
     app.include_router(workbench_router(tmp_path, lambda: pytest.fail("no service needed")))
     if gate == "rest":
-        app.add_middleware(common.ApiKeys, keys=(KEY,))
+        app.add_middleware(common.ApiKeys, owners=Owners((KEY,)), public=rater_route)
     else:
         pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra")
-        from app.auth import ApiKeys, KeyGate
-        app.add_middleware(KeyGate, keys=ApiKeys((KEY,)))
+        from app.auth import KeyGate
+        app.add_middleware(KeyGate, owners=Owners((KEY,)), public=rater_route)
     with TestClient(app, root_path="/proxy") as client:
         missing = client.get("/proxy/workbench/api/tests/test-nope")  # reached the router: no such test
         assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found"
@@ -181,7 +183,8 @@ def test_a_rater_needs_only_the_link_and_everything_else_needs_the_key(keyed: tu
     url, data_dir, webui = keyed
     store = WorkbenchStore(data_dir)
     tone = (0.2 * np.sin(np.arange(2400) / 5)).astype(np.float32)  # 0.1 s: listen-gating passes at once
-    a, b = (store.add_take(tone, 24000, {"text": "one"}, label=label) for label in ("sysA", "sysB"))
+    a, b = (store.add_take(tone, 24000, {"text": "one"}, label=label, owner=key_owner(KEY))
+            for label in ("sysA", "sysB"))
     with (httpx.Client(base_url=url, timeout=30, headers=BEARER) as owner,
           httpx.Client(base_url=url, timeout=30) as anon):
         spec = {"kind": "ab", "items": [{"takes": [a.id, b.id]}]}

@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts"
 FLAGS = [*CHROMIUM_FLAGS, "--autoplay-policy=no-user-gesture-required"]
 SECONDS = 1.0  # each stimulus: long enough that answering before its end is refused
+OWNER = "c" * 32  # the experimenter's browser (its cv-browser id): the takes and tests are its own
 
 
 class App:
@@ -81,10 +82,11 @@ def setup(tiny_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             t = np.arange(int(24000 * SECONDS)) / 24000
             pcm = (0.2 * np.sin(2 * np.pi * (220 + 40 * k + 110 * j) * t)).astype(np.float32)
             store.add_take(pcm, 24000, {"text": text, "segments": [text], "voice": "tone", "mode": "test", "seed": k},
-                           label=label)
-    ab = listening.create_test(store, "ab", listening.design("ab", store.takes(), ["sysA", "sysB"]), title="A/B")
+                           label=label, owner=f"browser:{OWNER}")
+    ab = listening.create_test(store, "ab", listening.design("ab", store.takes(), ["sysA", "sysB"]), title="A/B",
+                               owner=f"browser:{OWNER}")
     mos_items = listening.design("mos", store.takes(), ["sysA", "sysB"])[:4]
-    mos = listening.create_test(store, "mos", mos_items, title="MOS")
+    mos = listening.create_test(store, "mos", mos_items, title="MOS", owner=f"browser:{OWNER}")
     store.close()
     app = App(tiny_bundle_dir, root)
     yield app, ab, mos
@@ -132,6 +134,7 @@ def finish(page, choice: str, items: int) -> None:
 
 
 def test_two_raters_finish_ab_and_mos_one_resuming_after_a_restart(setup, browser) -> None:
+    """Ann goes on, on another device, through her personal link (her rater id): her name alone is refused."""
     app, ab, mos = setup
     ARTIFACTS.mkdir(exist_ok=True)
     ann_device = browser()
@@ -154,6 +157,7 @@ def test_two_raters_finish_ab_and_mos_one_resuming_after_a_restart(setup, browse
     answer_item(ann, "A")
     answer_item(ann, "A")
     sync_api.expect(ann.locator("#item-progress")).to_have_text("Item 3 of 4")
+    personal_link = ann.locator("#resume-link").get_attribute("href")
     ann_device.close()  # Ann leaves half-way
 
     app.restart()  # kill -9 and start again: her two answers are on disk
@@ -164,16 +168,27 @@ def test_two_raters_finish_ab_and_mos_one_resuming_after_a_restart(setup, browse
     bob = join(bob_device, f"{app.url}/workbench/rate/{mos}", "Bob")
     finish(bob, "3", 4)
 
-    phone = browser()  # Ann again, on another device: her name resumes where she left
-    ann = join(phone, f"{app.url}/workbench/rate/{ab}", "Ann")
+    phone = browser()  # Ann again, on another device: her name is no key to her answers
+    impostor = phone.new_page()
+    impostor.goto(f"{app.url}/workbench/rate/{ab}")
+    impostor.wait_for_function("() => window.wb && window.wb.ready")
+    impostor.fill("#name", "Ann")
+    impostor.click("#start")
+    sync_api.expect(impostor.locator("#error")).to_contain_text("open your personal link")
+    sync_api.expect(impostor.locator("#rating")).to_be_hidden()
+    impostor.close()
+    ann = phone.new_page()  # her personal link resumes where she left
+    ann.goto(personal_link)
     sync_api.expect(ann.locator("#item-progress")).to_have_text("Item 3 of 4")
     finish(ann, "A", 2)
     ann = join(phone, f"{app.url}/workbench/rate/{mos}", "Ann")
     ann.screenshot(path=str(ARTIFACTS / "workbench-rater-mos.png"), full_page=True)
     finish(ann, "4", 4)
 
-    # the owner's view: progress per rater and the results with an interval plot
-    owner = phone.new_page()
+    # the owner's view, in the experimenter's browser: progress per rater and the results with an interval plot
+    owner_device = browser()
+    owner_device.add_cookies([{"name": "cv-browser", "value": OWNER, "url": app.url}])
+    owner = owner_device.new_page()
     owner.goto(f"{app.url}/workbench/tests/{mos}")
     owner.wait_for_function("() => window.wbReady")
     sync_api.expect(owner.locator("#raters tr")).to_have_count(2)
@@ -200,12 +215,26 @@ def test_two_raters_finish_ab_and_mos_one_resuming_after_a_restart(setup, browse
     sync_api.expect(owner.locator("#batch-status")).to_contain_text("2 of 2 rows · failed: row 1: unknown voice",
                                                                     timeout=60000)
     owner.screenshot(path=str(ARTIFACTS / "workbench-owner.png"), full_page=True)
+    # deleting: a take a test uses is refused with the reason; the test made from the page goes
+    owner.on("dialog", lambda dialog: dialog.accept())
+    owner.locator("#takes tr").first.locator("button.delete-take").click()
+    sync_api.expect(owner.locator("#error")).to_contain_text("used by the listening test")
+    sync_api.expect(owner.locator("#takes tr")).to_have_count(8)
+    owner.locator("#tests tr").last.locator("button.delete-test").click()
+    sync_api.expect(owner.locator("#tests tr")).to_have_count(2)
+    # another browser sees none of it (a private server: cosyvoice/owners.py)
+    stranger = phone.new_page()
+    stranger.goto(f"{app.url}/workbench/")
+    stranger.wait_for_function("() => window.wb && window.wb.ready")
+    sync_api.expect(stranger.locator("#takes tr")).to_have_count(0)
+    sync_api.expect(stranger.locator("#tests tr")).to_have_count(0)
+    owner_device.close()
     phone.close()
     bob_device.close()
 
     store = WorkbenchStore(app.env["COSYVOICE_DATA_DIR"])
     for test_id, answers in ((ab, {"Ann": "A", "Bob": "B"}), (mos, {"Ann": "4", "Bob": "3"})):
-        text = httpx.get(f"{app.url}/workbench/api/tests/{test_id}/answers.csv").text
+        text = httpx.get(f"{app.url}/workbench/api/tests/{test_id}/answers.csv", cookies={"cv-browser": OWNER}).text
         rows = list(csv.DictReader(io.StringIO(text)))
         assert len(rows) == 8 and sorted({r["rater"] for r in rows}) == ["Ann", "Bob"]
         raters = {r.name: r for r in store.raters(test_id)}
@@ -228,6 +257,7 @@ def test_a_rater_without_a_key_finishes_a_test_on_the_web_ui_behind_keys(tts, br
     pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra")
     from test_webui import make_studio, serving
 
+    from cosyvoice.owners import key_owner
     from cosyvoice.settings import default_data_dir
 
     studio = make_studio(tts, tmp_path)
@@ -235,7 +265,8 @@ def test_a_rater_without_a_key_finishes_a_test_on_the_web_ui_behind_keys(tts, br
     t = np.arange(7200) / 24000  # 0.3 s
     a, b = (store.add_take((0.2 * np.sin(2 * np.pi * f * t)).astype(np.float32), 24000, {"text": "one"}, label=label)
             for f, label in ((220, "sysA"), (330, "sysB")))
-    test_id = listening.create_test(store, "ab", [{"takes": [a.id, b.id]}], title="Behind keys")
+    test_id = listening.create_test(store, "ab", [{"takes": [a.id, b.id]}], title="Behind keys",
+                                    owner=key_owner("the-key"))
     with serving(studio, api_keys=("the-key",)) as url:
         device = browser()
         refused: list[str] = []
@@ -256,9 +287,10 @@ def abx_and_mushra(setup) -> tuple[str, str]:
     app, _, _ = setup
     store = WorkbenchStore(app.env["COSYVOICE_DATA_DIR"])
     abx = listening.create_test(store, "abx", listening.design("abx", store.takes(), ["sysA", "sysB"])[:2],
-                                title="ABX")
+                                title="ABX", owner=f"browser:{OWNER}")
     mushra = listening.create_test(store, "mushra", listening.design("mushra", store.takes(), ["sysA", "sysB"],
-                                                                     reference="sysA")[:2], title="MUSHRA")
+                                                                     reference="sysA")[:2], title="MUSHRA",
+                                   owner=f"browser:{OWNER}")
     store.close()
     return abx, mushra
 
@@ -283,16 +315,20 @@ def test_abx_and_mushra_items_and_an_answer_sent_while_the_server_restarts(setup
     answer_item(page, "A")
     answer_item(page, "B")
     expect(page.locator("#done")).to_be_visible()
-    rows = list(csv.DictReader(io.StringIO(httpx.get(f"{app.url}/workbench/api/tests/{abx}/answers.csv").text)))
+    rows = list(csv.DictReader(io.StringIO(httpx.get(f"{app.url}/workbench/api/tests/{abx}/answers.csv",
+                                                     cookies={"cv-browser": OWNER}).text)))
     assert len(rows) == 2
     for row in rows:
         shown = dict(pair.split("=") for pair in row["shown"].split(";"))
         assert row["answer_take"] == shown[row["answer"]] and row["score"] == str(int(shown["X"] == row["answer_take"]))
-    results = device.new_page()
+    owner_device = browser()  # the experimenter's browser
+    owner_device.add_cookies([{"name": "cv-browser", "value": OWNER, "url": app.url}])
+    results = owner_device.new_page()
     results.goto(f"{app.url}/workbench/tests/{abx}")
     results.wait_for_function("() => window.wbReady")
     correct = sum(int(r["score"]) for r in rows)
     expect(results.locator("#summary td").nth(1)).to_have_text(f"{correct} of 2")
+    owner_device.close()
 
     # MUSHRA: BS.1534's scale labels; a slider nobody moved keeps Save disabled, a click confirms a value as it is
     page = join(device, f"{app.url}/workbench/rate/{mushra}", "Cleo")
@@ -321,6 +357,7 @@ def test_abx_and_mushra_items_and_an_answer_sent_while_the_server_restarts(setup
     app.start()
     expect(page.locator("#reconnecting")).to_be_hidden(timeout=60000)
     expect(page.locator("#item-progress")).to_have_text("Item 2 of 2")
-    rows = list(csv.DictReader(io.StringIO(httpx.get(f"{app.url}/workbench/api/tests/{mushra}/answers.csv").text)))
+    rows = list(csv.DictReader(io.StringIO(httpx.get(f"{app.url}/workbench/api/tests/{mushra}/answers.csv",
+                                                     cookies={"cv-browser": OWNER}).text)))
     assert sorted(int(r["score"]) for r in rows) == [50, 80]
     device.close()

@@ -55,10 +55,11 @@ def test_ab_design_plans_and_gated_answers(store: WorkbenchStore) -> None:
     assert [it["takes"] for it in items[:1]] == [[takes[("sysA", "one")].id, takes[("sysB", "one")].id]]
     assert sum("check" in it for it in items) == 2 and len(items) == 4
     test_id = listening.create_test(store, "ab", items, allow_none=True)
-    ann, resumed = listening.join(store, test_id, "  Ann  ")
-    assert (ann.name, resumed) == ("Ann", False)
-    assert listening.join(store, test_id, "Ann")[0].id == ann.id  # the same name resumes
-    bob, _ = listening.join(store, test_id, "Bob")
+    ann = listening.join(store, test_id, "  Ann  ")
+    assert ann.name == "Ann"
+    with pytest.raises(AlreadyExistsError, match="personal link"):  # a name is no secret: it never resumes Ann
+        listening.join(store, test_id, "Ann")
+    bob = listening.join(store, test_id, "Bob")
     # each rater's order and sides come from their own recorded seed
     assert listening.make_plan("ab", items, ann.seed) == ann.plan
     assert sorted(e["item"] for e in bob.plan) == [0, 1, 2, 3]
@@ -89,7 +90,7 @@ def test_answers_export_and_summary(store: WorkbenchStore) -> None:
     test_id = listening.create_test(store, "mos", items)
     scores = {"sysA": 4, "sysB": 2, "bad": 3}  # Ann fails the anchor checks (3 > 2)
     for name, shift in (("Ann", 0), ("Bob", 1)):
-        rater, _ = listening.join(store, test_id, name)
+        rater = listening.join(store, test_id, name)
         for position, entry in enumerate(rater.plan):
             take = store.take(entry["slots"][0]["take"])
             assert listening.next_item(store, rater)["position"] == position  # the page shows it: time starts
@@ -119,7 +120,7 @@ def test_cmos_is_stored_as_stimulus_against_reference_whatever_the_side(store: W
     make_takes(store, ["ref", "new"], ["one", "two", "three", "four"])
     items = listening.design("cmos", store.takes(), ["new"], reference="ref")
     test_id = listening.create_test(store, "cmos", items)
-    rater, _ = listening.join(store, test_id, "Ann")
+    rater = listening.join(store, test_id, "Ann")
     for position, entry in enumerate(rater.plan):
         listen(store, rater, position)
         answer = listening.submit(store, rater, position, {"score": 2})  # "B is better than A"
@@ -134,7 +135,7 @@ def test_mushra_hidden_reference_and_anchor(store: WorkbenchStore) -> None:
     items = listening.design("mushra", store.takes(), ["sysA", "sysB"], reference="ref", anchor="anchor")
     assert len(items) == 1 and len(items[0]["takes"]) == 2
     test_id = listening.create_test(store, "mushra", items)
-    rater, _ = listening.join(store, test_id, "Ann")
+    rater = listening.join(store, test_id, "Ann")
     slots = rater.plan[0]["slots"]
     assert slots[0]["slot"] == "ref" and {s["role"] for s in slots[1:]} == {"stimulus", "hidden_reference", "anchor"}
     listen(store, rater, 0)
@@ -149,7 +150,7 @@ def test_mushra_hidden_reference_and_anchor(store: WorkbenchStore) -> None:
     noref = listening.design("mushra_noref", store.takes(), ["sysA", "sysB"], anchor="anchor")
     assert "reference" not in noref[0]
     test2 = listening.create_test(store, "mushra_noref", noref)
-    rater2, _ = listening.join(store, test2, "Ann")
+    rater2 = listening.join(store, test2, "Ann")
     assert all(s["role"] != "reference" for s in rater2.plan[0]["slots"])
 
 
@@ -179,7 +180,7 @@ def test_abx_draws_x_per_rater_scores_it_and_tests_against_guessing(store: Workb
     test_id = listening.create_test(store, "abx", items)
     xs = set()
     for name in ("Ann", "Bob", "Cy", "Di"):
-        rater, _ = listening.join(store, test_id, name)
+        rater = listening.join(store, test_id, name)
         for position, entry in enumerate(rater.plan):
             slots = {s["slot"]: s for s in entry["slots"]}
             assert list(slots) == ["A", "B", "X"] and slots["X"]["take"] in (slots["A"]["take"], slots["B"]["take"])

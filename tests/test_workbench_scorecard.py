@@ -50,7 +50,7 @@ def test_scorecard_per_take_and_condition(tts, tmp_path: Path, short_prompt_wav:
 
     # the scores travel with the ratings: answers.csv carries the answered take's measures
     test_id = listening.create_test(store, "mos", [{"takes": [made[0].id]}])
-    rater, _ = listening.join(store, test_id, "Ann")
+    rater = listening.join(store, test_id, "Ann")
     store.add_answer(Answer(test_id, rater.id, 0, 0, {"score": 3, "shown": 3}, 5.0, 1, None, 0.0))
     (row,) = listening.export_rows(store, test_id)
     assert row["obj_seconds"] == pytest.approx(made[0].seconds)

@@ -111,10 +111,10 @@ class LongformStudio:
 
     def create(self, name: str, text: str, *, voice: str | None = None, kind: str = "document",
                speakers: dict[str, str] | None = None, chapters: list[tuple[str | None, str]] | None = None,
-               **settings: object) -> Project:
+               owner: str | None = None, **settings: object) -> Project:
         """A project from a document (``voice`` reads it all) or a dialogue script (``speakers`` maps each
-        label to a voice). ``chapters`` (title, text) come from an EPUB; ``settings`` override the defaults
-        (``pauses``, ``preset``, ``margin``)."""
+        label to a voice), belonging to ``owner`` (:mod:`cosyvoice.owners`). ``chapters`` (title, text) come from
+        an EPUB; ``settings`` override the defaults (``pauses``, ``preset``, ``margin``)."""
         if kind not in ("document", "dialogue"):
             raise InvalidInputError(f"kind must be 'document' or 'dialogue', got {kind!r}", "kind")
         if not isinstance(text, str) or not text.strip():
@@ -139,7 +139,7 @@ class LongformStudio:
             rows.append({"text": d.text, "voice": settings["speakers"][d.speaker] if d.speaker else
                          settings["voice"], "instruction": d.instruction, "brk": d.brk, "pause": d.pause,
                          "chapter": d.chapter, "speaker": d.speaker})
-        return self.store.add_project(name, kind, text, settings, rows)
+        return self.store.add_project(name, kind, text, settings, rows, owner)
 
     def _voice_id(self, voice: object, field_name: str) -> str:
         if not isinstance(voice, str) or not voice.strip():

@@ -26,7 +26,7 @@ import soundfile as sf
 
 from cosyvoice.errors import NotFoundError
 from cosyvoice.utils.fs import atomic_write
-from cosyvoice.utils.sqlite import open_store, require_writable, write_transaction
+from cosyvoice.utils.sqlite import add_columns, open_store, require_writable, write_transaction
 
 DB_NAME = "longform.sqlite3"
 SCHEMA = """
@@ -57,6 +57,7 @@ class Project:
     settings: dict
     created: float
     updated: float
+    owner: str | None = None  # cosyvoice.owners' owner string; None: local (a CLI, or made before owners)
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class ProjectStore:
         if not self.read_only:
             with self.transaction() as db:
                 db.execute("UPDATE segments SET state = 'idle' WHERE state = 'running'")  # a job the last run left
+                add_columns(db, "projects", {"owner": "TEXT"})  # a database from before owners: local projects
 
     def transaction(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
         return write_transaction(self._db, self._lock, self.read_only)
@@ -125,12 +127,14 @@ class ProjectStore:
 
     # ------------------------------------------------------------------ projects
 
-    def add_project(self, name: str, kind: str, source: str, settings: dict, segments: list[dict]) -> Project:
+    def add_project(self, name: str, kind: str, source: str, settings: dict, segments: list[dict],
+                    owner: str | None = None) -> Project:
         now = time.time()
-        project = Project(new_id(), name, kind, source, settings, now, now)
+        project = Project(new_id(), name, kind, source, settings, now, now, owner)
         with self.transaction() as db:
-            db.execute("INSERT INTO projects VALUES (?, ?, ?, ?, ?, ?, ?)",
-                       (project.id, name, kind, source, json.dumps(settings), now, now))
+            db.execute("INSERT INTO projects (id, name, kind, source, settings, created, updated, owner) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                       (project.id, name, kind, source, json.dumps(settings), now, now, owner))
             for position, row in enumerate(segments):
                 self._insert_segment(db, project.id, position, row)
         return project

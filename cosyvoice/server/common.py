@@ -10,7 +10,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
@@ -33,11 +32,11 @@ from cosyvoice.errors import (
     CosyVoiceError,
     InvalidInputError,
 )
+from cosyvoice.owners import Caller, Owners, PublicRoute, no_public_route
 from cosyvoice.server.errors import HttpError, ModelNotReady, http_error, invalid_request, log_error
 from cosyvoice.server.metrics import ServiceMetrics
-from cosyvoice.server.workbench import rater_route
 from cosyvoice.service import AsyncSynthesisSession, TTSService, allowed_path
-from cosyvoice.settings import ServerSettings, env_name, key_owner
+from cosyvoice.settings import ServerSettings, env_name
 from cosyvoice.utils.sqlite import data_folder_read_only
 
 logger = logging.getLogger(__name__)
@@ -110,7 +109,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 @dataclass
 class ServerState:
-    """One REST app's settings, metrics and service (``None`` while the model loads)."""
+    """One REST app's settings, callers, metrics and service (``None`` while the model loads)."""
 
     settings: ServerSettings
     metrics: ServiceMetrics = field(default_factory=ServiceMetrics)
@@ -118,12 +117,15 @@ class ServerState:
     load_error: str | None = None  # the log has it in full; only key holders see it in /health and /ready
     data_dir: Path | None = None  # the workbench's and long-form's folder (None: none served)
     data_read_only: str | None = None  # why nothing can be stored there (found once the service is installed)
+    owners: Owners = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.owners = self.settings.owners()
 
     def install(self, service: TTSService) -> None:
         """Serve ``service``: its outcomes feed the metrics; its voice library follows the settings' policy."""
         self.metrics.attach(service)
-        if self.settings.api_keys or self.settings.admin_keys:
-            service.voices.policy = self.settings.voice_policy()
+        service.voices.policy = self.settings.voice_policy()
         if self.data_dir is not None:  # the stores make the folder when first used, not the server's start
             self.data_read_only = data_folder_read_only(self.data_dir, create=False)
         self.loaded = service
@@ -149,56 +151,46 @@ def service_of(conn: HTTPConnection) -> TTSService:
     return server_state(conn).service()
 
 
-# ----------------------------------------------------------------------------- API keys and owners
+# ----------------------------------------------------------------------------- callers (cosyvoice.owners)
 
 
-def presented_key(scope: Scope) -> str:
-    """The Bearer token of a request (a WebSocket may pass ``?api_key=``: browsers cannot set its headers)."""
-    auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-    token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-    if not token and scope["type"] == "websocket":
-        token = (parse_qs(scope.get("query_string", b"").decode()).get("api_key") or [""])[0]
-    return token
+def identify(owners: Owners, conn: HTTPConnection) -> Caller | None:
+    """Who makes this request (:meth:`Owners.caller`; a WebSocket may pass ``?api_key=``: browsers cannot set
+    its headers). None: a server with keys, and no valid key."""
+    api_key = ""
+    if conn.scope["type"] == "websocket":
+        api_key = (parse_qs(conn.scope.get("query_string", b"").decode()).get("api_key") or [""])[0]
+    return owners.caller(conn, api_key=api_key)
 
 
-def key_is_valid(token: str, keys: tuple[str, ...]) -> bool:
-    return bool(token) and any(hmac.compare_digest(token.encode(), key.encode()) for key in keys)
-
-
-def accepted_keys(settings: ServerSettings) -> tuple[str, ...]:
-    """The keys a server accepts: its API keys and its admin keys (empty: no authentication)."""
-    return settings.api_keys + settings.admin_keys
+def caller_of(conn: HTTPConnection) -> Caller | None:
+    return identify(server_state(conn).owners, conn)
 
 
 def request_owner(conn: HTTPConnection) -> str | None:
-    """Who makes this request, for the voice library: the key's owner; ``None`` on a server without keys."""
-    return scope_owner(conn.scope, server_state(conn).settings)
-
-
-def scope_owner(scope: Scope, settings: ServerSettings) -> str | None:
-    """:func:`request_owner` of an ASGI ``scope`` (only its headers are read) on a server with ``settings``."""
-    keys = accepted_keys(settings)
-    token = presented_key(scope)
-    return key_owner(token) if keys and key_is_valid(token, keys) else None
+    """The owner string the service records for this request's voices (:mod:`cosyvoice.owners`)."""
+    caller = caller_of(conn)
+    return None if caller is None else caller.owner
 
 
 def key_holder(conn: HTTPConnection) -> bool:
     """Whether the request carries a valid key (on a server with keys): it may see server details."""
-    return request_owner(conn) is not None
+    return server_state(conn).owners.keyed and caller_of(conn) is not None
 
 
 class ApiKeys:
-    """Bearer API keys on every path but the probes and what a listening test's rater reaches with its link."""
+    """API keys on every path but the probes and the ``public`` routes (a listening test's rater pages, which
+    that feature names: the gate imports no feature)."""
 
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
-        self.app, self.keys = app, keys
+    def __init__(self, app: ASGIApp, owners: Owners, public: PublicRoute = no_public_route) -> None:
+        self.app, self.owners, self.public = app, owners, public
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         path = scope["path"].removeprefix(scope.get("root_path", ""))  # as routed behind a proxy's path prefix
-        if (path in OPEN_PATHS or (scope["type"] == "http" and rater_route(scope["method"], path))
-                or key_is_valid(presented_key(scope), self.keys)):
+        if (path in OPEN_PATHS or (scope["type"] == "http" and self.public(scope["method"], path))
+                or identify(self.owners, HTTPConnection(scope)) is not None):
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008, "reason": "missing or wrong API key"})

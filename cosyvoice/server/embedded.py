@@ -30,10 +30,8 @@ from cosyvoice.errors import ResourceLimitError
 from cosyvoice.server.bridge import BRIDGE_FIELDS, BridgeSynthesis, contract_request
 from cosyvoice.server.common import (
     ServerState,
-    accepted_keys,
     cors_options,
     encoded_whole,
-    scope_owner,
     too_large,
     wire_fields,
 )
@@ -71,11 +69,6 @@ def _error_answer(error: HttpError) -> Answer:
     headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.raw_headers
                if k != b"content-length"]
     return Answer(error.status, headers, bytes(response.body))
-
-
-def _authorization(header: str) -> dict[str, Any]:
-    """A minimal ASGI scope carrying the ``Authorization`` header, for :func:`scope_owner`."""
-    return {"type": "http", "headers": [(b"authorization", header.encode("latin-1"))]}
 
 
 def _json_content(content_type: str | None) -> bool:
@@ -144,7 +137,8 @@ class EmbeddedBridge:
             "method_not_allowed": HttpError(405, "method_not_allowed", "Method Not Allowed"),
         }
         return json.dumps({
-            "host": s.host, "port": s.port, "api_keys": list(accepted_keys(s)), "max_body_bytes": s.max_body_bytes,
+            "host": s.host, "port": s.port, "api_keys": [*s.api_keys, *s.admin_keys],
+            "max_body_bytes": s.max_body_bytes,
             "shutdown_grace_seconds": s.shutdown_grace_seconds, "model_dir": s.model_dir, "cors": _cors(s),
             "refusals": {name: _answer_json(_error_answer(error)) for name, error in refusals.items()},
         })
@@ -203,8 +197,8 @@ class EmbeddedBridge:
 
     def ready(self, authorization: str) -> Answer:
         """``GET /ready``: as the REST server answers it."""
-        holder = self._owner(authorization) is not None
-        body, status = readiness(self.state, not accepted_keys(self.settings) or holder, holder)
+        holder = self.state.owners.keyed and self.state.owners.identify(authorization) is not None
+        body, status = readiness(self.state, not self.state.owners.keyed or holder, holder)
         return _json(body, status)
 
     def drain(self, grace_seconds: float) -> None:
@@ -214,7 +208,9 @@ class EmbeddedBridge:
         self._memory.close()
 
     def _owner(self, authorization: str) -> str | None:
-        return scope_owner(_authorization(authorization), self.settings)
+        """Who calls (:mod:`cosyvoice.owners`; the Rust server has refused a wrong key already)."""
+        caller = self.state.owners.identify(authorization)
+        return None if caller is None else caller.owner
 
 
 def _answer_json(answer: Answer) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from cosyvoice.errors import (
-    AlreadyExistsError,
+    ConflictError,
     CosyVoiceError,
     InvalidInputError,
     NotFoundError,
@@ -56,7 +56,7 @@ def http_error(exc: BaseException, settings: ServerSettings | None = None) -> Ht
         return HttpError(413, "payload_too_large", str(exc.detail))
     if isinstance(exc, NotFoundError):
         return HttpError(404, "not_found", str(exc), exc.field)
-    if isinstance(exc, AlreadyExistsError):
+    if isinstance(exc, ConflictError):
         return HttpError(409, "conflict", str(exc), exc.field)
     if isinstance(exc, InvalidInputError):
         return HttpError(400, "invalid_request_error", str(exc), exc.field)

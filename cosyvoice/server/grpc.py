@@ -53,13 +53,13 @@ from cosyvoice.errors import (
     ResourceLimitError,
     command_line_errors,
 )
-from cosyvoice.server.common import key_is_valid
+from cosyvoice.owners import Owners
 from cosyvoice.server.memory import MemoryKeeper
 from cosyvoice.server.metrics import ServiceMetrics
 from cosyvoice.server.proto import cosyvoice_pb2 as pb
 from cosyvoice.server.proto import cosyvoice_pb2_grpc as pb_grpc
 from cosyvoice.service import SynthesisRequest, TTSService
-from cosyvoice.settings import add_server_arguments, key_owner, settings_from_args
+from cosyvoice.settings import add_server_arguments, settings_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +143,9 @@ def status_of(exc: CosyVoiceError, request: pb.Request) -> tuple[grpc.StatusCode
 class CosyVoiceServicer(pb_grpc.CosyVoiceServicer):
     """``Inference`` over a :class:`TTSService`, which :meth:`GrpcServer.serve` hands over once loaded."""
 
-    def __init__(self, api_keys: tuple[str, ...] = ()) -> None:
+    def __init__(self, owners: Owners) -> None:
         self.service: TTSService | None = None
-        self._api_keys = api_keys
+        self._owners = owners
 
     def Inference(self, request: pb.Request, context: grpc.ServicerContext) -> Iterator[pb.Response]:
         owner = self._authorize(context)
@@ -181,15 +181,12 @@ class CosyVoiceServicer(pb_grpc.CosyVoiceServicer):
 
     def _authorize(self, context: grpc.ServicerContext) -> str | None:
         """With API keys configured, ``authorization: Bearer <key>`` metadata must carry one of them; returns
-        the caller's ``owner`` for the service (``None`` without keys)."""
-        if not self._api_keys:
-            return None
-        given = dict(context.invocation_metadata()).get("authorization", "")
-        scheme, _, key = given.partition(" ")
-        if scheme.lower() != "bearer" or not key_is_valid(key, self._api_keys):
+        the caller's ``owner`` for the service (:mod:`cosyvoice.owners`)."""
+        caller = self._owners.identify(dict(context.invocation_metadata()).get("authorization", ""))
+        if caller is None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key: send metadata "
                                                            "'authorization: Bearer <key>'")
-        return key_owner(key)
+        return caller.owner
 
 
 class GrpcServer:
@@ -197,13 +194,13 @@ class GrpcServer:
     reflection (so ``grpcurl`` needs no .proto file)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_streams: int = DEFAULT_MAX_CONC,
-                 api_keys: tuple[str, ...] = ()) -> None:
-        self.api_keys = api_keys
+                 owners: Owners | None = None) -> None:
+        self.owners = owners if owners is not None else Owners()
         # every admitted or queued stream holds a thread; beyond them gRPC refuses at once (RESOURCE_EXHAUSTED)
         workers = max_streams + SPARE_THREADS
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cosyvoice-grpc"),
                                   maximum_concurrent_rpcs=workers)
-        self.servicer = CosyVoiceServicer(api_keys)
+        self.servicer = CosyVoiceServicer(self.owners)
         pb_grpc.add_CosyVoiceServicer_to_server(self.servicer, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -236,7 +233,7 @@ class GrpcServer:
         assert self.servicer.service is not None, "serve() first"
         metrics = ServiceMetrics()
         metrics.attach(self.servicer.service)
-        self._metrics_server = ThreadingHTTPServer((host, port), _metrics_handler(metrics, self.api_keys))
+        self._metrics_server = ThreadingHTTPServer((host, port), _metrics_handler(metrics, self.owners))
         self._metrics_server.daemon_threads = True
         threading.Thread(target=self._metrics_server.serve_forever, daemon=True, name="cosyvoice-metrics").start()
         return self._metrics_server.server_port
@@ -246,15 +243,14 @@ class GrpcServer:
             self.health.set(name, status)
 
 
-def _metrics_handler(metrics: ServiceMetrics, api_keys: tuple[str, ...]) -> type[BaseHTTPRequestHandler]:
-    """``GET /metrics`` (``Authorization: Bearer KEY`` when ``api_keys``), nothing else."""
+def _metrics_handler(metrics: ServiceMetrics, owners: Owners) -> type[BaseHTTPRequestHandler]:
+    """``GET /metrics`` (``Authorization: Bearer KEY`` on a server with keys), nothing else."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            auth = self.headers.get("Authorization", "")
             if self.path.split("?")[0] != "/metrics":
                 self._answer(404, b"not found\n", "text/plain")
-            elif api_keys and not (auth[:7].lower() == "bearer " and key_is_valid(auth[7:].strip(), api_keys)):
+            elif owners.keyed and owners.identify(self.headers.get("Authorization", "")) is None:
                 self._answer(401, b"missing or wrong API key: send 'Authorization: Bearer KEY'\n", "text/plain",
                              {"WWW-Authenticate": "Bearer"})
             else:
@@ -292,15 +288,14 @@ def main(argv: list[str] | None = None) -> int:
         if max_conc is not None:
             limits = replace(limits, max_sessions=max_conc)
         server = GrpcServer(settings.host, settings.port, max_streams=limits.max_sessions + limits.max_queued_requests,
-                            api_keys=settings.api_keys + settings.admin_keys)
+                            owners=settings.owners())
     stopped = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopped.set())
     logger.info("gRPC listening on %s; loading %s", server.address, settings.model_dir)
     try:
         service = TTSService.load(settings.model_dir, settings.voice_dir, device=settings.device, limits=limits)
-        if settings.api_keys or settings.admin_keys:
-            service.voices.policy = settings.voice_policy()
+        service.voices.policy = settings.voice_policy()
         server.serve(service)
     except CosyVoiceError as exc:
         logger.error("cannot load the model: %s", exc)

@@ -6,6 +6,10 @@ errors onto HTTP as every server does (:func:`cosyvoice.server.errors.http_error
 409, 503, 500 without internals), and serves take audio, exports and subtitles as files. The page is static
 HTML + JavaScript that calls the same endpoints, so everything it does is scriptable.
 
+Projects belong to their owner (:mod:`cosyvoice.owners`): the list holds the projects the caller may see (the
+server's sharing; admins see all), and every route under a project answers 404 for a project the caller may not
+see, as if it did not exist; deleting one is its owner's (or an admin's).
+
     GET    /v1/longform/voices                                   built-in and saved voices
     GET    /v1/longform/projects                                 the projects, last changed first
     POST   /v1/longform/projects                                 {text, name, kind, voice, speakers, preset, ...}
@@ -37,14 +41,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, BinaryIO
 
-from fastapi import APIRouter, Depends, File, Form, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from cosyvoice.encoding import encode_audio, file_format
-from cosyvoice.errors import InvalidInputError
+from cosyvoice.errors import InvalidInputError, NotFoundError, PermissionDeniedError
 from cosyvoice.longform import LongformStudio, script
 from cosyvoice.longform.store import Segment, Take
+from cosyvoice.owners import Caller, Owners
 from cosyvoice.server.errors import error_route
 from cosyvoice.server.routes import RouteTable
 from cosyvoice.service import TTSService
@@ -98,10 +103,19 @@ class GenerateBody(_Body):
     segments: list[str] | None = None
 
 
+class Mount:
+    """One mount's studio (made on its first request: the model may load after start) and who its callers are."""
+
+    def __init__(self, studio: Callable[[], LongformStudio], owners: Owners) -> None:
+        self.studio, self.owners = studio, owners
+
+
 def longform_router(get_service: Callable[[], TTSService], data_dir: str | Path | None = None,
-                    settings: ServerSettings | None = None) -> APIRouter:
-    """The routes below over one :class:`LongformStudio`, made on the first request (the model may load after
-    start), mountable on any app (the REST server's, the web UI's)."""
+                    settings: ServerSettings | None = None, owners: Owners | None = None) -> APIRouter:
+    """The routes below over one :class:`LongformStudio`, mountable on any app (the REST server's, the web UI's);
+    ``owners``: who callers are (default: the settings')."""
+    settings = settings or ServerSettings.from_env()
+    owners = owners if owners is not None else settings.owners()
     holder: dict[str, LongformStudio] = {}
     lock = threading.Lock()
 
@@ -111,25 +125,39 @@ def longform_router(get_service: Callable[[], TTSService], data_dir: str | Path 
                 holder["studio"] = LongformStudio(get_service(), data_dir)
             return holder["studio"]
 
-    return routes.install(studio, route_class=error_route(settings or ServerSettings.from_env()))
+    def visible_project(request: Request) -> None:
+        """Every route under ``{project_id}``: another owner's project is not found (unless shared)."""
+        project_id = request.path_params.get("project_id")
+        if project_id is not None and not owners.behind_gate(request).sees(studio().project(project_id).owner):
+            raise NotFoundError(f"no project {project_id!r}", "project")
+
+    router = APIRouter(dependencies=[Depends(visible_project)])
+    router.include_router(routes.install(Mount(studio, owners), route_class=error_route(settings)))
+    return router
 
 
 routes = RouteTable("longform")
+This = Annotated[Mount, Depends(routes.state)]
 
 
-def _studio(make: Annotated[Callable[[], LongformStudio], Depends(routes.state)]) -> LongformStudio:
+def _studio(mount: This) -> LongformStudio:
     """The mount's studio, made on its first request."""
-    return make()
+    return mount.studio()
+
+
+def _caller(mount: This, request: Request) -> Caller:
+    return mount.owners.behind_gate(request)
 
 
 Studio = Annotated[LongformStudio, Depends(_studio)]
+Who = Annotated[Caller, Depends(_caller)]
 
 # ------------------------------------------------------------------ the page
 
 
 @routes.get("/studio/longform", include_in_schema=False)
-def page() -> HTMLResponse:
-    return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+def page(mount: This, request: Request) -> HTMLResponse:
+    return mount.owners.introduce(request, HTMLResponse(PAGE.read_text(encoding="utf-8")))
 
 
 # ------------------------------------------------------------------ projects
@@ -143,22 +171,22 @@ def voices(s: Studio) -> JSONResponse:
 
 
 @routes.get("/v1/longform/projects")
-def projects(s: Studio) -> JSONResponse:
+def projects(s: Studio, who: Who) -> JSONResponse:
     return JSONResponse([{"id": p.id, "name": p.name, "kind": p.kind, "created": p.created, "updated": p.updated}
-                         for p in s.projects()])
+                         for p in s.projects() if who.sees(p.owner)])
 
 
 @routes.post("/v1/longform/projects", status_code=201)
-def create(s: Studio, body: NewProject) -> JSONResponse:
+def create(s: Studio, who: Who, body: NewProject) -> JSONResponse:
     options = {k: v for k, v in (("pauses", body.pauses), ("margin", body.margin), ("retries", body.retries))
                if v is not None}
     project = s.create(body.name, body.text, voice=body.voice, kind=body.kind, speakers=body.speakers,
-                       preset=body.preset, **options)
+                       preset=body.preset, owner=who.owner, **options)
     return JSONResponse(detail(s, project.id), 201)
 
 
 @routes.post("/v1/longform/projects/upload", status_code=201)
-def upload(s: Studio, file: Annotated[UploadFile, File()], name: Annotated[str, Form()] = "",
+def upload(s: Studio, who: Who, file: Annotated[UploadFile, File()], name: Annotated[str, Form()] = "",
            voice: Annotated[str | None, Form()] = None, kind: Annotated[str, Form()] = "document",
            speakers: Annotated[str, Form()] = "", preset: Annotated[str, Form()] = "podcast") -> JSONResponse:
     """A project from a .txt, .md, .epub, .pdf or .docx file (``speakers``: JSON object for dialogue scripts)."""
@@ -171,7 +199,7 @@ def upload(s: Studio, file: Annotated[UploadFile, File()], name: Annotated[str, 
     except ValueError as exc:
         raise InvalidInputError("speakers must be a JSON object of label -> voice", "speakers") from exc
     project = s.create(name or Path(file.filename or "").stem, text, voice=voice, kind=kind, speakers=mapping,
-                       chapters=chapters, preset=preset)
+                       chapters=chapters, preset=preset, owner=who.owner)
     return JSONResponse(detail(s, project.id), 201)
 
 
@@ -187,7 +215,9 @@ def change_project(s: Studio, project_id: str, body: ProjectChanges) -> JSONResp
 
 
 @routes.delete("/v1/longform/projects/{project_id}")
-def delete_project(s: Studio, project_id: str) -> JSONResponse:
+def delete_project(s: Studio, who: Who, project_id: str) -> JSONResponse:
+    if not who.owns(s.project(project_id).owner):
+        raise PermissionDeniedError("only the project's owner (or an admin) may delete it")
     project = s.delete(project_id)
     return JSONResponse({"deleted": project.id, "name": project.name})
 

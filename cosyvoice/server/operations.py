@@ -13,13 +13,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from cosyvoice.server.common import ServerState, accepted_keys, key_holder, server_state
+from cosyvoice.server.common import ServerState, key_holder, server_state
 
 router = APIRouter(tags=["operations"])
 
 
 def _may_see_details(http: Request) -> bool:
-    return not accepted_keys(server_state(http).settings) or key_holder(http)
+    return not server_state(http).owners.keyed or key_holder(http)
 
 
 @router.get("/health")

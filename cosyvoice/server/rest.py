@@ -33,13 +33,12 @@ from cosyvoice.server.common import (
     ApiKeys,
     BodyLimit,
     ServerState,
-    accepted_keys,
     add_cors,
     install_error_handlers,
 )
 from cosyvoice.server.longform import longform_router
 from cosyvoice.server.memory import MemoryKeeper
-from cosyvoice.server.workbench import workbench_router
+from cosyvoice.server.workbench import rater_route, workbench_router
 from cosyvoice.service import TTSService
 from cosyvoice.settings import Limits, ServerSettings, add_server_arguments, default_data_dir, settings_from_args
 
@@ -80,12 +79,13 @@ def create_app(settings: ServerSettings | None = None, service: TTSService | Non
     for router in routers:
         app.include_router(router)
     limits = limits or (service.limits if service is not None else None)
-    app.include_router(workbench_router(state.data_dir, state.service, limits))  # listening tests (/workbench)
-    app.include_router(longform_router(state.service, state.data_dir, settings=state.settings))  # /v1/longform
+    app.include_router(workbench_router(state.data_dir, state.service, limits, state.owners))  # /workbench
+    app.include_router(longform_router(state.service, state.data_dir, settings=state.settings,
+                                       owners=state.owners))  # /v1/longform
     # middleware, outermost last
     app.add_middleware(BodyLimit, max_bytes=state.settings.max_body_bytes)
-    if accepted_keys(state.settings):
-        app.add_middleware(ApiKeys, keys=accepted_keys(state.settings))
+    if state.owners.keyed:  # a rater's pages pass with the test's link alone
+        app.add_middleware(ApiKeys, owners=state.owners, public=rater_route)
     add_cors(app, state.settings)
     return app
 

@@ -11,9 +11,14 @@ Mounted by the REST server (``create_app``) and by the web UI's Gradio app, so b
 Raters reach their samples through ``/workbench/api/raters/{rater}/audio/{position}/{slot}``, which names no
 take, so a page never reveals which system it plays. Errors have the REST server's JSON shape.
 
-Behind API keys, a rater needs only the link: :func:`rater_route` names what a rater's page reaches, and both
-gates (the REST server's and the web UI's) let exactly that through without a key. The link's test id and the
-rater id the page then holds are the only secrets, so they are drawn with 128 random bits.
+Behind API keys, a rater needs only the link: :func:`rater_route` names what a rater's page reaches, and the
+apps hand it to both gates (the REST server's and the web UI's), which let exactly that through without a key.
+The link's test id and the rater id the page then holds are the only secrets, so they are drawn with 128 random
+bits; a rater's name never resumes a rater (only its id does).
+
+Everything else belongs to its owner (:mod:`cosyvoice.owners`): takes, batches and tests are listed, read,
+played and exported only by callers who may see them (the server's sharing; admins see all); another owner's
+are "not found". Takes and tests are deleted by their owner (a take a test uses is refused, naming the test).
 """
 
 from __future__ import annotations
@@ -31,10 +36,11 @@ from starlette.routing import compile_path
 
 from cosyvoice.errors import InvalidInputError
 from cosyvoice.jobs import JobRunner, runner
+from cosyvoice.owners import Caller, Owners
 from cosyvoice.server.errors import error_route
 from cosyvoice.server.routes import RouteTable
 from cosyvoice.service import TTSService
-from cosyvoice.settings import Limits, key_owner
+from cosyvoice.settings import Limits
 from cosyvoice.workbench import listening
 from cosyvoice.workbench.batch import KIND as BATCH_KIND
 from cosyvoice.workbench.batch import (
@@ -47,7 +53,7 @@ from cosyvoice.workbench.batch import (
     write_csv,
 )
 from cosyvoice.workbench.scorecard import Scorer, scorecard
-from cosyvoice.workbench.store import SCORE_METRICS, Take, WorkbenchStore
+from cosyvoice.workbench.store import SCORE_METRICS, Take, WorkbenchStore, test_take_ids
 
 STATIC = Path(__file__).resolve().parents[1] / "workbench" / "static"
 PAGES = {"owner": "owner.html", "results": "results.html", "rate": "rate.html"}
@@ -68,19 +74,14 @@ def rater_route(method: str, path: str) -> bool:
     return any(method == m and pattern.fullmatch(path) for m, pattern in _RATER_PATTERNS)
 
 
-def request_owner(request: Request) -> str | None:
-    """The service's owner string of an API-key client (``key:<sha256[:12]>``); None without a key."""
-    auth = request.headers.get("authorization", "")
-    token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-    return key_owner(token) if token else None
-
-
 class Workbench:
     """What one mounted router serves: the store in ``data_dir`` (opened on first use), the service ``service()``
-    returns (called only for batches and scorecards, so rating works while a model loads) and input ``limits``."""
+    returns (called only for batches and scorecards, so rating works while a model loads), input ``limits`` and who
+    callers are (``owners``)."""
 
-    def __init__(self, data_dir: str | Path, service: Callable[[], TTSService], limits: Limits) -> None:
-        self.data_dir, self.service, self.limits = data_dir, service, limits
+    def __init__(self, data_dir: str | Path, service: Callable[[], TTSService], limits: Limits,
+                 owners: Owners) -> None:
+        self.data_dir, self.service, self.limits, self.owners = data_dir, service, limits, owners
         self._lock = threading.RLock()  # scorer() opens the store while holding it
         self._store: WorkbenchStore | None = None
         self._scorer: Scorer | None = None
@@ -113,20 +114,19 @@ class Workbench:
                 self._scorer = Scorer(self.store(), svc.status().model_dir, svc.voices.recording)
             return self._scorer
 
-    def test_takes(self, test_id: str) -> list[Take]:
-        """Every take a test plays (its items' takes, references and anchors), each once."""
+    def test_takes(self, test_id: str, caller: Caller) -> list[Take]:
+        """Every take a test of ``caller``'s plays (its items' takes, references and anchors), each once."""
         s = self.store()
-        items = s.test(test_id)["spec"]["items"]
-        ids = dict.fromkeys(t for it in items for t in [*it["takes"], *(it[k] for k in ("reference", "anchor")
-                                                                        if it.get(k))])
-        return [s.take(t) for t in ids]
+        return [s.take(t) for t in test_take_ids(s.test(test_id, caller)["spec"])]
 
 
 def workbench_router(data_dir: str | Path, service: Callable[[], TTSService],
-                     limits: Limits | None = None) -> APIRouter:
+                     limits: Limits | None = None, owners: Owners | None = None) -> APIRouter:
     """The routes below over one :class:`Workbench` (its store in ``data_dir``, opened on first use; inputs bounded
-    by ``limits``, default the environment's), mountable on any app (the REST server's, the web UI's)."""
-    return routes.install(Workbench(data_dir, service, limits or Limits.from_env()), prefix="/workbench",
+    by ``limits``, default the environment's; ``owners``: who callers are, default a server without keys, private
+    sharing), mountable on any app (the REST server's, the web UI's)."""
+    return routes.install(Workbench(data_dir, service, limits or Limits.from_env(), owners or Owners()),
+                          prefix="/workbench",
                           tags=["workbench"], route_class=error_route())
 
 
@@ -170,12 +170,21 @@ def _csv_file(rows: list[dict[str, Any]], columns: Iterable[str], name: str) -> 
                     headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
 
-def _page(name: str) -> HTMLResponse:
-    return HTMLResponse((STATIC / PAGES[name]).read_text(encoding="utf-8"), headers={"Cache-Control": "no-store"})
-
-
 routes = RouteTable("workbench")
 Bench = Annotated[Workbench, Depends(routes.state)]
+
+
+def _caller(wb: Bench, request: Request) -> Caller:
+    return wb.owners.behind_gate(request)
+
+
+Who = Annotated[Caller, Depends(_caller)]
+
+
+def _page(wb: Workbench, request: Request, name: str) -> HTMLResponse:
+    """A page; without keys it gives the browser its identity, which owns what the browser makes."""
+    return wb.owners.introduce(request, HTMLResponse((STATIC / PAGES[name]).read_text(encoding="utf-8"),
+                                                     headers={"Cache-Control": "no-store"}))
 
 # ------------------------------------------------------------------ pages
 
@@ -188,50 +197,54 @@ def asset(name: str) -> Response:
 
 
 @routes.get("/", include_in_schema=False)
-def owner_page() -> HTMLResponse:
-    return _page("owner")
+def owner_page(wb: Bench, request: Request) -> HTMLResponse:
+    return _page(wb, request, "owner")
 
 
 @routes.get("/tests/{test_id}", include_in_schema=False)
-def results_page(test_id: str) -> HTMLResponse:
-    return _page("results")
+def results_page(wb: Bench, request: Request, test_id: str) -> HTMLResponse:
+    return _page(wb, request, "results")
 
 
 @routes.get("/rate/{test_id}", include_in_schema=False)
-def rate_page(test_id: str) -> HTMLResponse:
-    return _page("rate")
+def rate_page(wb: Bench, request: Request, test_id: str) -> HTMLResponse:
+    return _page(wb, request, "rate")
 
 
 # ------------------------------------------------------------------ takes and batches
 
 
 @routes.get("/api/takes")
-def takes(wb: Bench, request: Request, after: int = 0, batch: str | None = None, mine: bool = False,
-          browser: str | None = None, limit: int = 500) -> Any:
-    """Takes made after ``after`` (a seq): a page asks only for what is new. ``mine``: only the API key's;
-    ``browser``: only one browser's (the web UI stores its takes with owner ``browser:<id>``, the id a random
-    one the page keeps in its local storage, so the history survives a reload)."""
-    owner = f"browser:{browser}" if browser else request_owner(request)
-    items = wb.store().takes(owner=owner, any_owner=not (mine or browser), after=after, batch=batch,
-                             limit=max(1, min(limit, 5000)))
+def takes(wb: Bench, who: Who, after: int = 0, batch: str | None = None, mine: bool = False,
+          limit: int = 500) -> Any:
+    """Takes made after ``after`` (a seq) that the caller may see: a page asks only for what is new. ``mine``:
+    only the caller's own (the web UI's "this browser": a visitor is its browser, cosyvoice.owners)."""
+    items = wb.store().visible_takes(who, mine=mine, after=after, batch=batch, limit=max(1, min(limit, 5000)))
     return {"takes": [t.json() for t in items], "last": items[-1].seq if items else after}
 
 
 @routes.get("/api/takes.csv")
-def takes_csv(wb: Bench, batch: str | None = None) -> Response:
-    return _csv_file(takes_csv_rows(wb.store().takes(batch=batch, limit=1_000_000)), TAKES_CSV_COLUMNS, "takes.csv")
+def takes_csv(wb: Bench, who: Who, batch: str | None = None) -> Response:
+    return _csv_file(takes_csv_rows(wb.store().visible_takes(who, batch=batch, limit=1_000_000)), TAKES_CSV_COLUMNS,
+                     "takes.csv")
 
 
 @routes.get("/api/takes/{take_id}/audio")
-def take_audio(wb: Bench, take_id: str) -> Any:
-    take = wb.store().take(take_id)
+def take_audio(wb: Bench, who: Who, take_id: str) -> Any:
+    take = wb.store().take(take_id, who)
     return FileResponse(wb.store().audio_path(take), media_type="audio/wav", filename=f"{take.id}.wav")
 
 
+@routes.delete("/api/takes/{take_id}")
+def delete_take(wb: Bench, who: Who, take_id: str) -> Any:
+    """The caller's own take, with its audio; refused (409) while a listening test uses it."""
+    return {"deleted": wb.store().delete_take(take_id, who).id}
+
+
 @routes.post("/api/batches", status_code=202)
-async def start_batch(wb: Bench, request: Request) -> Any:
+async def start_batch(wb: Bench, who: Who, request: Request) -> Any:
     """A CSV or JSONL body (or JSON ``{"rows": [...]}``): the batch runs as a job; poll its id."""
-    owner = request_owner(request)
+    owner = who.owner
     parsed = body_rows(await request.body(), request.headers.get("content-type", ""), wb.limits)
     svc = wb.service()
     batch_id = submit_batch(wb.batch_jobs(svc), wb.store(), parsed, max_rows=wb.limits.max_batch_rows,
@@ -240,22 +253,23 @@ async def start_batch(wb: Bench, request: Request) -> Any:
 
 
 @routes.get("/api/batches/{batch_id}")
-def batch(wb: Bench, batch_id: str) -> Any:
+def batch(wb: Bench, who: Who, batch_id: str) -> Any:
+    wb.store().batch(batch_id, who)
     return batch_status(wb.jobs(), wb.store(), batch_id)
 
 
 @routes.post("/api/batches/{batch_id}/cancel")
-def cancel_batch(wb: Bench, batch_id: str) -> Any:
+def cancel_batch(wb: Bench, who: Who, batch_id: str) -> Any:
     """Stop a batch (from any server on this data folder); the takes made stay."""
-    wb.store().batch(batch_id)
+    wb.store().batch(batch_id, who)
     wb.jobs().cancel(batch_id)
     return batch_status(wb.jobs(), wb.store(), batch_id)
 
 
 @routes.post("/api/batches/{batch_id}/resume")
-def resume_batch(wb: Bench, batch_id: str) -> Any:
+def resume_batch(wb: Bench, who: Who, batch_id: str) -> Any:
     """Continue an interrupted batch (its server stopped) from its first row without a take."""
-    wb.store().batch(batch_id)
+    wb.store().batch(batch_id, who)
     wb.batch_jobs(wb.service()).resume(batch_id)
     return batch_status(wb.jobs(), wb.store(), batch_id)
 
@@ -264,52 +278,61 @@ def resume_batch(wb: Bench, batch_id: str) -> Any:
 
 
 @routes.get("/api/tests")
-def tests(wb: Bench) -> Any:
+def tests(wb: Bench, who: Who) -> Any:
     s = wb.store()
     return {"tests": [{"id": t["id"], "kind": t["kind"], "title": t["title"], "created": t["created"],
                        "items": len(t["spec"]["items"]), "raters": listening.progress(s, t["id"])}
-                      for t in s.tests()]}
+                      for t in s.tests(who)]}
 
 
 @routes.post("/api/tests", status_code=201)
-def create_test(wb: Bench, spec: NewTest) -> Any:
+def create_test(wb: Bench, who: Who, spec: NewTest) -> Any:
     s = wb.store()
     if spec.items is not None:
-        items = listening.check_items(spec.kind, spec.items, s)
+        items = listening.check_items(spec.kind, spec.items, s, who)
     elif spec.conditions is not None:
-        items = listening.design(spec.kind, s.takes(limit=1_000_000), spec.conditions, reference=spec.reference,
-                                 anchor=spec.anchor)
+        items = listening.design(spec.kind, s.visible_takes(who, limit=1_000_000), spec.conditions,
+                                 reference=spec.reference, anchor=spec.anchor)
     else:
         raise InvalidInputError("give 'conditions' (take labels) or 'items'", "conditions")
     test_id = listening.create_test(s, spec.kind, items, title=spec.title, instructions=spec.instructions,
-                                    allow_none=spec.allow_none, limits=wb.limits)
+                                    allow_none=spec.allow_none, limits=wb.limits, owner=who.owner)
     return JSONResponse({"id": test_id, "items": len(items), "rate_url": f"/workbench/rate/{test_id}",
                          "results_url": f"/workbench/tests/{test_id}"}, 201)
 
 
 @routes.get("/api/tests/{test_id}/results")
-def results(wb: Bench, test_id: str) -> Any:
+def results(wb: Bench, who: Who, test_id: str) -> Any:
     s = wb.store()
-    test = s.test(test_id)
+    test = s.test(test_id, who)
     return {"id": test_id, "kind": test["kind"], "title": test["title"], "items": len(test["spec"]["items"]),
             "progress": listening.progress(s, test_id), "summary": listening.summary(s, test_id)}
 
 
 @routes.get("/api/tests/{test_id}/answers.csv")
-def answers_csv(wb: Bench, test_id: str) -> Any:
+def answers_csv(wb: Bench, who: Who, test_id: str) -> Any:
+    wb.store().test(test_id, who)
     return _csv_file(listening.export_rows(wb.store(), test_id), listening.EXPORT_COLUMNS, f"{test_id}-answers.csv")
 
 
 @routes.get("/api/tests/{test_id}/scorecard")
-def test_scorecard(wb: Bench, test_id: str) -> Any:
+def test_scorecard(wb: Bench, who: Who, test_id: str) -> Any:
     """Objective measures of the test's takes, per take and per condition (computed now, then kept)."""
-    return scorecard(wb.scorer(), wb.test_takes(test_id))
+    takes = wb.test_takes(test_id, who)  # first: another owner's test is refused before models load
+    return scorecard(wb.scorer(), takes)
 
 
 @routes.get("/api/tests/{test_id}/scorecard.csv")
-def test_scorecard_csv(wb: Bench, test_id: str) -> Any:
-    card = scorecard(wb.scorer(), wb.test_takes(test_id))
+def test_scorecard_csv(wb: Bench, who: Who, test_id: str) -> Any:
+    takes = wb.test_takes(test_id, who)
+    card = scorecard(wb.scorer(), takes)
     return _csv_file(card["takes"], ["take_id", "condition", *SCORE_METRICS], f"{test_id}-scorecard.csv")
+
+
+@routes.delete("/api/tests/{test_id}")
+def delete_test(wb: Bench, who: Who, test_id: str) -> Any:
+    """The caller's own test, with its raters and answers (its takes stay)."""
+    return {"deleted": wb.store().delete_test(test_id, who)["id"]}
 
 
 # ------------------------------------------------------------------ raters
@@ -325,9 +348,8 @@ def test_info(wb: Bench, test_id: str) -> Any:
 
 @routes.post("/api/tests/{test_id}/raters")
 def join(wb: Bench, test_id: str, body: Joining) -> Any:
-    rater, resumed = listening.join(wb.store(), test_id, body.name)
-    return {"rater": rater.id, "name": rater.name, "resumed": resumed,
-            "resume_url": f"/workbench/rate/{test_id}?rater={rater.id}"}
+    rater = listening.join(wb.store(), test_id, body.name)
+    return {"rater": rater.id, "name": rater.name, "resume_url": f"/workbench/rate/{test_id}?rater={rater.id}"}
 
 
 @routes.get("/api/raters/{rater_id}/next")

@@ -99,3 +99,12 @@ def write_transaction(db: sqlite3.Connection, lock: threading.RLock,
             if db.in_transaction:
                 db.execute("ROLLBACK")
             raise StorageError(DISK_FULL_MESSAGE) from exc
+
+
+def add_columns(db: sqlite3.Connection, table: str, columns: dict[str, str]) -> None:
+    """Add the ``columns`` (name -> declaration) a database made by an older version lacks; existing rows get the
+    declaration's default (NULL without one)."""
+    have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+    for name, declaration in columns.items():
+        if name not in have:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {declaration}")

@@ -205,7 +205,7 @@ def submit_batch(jobs: JobRunner, store: WorkbenchStore, rows: list[Row], *, max
     if len(rows) > max_rows:
         raise InvalidInputError(f"the batch has {len(rows)} rows; at most {max_rows} are accepted "
                                 "(COSYVOICE_MAX_BATCH_ROWS)", "rows")
-    batch_id = store.start_batch(source, len(rows))
+    batch_id = store.start_batch(source, len(rows), owner)
     jobs.submit(KIND, batch_id, {"rows": [[r.number, r.values] for r in rows]}, total=len(rows), units=len(rows),
                 owner=owner, job_id=batch_id, listener=listener)
     return batch_id

@@ -23,7 +23,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from cosyvoice.errors import InvalidInputError, NotFoundError
+from cosyvoice.errors import AlreadyExistsError, InvalidInputError, NotFoundError
+from cosyvoice.owners import LOCAL, Caller
 from cosyvoice.settings import Limits, env_name
 from cosyvoice.workbench import stats
 from cosyvoice.workbench.store import SCORE_METRICS, Answer, Rater, Take, WorkbenchStore
@@ -106,8 +107,9 @@ def design(kind: str, takes: Sequence[Take], conditions: Sequence[str], *, refer
     return items
 
 
-def check_items(kind: str, items: object, store: WorkbenchStore) -> list[dict[str, Any]]:
-    """Explicit items (REST), validated: the right number of takes per kind, every take stored."""
+def check_items(kind: str, items: object, store: WorkbenchStore, caller: Caller = LOCAL) -> list[dict[str, Any]]:
+    """Explicit items (REST), validated: the right number of takes per kind, every take stored and visible to
+    ``caller`` (nobody builds a test from another's takes)."""
     _check_kind(kind)
     if not isinstance(items, list) or not items:
         raise InvalidInputError("items must be a non-empty list", "items")
@@ -124,7 +126,7 @@ def check_items(kind: str, items: object, store: WorkbenchStore) -> list[dict[st
             raise InvalidInputError(f"item {n}: a {kind} item needs a 'reference' take id", "items")
         for take_id in [*item["takes"], *(item[k] for k in ("reference", "anchor") if item.get(k))]:
             try:
-                store.take(str(take_id))
+                store.take(str(take_id), caller)
             except NotFoundError as exc:
                 raise InvalidInputError(f"item {n}: no take {take_id!r}", "items") from exc
         out.append({k: item[k] for k in ("takes", "reference", "anchor", "check") if k in item})
@@ -178,17 +180,20 @@ def make_plan(kind: str, items: list[dict[str, Any]], seed: int) -> list[dict[st
     return plan
 
 
-def join(store: WorkbenchStore, test_id: str, name: object) -> tuple[Rater, bool]:
-    """(rater, resumed): a name new to the test starts a rater with its own seed; a known name resumes."""
+def join(store: WorkbenchStore, test_id: str, name: object) -> Rater:
+    """A new rater with its own seed. A name another rater of the test has is refused: a name is no secret, and
+    only the rater's own id (kept in the browser it started in, and in its personal link) resumes it."""
     test = store.test(test_id)
     if not isinstance(name, str) or not name.strip():
         raise InvalidInputError("enter your name to start", "name")
     name = " ".join(name.split())[:80]
-    existing = store.rater_named(test_id, name)
-    if existing is not None:
-        return existing, True
     seed = secrets.randbelow(2**31)
-    return store.add_rater(test_id, name, seed, make_plan(test["kind"], test["spec"]["items"], seed)), False
+    try:
+        return store.add_rater(test_id, name, seed, make_plan(test["kind"], test["spec"]["items"], seed))
+    except AlreadyExistsError as exc:
+        raise AlreadyExistsError(f"a rater named {name!r} has started this test already: to go on, open your "
+                                 "personal link (or this page in the browser you started in); otherwise choose "
+                                 "another name", "name") from exc
 
 
 def entry_at(rater: Rater, position: object) -> dict[str, Any]:
@@ -466,11 +471,11 @@ def _num(x: float) -> float | None:
 
 def create_test(store: WorkbenchStore, kind: str, items: list[dict[str, Any]], *, title: str = "",
                 instructions: str = "", allow_none: bool = False, name: str = "",
-                limits: Limits | None = None) -> str:
-    """Store a test over ``items`` (from :func:`design` or :func:`check_items`). ``title`` and ``instructions`` are
-    what raters see (a neutral title and the kind's standard wording by default: the owner's working ``name``,
-    which often names the systems compared, is never shown to them). All three are bounded by ``limits``: every
-    rater's page carries the title and instructions."""
+                limits: Limits | None = None, owner: str | None = None) -> str:
+    """Store ``owner``'s test over ``items`` (from :func:`design` or :func:`check_items`). ``title`` and
+    ``instructions`` are what raters see (a neutral title and the kind's standard wording by default: the owner's
+    working ``name``, which often names the systems compared, is never shown to them). All three are bounded by
+    ``limits``: every rater's page carries the title and instructions."""
     _check_kind(kind)
     if not all(isinstance(x, str) for x in (title, instructions, name)):
         raise InvalidInputError("name, title and instructions must be text", "title")
@@ -483,7 +488,7 @@ def create_test(store: WorkbenchStore, kind: str, items: list[dict[str, Any]], *
                                     f"({env_name(setting)})", field)
     return store.add_test(kind, title.strip() or PUBLIC_TITLE, instructions.strip() or DEFAULT_INSTRUCTIONS[kind],
                           {"allow_none": bool(allow_none) and kind == "ab", "items": items,
-                           "name": name.strip() or f"{kind.upper()} test"})
+                           "name": name.strip() or f"{kind.upper()} test"}, owner)
 
 
 def owner_name(test: dict[str, Any]) -> str:

@@ -24,9 +24,16 @@ import numpy as np
 import soundfile as sf
 
 from cosyvoice.encoding import encode_audio
-from cosyvoice.errors import AlreadyExistsError, InvalidInputError, NotFoundError
+from cosyvoice.errors import (
+    AlreadyExistsError,
+    ConflictError,
+    InvalidInputError,
+    NotFoundError,
+    PermissionDeniedError,
+)
+from cosyvoice.owners import LOCAL, Caller
 from cosyvoice.utils.fs import atomic_write
-from cosyvoice.utils.sqlite import open_store, require_writable, write_transaction
+from cosyvoice.utils.sqlite import add_columns, open_store, require_writable, write_transaction
 
 DB_NAME = "workbench.sqlite3"
 # the objective scorecard's measures of a take (cosyvoice.workbench.scorecard), kept with it for the exports
@@ -42,7 +49,7 @@ CREATE TABLE IF NOT EXISTS takes (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- the page's history grows by seq: 'after' cursors
     id TEXT UNIQUE NOT NULL,
     created REAL NOT NULL,
-    owner TEXT,                             -- the service's owner string; NULL: local (CLI, keyless server)
+    owner TEXT,                             -- cosyvoice.owners' owner string; NULL: local (CLI, or made before owners)
     batch TEXT,
     row INTEGER,
     label TEXT NOT NULL DEFAULT '',         -- the condition (system) the take belongs to
@@ -56,7 +63,8 @@ CREATE TABLE IF NOT EXISTS batches (
     created REAL NOT NULL,
     source TEXT NOT NULL,
     total INTEGER NOT NULL,
-    pid INTEGER NOT NULL DEFAULT 0          -- unused (0): databases made before cosyvoice.jobs require it
+    pid INTEGER NOT NULL DEFAULT 0,         -- unused (0): databases made before cosyvoice.jobs require it
+    owner TEXT                              -- who started it (as takes.owner)
 );
 CREATE TABLE IF NOT EXISTS tests (
     id TEXT PRIMARY KEY,
@@ -64,7 +72,8 @@ CREATE TABLE IF NOT EXISTS tests (
     kind TEXT NOT NULL,
     title TEXT NOT NULL,
     instructions TEXT NOT NULL,
-    spec TEXT NOT NULL                      -- JSON: options and items (listening.TestSpec)
+    spec TEXT NOT NULL,                     -- JSON: options and items (listening.TestSpec)
+    owner TEXT                              -- who made it (as takes.owner); raters need only its link
 );
 CREATE TABLE IF NOT EXISTS raters (
     id TEXT PRIMARY KEY,
@@ -178,6 +187,9 @@ class WorkbenchStore:
         self._db, self.read_only = open_store(self.root, DB_NAME, SCHEMA)  # an existing database is opened as it is
         if not self.read_only:
             self.audio_dir.mkdir(parents=True, exist_ok=True)
+            with self._tx() as db:  # a database from before owners: its batches and tests are the local owner's
+                for table in ("batches", "tests"):
+                    add_columns(db, table, {"owner": "TEXT"})
 
     def close(self) -> None:
         with self._lock:
@@ -209,11 +221,35 @@ class WorkbenchStore:
                               json.dumps(provenance))).lastrowid
         return Take(seq, take_id, created, owner, batch, row, label, name, sample_rate, int(pcm.size), provenance)
 
-    def take(self, take_id: str) -> Take:
+    def take(self, take_id: str, caller: Caller = LOCAL) -> Take:
+        """The take ``take_id`` if ``caller`` may see it (another owner's is "not found", as if it did not exist)."""
         rows = self._rows("SELECT * FROM takes WHERE id=?", take_id)
-        if not rows:
+        if not rows or not caller.sees(rows[0]["owner"]):
             raise NotFoundError(f"no take {take_id!r}", "take")
         return _take(rows[0])
+
+    def visible_takes(self, caller: Caller, *, mine: bool = False, after: int = 0, batch: str | None = None,
+                      limit: int = 1000) -> list[Take]:
+        """:meth:`takes` that ``caller`` may see (``mine``: only its own, whatever the sharing)."""
+        return self.takes(owner=caller.owner, any_owner=caller.sees_all and not mine, after=after, batch=batch,
+                          limit=limit)
+
+    def delete_take(self, take_id: str, caller: Caller = LOCAL) -> Take:
+        """Delete a take (its row, scores and audio) that ``caller`` owns; a take a listening test uses is refused
+        (its answers refer to it): the error names the tests."""
+        take = self.take(take_id, caller)
+        if not caller.owns(take.owner):
+            raise PermissionDeniedError("only the take's owner (or an admin) may delete it", "take")
+        with self._tx() as db:
+            users = [r["title"] or r["id"] for r in db.execute("SELECT id, title, spec FROM tests ORDER BY created")
+                     if take_id in test_take_ids(json.loads(r["spec"]))]
+            if users:
+                raise ConflictError(f"take {take_id!r} is used by the listening test(s) "
+                                    f"{', '.join(map(repr, users))}: delete those first", "take")
+            db.execute("DELETE FROM scores WHERE take=?", (take_id,))
+            db.execute("DELETE FROM takes WHERE id=?", (take_id,))
+        self.audio_path(take).unlink(missing_ok=True)
+        return take
 
     def takes(self, *, owner: str | None = None, any_owner: bool = True, after: int = 0, batch: str | None = None,
               limit: int = 1000) -> list[Take]:
@@ -243,37 +279,53 @@ class WorkbenchStore:
 
     # ------------------------------------------------------------------ batches
 
-    def start_batch(self, source: str, total: int) -> str:
+    def start_batch(self, source: str, total: int, owner: str | None = None) -> str:
         """A batch's record (its rows run as the job of the same id: :mod:`cosyvoice.workbench.batch`)."""
         batch_id = new_id("batch")
         with self._tx() as db:
-            db.execute("INSERT INTO batches (id, created, source, total, pid) VALUES (?,?,?,?,0)",
-                       (batch_id, time.time(), source, total))
+            db.execute("INSERT INTO batches (id, created, source, total, pid, owner) VALUES (?,?,?,?,0,?)",
+                       (batch_id, time.time(), source, total, owner))
         return batch_id
 
-    def batch(self, batch_id: str) -> dict[str, Any]:
-        rows = self._rows("SELECT id, created, source, total FROM batches WHERE id=?", batch_id)
-        if not rows:
+    def batch(self, batch_id: str, caller: Caller = LOCAL) -> dict[str, Any]:
+        rows = self._rows("SELECT id, created, source, total, owner FROM batches WHERE id=?", batch_id)
+        if not rows or not caller.sees(rows[0]["owner"]):
             raise NotFoundError(f"no batch {batch_id!r}", "batch")
-        return dict(rows[0])
+        return {k: rows[0][k] for k in ("id", "created", "source", "total")}
 
     # ------------------------------------------------------------------ tests and raters
 
-    def add_test(self, kind: str, title: str, instructions: str, spec: dict[str, Any]) -> str:
+    def add_test(self, kind: str, title: str, instructions: str, spec: dict[str, Any], owner: str | None = None) -> str:
         test_id = new_id("test", LINK_ID_BYTES)
         with self._tx() as db:
-            db.execute("INSERT INTO tests (id, created, kind, title, instructions, spec) VALUES (?,?,?,?,?,?)",
-                       (test_id, time.time(), kind, title, instructions, json.dumps(spec)))
+            db.execute("INSERT INTO tests (id, created, kind, title, instructions, spec, owner) VALUES (?,?,?,?,?,?,?)",
+                       (test_id, time.time(), kind, title, instructions, json.dumps(spec), owner))
         return test_id
 
-    def test(self, test_id: str) -> dict[str, Any]:
+    def test(self, test_id: str, caller: Caller = LOCAL) -> dict[str, Any]:
+        """The test ``test_id`` as its owner sees it, if ``caller`` may (raters reach theirs through the link, as
+        the local caller)."""
         rows = self._rows("SELECT * FROM tests WHERE id=?", test_id)
-        if not rows:
+        if not rows or not caller.sees(rows[0]["owner"]):
             raise NotFoundError(f"no test {test_id!r}", "test")
         return {**dict(rows[0]), "spec": json.loads(rows[0]["spec"])}
 
-    def tests(self) -> list[dict[str, Any]]:
-        return [{**dict(r), "spec": json.loads(r["spec"])} for r in self._rows("SELECT * FROM tests ORDER BY created")]
+    def tests(self, caller: Caller = LOCAL) -> list[dict[str, Any]]:
+        return [{**dict(r), "spec": json.loads(r["spec"])} for r in self._rows("SELECT * FROM tests ORDER BY created")
+                if caller.sees(r["owner"])]
+
+    def delete_test(self, test_id: str, caller: Caller = LOCAL) -> dict[str, Any]:
+        """Delete a test that ``caller`` owns, with its raters, their play events and answers (its takes stay)."""
+        test = self.test(test_id, caller)
+        if not caller.owns(test["owner"]):
+            raise PermissionDeniedError("only the test's owner (or an admin) may delete it", "test")
+        with self._tx() as db:
+            raters = "SELECT id FROM raters WHERE test=?"
+            db.execute(f"DELETE FROM events WHERE rater IN ({raters})", (test_id,))
+            db.execute("DELETE FROM answers WHERE test=?", (test_id,))
+            db.execute("DELETE FROM raters WHERE test=?", (test_id,))
+            db.execute("DELETE FROM tests WHERE id=?", (test_id,))
+        return test
 
     def add_rater(self, test_id: str, name: str, seed: int, plan: list[dict[str, Any]]) -> Rater:
         """A new rater of ``test_id``; a name already taken in that test raises :class:`AlreadyExistsError`."""
@@ -291,10 +343,6 @@ class WorkbenchStore:
         if not rows:
             raise NotFoundError("no such rater: use the test's link to start again", "rater")
         return _rater(rows[0])
-
-    def rater_named(self, test_id: str, name: str) -> Rater | None:
-        rows = self._rows("SELECT * FROM raters WHERE test=? AND name=?", test_id, name)
-        return _rater(rows[0]) if rows else None
 
     def raters(self, test_id: str) -> list[Rater]:
         return [_rater(r) for r in self._rows("SELECT * FROM raters WHERE test=? ORDER BY created", test_id)]
@@ -347,6 +395,12 @@ class WorkbenchStore:
 
     def scores(self) -> dict[str, dict[str, float | None]]:
         return {r["take"]: json.loads(r["scores"]) for r in self._rows("SELECT take, scores FROM scores")}
+
+
+def test_take_ids(spec: dict[str, Any]) -> list[str]:
+    """Every take a test's items name (rated, reference and anchor), each once, in the items' order."""
+    return list(dict.fromkeys(t for item in spec["items"]
+                              for t in [*item["takes"], *(item[k] for k in ("reference", "anchor") if item.get(k))]))
 
 
 def _take(row: sqlite3.Row) -> Take:
