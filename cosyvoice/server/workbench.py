@@ -247,7 +247,7 @@ async def start_batch(wb: Bench, who: Who, request: Request) -> Any:
     owner = who.owner
     parsed = body_rows(await request.body(), request.headers.get("content-type", ""), wb.limits)
     svc = wb.service()
-    batch_id = submit_batch(wb.batch_jobs(svc), wb.store(), parsed, max_rows=wb.limits.max_batch_rows,
+    batch_id = submit_batch(wb.batch_jobs(svc), wb.store(), parsed,
                             source="http", owner=owner)
     return JSONResponse({"id": batch_id, "rows": len(parsed)}, 202)
 

@@ -199,12 +199,10 @@ def row_request(row: Row, resolve_audio: Callable[[str], Path] | None) -> Synthe
                             seed=seed, stream=False, format="wav")
 
 
-def submit_batch(jobs: JobRunner, store: WorkbenchStore, rows: list[Row], *, max_rows: int, source: str = "",
+def submit_batch(jobs: JobRunner, store: WorkbenchStore, rows: list[Row], *, source: str = "",
                  owner: str | None = None, listener: Callable[[Job, str, str | None], None] | None = None) -> str:
-    """Queue ``rows`` as one job of the runner (its id is the batch's); more than ``max_rows`` are refused."""
-    if len(rows) > max_rows:
-        raise InvalidInputError(f"the batch has {len(rows)} rows; at most {max_rows} are accepted "
-                                "(COSYVOICE_MAX_BATCH_ROWS)", "rows")
+    """Queue ``rows`` (from :func:`parse_rows`, which bounds their number) as one job of the runner (its id is
+    the batch's)."""
     batch_id = store.start_batch(source, len(rows), owner)
     jobs.submit(KIND, batch_id, {"rows": [[r.number, r.values] for r in rows]}, total=len(rows), units=len(rows),
                 owner=owner, job_id=batch_id, listener=listener)
@@ -251,7 +249,7 @@ def run_batch(service: TTSService, store: WorkbenchStore, rows: list[Row], *, so
                 on_progress(Progress(job.done, job.failed, job.total, time.perf_counter() - started,
                                      job.eta_seconds, int(item), error))
 
-        batch_id = submit_batch(jobs, store, rows, max_rows=service.limits.max_batch_rows, source=source,
+        batch_id = submit_batch(jobs, store, rows, source=source,
                                 owner=owner, listener=listener)
         job = jobs.wait(batch_id)
         errors = [RowError(int(e["item"]), e["field"], e["message"]) for e in jobs.errors(batch_id, len(rows))]
