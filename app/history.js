@@ -99,7 +99,10 @@ window.cvHistory = (() => {
     reuse.addEventListener("click", () => setSeed(p.seed));
     const open = el("button", { type: "button", className: "open-take", textContent: say("open") });
     open.addEventListener("click", () => openTake(take.id));
-    const download = el("a", { href: audio, download: `${take.id}.wav`, textContent: "WAV", className: "take-wav" });
+    // the take in the format it was made in (the store keeps WAV; the server encodes on the way out)
+    const format = String((p.settings || {}).format || "wav").toLowerCase();
+    const download = el("a", { href: `${audio}?format=${encodeURIComponent(format)}`, download: "",
+                               textContent: format.toUpperCase(), className: "take-wav" });
     const text = el("blockquote", { className: "take-text" });
     text.textContent = (p.text || "").length > 300 ? `${p.text.slice(0, 299)}…` : (p.text || "");
     const node = el("div", { className: "take" },

@@ -310,6 +310,12 @@ def test_abx_and_mushra_items_and_an_answer_sent_while_the_server_restarts(setup
 
     # ABX: A, B and X played; the rater says which one X is; the answer is scored against the plan
     page = join(device, f"{app.url}/workbench/rate/{abx}", "Cleo")
+    # blind audio: nothing in a sample's answer dates it or names it across items (no file name, no date, no tag)
+    headers = page.evaluate("""async () => {
+        const r = await fetch(`/workbench/api/raters/${wb.rater}/audio/${wb.state.position}/X`);
+        return Object.fromEntries(r.headers.entries()); }""")
+    assert headers["cache-control"] == "no-store" and headers["content-type"] == "audio/wav"
+    assert not {"etag", "last-modified", "content-disposition"} & set(headers), headers
     expect(page.locator("#question")).to_have_text("X is the same recording as A or as B. Which one?")
     assert page.locator("button.play").evaluate_all("bs => bs.map(b => b.dataset.slot)") == ["A", "B", "X"]
     answer_item(page, "A")

@@ -34,6 +34,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 from starlette.routing import compile_path
 
+from cosyvoice.encoding import encode_audio, file_format
 from cosyvoice.errors import InvalidInputError
 from cosyvoice.jobs import JobRunner, runner
 from cosyvoice.owners import Caller, Owners
@@ -230,9 +231,16 @@ def takes_csv(wb: Bench, who: Who, batch: str | None = None) -> Response:
 
 
 @routes.get("/api/takes/{take_id}/audio")
-def take_audio(wb: Bench, who: Who, take_id: str) -> Any:
-    take = wb.store().take(take_id, who)
-    return FileResponse(wb.store().audio_path(take), media_type="audio/wav", filename=f"{take.id}.wav")
+def take_audio(wb: Bench, who: Who, take_id: str, format: str = "wav") -> Any:
+    """A take's audio as stored (16-bit WAV), or encoded to ``format`` (mp3, opus, flac, ...): the history offers
+    each take in the format it was made in."""
+    store = wb.store()
+    take = store.take(take_id, who)
+    fmt = file_format(format)
+    if fmt.name == "wav":
+        return FileResponse(store.audio_path(take), media_type="audio/wav", filename=f"{take.id}.wav")
+    return Response(encode_audio(store.read_audio(take), fmt.name, take.sample_rate), media_type=fmt.content_type,
+                    headers={"Content-Disposition": f'attachment; filename="{take.id}.{fmt.extension}"'})
 
 
 @routes.delete("/api/takes/{take_id}")
@@ -374,10 +382,8 @@ def submit(wb: Bench, rater_id: str, body: Rating) -> Any:
 
 @routes.get("/api/raters/{rater_id}/audio/{position}/{slot}")
 def rater_audio(wb: Bench, rater_id: str, position: int, slot: str) -> Any:
+    """A slot's audio, blind: the bytes only, no file name, date or ETag (a take's creation time or a stable tag
+    would let a rater tell conditions apart across items), and never cached."""
     s = wb.store()
-    entry = listening.entry_at(s.rater(rater_id), position)
-    take_id = next((x["take"] for x in entry["slots"] if x["slot"] == slot), None)
-    if take_id is None:
-        raise InvalidInputError(f"no sample {slot!r} in this item", "slot")
-    return FileResponse(s.audio_path(s.take(take_id)), media_type="audio/wav",
-                        headers={"Cache-Control": "no-store"})  # no file name: it would name the take
+    take = listening.slot_take(s, s.rater(rater_id), position, slot)
+    return Response(s.audio_path(take).read_bytes(), media_type="audio/wav", headers={"Cache-Control": "no-store"})

@@ -219,6 +219,14 @@ def next_item(store: WorkbenchStore, rater: Rater) -> dict[str, Any]:
     return {**state, "done": True}
 
 
+def slot_take(store: WorkbenchStore, rater: Rater, position: object, slot: object) -> Take:
+    """The take a rater's slot plays (the server's secret: the rater's page knows only the slot's name)."""
+    take_id = next((x["take"] for x in entry_at(rater, position)["slots"] if x["slot"] == slot), None)
+    if take_id is None:
+        raise InvalidInputError(f"no sample {slot!r} in this item", "slot")
+    return store.take(take_id)
+
+
 def record_play(store: WorkbenchStore, rater: Rater, position: object, slot: object, kind: object) -> None:
     """A play or ended event of one slot, on the server's clock."""
     entry = entry_at(rater, position)
