@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from cosyvoice.backends import resolve_backend
+from cosyvoice.backends import attach_flow, attach_hift, resolve_backend
 from cosyvoice.bundle import open_model_dir
 from cosyvoice.engine import AudioChunk, CancelToken, Engine
 from cosyvoice.errors import CosyVoiceError, InvalidInputError
@@ -86,8 +86,9 @@ class Model:
         providers = ["CPUExecutionProvider"] if device.type == "cpu" else None
         frontend = CosyVoiceFrontend(bundle, limits, providers=providers)
         backend = resolve_backend(backend, device)
-        engine = Engine(bundle.config, bundle.load_llm(device, precision), bundle.load_flow(device, precision, backend),
-                        bundle.load_hift(device, backend), device, limits,
+        flow = attach_flow(bundle.load_flow(device, precision), bundle.root, backend, device)
+        hift = attach_hift(bundle.load_hift(device), bundle.root, backend, device)
+        engine = Engine(bundle.config, bundle.load_llm(device, precision), flow, hift, device, limits,
                         endofprompt_id=frontend.tokenizer.end_of_prompt_id,
                         trim_leading_silence_ms=limits.trim_leading_silence_ms or None)
         return cls(str(bundle.root), device, precision, limits, frontend, engine)
