@@ -22,7 +22,7 @@ import logging
 import re
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -247,31 +247,38 @@ class _Cursor:
 
 
 def run_inputs(model: Model, inputs: Iterable[tuple[ModelInput, int]], *, stream: bool, speed: float,
-               cancel: CancelToken, cursor: _Cursor | None = None) -> Iterator[AudioChunk]:
-    """Each model input's chunks in turn, with its seed; indices and sample offsets run across inputs."""
-    cursor = cursor or _Cursor()
+               cancel: CancelToken, text_stream: TokenStream | None = None) -> Iterator[AudioChunk]:
+    """Each model input's chunks in turn, with its seed; indices and sample offsets run across inputs.
+    ``text_stream``: the text ids of a bi-streaming input (:meth:`TextFeed.inputs`), arriving as they come."""
+    cursor = _Cursor()
     for inp, seed in inputs:
         if cancel.cancelled:
             return
         for chunk in model.engine.synthesize(inp, stream=stream, speed=speed, seed=seed, sample_offset=cursor.offset,
-                                             first_index=cursor.index, cancel=cancel):
+                                             first_index=cursor.index, text_stream=text_stream, cancel=cancel):
             yield cursor.passed(chunk)
 
 
-async def arun_inputs(model: Model, inputs: Iterable[tuple[ModelInput, int]], *, stream: bool, speed: float,
-                      cancel: CancelToken, cursor: _Cursor | None = None) -> AsyncIterator[AudioChunk]:
+async def arun_inputs(model: Model, inputs: AsyncIterable[tuple[ModelInput, int]], *, stream: bool, speed: float,
+                      cancel: CancelToken, text_stream: TokenStream | None = None) -> AsyncIterator[AudioChunk]:
     """:func:`run_inputs` on the event loop: the engine hands chunks over without a thread per request."""
-    cursor = cursor or _Cursor()
-    for inp, seed in inputs:
+    cursor = _Cursor()
+    async for inp, seed in inputs:
         if cancel.cancelled:
             return
         chunks = model.engine.asynthesize(inp, stream=stream, speed=speed, seed=seed, sample_offset=cursor.offset,
-                                          first_index=cursor.index, cancel=cancel)
+                                          first_index=cursor.index, text_stream=text_stream, cancel=cancel)
         try:
             async for chunk in chunks:
                 yield cursor.passed(chunk)
         finally:
             await chunks.aclose()
+
+
+async def as_async(items: Iterable[tuple[ModelInput, int]]) -> AsyncIterator[tuple[ModelInput, int]]:
+    """Model inputs made at once (a :class:`Plan`'s) for :func:`arun_inputs`."""
+    for item in items:
+        yield item
 
 
 # ---------------------------------------------------------------------------------------------- text streams
@@ -310,6 +317,11 @@ class TextFeed:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def text_ids(self) -> TokenStream | None:
+        """The engine's bi-streaming text input (tokens mode), else None."""
+        return self.tokens if self.kind == "tokens" else None
 
     def write(self, text: str) -> None:
         """Add a piece of text to speak."""
@@ -427,51 +439,37 @@ def _speakable(sentence: str) -> bool:
     return any(ch.isalnum() for ch in sentence)  # punctuation or symbols alone: nothing to say, no reason to fail
 
 
-def _sentence_inputs(model: Model, cond: Conditioning, sentence: str, seed: int) -> list[tuple[ModelInput, int]]:
+def _sentence_inputs(frontend: CosyVoiceFrontend, cond: Conditioning, sentence: str,
+                     seed: int) -> list[tuple[ModelInput, int]]:
     """A streamed sentence's model inputs with their seeds (``seed`` is the sentence's own)."""
     if not _speakable(sentence):
         return []
-    head, pieces = text_plan(model.frontend, cond.mode, sentence)
-    return list(Plan("", cond, head, tuple(pieces), seed).inputs(model.frontend))
+    head, pieces = text_plan(frontend, cond.mode, sentence)
+    return list(Plan("", cond, head, tuple(pieces), seed).inputs(frontend))
 
 
-def run_text_stream(model: Model, cond: Conditioning, feed: TextFeed, *, stream: bool, speed: float, seed: int,
-                    cancel: CancelToken) -> Iterator[AudioChunk]:
-    """Audio for text that arrives through ``feed``, starting before the text is complete."""
-    try:
-        if feed.kind == "tokens":  # the reference's bi-streaming: speech tokens follow the text tokens as they come
-            yield from model.engine.synthesize(cond.model_input(model.frontend, no_ids(), ""), stream=stream,
-                                               speed=speed, seed=seed, text_stream=feed.tokens, cancel=cancel)
-            return
-        cursor = _Cursor()
-        for i, sentence in enumerate(feed.sentences(cancel)):
-            yield from run_inputs(model, _sentence_inputs(model, cond, sentence, segment_seed(seed, i)), stream=stream,
-                                  speed=speed, cancel=cancel, cursor=cursor)
-    finally:
-        feed.close()  # the request is over: later writes raise
+def stream_inputs(frontend: CosyVoiceFrontend, cond: Conditioning, feed: TextFeed, seed: int,
+                  cancel: CancelToken) -> Iterator[tuple[ModelInput, int]]:
+    """The model inputs of text that arrives through ``feed`` (for :func:`run_inputs`, with ``feed.text_ids`` as
+    its text stream): one bi-streaming input, or each sentence's as it completes."""
+    if feed.kind == "tokens":  # the reference's bi-streaming: speech tokens follow the text tokens as they come
+        yield cond.model_input(frontend, no_ids(), ""), seed
+        return
+    for i, sentence in enumerate(feed.sentences(cancel)):
+        yield from _sentence_inputs(frontend, cond, sentence, segment_seed(seed, i))
 
 
-async def arun_text_stream(model: Model, cond: Conditioning, feed: TextFeed, *, stream: bool, speed: float,
-                           seed: int, cancel: CancelToken) -> AsyncIterator[AudioChunk]:
-    """:func:`run_text_stream` on the event loop."""
-    try:
-        if feed.kind == "tokens":
-            chunks = model.engine.asynthesize(cond.model_input(model.frontend, no_ids(), ""), stream=stream,
-                                              speed=speed, seed=seed, text_stream=feed.tokens, cancel=cancel)
-            try:
-                async for chunk in chunks:
-                    yield chunk
-            finally:
-                await chunks.aclose()
-            return
-        cursor, i = _Cursor(), 0
-        async for sentence in feed.asentences(cancel):
-            inputs = _sentence_inputs(model, cond, sentence, segment_seed(seed, i))
-            async for chunk in arun_inputs(model, inputs, stream=stream, speed=speed, cancel=cancel, cursor=cursor):
-                yield chunk
-            i += 1
-    finally:
-        feed.close()
+async def astream_inputs(frontend: CosyVoiceFrontend, cond: Conditioning, feed: TextFeed, seed: int,
+                         cancel: CancelToken) -> AsyncIterator[tuple[ModelInput, int]]:
+    """:func:`stream_inputs` for :func:`arun_inputs`: waiting for a sentence never blocks the event loop."""
+    if feed.kind == "tokens":
+        yield cond.model_input(frontend, no_ids(), ""), seed
+        return
+    i = 0
+    async for sentence in feed.asentences(cancel):
+        for item in _sentence_inputs(frontend, cond, sentence, segment_seed(seed, i)):
+            yield item
+        i += 1
 
 
 # ---------------------------------------------------------------------------------------------- voice conversion

@@ -638,8 +638,8 @@ class TTSService:
         started = time.perf_counter()
         ending = await self._aadmit(request, started, owner, cancel, has_text=True)
         p = ending.prepared
-        chunks = pipeline.arun_inputs(self.model, p.plan.inputs(self.model.frontend), stream=p.stream, speed=p.speed,
-                                      cancel=ending.token)
+        chunks = pipeline.arun_inputs(self.model, pipeline.as_async(p.plan.inputs(self.model.frontend)),
+                                      stream=p.stream, speed=p.speed, cancel=ending.token)
         return AsyncSynthesisSession(ending, chunks)
 
     def synthesize_text_stream(self, request: SynthesisRequest, pieces: Iterable[str] | None = None, *,
@@ -657,8 +657,10 @@ class TTSService:
                              cancel, has_text=False)
         p = ending.prepared
         ending.feed = self._feed(p)
-        chunks = pipeline.run_text_stream(self.model, p.cond, ending.feed, stream=p.stream, speed=p.speed,
-                                          seed=p.seed, cancel=ending.token)
+        feed = ending.feed
+        chunks = pipeline.run_inputs(self.model, pipeline.stream_inputs(self.model.frontend, p.cond, feed, p.seed,
+                                                                        ending.token),
+                                     stream=p.stream, speed=p.speed, cancel=ending.token, text_stream=feed.text_ids)
         session = SynthesisSession(ending, chunks)
         if pieces is not None:
             _pump(pieces, ending.feed)
@@ -672,8 +674,10 @@ class TTSService:
         ending = await self._aadmit(request, started, owner, cancel, has_text=False)
         p = ending.prepared
         ending.feed = self._feed(p)
-        chunks = pipeline.arun_text_stream(self.model, p.cond, ending.feed, stream=p.stream, speed=p.speed,
-                                           seed=p.seed, cancel=ending.token)
+        feed = ending.feed
+        chunks = pipeline.arun_inputs(self.model, pipeline.astream_inputs(self.model.frontend, p.cond, feed, p.seed,
+                                                                          ending.token),
+                                      stream=p.stream, speed=p.speed, cancel=ending.token, text_stream=feed.text_ids)
         session = AsyncSynthesisSession(ending, chunks)
         if pieces is not None:
             _pump(pieces, ending.feed)
