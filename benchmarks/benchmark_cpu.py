@@ -91,8 +91,7 @@ class StageTimer:
 
 
 def end_to_end(tts: CosyVoice3, prompt_wav: Path, fixed: int) -> dict[str, float]:
-    voice = tts.frontend.voice(zero_shot_prompt_text("A prompt recording of three seconds."), prompt_wav,
-                               text_frontend=False)
+    voice = tts.frontend.voice(zero_shot_prompt_text("A prompt recording of three seconds."), prompt_wav)
     inp = tts.frontend.model_input(TEXT, voice)
     engine = tts.engine
 

@@ -100,7 +100,7 @@ def _end_to_end(model_dir: Path, backend: str, dtype: torch.dtype, work: Path) -
     tts = CosyVoice3(model_dir, device="cuda", dtype="fp16" if dtype == torch.float16 else "fp32",
                      limits=Limits(max_sessions=1), voice_dir=work / "voices", backend=backend)
     voice = tts.frontend.voice(zero_shot_prompt_text("A prompt recording of three seconds."),
-                               _prompt(work / "p.wav"), text_frontend=False)
+                               _prompt(work / "p.wav"))
     inp = tts.frontend.model_input(TEXT, voice)
     tts.engine.fixed_tokens = 75
     result = {}
