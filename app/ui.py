@@ -22,7 +22,7 @@ import threading
 import time
 import zipfile
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ from cosyvoice.errors import (
 from cosyvoice.owners import LOCAL, Caller, Owners
 from cosyvoice.server.longform import longform_router
 from cosyvoice.server.workbench import rater_route, workbench_router
-from cosyvoice.service import PreparedRequest, SynthesisRequest, SynthesisSession, TTSService
+from cosyvoice.service import SEED_DRAWS, PreparedRequest, SynthesisRequest, SynthesisSession, TTSService, draw_seed
 from cosyvoice.settings import SPEED_RANGE, default_data_dir, default_voice_dir
 from cosyvoice.voices import BUILTIN_VOICE_DIR, EXPORT_SUFFIX
 from cosyvoice.workbench.batch import provenance
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 HISTORY_JS = Path(__file__).with_name("history.js")
 MODES = ("zero_shot", "cross_lingual", "instruct2")
 DOWNLOAD_FORMATS = ("wav", "mp3", "flac", "opus")
-MAX_SEED = 2**31 - 1
+MAX_SEED = SEED_DRAWS - 1  # the largest seed a JavaScript number holds exactly
 FILE_LIFETIME_SECONDS = 86400  # takes, exports and ZIPs stay downloadable this long (also Gradio's cache)
 KEEP_TAKE_TIMES = 1024  # server times of recent takes, for measurements
 # Gradio refuses bigger uploads with its own size message; up to this multiple of the service's byte limit the
@@ -348,19 +348,21 @@ class Studio:
                request: gr.Request | None = None) -> tuple[SynthesisSession | GpuSession, SynthesisRequest, str]:
         """Validate and start a request through the service: (session, the request, voice description).
 
-        A random seed is drawn here, so that every take can show (and reproduce) the seed it used."""
-        used_seed = secrets.randbelow(MAX_SEED) if seed is None or seed < 0 else int(seed)
+        A take without a seed gets the service's (``session.seed``), which every take shows to reproduce it."""
         owner, zh = owner_of(request), is_zh(request)
         prompt = None if voice_key else self._upload(prompt, zh)
         synthesis = SynthesisRequest(
             text=text, mode=mode, voice=voice_key or None, prompt_audio=prompt,
-            transcript=transcript or "", instruction=instruction or "", speed=float(speed), seed=used_seed,
+            transcript=transcript or "", instruction=instruction or "", speed=float(speed),
+            seed=None if seed is None or seed < 0 else int(seed),
             stream=bool(stream), format=fmt)
         try:
             if spaces is None:
                 session = self.service.synthesize(synthesis, owner=owner)
             else:  # errors before any GPU time; the GPU process then finds the voice in the library's cache
-                session = GpuSession(self.service.prepare(synthesis), _gpu_chunks(self.service, synthesis, owner))
+                prepared = self.service.prepare(synthesis)
+                synthesis = replace(synthesis, seed=prepared.seed)  # one draw: the GPU process uses it
+                session = GpuSession(prepared, _gpu_chunks(self.service, synthesis, owner))
         except InvalidInputError as exc:
             if exc.field == "voice" and not voice_key and not prompt:  # say it in the page's words
                 limits = self.service.limits
@@ -490,8 +492,8 @@ class Studio:
             warn(_page_message(exc, zh))
             yield "", gr.skip(), gr.skip(), *idle
             return
-        used_seed = synthesis.seed
         prepared = session.prepared
+        used_seed = prepared.seed
         pieces: list[np.ndarray] = []
         start = time.perf_counter()
         first_audio = None
@@ -641,7 +643,7 @@ class Studio:
                        voice_label=voice_label)
         except (OSError, sqlite3.Error) as exc:
             logger.error("an API take could not be kept: %s", exc)
-        path = self._folder() / f"cosyvoice-seed{synthesis.seed}.{audio.extension}"
+        path = self._folder() / f"cosyvoice-seed{prepared.seed}.{audio.extension}"
         path.write_bytes(encode_audio(samples, audio, self.service.sample_rate))
         return str(path)
 
@@ -817,7 +819,7 @@ def build_ui(studio: Studio) -> gr.Blocks:
             tab.select(lambda name=name: name, None, mode, queue=False, **private)
         text.change(None, text, counter, js=COUNTER_JS % limits.max_text_chars, **private)
         page.load(None, text, counter, js=COUNTER_JS % limits.max_text_chars, **private)
-        dice.click(lambda: secrets.randbelow(MAX_SEED), None, seed, queue=False, **private)
+        dice.click(draw_seed, None, seed, queue=False, **private)
 
         # one click, two events: the buttons change at once, and the take joins the queue straight away (its
         # place in the queue is the click's: first come, first served); the take id comes from the player

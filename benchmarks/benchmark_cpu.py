@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmark_performance import TEXT, _git_commit, _prompt, bench_bundle, llm_only
 
+from cosyvoice.backends import attach_flow
 from cosyvoice.backends.quant import quantize_llm
 from cosyvoice.bundle import validate_model_dir
 from cosyvoice.cli.cosyvoice import CosyVoice3
@@ -90,8 +91,7 @@ class StageTimer:
 
 
 def end_to_end(tts: CosyVoice3, prompt_wav: Path, fixed: int) -> dict[str, float]:
-    voice = tts.frontend.voice(zero_shot_prompt_text("A prompt recording of three seconds."), prompt_wav,
-                               text_frontend=False)
+    voice = tts.frontend.voice(zero_shot_prompt_text("A prompt recording of three seconds."), prompt_wav)
     inp = tts.frontend.model_input(TEXT, voice)
     engine = tts.engine
 
@@ -138,7 +138,7 @@ def quality(golden_dir: Path, bundle_dir: Path, work: Path) -> dict[str, dict[st
     out: dict[str, dict[str, float]] = {}
     for label, root in (("golden tiny bundle", local), ("benchmark bundle", bundle_dir)):
         bundle = validate_model_dir(root)
-        fp32, int8 = bundle.load_flow(), bundle.load_flow(backend="onnxruntime-int8")
+        fp32, int8 = bundle.load_flow(), attach_flow(bundle.load_flow(), bundle.root, "onnxruntime-int8", "cpu")
         tok, ptok, pfeat, emb = (flow_in[k] for k in ("token", "prompt_token", "prompt_feat", "embedding"))
         row: dict[str, float] = {}
         for streaming in (False, True):

@@ -356,8 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
     # rows for every closed-loop client; open-loop requests beyond them wait in the scheduler's queue
     limits = Limits(max_sessions=max([*concurrency, 16 if args.poisson else 1]), queue_timeout_seconds=600)
     frontend = CosyVoiceFrontend(bundle, limits)
-    voice = frontend.voice(zero_shot_prompt_text("A prompt recording of three seconds."), _prompt(work / "p.wav"),
-                           text_frontend=False)
+    voice = frontend.voice(zero_shot_prompt_text("A prompt recording of three seconds."), _prompt(work / "p.wav"))
     inp = frontend.model_input(TEXT, voice)
     cpu = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads)"
     settings = {

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmark_performance import RELEASED_DIMS, TEXT, _prompt
 
-from cosyvoice.backends import unavailable
-from cosyvoice.bin.export_onnx import export_onnx
+from cosyvoice.backends import attach_flow, attach_hift, unavailable
+from cosyvoice.backends.export import export_onnx
 from cosyvoice.bundle import validate_model_dir
 from cosyvoice.frontend.prompts import zero_shot_prompt_text
 from cosyvoice.settings import Limits
@@ -61,8 +61,8 @@ def _check(out: torch.Tensor, ref: torch.Tensor | None) -> dict[str, float]:
 @torch.inference_mode()
 def _per_call(bundle, backend: str, dtype: torch.dtype, refs: dict[str, torch.Tensor]) -> dict[str, object]:
     dev = torch.device("cuda")
-    flow = bundle.load_flow(dev, dtype, backend)
-    hift = bundle.load_hift(dev, backend)
+    flow = attach_flow(bundle.load_flow(dev, dtype), bundle.root, backend, dev)
+    hift = attach_hift(bundle.load_hift(dev), bundle.root, backend, dev)
     dit = flow.decoder.estimator
     g = torch.Generator(device="cpu").manual_seed(0)
     cfg = bundle.config.flow.dit
@@ -100,7 +100,7 @@ def _end_to_end(model_dir: Path, backend: str, dtype: torch.dtype, work: Path) -
     tts = CosyVoice3(model_dir, device="cuda", dtype="fp16" if dtype == torch.float16 else "fp32",
                      limits=Limits(max_sessions=1), voice_dir=work / "voices", backend=backend)
     voice = tts.frontend.voice(zero_shot_prompt_text("A prompt recording of three seconds."),
-                               _prompt(work / "p.wav"), text_frontend=False)
+                               _prompt(work / "p.wav"))
     inp = tts.frontend.model_input(TEXT, voice)
     tts.engine.fixed_tokens = 75
     result = {}

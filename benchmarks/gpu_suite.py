@@ -253,7 +253,7 @@ class Suite:
         frontend = CosyVoiceFrontend(self.bundle, limits)
         with tempfile.TemporaryDirectory() as tmp:
             voice = frontend.voice(zero_shot_prompt_text("A prompt recording of three seconds."),
-                                   bench._prompt(Path(tmp) / "p.wav"), text_frontend=False)
+                                   bench._prompt(Path(tmp) / "p.wav"))
         inp = frontend.model_input(bench.TEXT, voice)
         engine = Engine(self.bundle.config, llm, flow, hift, self.device, limits, t2w_batch=8,
                         endofprompt_id=frontend.tokenizer.end_of_prompt_id, fixed_tokens=30 if self.tiny else 250)

@@ -23,7 +23,6 @@ from typing import BinaryIO
 
 import torch
 
-from cosyvoice.backends import attach_flow, attach_hift
 from cosyvoice.config import CosyVoice3Config, load_config
 from cosyvoice.errors import ConfigError, ModelBundleError, WeightsError
 from cosyvoice.flow import CausalMaskedDiffWithDiT
@@ -318,17 +317,15 @@ class ModelBundle:
         load_weights(module, self.llm_path)
         return module.to(device=device, dtype=dtype).eval()
 
-    def load_flow(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                  backend: str = "torch") -> CausalMaskedDiffWithDiT:
-        """``CausalMaskedDiffWithDiT`` built from the yaml with flow.pt loaded strictly, in eval mode; its DiT
-        runs on ``backend`` (a name :func:`cosyvoice.backends.resolve_backend` returned)."""
+    def load_flow(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+                  ) -> CausalMaskedDiffWithDiT:
+        """``CausalMaskedDiffWithDiT`` built from the yaml with flow.pt loaded strictly, in eval mode, in torch
+        (:func:`cosyvoice.backends.attach_flow` runs its DiT on another backend)."""
         module = CausalMaskedDiffWithDiT(self.config.flow)
         load_weights(module, self.flow_path)
-        module = module.to(device=device, dtype=dtype).eval()
-        attach_flow(module, self.root, backend, device)
-        return module
+        return module.to(device=device, dtype=dtype).eval()
 
-    def load_hift(self, device: torch.device | str = "cpu", backend: str = "torch") -> CausalHiFTGenerator:
+    def load_hift(self, device: torch.device | str = "cpu") -> CausalHiFTGenerator:
         """``CausalHiFTGenerator`` built from the yaml with hift.pt loaded strictly, in eval mode, float32.
 
         Keys are normalised first as the official loader allows: no ``generator.`` prefix (HiFiGan training
@@ -338,9 +335,7 @@ class ModelBundle:
         # the official SineGen noise depends on draws made while the flow is built, so it needs the whole config
         module = CausalHiFTGenerator(self.config.hift, SineGenRecipe.from_config(self.config))
         load_weights(module, self.hift_path, rename=rename_hift_key)
-        module = module.to(device=device).eval()
-        attach_hift(module, self.root, backend, device)  # its decoder on ``backend`` (F0 and source stay torch)
-        return module
+        return module.to(device=device).eval()
 
 
 def validate_model_dir(model_dir: str | Path) -> ModelBundle:

@@ -22,14 +22,14 @@ import logging
 import re
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from cosyvoice.backends import resolve_backend
+from cosyvoice.backends import attach_flow, attach_hift, resolve_backend
 from cosyvoice.bundle import open_model_dir
 from cosyvoice.engine import AudioChunk, CancelToken, Engine
 from cosyvoice.errors import CosyVoiceError, InvalidInputError
@@ -86,8 +86,9 @@ class Model:
         providers = ["CPUExecutionProvider"] if device.type == "cpu" else None
         frontend = CosyVoiceFrontend(bundle, limits, providers=providers)
         backend = resolve_backend(backend, device)
-        engine = Engine(bundle.config, bundle.load_llm(device, precision), bundle.load_flow(device, precision, backend),
-                        bundle.load_hift(device, backend), device, limits,
+        flow = attach_flow(bundle.load_flow(device, precision), bundle.root, backend, device)
+        hift = attach_hift(bundle.load_hift(device), bundle.root, backend, device)
+        engine = Engine(bundle.config, bundle.load_llm(device, precision), flow, hift, device, limits,
                         endofprompt_id=frontend.tokenizer.end_of_prompt_id,
                         trim_leading_silence_ms=limits.trim_leading_silence_ms or None)
         return cls(str(bundle.root), device, precision, limits, frontend, engine)
@@ -106,70 +107,178 @@ class Conditioning:
     prompt_ids: torch.Tensor  # [1, T_p]
     llm_prompt_speech: bool
 
-    def model_input(self, frontend: CosyVoiceFrontend, segment: str) -> ModelInput:
-        return frontend.model_input(segment, self.voice, self.prompt_ids, self.llm_prompt_speech)
+    def model_input(self, frontend: CosyVoiceFrontend, head: torch.Tensor, segment: str) -> ModelInput:
+        return frontend.model_input(segment, self.voice, self.prompt_ids, self.llm_prompt_speech, head)
 
 
-def conditioning(frontend: CosyVoiceFrontend, mode: EngineMode, voice: Voice, instruction: str = "") -> Conditioning:
-    """The conditioning of ``mode``. A zero-shot voice's transcript ids carry the system prefix already (the
-    voice library stores them so); an instruction is wrapped here (``You are a helpful assistant. ...``)."""
+@dataclass(frozen=True)
+class Plan:
+    """A request as the model takes it: its voice, the conditioning, the text's pieces (normalised, without any
+    prompt head), the token ids every piece starts with (``head``: the cross-lingual system prompt, or the head
+    of text that carries ``<|endofprompt|>``; may be empty) and the request's seed."""
+
+    voice_id: str
+    cond: Conditioning
+    head: torch.Tensor  # [1, T_h]
+    segments: tuple[str, ...]
+    seed: int
+
+    def inputs(self, frontend: CosyVoiceFrontend) -> Iterator[tuple[ModelInput, int]]:
+        """Each piece's model input with its seed (:func:`segment_seed`)."""
+        for i, segment in enumerate(self.segments):
+            yield self.cond.model_input(frontend, self.head, segment), segment_seed(self.seed, i)
+
+
+def no_ids() -> torch.Tensor:
+    return torch.zeros(1, 0, dtype=torch.int32)
+
+
+def plain_transcript(transcript: str) -> str:
+    """A transcript as a user or the official API gave it, without CosyVoice3's system prompt: what the voice
+    library keeps (``''`` when nothing else is left)."""
+    return prompts.split_prompt(transcript)[1]
+
+
+def conditioning(frontend: CosyVoiceFrontend, mode: EngineMode, voice: Voice, instruction: str = "",
+                 transcript_head: str = "") -> Conditioning:
+    """The conditioning of ``mode``, CosyVoice3's conventions applied as token ids: a zero-shot voice's plain
+    transcript ids follow the system prompt's (``transcript_head``, default ``You are a helpful
+    assistant.<|endofprompt|>``); an instruction is wrapped (``You are a helpful assistant. ...<|endofprompt|>``)."""
     if mode == "zero_shot":
         assert voice.prompt_text.numel(), "zero-shot needs a voice with a transcript (the service checks)"
-        return Conditioning(mode, voice, voice.prompt_text, True)
+        head = frontend.encode(transcript_head or prompts.SYSTEM_PREFIX)
+        return Conditioning(mode, voice, torch.cat([head, voice.prompt_text], dim=1), True)
     if mode == "cross_lingual":
-        return Conditioning(mode, voice, torch.zeros(1, 0, dtype=torch.int32), False)
+        return Conditioning(mode, voice, no_ids(), False)
     # the instruction replaces the transcript; the reference keeps a saved voice's transcript here instead,
     # silently dropping the instruction (docs/differences.md)
     return Conditioning(mode, voice, frontend.encode(prompts.instruct_text(instruction)), False)
 
 
-def text_segments(frontend: CosyVoiceFrontend, mode: EngineMode, text: str, *, text_frontend: bool = True,
-                  split_prefixed: bool = True) -> list[str]:
-    """The normalised pieces of ``text`` to speak one after another, in the model's form.
+def text_plan(frontend: CosyVoiceFrontend, mode: EngineMode, text: str, *, text_frontend: bool = True,
+              split_prefixed: bool = True) -> tuple[torch.Tensor, list[str]]:
+    """``(head ids, pieces)``: the normalised pieces of ``text`` to speak one after another, and the token ids
+    each piece's ids follow.
 
-    Cross-lingual text gets the system prefix (``cross_lingual_text``). ``split_prefixed=False`` keeps text
-    that carries ``<|endofprompt|>`` as one unnormalised piece, as the reference does (the official API);
-    otherwise the part after the marker is normalised and split like plain text, each piece prefixed again.
+    Cross-lingual text gets the system prompt (``cross_lingual_text``) as its head. Text that carries
+    ``<|endofprompt|>`` keeps the part up to the last marker as its head; ``split_prefixed=False`` keeps such
+    text one unnormalised piece, as the reference does (the official API); otherwise the part after the marker
+    is normalised and split like plain text.
     """
     if mode == "cross_lingual":
-        text = prompts.cross_lingual_text(text)
-    return frontend.segments(text, text_frontend, split_prefixed)
+        head, body = prompts.split_prompt(text)
+    else:
+        before, marker, body = text.rpartition(prompts.END_OF_PROMPT)
+        head = before + marker
+    if head and not body.strip():
+        raise InvalidInputError(f"text has nothing to speak after {prompts.END_OF_PROMPT}: the marker ends a prompt "
+                                "(a system prompt or an instruction); leave it out of the text to speak", "text")
+    if head and not split_prefixed:
+        return no_ids(), [head + body]
+    pieces = frontend.text.split(body, text_frontend=text_frontend)
+    if not pieces:
+        raise InvalidInputError(f"text {body.strip()[:80]!r} has nothing to speak (only punctuation?)", "text")
+    return frontend.encode(head) if head else no_ids(), pieces
 
 
-def run_segments(model: Model, cond: Conditioning, segments: list[str], *, stream: bool, speed: float, seed: int,
-                 cancel: CancelToken, first_index: int = 0, first_sample: int = 0) -> Iterator[AudioChunk]:
-    """Each segment's chunks in turn; indices and sample offsets run across segments."""
-    index, offset = first_index, first_sample
-    for i, segment in enumerate(segments):
+#: the service's modes as the engine runs them (sft: the voice decides, see :func:`plan`)
+ENGINE_MODES: dict[str, EngineMode] = {"zero_shot": "zero_shot", "cross_lingual": "cross_lingual",
+                                       "instruct": "instruct2"}
+#: a plain transcript -> (voice id, voice): how :func:`plan` gets the request's voice from the service
+VoiceOf = Callable[[str], tuple[str, Voice]]
+
+
+def plan(frontend: CosyVoiceFrontend, mode: str, text: str | None, voice_of: VoiceOf, *, seed: int,
+         transcript: str = "", instruction: str = "", text_frontend: bool = True, split_prefixed: bool = True,
+         model_form: bool = False) -> Plan:
+    """A validated request's :class:`Plan`: the one step from its plain fields to model input.
+
+    ``mode`` is the service's (``sft``: zero-shot for a voice with a transcript, else cross-lingual); ``text``
+    None: the text arrives later, as a stream. The voice comes from ``voice_of(plain transcript)`` after the
+    text is planned (an upload is decoded only for a request whose text can be spoken), except in sft mode,
+    where it decides the engine mode. ``transcript`` is an uploaded prompt's: its system prompt (the default
+    one, or one the user typed) is kept apart from the plain transcript the voice library keeps.
+    ``model_form``: the official API's requests, which carry ``<|endofprompt|>`` where the mode needs it.
+    """
+    transcript_head, plain = prompts.split_prompt(transcript) if transcript.strip() else ("", "")
+    voice = voice_of("") if mode == "sft" else None
+    engine_mode = ENGINE_MODES[mode] if voice is None else (
+        "zero_shot" if voice[1].prompt_text.numel() else "cross_lingual")
+    head, pieces = no_ids(), []
+    if text is not None:
+        head, pieces = text_plan(frontend, engine_mode, text, text_frontend=text_frontend,
+                                 split_prefixed=split_prefixed)
+    voice_id, chosen = voice or voice_of(plain)
+    if model_form:  # after the voice, as the official API reports its errors
+        check_model_form(mode, text, transcript, instruction)
+    return Plan(voice_id, conditioning(frontend, engine_mode, chosen, instruction, transcript_head), head,
+                tuple(pieces), seed)
+
+
+_MODEL_FORM = ("CosyVoice3 needs '<|endofprompt|>' in the prompt: end the zero-shot transcript with it ('You are a "
+               "helpful assistant.<|endofprompt|>' + transcript), wrap the instruct2 instruction as 'You are a "
+               "helpful assistant. <instruction><|endofprompt|>', or start cross-lingual text with 'You are a "
+               "helpful assistant.<|endofprompt|>' (cosyvoice.frontend.prompts does this for you)")
+
+
+def check_model_form(mode: str, text: str | None, transcript: str, instruction: str) -> None:
+    """A request in the model's form (the official API) carries ``<|endofprompt|>`` where the mode needs it
+    (``text`` None: a text stream; ``transcript`` ``''``: none uploaded)."""
+    if mode == "cross_lingual" and text is None:
+        raise InvalidInputError("text given as a stream works in zero_shot and instruct2 mode only (the reference's "
+                                "bi-streaming needs <|endofprompt|> in the prompt text); use instruct2 with a neutral "
+                                "instruction for a voice without a transcript", "text")
+    needs = {"zero_shot": ("transcript", transcript), "cross_lingual": ("text", text),
+             "instruct": ("instruction", instruction)}
+    field, value = needs.get(mode, ("", None))
+    if isinstance(value, str) and value.strip() and prompts.END_OF_PROMPT not in value:
+        raise InvalidInputError(_MODEL_FORM, field)
+
+
+class _Cursor:
+    """Chunk indices and sample offsets that run on across the engine calls of one request."""
+
+    def __init__(self) -> None:
+        self.index = self.offset = 0
+
+    def passed(self, chunk: AudioChunk) -> AudioChunk:
+        self.index, self.offset = chunk.index + 1, chunk.sample_offset + chunk.pcm.numel()
+        return chunk
+
+
+def run_inputs(model: Model, inputs: Iterable[tuple[ModelInput, int]], *, stream: bool, speed: float,
+               cancel: CancelToken, text_stream: TokenStream | None = None) -> Iterator[AudioChunk]:
+    """Each model input's chunks in turn, with its seed; indices and sample offsets run across inputs.
+    ``text_stream``: the text ids of a bi-streaming input (:meth:`TextFeed.inputs`), arriving as they come."""
+    cursor = _Cursor()
+    for inp, seed in inputs:
         if cancel.cancelled:
             return
-        # users' text stays out of INFO logs (privacy); DEBUG shows it when diagnosing
-        logger.debug("synthesising segment %d/%d: %s", i + 1, len(segments), segment)
-        for chunk in model.engine.synthesize(cond.model_input(model.frontend, segment), stream=stream, speed=speed,
-                                             seed=segment_seed(seed, i), sample_offset=offset, first_index=index,
-                                             cancel=cancel):
-            index, offset = chunk.index + 1, chunk.sample_offset + chunk.pcm.numel()
-            yield chunk
+        for chunk in model.engine.synthesize(inp, stream=stream, speed=speed, seed=seed, sample_offset=cursor.offset,
+                                             first_index=cursor.index, text_stream=text_stream, cancel=cancel):
+            yield cursor.passed(chunk)
 
 
-async def arun_segments(model: Model, cond: Conditioning, segments: list[str], *, stream: bool, speed: float,
-                        seed: int, cancel: CancelToken, first_index: int = 0,
-                        first_sample: int = 0) -> AsyncIterator[AudioChunk]:
-    """:func:`run_segments` on the event loop: the engine hands chunks over without a thread per request."""
-    index, offset = first_index, first_sample
-    for i, segment in enumerate(segments):
+async def arun_inputs(model: Model, inputs: AsyncIterable[tuple[ModelInput, int]], *, stream: bool, speed: float,
+                      cancel: CancelToken, text_stream: TokenStream | None = None) -> AsyncIterator[AudioChunk]:
+    """:func:`run_inputs` on the event loop: the engine hands chunks over without a thread per request."""
+    cursor = _Cursor()
+    async for inp, seed in inputs:
         if cancel.cancelled:
             return
-        logger.debug("synthesising segment %d/%d: %s", i + 1, len(segments), segment)
-        chunks = model.engine.asynthesize(cond.model_input(model.frontend, segment), stream=stream, speed=speed,
-                                          seed=segment_seed(seed, i), sample_offset=offset, first_index=index,
-                                          cancel=cancel)
+        chunks = model.engine.asynthesize(inp, stream=stream, speed=speed, seed=seed, sample_offset=cursor.offset,
+                                          first_index=cursor.index, text_stream=text_stream, cancel=cancel)
         try:
             async for chunk in chunks:
-                index, offset = chunk.index + 1, chunk.sample_offset + chunk.pcm.numel()
-                yield chunk
+                yield cursor.passed(chunk)
         finally:
             await chunks.aclose()
+
+
+async def as_async(items: Iterable[tuple[ModelInput, int]]) -> AsyncIterator[tuple[ModelInput, int]]:
+    """Model inputs made at once (a :class:`Plan`'s) for :func:`arun_inputs`."""
+    for item in items:
+        yield item
 
 
 # ---------------------------------------------------------------------------------------------- text streams
@@ -208,6 +317,11 @@ class TextFeed:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def text_ids(self) -> TokenStream | None:
+        """The engine's bi-streaming text input (tokens mode), else None."""
+        return self.tokens if self.kind == "tokens" else None
 
     def write(self, text: str) -> None:
         """Add a piece of text to speak."""
@@ -325,53 +439,37 @@ def _speakable(sentence: str) -> bool:
     return any(ch.isalnum() for ch in sentence)  # punctuation or symbols alone: nothing to say, no reason to fail
 
 
-def run_text_stream(model: Model, cond: Conditioning, feed: TextFeed, *, stream: bool, speed: float, seed: int,
-                    cancel: CancelToken) -> Iterator[AudioChunk]:
-    """Audio for text that arrives through ``feed``, starting before the text is complete."""
-    try:
-        if feed.kind == "tokens":  # the reference's bi-streaming: speech tokens follow the text tokens as they come
-            yield from model.engine.synthesize(cond.model_input(model.frontend, ""), stream=stream, speed=speed,
-                                               seed=seed, text_stream=feed.tokens, cancel=cancel)
-            return
-        index = offset = 0
-        for i, sentence in enumerate(feed.sentences(cancel)):
-            if not _speakable(sentence):
-                continue
-            segments = text_segments(model.frontend, cond.mode, sentence)
-            for chunk in run_segments(model, cond, segments, stream=stream, speed=speed, seed=segment_seed(seed, i),
-                                      cancel=cancel, first_index=index, first_sample=offset):
-                index, offset = chunk.index + 1, chunk.sample_offset + chunk.pcm.numel()
-                yield chunk
-    finally:
-        feed.close()  # the request is over: later writes raise
+def _sentence_inputs(frontend: CosyVoiceFrontend, cond: Conditioning, sentence: str,
+                     seed: int) -> list[tuple[ModelInput, int]]:
+    """A streamed sentence's model inputs with their seeds (``seed`` is the sentence's own)."""
+    if not _speakable(sentence):
+        return []
+    head, pieces = text_plan(frontend, cond.mode, sentence)
+    return list(Plan("", cond, head, tuple(pieces), seed).inputs(frontend))
 
 
-async def arun_text_stream(model: Model, cond: Conditioning, feed: TextFeed, *, stream: bool, speed: float,
-                           seed: int, cancel: CancelToken) -> AsyncIterator[AudioChunk]:
-    """:func:`run_text_stream` on the event loop."""
-    try:
-        if feed.kind == "tokens":
-            chunks = model.engine.asynthesize(cond.model_input(model.frontend, ""), stream=stream, speed=speed,
-                                              seed=seed, text_stream=feed.tokens, cancel=cancel)
-            try:
-                async for chunk in chunks:
-                    yield chunk
-            finally:
-                await chunks.aclose()
-            return
-        index = offset = i = 0
-        async for sentence in feed.asentences(cancel):
-            if not _speakable(sentence):
-                continue
-            segments = text_segments(model.frontend, cond.mode, sentence)
-            async for chunk in arun_segments(model, cond, segments, stream=stream, speed=speed,
-                                             seed=segment_seed(seed, i), cancel=cancel, first_index=index,
-                                             first_sample=offset):
-                index, offset = chunk.index + 1, chunk.sample_offset + chunk.pcm.numel()
-                yield chunk
-            i += 1
-    finally:
-        feed.close()
+def stream_inputs(frontend: CosyVoiceFrontend, cond: Conditioning, feed: TextFeed, seed: int,
+                  cancel: CancelToken) -> Iterator[tuple[ModelInput, int]]:
+    """The model inputs of text that arrives through ``feed`` (for :func:`run_inputs`, with ``feed.text_ids`` as
+    its text stream): one bi-streaming input, or each sentence's as it completes."""
+    if feed.kind == "tokens":  # the reference's bi-streaming: speech tokens follow the text tokens as they come
+        yield cond.model_input(frontend, no_ids(), ""), seed
+        return
+    for i, sentence in enumerate(feed.sentences(cancel)):
+        yield from _sentence_inputs(frontend, cond, sentence, segment_seed(seed, i))
+
+
+async def astream_inputs(frontend: CosyVoiceFrontend, cond: Conditioning, feed: TextFeed, seed: int,
+                         cancel: CancelToken) -> AsyncIterator[tuple[ModelInput, int]]:
+    """:func:`stream_inputs` for :func:`arun_inputs`: waiting for a sentence never blocks the event loop."""
+    if feed.kind == "tokens":
+        yield cond.model_input(frontend, no_ids(), ""), seed
+        return
+    i = 0
+    async for sentence in feed.asentences(cancel):
+        for item in _sentence_inputs(frontend, cond, sentence, segment_seed(seed, i)):
+            yield item
+        i += 1
 
 
 # ---------------------------------------------------------------------------------------------- voice conversion

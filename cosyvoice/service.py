@@ -9,8 +9,10 @@ back onto its status codes; everything else happens here, once, in one direction
 * admission (:class:`Admission`, the only one): at most ``Limits.max_sessions`` requests synthesise and
   ``Limits.max_queued_requests`` more wait, first come first served, up to ``Limits.queue_timeout_seconds``;
   beyond that "busy" at once, so servers answer 503 instead of piling up. Decoding an upload happens inside it;
-* the seed: a request without one draws it from torch's global generator (so ``torch.manual_seed`` repeats an
-  unseeded call, as the official API promises) and every session reports the seed it used;
+* the seed: a request without one draws it (:func:`draw_seed`, below ``SEED_DRAWS``: 2**53, so JavaScript and
+  spreadsheets keep it exactly) from torch's global generator (so ``torch.manual_seed`` repeats an unseeded
+  call, as the official API promises) and every session reports the seed it used (``session.seed``): adapters
+  draw none of their own;
 * voices: a saved voice is looked up by id or name in THE voice library at call time; an uploaded prompt goes
   through the same library, so its features are cached;
 * one :class:`~cosyvoice.engine.CancelToken` per request, from the adapter to the LLM scheduler: Stop, a gone
@@ -50,9 +52,7 @@ from cosyvoice.errors import (
 )
 from cosyvoice.frontend.audio import AudioSource
 from cosyvoice.frontend.frontend import Voice
-from cosyvoice.frontend.prompts import user_text, zero_shot_prompt_text
-from cosyvoice.frontend.tokenizer import END_OF_PROMPT
-from cosyvoice.pipeline import Conditioning, Model, TextFeed
+from cosyvoice.pipeline import Conditioning, Model, Plan, TextFeed
 from cosyvoice.settings import SPEED_RANGE, Limits
 from cosyvoice.voices import VoiceInfo, VoiceLibrary, check_name
 
@@ -61,10 +61,30 @@ logger = logging.getLogger(__name__)
 ServiceMode = Literal["zero_shot", "cross_lingual", "instruct", "sft"]
 MODES: tuple[str, ...] = ("zero_shot", "cross_lingual", "instruct", "sft")
 MODE_ALIASES = {"instruct2": "instruct"}  # the official API's name for CosyVoice3's instruct mode
-_ENGINE_MODES: dict[str, pipeline.EngineMode] = {"zero_shot": "zero_shot", "cross_lingual": "cross_lingual",
-                                                 "instruct": "instruct2"}
 #: sample rate of a bare float array given as a prompt without one (what the official servers pass)
 TENSOR_PROMPT_RATE = 16000
+#: drawn seeds lie below this: the largest range a JavaScript number or a spreadsheet cell holds exactly
+SEED_DRAWS = 2**53
+
+
+def draw_seed() -> int:
+    """A seed for a request that has none (the one draw of every adapter): from torch's global generator, so
+    ``torch.manual_seed`` repeats it."""
+    return int(torch.randint(0, SEED_DRAWS, (), dtype=torch.int64))
+
+
+def check_text(text: object, limits: Limits, what: str = "text") -> str:
+    """Plain text a user typed (text to speak, a transcript, an instruction): a non-empty string within
+    ``Limits.max_text_chars``. The one text check: nothing below the service checks it again."""
+    if not isinstance(text, str):
+        raise InvalidInputError(f"{what} must be a string, got {type(text).__name__}")
+    if not text.strip():
+        raise InvalidInputError(f"{what} is empty; type something to say")
+    if len(text) > limits.max_text_chars:
+        raise InvalidInputError(
+            f"{what} has {len(text)} characters; at most {limits.max_text_chars} are allowed per request "
+            "(COSYVOICE_MAX_TEXT_CHARS); split it into several requests")
+    return text
 
 
 @dataclass(frozen=True)
@@ -101,17 +121,35 @@ class SynthesisRequest:
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    """A validated request with its voice resolved and its text segmented: nothing left to check."""
+    """A validated request with its voice resolved and its pipeline plan made: nothing left to check."""
 
     mode: str  # the service mode asked for
-    engine_mode: pipeline.EngineMode
-    voice_id: str
-    cond: Conditioning
-    segments: tuple[str, ...]  # normalised text pieces in the model's form (empty for a text stream)
+    plan: Plan
     stream: bool
     speed: float
-    seed: int  # drawn at validation when the request had none
     format: AudioFormat
+
+    @property
+    def engine_mode(self) -> pipeline.EngineMode:
+        return self.plan.cond.mode
+
+    @property
+    def voice_id(self) -> str:
+        return self.plan.voice_id
+
+    @property
+    def cond(self) -> Conditioning:
+        return self.plan.cond
+
+    @property
+    def segments(self) -> tuple[str, ...]:
+        """The normalised text pieces as the user wrote them, without prompt heads (empty for a text stream)."""
+        return self.plan.segments
+
+    @property
+    def seed(self) -> int:
+        """The request's seed, drawn at validation when it had none."""
+        return self.plan.seed
 
 
 @dataclass(frozen=True)
@@ -589,8 +627,8 @@ class TTSService:
         ending = self._admit(request, started, lambda checked: self._resolve(request, checked, owner), cancel,
                              job=cancel if wait else None)
         p = ending.prepared
-        chunks = pipeline.run_segments(self.model, p.cond, list(p.segments), stream=p.stream, speed=p.speed,
-                                       seed=p.seed, cancel=ending.token)
+        chunks = pipeline.run_inputs(self.model, p.plan.inputs(self.model.frontend), stream=p.stream, speed=p.speed,
+                                     cancel=ending.token)
         return SynthesisSession(ending, chunks)
 
     async def asynthesize(self, request: SynthesisRequest, *, cancel: CancelToken | None = None,
@@ -600,8 +638,8 @@ class TTSService:
         started = time.perf_counter()
         ending = await self._aadmit(request, started, owner, cancel, has_text=True)
         p = ending.prepared
-        chunks = pipeline.arun_segments(self.model, p.cond, list(p.segments), stream=p.stream, speed=p.speed,
-                                        seed=p.seed, cancel=ending.token)
+        chunks = pipeline.arun_inputs(self.model, pipeline.as_async(p.plan.inputs(self.model.frontend)),
+                                      stream=p.stream, speed=p.speed, cancel=ending.token)
         return AsyncSynthesisSession(ending, chunks)
 
     def synthesize_text_stream(self, request: SynthesisRequest, pieces: Iterable[str] | None = None, *,
@@ -619,8 +657,10 @@ class TTSService:
                              cancel, has_text=False)
         p = ending.prepared
         ending.feed = self._feed(p)
-        chunks = pipeline.run_text_stream(self.model, p.cond, ending.feed, stream=p.stream, speed=p.speed,
-                                          seed=p.seed, cancel=ending.token)
+        feed = ending.feed
+        chunks = pipeline.run_inputs(self.model, pipeline.stream_inputs(self.model.frontend, p.cond, feed, p.seed,
+                                                                        ending.token),
+                                     stream=p.stream, speed=p.speed, cancel=ending.token, text_stream=feed.text_ids)
         session = SynthesisSession(ending, chunks)
         if pieces is not None:
             _pump(pieces, ending.feed)
@@ -634,8 +674,10 @@ class TTSService:
         ending = await self._aadmit(request, started, owner, cancel, has_text=False)
         p = ending.prepared
         ending.feed = self._feed(p)
-        chunks = pipeline.arun_text_stream(self.model, p.cond, ending.feed, stream=p.stream, speed=p.speed,
-                                           seed=p.seed, cancel=ending.token)
+        feed = ending.feed
+        chunks = pipeline.arun_inputs(self.model, pipeline.astream_inputs(self.model.frontend, p.cond, feed, p.seed,
+                                                                          ending.token),
+                                      stream=p.stream, speed=p.speed, cancel=ending.token, text_stream=feed.text_ids)
         session = AsyncSynthesisSession(ending, chunks)
         if pieces is not None:
             _pump(pieces, ending.feed)
@@ -762,13 +804,13 @@ class TTSService:
             if not isinstance(name, str) or not name.strip():
                 raise InvalidInputError("a voice needs a name")
             name = check_name(name)
-        prompt_text = ""
-        if isinstance(transcript, str) and user_text(transcript):
+        plain = ""
+        if isinstance(transcript, str) and transcript.strip():
             with _field("transcript"):
-                self.model.frontend.check_text(transcript, "transcript")
-            prompt_text = zero_shot_prompt_text(transcript)
+                check_text(transcript, self.limits, "transcript")
+            plain = pipeline.plain_transcript(transcript)
         with self._slot(), _field("audio"):  # the library names "name" in its errors about the name
-            return self.voices.create(name, audio, prompt_text, owner=owner)
+            return self.voices.create(name, audio, plain, owner=owner)
 
     def list_voices(self, *, owner: str | None = None, include_uploads: bool = False) -> list[VoiceInfo]:
         """Built-in voices, then saved voices by name; with ``include_uploads`` also ``owner``'s own unsaved
@@ -819,7 +861,7 @@ class TTSService:
         mode = self._mode(request.mode)
         with _field("text"):
             if has_text:
-                self.model.frontend.check_text(request.text)
+                check_text(request.text, self.limits)
         stream, speed, seed = self._options(request)
         with _field("format"):
             fmt = audio_format(request.format)
@@ -827,26 +869,16 @@ class TTSService:
 
     def _resolve(self, request: SynthesisRequest, checked: _Checked, owner: str | None = None,
                  text: bool = True) -> PreparedRequest:
-        """The voice, and with it the engine mode, the conditioning and the text's segments (the text first: a
-        saved voice is a cheap look-up, an upload is decoded only for a request whose text can be spoken)."""
-        if checked.mode == "sft":
-            voice_id, voice = self._voice(checked.mode, request, owner)
-            engine_mode = _ENGINE_MODES["zero_shot" if voice.prompt_text.numel() else "cross_lingual"]
-        else:
-            engine_mode = _ENGINE_MODES[checked.mode]
-        segments: list[str] = []
-        if text:
-            with _field("text"):
-                segments = pipeline.text_segments(self.model.frontend, engine_mode, request.text,
-                                                  text_frontend=request.text_frontend,
-                                                  split_prefixed=request.split_prefixed)
-        if checked.mode != "sft":
-            voice_id, voice = self._voice(checked.mode, request, owner)
-        if not request.prompt_conventions:  # after the voice, as the official API reports its errors
-            _check_model_form(checked.mode, request, text)
-        cond = pipeline.conditioning(self.model.frontend, engine_mode, voice, checked.instruction)
-        return PreparedRequest(checked.mode, engine_mode, voice_id, cond, tuple(segments), checked.stream,
-                               checked.speed, checked.seed, checked.format)
+        """The pipeline's plan of the checked request, with the voice looked up (or an upload featurised) when
+        the pipeline asks for it."""
+        uploaded = request.transcript if request.prompt_audio is not None and isinstance(request.transcript, str) \
+            else ""
+        plan = pipeline.plan(self.model.frontend, checked.mode, request.text if text else None,
+                             lambda transcript: self._voice(checked.mode, request, transcript, owner),
+                             seed=checked.seed, transcript=uploaded, instruction=checked.instruction,
+                             text_frontend=request.text_frontend, split_prefixed=request.split_prefixed,
+                             model_form=not request.prompt_conventions)
+        return PreparedRequest(checked.mode, plan, checked.stream, checked.speed, checked.format)
 
     @staticmethod
     def _mode(mode: object) -> str:
@@ -865,7 +897,7 @@ class TTSService:
         if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
             seed = int(seed)  # numpy integers from adapters
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
-                                 or not 0 <= seed < pipeline.SEED_SPACE):
+                                 or not 0 <= seed < pipeline.SEED_SPACE):  # any seed the engine takes
             raise InvalidInputError(f"seed must be an integer in [0, 2**63), got {request.seed!r}", "seed")
         lo, hi = SPEED_RANGE
         speed = request.speed
@@ -875,23 +907,22 @@ class TTSService:
             speed = speed.item()
         if not isinstance(speed, numbers.Real) or isinstance(speed, bool) or not lo <= float(speed) <= hi:
             raise InvalidInputError(f"speed must be between {lo:g} and {hi:g}, got {request.speed!r}", "speed")
-        if seed is None:
-            seed = int(torch.randint(0, pipeline.SEED_SPACE - 1, (), dtype=torch.int64))
-        return request.stream, float(speed), seed
+        return request.stream, float(speed), draw_seed() if seed is None else seed
 
     def _instruction(self, mode: str, instruction: object) -> str:
         """The instruction as the user wrote it (the pipeline wraps it where its token ids are made)."""
         if mode != "instruct":
             return ""
         with _field("instruction"):
-            if not isinstance(instruction, str) or not user_text(instruction):
+            if not isinstance(instruction, str) or not instruction.strip():
                 raise InvalidInputError("instruct mode needs an instruction, e.g. 'Speak slowly and calmly.'")
-            self.model.frontend.check_text(instruction, "instruction")
-            return instruction
+            return check_text(instruction, self.limits, "instruction")
 
-    def _voice(self, mode: str, request: SynthesisRequest, owner: str | None = None) -> tuple[str, Voice]:
-        """(voice id, voice): a saved voice (looked up now), else the uploaded recording (through the library,
-        cached for ``owner``; a full disk only skips the caching)."""
+    def _voice(self, mode: str, request: SynthesisRequest, transcript: str,
+               owner: str | None = None) -> tuple[str, Voice]:
+        """(voice id, voice): a saved voice (looked up now), else the uploaded recording with its plain
+        ``transcript`` (the pipeline's, without the system prompt; through the library, cached for ``owner``; a
+        full disk only skips the caching)."""
         saved, audio = request.voice, request.prompt_audio
         if saved is not None and audio is not None:
             raise InvalidInputError("give a saved voice or a prompt recording, not both", "voice")
@@ -910,35 +941,17 @@ class TTSService:
         if audio is None:
             raise InvalidInputError(f"{mode} needs a voice: a saved voice's id or name, or a prompt recording",
                                     "voice")
-        prompt_text = ""
         if mode == "zero_shot":
             with _field("transcript"):
-                if not isinstance(request.transcript, str) or not user_text(request.transcript):
+                if not isinstance(request.transcript, str) or not request.transcript.strip():
                     raise InvalidInputError("zero-shot cloning needs the transcript of the prompt recording; or "
                                             "use cross_lingual mode, which needs none")
-                self.model.frontend.check_text(request.transcript, "transcript")
-            prompt_text = zero_shot_prompt_text(request.transcript)
+                check_text(request.transcript, self.limits, "transcript")
+                if not transcript:
+                    raise InvalidInputError("the transcript has only the system prompt; give the words of the "
+                                            "prompt recording after it")
         with _field("prompt_audio"):
-            return self.voices.get_or_create(audio, prompt_text, owner=owner)
-
-
-_MODEL_FORM = ("CosyVoice3 needs '<|endofprompt|>' in the prompt: end the zero-shot transcript with it ('You are a "
-               "helpful assistant.<|endofprompt|>' + transcript), wrap the instruct2 instruction as 'You are a "
-               "helpful assistant. <instruction><|endofprompt|>', or start cross-lingual text with 'You are a "
-               "helpful assistant.<|endofprompt|>' (cosyvoice.frontend.prompts does this for you)")
-
-
-def _check_model_form(mode: str, request: SynthesisRequest, has_text: bool) -> None:
-    """A request in the model's form (the official API) carries ``<|endofprompt|>`` where the mode needs it."""
-    if mode == "cross_lingual" and not has_text:
-        raise InvalidInputError("text given as a stream works in zero_shot and instruct2 mode only (the reference's "
-                                "bi-streaming needs <|endofprompt|> in the prompt text); use instruct2 with a neutral "
-                                "instruction for a voice without a transcript", "text")
-    needs = {"zero_shot": ("transcript", request.transcript if request.prompt_audio is not None else None),
-             "cross_lingual": ("text", request.text), "instruct": ("instruction", request.instruction)}
-    field, value = needs.get(mode, ("", None))
-    if isinstance(value, str) and value.strip() and END_OF_PROMPT not in value:
-        raise InvalidInputError(_MODEL_FORM, field)
+            return self.voices.get_or_create(audio, transcript if mode == "zero_shot" else "", owner=owner)
 
 
 def _pump(pieces: Iterable[str], feed: TextFeed) -> None:

@@ -38,6 +38,7 @@ from cosyvoice.errors import CosyVoiceError, InvalidInputError, NotFoundError
 from cosyvoice.frontend.audio import AudioSource
 from cosyvoice.frontend.frontend import Voice
 from cosyvoice.frontend.prompt import PromptFeatures
+from cosyvoice.frontend.prompts import SYSTEM_PREFIX, split_prompt
 from cosyvoice.utils.fs import atomic_write
 from cosyvoice.voices import VoiceInfo, VoiceLibrary
 
@@ -228,7 +229,7 @@ class SpeakerFile:
             raise InvalidInputError("zero_shot_spk_id must be a non-empty name for the saved voice")
         if not isinstance(prompt_text, str):
             raise InvalidInputError(f"prompt_text must be a string, got {type(prompt_text).__name__}")
-        voice_id, _ = self.library.get_or_create(prompt_wav, prompt_text)
+        voice_id, _ = self.library.get_or_create(prompt_wav, split_prompt(prompt_text)[1] if prompt_text else "")
         return self.library.assign(spk_id, voice_id, replace_name=True)
 
     def unusable(self) -> dict[str, str]:
@@ -245,7 +246,14 @@ class SpeakerFile:
             return None
         if info.name != key or info.builtin:
             return None
-        return self.library.get(info.id)[1]
+        return self._official(self.library.get(info.id)[1])
+
+    def _official(self, voice: Voice) -> Voice:
+        """A library voice (plain transcript ids) as the official file holds it: after the system prompt."""
+        ids, frontend = voice.prompt_text, self.library.frontend
+        if not ids.numel() or bool((ids == frontend.tokenizer.end_of_prompt_id).any()):
+            return voice
+        return Voice(voice.features, torch.cat([frontend.encode(SYSTEM_PREFIX), ids], dim=1))
 
     def voice(self, spk_id: object) -> Voice:
         """A saved voice by speaker id, or an :class:`InvalidInputError` saying why there is none."""
@@ -271,7 +279,7 @@ class SpeakerFile:
             voices: dict[Any, Voice] = {}
             for info in self.library.named():
                 try:
-                    voices[info.name] = self.library.get(info.id)[1]
+                    voices[info.name] = self._official(self.library.get(info.id)[1])
                 except CosyVoiceError as exc:  # unreadable or deleted meanwhile: the file keeps what it has
                     logger.warning("saved voice %r not written to %s: %s", info.name, self.path.name, exc)
                     continue

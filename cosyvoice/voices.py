@@ -74,7 +74,7 @@ from cosyvoice.errors import (
 from cosyvoice.frontend.audio import AudioSource
 from cosyvoice.frontend.frontend import CosyVoiceFrontend, Voice
 from cosyvoice.frontend.prompt import PromptFeatures
-from cosyvoice.frontend.prompts import user_text, zero_shot_prompt_text
+from cosyvoice.frontend.prompts import transcript_ids, zero_shot_prompt_text
 from cosyvoice.settings import VOICE_DIR_SETTING, VoicePolicy
 from cosyvoice.utils.fs import atomic_write, unwritable
 
@@ -226,7 +226,8 @@ class VoiceLibrary:
 
     def get_or_create(self, prompt_wav: AudioSource, prompt_text: str = "", *,
                       owner: str | None = None) -> tuple[str, Voice]:
-        """The voice of a recording and its prompt text (already in CosyVoice3's form, or ``''``), cached for
+        """The voice of a recording and its plain transcript (without CosyVoice3's system prompt, which the
+        pipeline adds; ``''`` for none), cached for
         ``owner`` (the cache entry is visible to its uploaders alone until someone saves it under a name).
 
         The audio is decoded and validated first (so bad uploads fail with the frontend's message); features
@@ -258,8 +259,9 @@ class VoiceLibrary:
 
     def create(self, name: str, prompt_wav: AudioSource, prompt_text: str = "", *,
                owner: str | None = None) -> VoiceInfo:
-        """Save a recording under ``name`` in one step (featurised unless cached). A taken name, or this
-        recording + text saved already under another name, is refused (:class:`AlreadyExistsError`)."""
+        """Save a recording and its plain transcript under ``name`` in one step (featurised unless cached). A
+        taken name, or this recording + text saved already under another name, is refused
+        (:class:`AlreadyExistsError`)."""
         name = check_name(name)
         self._writable()  # before featurising: a refusal or a taken name fails fast
         self._check_free(name)
@@ -384,7 +386,7 @@ class VoiceLibrary:
             raise InvalidInputError("the voice file has no name; give it one")
         name = check_name(str(name or meta.get("name")))
         self._check_free(name)
-        prompt_text = zero_shot_prompt_text(transcript) if transcript else ""
+        prompt_text = " ".join(transcript.split())
         audio = None
         if has_audio:
             wav = (tensors["prompt_audio"].to(torch.float32) / 32768.0).reshape(1, -1)
@@ -395,7 +397,7 @@ class VoiceLibrary:
                                         "featurise again; export it from a library of this model")
             return self.create(name, audio, prompt_text, owner=owner)
         try:  # same model: the stored features are exactly ours
-            voice = Voice(PromptFeatures.from_tensors(tensors), tensors["prompt_text"].to(torch.int32))
+            voice = self._plain(Voice(PromptFeatures.from_tensors(tensors), tensors["prompt_text"].to(torch.int32)))
         except KeyError as exc:
             raise InvalidInputError(f"the voice file lacks {exc}") from exc
         if audio is not None:
@@ -414,9 +416,10 @@ class VoiceLibrary:
         ``replace_name`` a name held by another voice moves to this one (that voice stays, unnamed), as the
         official ``add_zero_shot_spk`` overwrites a speaker id; without it that is an error.
         """
+        voice_id, voice = self.features_id(voice), self._plain(voice)  # the id of the voice as the file holds it
         ids = voice.prompt_text.reshape(-1).tolist()
         transcript = self.frontend.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
-        upload = _Upload(self.features_id(voice), torch.zeros(1, 0), 0, transcript, voice)
+        upload = _Upload(voice_id, torch.zeros(1, 0), 0, transcript, voice)
         with self._exclusive():
             if upload.voice_id not in self._index:
                 try:
@@ -639,7 +642,8 @@ class VoiceLibrary:
         return self.dir / f"{voice_id}.safetensors", self.dir / f"{voice_id}.json"
 
     def _voice_id(self, wav: torch.Tensor, sample_rate: int, prompt_text: str) -> str:
-        text = prompt_text.encode()
+        # hashed in the prefixed form the library stored before it kept plain transcripts: same ids as then
+        text = (zero_shot_prompt_text(prompt_text) if prompt_text else "").encode()
         digest = hashlib.sha256(f"{self.model_id}\0{sample_rate}\0{len(text)}\0".encode() + text)
         digest.update(wav.contiguous().numpy().tobytes())
         return digest.hexdigest()[:32]
@@ -682,7 +686,7 @@ class VoiceLibrary:
     def _read(self, info: VoiceInfo, key: str) -> Voice:
         tensors = self._tensors(info, key)
         try:
-            voice = Voice(PromptFeatures.from_tensors(tensors), tensors["prompt_text"].to(torch.int32))
+            voice = self._plain(Voice(PromptFeatures.from_tensors(tensors), tensors["prompt_text"].to(torch.int32)))
         except (KeyError, ValueError) as exc:
             raise InvalidInputError(f"voice {key!r} is incomplete on disk ({exc}); upload it again") from exc
         try:
@@ -693,6 +697,15 @@ class VoiceLibrary:
             if info.id in self._index:
                 self._index[info.id].last_used = time.time()
         return voice
+
+    def _plain(self, voice: Voice) -> Voice:
+        """``voice`` with its plain transcript ids: entries saved before the library kept plain transcripts, older
+        exports and ``spk2info.pt`` hold them after the system prompt, which the pipeline adds itself."""
+        ids = voice.prompt_text.reshape(-1).tolist()
+        plain = transcript_ids(ids, self.frontend.tokenizer.end_of_prompt_id)
+        if len(plain) == len(ids):
+            return voice
+        return Voice(voice.features, torch.tensor([plain], dtype=torch.int32).reshape(1, -1))
 
     def _store(self, upload: _Upload, name: str | None, owner: str | None) -> VoiceInfo:
         """Write a new entry (with its recording, where there is one), then evict; under the folder lock. A
@@ -705,7 +718,7 @@ class VoiceLibrary:
                            prompt_audio_rate=torch.tensor(upload.sample_rate))
         data = save({k: v.contiguous() for k, v in tensors.items()})
         now = time.time()
-        info = VoiceInfo(upload.voice_id, name, user_text(upload.prompt_text), now, now, 0,
+        info = VoiceInfo(upload.voice_id, name, upload.prompt_text, now, now, 0,
                          owners=() if owner is None or name else (owner,), creator=owner if name else None)
         tensors_path, _ = self._paths(upload.voice_id)
         try:
@@ -795,7 +808,7 @@ class VoiceLibrary:
             transcript = " ".join(transcript_path.read_text(encoding="utf-8").split())
             info = VoiceInfo(id=f"{BUILTIN_PREFIX}{wav.stem}", name=wav.stem, transcript=transcript, created=0.0,
                              last_used=0.0, nbytes=0, builtin=True)
-            builtins[info.id] = _Builtin(info, wav, zero_shot_prompt_text(transcript))
+            builtins[info.id] = _Builtin(info, wav, transcript)
         with self._lock:
             self._builtins.update(builtins)
 

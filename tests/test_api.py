@@ -13,6 +13,7 @@ import torch
 
 from cosyvoice.errors import InvalidInputError, ModelBundleError
 from cosyvoice.frontend.prompts import cross_lingual_text, instruct_text, zero_shot_prompt_text
+from cosyvoice.pipeline import text_plan
 from cosyvoice.spkinfo import read_spkinfo
 
 TEXT = "Hello there, my friend, how are you today?"
@@ -210,11 +211,12 @@ def test_missing_end_of_prompt_is_reported_at_the_call(tts, prompt_wav: Path) ->
 
 def test_split_prefixed_speaks_long_cross_lingual_text_sentence_by_sentence(tts) -> None:
     text = cross_lingual_text(" ".join(["This sentence is one of many in a long paragraph."] * 12))
-    assert len(tts.frontend.segments(text)) == 1  # the reference's rule: prefixed text is one segment
-    pieces = tts.frontend.segments(text, split_prefixed=True)
-    assert len(pieces) > 1
-    assert all(p.startswith("You are a helpful assistant.<|endofprompt|>") for p in pieces)
-    assert all(p.count("<|endofprompt|>") == 1 for p in pieces)
+    head, pieces = text_plan(tts.frontend, "zero_shot", text, split_prefixed=False)
+    assert pieces == [text] and not head.numel()  # the reference's rule: prefixed text is one segment
+    head, pieces = text_plan(tts.frontend, "zero_shot", text, split_prefixed=True)
+    assert len(pieces) > 1 and not any("<|endofprompt|>" in p for p in pieces)
+    assert tts.frontend.tokenizer.decode(head[0].tolist(), skip_special_tokens=False) == \
+        "You are a helpful assistant.<|endofprompt|>"  # the head's ids go before every piece's ids
 
 
 def test_oversized_upload_is_refused_before_decoding(prompt_wav: Path) -> None:

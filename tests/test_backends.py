@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosyvoice.backends import resolve_backend, trt
+from cosyvoice.backends import attach_flow, attach_hift, resolve_backend, trt
 from cosyvoice.bundle import validate_model_dir
 from cosyvoice.errors import ConfigError
 from cosyvoice.flow import FlowStream
@@ -35,8 +35,9 @@ INT8_MEL_MAX, INT8_MEL_REL_RMS = 5e-2, 1e-2  # int8 DiT against fp32 (measured 0
 def modules(tiny_bundle_dir: Path) -> dict[str, object]:
     bundle = validate_model_dir(tiny_bundle_dir)
     return {"flow": bundle.load_flow(), "hift": bundle.load_hift(),
-            "flow_ort": bundle.load_flow(backend="onnxruntime"), "hift_ort": bundle.load_hift(backend="onnxruntime"),
-            "flow_int8": bundle.load_flow(backend="onnxruntime-int8")}
+            "flow_ort": attach_flow(bundle.load_flow(), bundle.root, "onnxruntime", "cpu"),
+            "hift_ort": attach_hift(bundle.load_hift(), bundle.root, "onnxruntime", "cpu"),
+            "flow_int8": attach_flow(bundle.load_flow(), bundle.root, "onnxruntime-int8", "cpu")}
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +153,8 @@ def test_synthesis_on_onnxruntime_matches_torch(tts, tts_ort, prompt_wav: Path, 
 @pytest.mark.skipif(trt.available() is not None, reason=f"TensorRT cannot run here: {trt.available()}")
 def test_tensorrt_fp32_matches_torch(tiny_bundle_dir: Path, flow_inputs: tuple) -> None:
     bundle = validate_model_dir(tiny_bundle_dir)
-    flow, flow_trt = bundle.load_flow("cuda"), bundle.load_flow("cuda", backend="tensorrt")
-    hift, hift_trt = bundle.load_hift("cuda"), bundle.load_hift("cuda", backend="tensorrt")
+    flow, flow_trt = bundle.load_flow("cuda"), attach_flow(bundle.load_flow("cuda"), bundle.root, "tensorrt", "cuda")
+    hift, hift_trt = bundle.load_hift("cuda"), attach_hift(bundle.load_hift("cuda"), bundle.root, "tensorrt", "cuda")
     inputs = tuple(x.cuda() for x in flow_inputs)
     mel, wav = _stream(flow, hift, inputs)
     mel_trt, wav_trt = _stream(flow_trt, hift_trt, inputs)

@@ -78,7 +78,7 @@ def test_reference_strategy_gives_the_engines_audio(tts, short_prompt_wav: Path)
                                          endofprompt_id=e.endofprompt_id, incremental_flow=True,
                                          incremental_vocoder=True)
     voice = tts.frontend.voice("You are a helpful assistant.<|endofprompt|>Hello, this is a short prompt.",
-                               short_prompt_wav, text_frontend=False)
+                               short_prompt_wav)
     inp = tts.frontend.model_input("Hi there, friend.", voice)
     for stream in (True, False):
         a = [c.pcm for c in e.synthesize(inp, stream=stream, seed=3)]

@@ -79,7 +79,7 @@ def _engine_like(tts, **limits) -> Engine:
 
 
 def _model_input(tts, prompt_wav: Path, text: str = "Hello there, my friend, how are you today?"):
-    voice = tts.frontend.voice(PROMPT_TEXT, prompt_wav, text_frontend=False)
+    voice = tts.frontend.voice(PROMPT_TEXT, prompt_wav)
     return tts.frontend.model_input(text, voice)
 
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from cosyvoice.backends import ensure_onnx
+from cosyvoice.backends.export import ATOL, MANIFEST, OPSET, RTOL, VOCODER_RTOL, export_onnx, parity_table, sha256_file
 from cosyvoice.backends.graphs import DFTSpectral
-from cosyvoice.bin.export_onnx import ATOL, MANIFEST, OPSET, RTOL, VOCODER_RTOL, export_onnx, parity_table, sha256_file
 from cosyvoice.bundle import validate_model_dir
 
 

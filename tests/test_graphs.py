@@ -78,8 +78,7 @@ def test_the_engine_runs_its_flow_steps_compiled(tts, short_prompt_wav: Path) ->
     from cosyvoice.settings import Limits
 
     e = tts.engine
-    voice = tts.frontend.voice("You are a helpful assistant.<|endofprompt|>Hello there.", short_prompt_wav,
-                               text_frontend=False)
+    voice = tts.frontend.voice("You are a helpful assistant.<|endofprompt|>Hello there.", short_prompt_wav)
     inp = tts.frontend.model_input("", voice)
     tokens = torch.randint(0, e.config.flow.vocab_size, (130,), generator=torch.Generator().manual_seed(0))
     mels: dict[str, list[torch.Tensor]] = {}

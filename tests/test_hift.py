@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosyvoice.errors import InvalidInputError, ResourceLimitError
+from cosyvoice.errors import ResourceLimitError
 from cosyvoice.hifigan import CausalHiFTGenerator, rename_hift_key
 from cosyvoice.hifigan.f0_predictor import LOOKAHEAD
 from cosyvoice.tools.parity import hift as hift_parity
@@ -84,9 +84,9 @@ def test_output_is_clipped(vocoder: CausalHiFTGenerator, mel: torch.Tensor) -> N
 
 
 def test_inputs_are_validated(vocoder: CausalHiFTGenerator, mel: torch.Tensor) -> None:
-    with pytest.raises(InvalidInputError, match="shape"):
+    with pytest.raises(RuntimeError, match="shape"):
         vocoder.inference(mel[:, :40])
-    with pytest.raises(InvalidInputError, match="at least"):
+    with pytest.raises(RuntimeError, match="at least"):
         vocoder.inference(mel[:, :, : vocoder.min_frames(False) - 1], finalize=False)
     short = CausalHiFTGenerator(vocoder.cfg)
     short.set_sinegen_noise(torch.zeros(1, vocoder.cfg.nb_harmonics + 1), torch.zeros(1, 480, 9))

@@ -9,7 +9,6 @@ import torch
 from toy_lm import EOP, SPEECH, toy_lm
 
 from cosyvoice.config import SamplingConfig
-from cosyvoice.errors import InvalidInputError
 from cosyvoice.llm import CosyVoice3LM, KVCache, SeededSampler, nucleus_candidates, nucleus_rows, ras_sample_rows
 from cosyvoice.llm.model import MAX_SILENT_RUN
 from cosyvoice.llm.sampling import history_tails, uniforms
@@ -139,14 +138,14 @@ def test_long_silence_is_dropped_but_fed_back(lm: CosyVoice3LM) -> None:
 
 def test_invalid_requests_raise_at_call_time(lm: CosyVoice3LM) -> None:
     text, prompt, speech = _request()
-    with pytest.raises(InvalidInputError, match="endofprompt"):
+    with pytest.raises(RuntimeError, match="endofprompt"):
         lm.generate(text, [5, 6], speech, 0, endofprompt_id=EOP)
     lm.generate([*text, EOP], [], [], 0, endofprompt_id=EOP)  # cross-lingual: fine
-    with pytest.raises(InvalidInputError, match="prompt_speech_token"):
+    with pytest.raises(RuntimeError, match="prompt_speech_token"):
         lm.generate(text, prompt, [SPEECH], 0, endofprompt_id=EOP)
-    with pytest.raises(InvalidInputError, match="1-D"):
+    with pytest.raises(RuntimeError, match="1-D"):
         lm.generate(torch.zeros(2, 3, dtype=torch.long), prompt, speech, 0, endofprompt_id=EOP)
-    with pytest.raises(InvalidInputError, match="KV cache"):
+    with pytest.raises(RuntimeError, match="KV cache"):
         lm.generate(text, prompt, speech, 0, endofprompt_id=EOP, cache=lm.llm.new_cache(1, 8))
 
 

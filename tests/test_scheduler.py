@@ -167,7 +167,7 @@ PROMPT_TEXT = "You are a helpful assistant.<|endofprompt|>Hello, this is a short
 
 
 def _inp(tts, wav: Path, text: str = "Hi there, friend."):
-    return tts.frontend.model_input(text, tts.frontend.voice(PROMPT_TEXT, wav, text_frontend=False))
+    return tts.frontend.model_input(text, tts.frontend.voice(PROMPT_TEXT, wav))
 
 
 def _engine(tts, **kw) -> Engine:

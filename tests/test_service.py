@@ -13,7 +13,7 @@ import torch
 
 from cosyvoice.errors import AlreadyExistsError, InvalidInputError, NotFoundError, ResourceLimitError
 from cosyvoice.frontend.prompts import cross_lingual_text, instruct_text, zero_shot_prompt_text
-from cosyvoice.service import Outcome, SynthesisRequest, TTSService, allowed_path
+from cosyvoice.service import Outcome, SynthesisRequest, TTSService, allowed_path, draw_seed
 from cosyvoice.settings import Limits
 from cosyvoice.voices import VoiceLibrary
 
@@ -375,3 +375,17 @@ def _eventually(condition, seconds: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return condition()
+
+
+def test_an_unseeded_request_gets_the_one_seed_draw_below_2_53(service: TTSService, short_prompt_wav: Path) -> None:
+    """The service draws every missing seed (adapters read it back as ``session.seed``), from torch's global
+    generator and in a range a JavaScript number or a spreadsheet cell holds exactly."""
+    assert all(0 <= draw_seed() < 2**53 for _ in range(2000))
+    request = SynthesisRequest("Hello there.", "cross_lingual", prompt_audio=short_prompt_wav.read_bytes())
+    seeds = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        seeds.append(service.prepare(request).seed)
+    assert seeds[0] == seeds[1] < 2**53
+    with service.synthesize(request) as session:
+        assert session.seed == session.prepared.seed < 2**53

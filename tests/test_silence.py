@@ -109,8 +109,7 @@ def test_the_engine_option_trims_streamed_requests_only(tts, short_prompt_wav) -
     from cosyvoice.settings import Limits
 
     e = tts.engine
-    voice = tts.frontend.voice("You are a helpful assistant.<|endofprompt|>Hello there.", short_prompt_wav,
-                               text_frontend=False)
+    voice = tts.frontend.voice("You are a helpful assistant.<|endofprompt|>Hello there.", short_prompt_wav)
     inp = tts.frontend.model_input("", voice)
     tokens = torch.randint(0, e.config.flow.vocab_size, (150,), generator=torch.Generator().manual_seed(0))
     plain = Engine(e.config, e.llm, e.flow, e.hift, e.device, Limits())

@@ -71,6 +71,8 @@ def test_mixed_spk2info_loses_nothing(tts, model_dir: Path, short_prompt_wav: Pa
     assert set(written) == {"sft", "mine", "mine (copy)", "new"}
     assert _same(written["sft"], sft) and _same(written["mine (copy)"], corrupt)  # written back as they were
     assert all(_same(written["mine"][k], v) for k, v in zero_shot.items())
+    # the library keeps plain transcripts; the file holds them in the official form, after the system prompt
+    assert torch.equal(written["new"]["prompt_text"], tts.frontend.encode(PROMPT_TEXT))
 
     # the file alone (a fresh voice library) brings every voice back
     again = _open(model_dir, tmp_path / "other-voices")

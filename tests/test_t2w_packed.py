@@ -102,8 +102,7 @@ def test_packed_chunks_give_each_session_its_alone_mel_and_samples(tts, short_pr
     from cosyvoice.engine import Session, T2WState, Token2Wav
 
     e = tts.engine
-    voice = tts.frontend.voice("You are a helpful assistant.<|endofprompt|>Hello there.", short_prompt_wav,
-                               text_frontend=False)
+    voice = tts.frontend.voice("You are a helpful assistant.<|endofprompt|>Hello there.", short_prompt_wav)
     sessions = []
     for i in range(4):
         tokens = torch.randint(0, e.config.flow.vocab_size, (120 + 60 * i,), generator=torch.Generator().manual_seed(i))
@@ -147,8 +146,7 @@ def test_the_engine_packs_concurrent_streams(tts, short_prompt_wav: Path) -> Non
     from cosyvoice.settings import Limits
 
     e = tts.engine
-    voice = tts.frontend.voice("You are a helpful assistant.<|endofprompt|>Hello there.", short_prompt_wav,
-                               text_frontend=False)
+    voice = tts.frontend.voice("You are a helpful assistant.<|endofprompt|>Hello there.", short_prompt_wav)
     inp = tts.frontend.model_input("", voice)
     tokens = [torch.randint(0, e.config.flow.vocab_size, (100 + 30 * i,), generator=torch.Generator().manual_seed(i))
               for i in range(6)]

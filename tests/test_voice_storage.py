@@ -22,7 +22,6 @@ import pytest
 import soundfile as sf
 
 from cosyvoice.errors import ConfigError, ReadOnlyError, StorageError
-from cosyvoice.frontend.prompts import zero_shot_prompt_text
 from cosyvoice.service import SynthesisRequest, TTSService
 from cosyvoice.settings import Limits
 from cosyvoice.voices import VoiceLibrary
@@ -184,7 +183,7 @@ def test_a_full_disk_costs_only_the_caching_and_a_delete_frees_space(
     else:
         service.delete_voice("Kept")
     assert voice.features.speech_feat.shape[1] > 0
-    uploaded, _ = library.get_or_create(_prompt(short_prompt_wav, 0.6), zero_shot_prompt_text(TRANSCRIPT))
+    uploaded, _ = library.get_or_create(_prompt(short_prompt_wav, 0.6), TRANSCRIPT)
     assert library.info(uploaded).name is None  # caching works again once there is room
 
 

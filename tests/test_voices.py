@@ -14,19 +14,20 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from safetensors.torch import load_file, save_file
 
 from cosyvoice.errors import InvalidInputError, NotFoundError
 from cosyvoice.frontend.prompts import zero_shot_prompt_text
 from cosyvoice.voices import IDENTITY_FILES, VoiceLibrary, model_identity
 
-PROMPT = zero_shot_prompt_text("Hello, this is a short prompt for testing.")
+PROMPT = "Hello, this is a short prompt for testing."  # plain: the library keeps no system prompt
 
 
 class CountingFrontend:
     """The real frontend, counting how often the library asks it for features."""
 
     def __init__(self, frontend) -> None:
-        self.inner, self.limits, self.calls = frontend, frontend.limits, 0
+        self.inner, self.limits, self.tokenizer, self.calls = frontend, frontend.limits, frontend.tokenizer, 0
         self._lock = threading.Lock()
 
     def load_prompt(self, *args, **kwargs):
@@ -71,7 +72,7 @@ def test_features_are_computed_once_per_recording_and_text(tts, prompt_wav: Path
     sf.write(flac, *sf.read(prompt_wav, dtype="int16"), subtype="PCM_16")
     flac_id, _ = library.get_or_create(flac.read_bytes(), PROMPT)
     assert again_id == flac_id == voice_id and _same(again, voice) and frontend.calls == 1
-    other_id, _ = library.get_or_create(prompt_wav, zero_shot_prompt_text("Another transcript."))
+    other_id, _ = library.get_or_create(prompt_wav, "Another transcript.")
     bare_id, bare = library.get_or_create(prompt_wav)
     assert len({voice_id, other_id, bare_id}) == 3 and frontend.calls == 3
     assert bare.prompt_text.shape == (1, 0)
@@ -87,6 +88,24 @@ def test_entries_persist_across_instances(tts, prompt_wav: Path, tmp_path: Path)
     for key in ("Alice", voice_id):
         assert _same(second.get(key)[1], voice)
     assert second.get_or_create(prompt_wav, PROMPT)[0] == voice_id and frontend.calls == 0
+
+
+def test_voices_saved_with_the_system_prompt_are_read_plain_with_their_ids(tts, prompt_wav: Path,
+                                                                          tmp_path: Path) -> None:
+    """Entries written before the library kept plain transcripts hold the transcript's ids after the system
+    prompt: they are read as plain ids (the pipeline adds the prompt), under the ids they always had."""
+    library, _ = _library(tts, tmp_path)
+    voice_id, voice = library.get_or_create(prompt_wav, PROMPT)
+    library.save("Alice", voice_id)
+    assert voice.prompt_text.tolist() == [tts.frontend.tokenizer.encode(PROMPT)]
+    tensors_path = library.dir / f"{voice_id}.safetensors"
+    tensors = load_file(tensors_path)  # rewrite it as an older version stored it
+    tensors["prompt_text"] = tts.frontend.encode(zero_shot_prompt_text(PROMPT))
+    save_file(tensors, tensors_path)
+    again, frontend = _library(tts, tmp_path)
+    info, old = again.get("Alice")
+    assert info.id == voice_id and _same(old, voice) and frontend.calls == 0
+    assert again.get_or_create(prompt_wav, PROMPT)[0] == voice_id and frontend.calls == 0  # ids as before
 
 
 def test_model_identity_follows_the_model_files(tiny_bundle_dir: Path, tmp_path: Path) -> None:

@@ -97,7 +97,7 @@ def test_random_seed_is_shown_and_formats_are_named(studio: Studio, short_prompt
     *_, (status, download, _, _, _) = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav), seed=-1,
                                                 stream=False, fmt="opus")
     [take] = studio.history(None)
-    assert 0 <= take["seed"] < 2**31 and f"seed {take['seed']}" in status and take["format"] == "opus"
+    assert 0 <= take["seed"] < 2**53 and f"seed {take['seed']}" in status and take["format"] == "opus"
     assert Path(download["value"]).name == f"take-1-seed{take['seed']}.opus"
     import av
 

@@ -26,6 +26,7 @@ import importlib.util
 import json
 import logging
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("torch", "onnxruntime", "onnxruntime-int8", "tensorrt")
 CHOICES = ("auto", *BACKENDS)
+FlowT = TypeVar("FlowT", bound=torch.nn.Module)
+HiftT = TypeVar("HiftT", bound=torch.nn.Module)
 
 
 def resolve_backend(requested: str | None, device: torch.device | str) -> str:
@@ -77,7 +80,7 @@ def unavailable(name: str, device: torch.device) -> str | None:
 def ensure_onnx(model_root: Path, precision: str = "fp32") -> dict[str, object]:
     """The manifest of ``model_root/onnx`` with the DiT graphs in ``precision``, exporting first when they are
     missing or stale (the precisions exported before are kept)."""
-    from cosyvoice.bin import export_onnx as ex
+    from cosyvoice.backends import export as ex
 
     out = model_root / "onnx"
     manifest_path = out / ex.MANIFEST
@@ -98,7 +101,7 @@ def ensure_onnx(model_root: Path, precision: str = "fp32") -> dict[str, object]:
 
 def _graph(name: str, backend: str, manifest: dict[str, object], root: Path, device: torch.device,
            precision: str, dims: dict[str, int]) -> object:
-    from cosyvoice.bin.export_onnx import graph_file
+    from cosyvoice.backends.export import graph_file
 
     path = root / "onnx" / graph_file(name, precision)
     if backend.startswith("onnxruntime"):
@@ -125,10 +128,11 @@ def _dims(flow: torch.nn.Module | None, hift: torch.nn.Module | None) -> dict[st
     return dims
 
 
-def attach_flow(flow: torch.nn.Module, model_root: Path, backend: str, device: torch.device | str) -> None:
-    """Run ``flow``'s DiT on ``backend`` (a resolved name); fp16 graphs when the flow is half precision on CUDA."""
+def attach_flow(flow: FlowT, model_root: Path, backend: str, device: torch.device | str) -> FlowT:
+    """``flow`` with its DiT run on ``backend`` (a resolved name); fp16 graphs when the flow is half precision on
+    CUDA. The bundle loads plain torch modules; the backend is attached here, so the bundle knows no backend."""
     if backend == "torch":
-        return
+        return flow
     from cosyvoice.backends.runners import GraphEstimator
 
     device = torch.device(device)
@@ -147,18 +151,21 @@ def attach_flow(flow: torch.nn.Module, model_root: Path, backend: str, device: t
     for param in dit.transformer_blocks.parameters():
         # the runner replaces every use of the blocks' weights (FlowStream reads only shapes and dtypes)
         param.data = param.data.new_empty(0)
+    return flow
 
 
-def attach_hift(hift: torch.nn.Module, model_root: Path, backend: str, device: torch.device | str) -> None:
-    """Run ``hift``'s decoder (mel + excitation -> audio) on ``backend``; it stays float32."""
+def attach_hift(hift: HiftT, model_root: Path, backend: str, device: torch.device | str) -> HiftT:
+    """``hift`` with its decoder (mel + excitation -> audio) run on ``backend`` (F0 and the source stay torch);
+    it stays float32."""
     if backend == "torch":
-        return
+        return hift
     from cosyvoice.backends.runners import GraphVocoder
 
     device = torch.device(device)
     manifest = ensure_onnx(model_root)
     graph = _graph("vocoder", backend, manifest, model_root, device, "fp32", _dims(None, hift))
     hift.runner = GraphVocoder(graph, hift, host_output=backend == "tensorrt")  # type: ignore[arg-type]
+    return hift
 
 
 __all__ = ["BACKENDS", "CHOICES", "attach_flow", "attach_hift", "ensure_onnx",

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from cosyvoice.config import CFMConfig, DiTConfig
-from cosyvoice.errors import InvalidInputError, ResourceLimitError
+from cosyvoice.errors import ResourceLimitError
 from cosyvoice.flow.dit import DiT
 from cosyvoice.rng import cfm_noise
 
@@ -74,7 +74,7 @@ class CausalConditionalCFM(nn.Module):
     def set_noise(self, noise: Tensor) -> None:
         """Replace the start-noise buffer [1, mel_dim, L]; frame i of every utterance starts from column i."""
         if noise.ndim != 3 or noise.shape[0] != 1 or noise.shape[1] != self.mel_dim:
-            raise InvalidInputError(f"CFM noise must be [1, {self.mel_dim}, L], got {list(noise.shape)}")
+            raise RuntimeError(f"CFM noise must be [1, {self.mel_dim}, L], got {list(noise.shape)}")
         self.noise = noise.to(device=self.noise.device, dtype=torch.float32)
 
     def start_noise(self, start: int, stop: int, like: Tensor) -> Tensor:

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cosyvoice.config import DiTConfig
-from cosyvoice.errors import InvalidInputError
 
 _LN_EPS = 1e-6
 _TIME_FREQ_DIM = 256  # width of the sinusoidal time features fed to the time MLP
@@ -300,7 +299,7 @@ class DiT(nn.Module):
         start = 0 if past is None else past.length
         n = x.shape[2]
         if keep and (start + keep) % self.chunk_size:
-            raise InvalidInputError(
+            raise RuntimeError(
                 f"keep={keep} does not end on a chunk boundary (start {start}, chunk {self.chunk_size})")
         mask = chunk_causal_mask(start + n, self.chunk_size, first_query=start, device=x.device)
         trunk = self._trunk if self.runner is None else self.runner.velocity_cached

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cosyvoice.config import FlowConfig
-from cosyvoice.errors import InvalidInputError
 from cosyvoice.flow.cfm import CausalConditionalCFM, guidance_batch, solve_euler_cfg
 from cosyvoice.flow.dit import DiTCache, PackedTrunk, cache_cat, cache_rows, conv1d
 
@@ -155,31 +154,31 @@ class CausalMaskedDiffWithDiT(nn.Module):
         """Validate shapes and ids; return the tensors on this module's device (ids as int64, floats in its dtype)."""
         weight = self.input_embedding.weight
         if token.ndim != 2 or prompt_token.ndim != 2:
-            raise InvalidInputError(f"token and prompt_token must be [B, T] id tensors, got {list(token.shape)} "
+            raise RuntimeError(f"token and prompt_token must be [B, T] id tensors, got {list(token.shape)} "
                                     f"and {list(prompt_token.shape)}")
         batch = token.shape[0]
         if prompt_token.shape[0] != batch:
-            raise InvalidInputError(f"prompt_token has batch {prompt_token.shape[0]}, token has {batch}")
+            raise RuntimeError(f"prompt_token has batch {prompt_token.shape[0]}, token has {batch}")
         if prompt_feat.ndim != 3 or prompt_feat.shape[0] != batch or prompt_feat.shape[2] != self.cfg.output_size:
-            raise InvalidInputError(f"prompt_feat must be [{batch}, frames, {self.cfg.output_size}], "
+            raise RuntimeError(f"prompt_feat must be [{batch}, frames, {self.cfg.output_size}], "
                                     f"got {list(prompt_feat.shape)}")
         if embedding.shape != (batch, self.cfg.spk_embed_dim):
-            raise InvalidInputError(
+            raise RuntimeError(
                 f"embedding must be [{batch}, {self.cfg.spk_embed_dim}], got {list(embedding.shape)}")
         for name, length, width in (("token_len", token_len, token.shape[1]),
                                     ("prompt_token_len", prompt_token_len, prompt_token.shape[1]),
                                     ("prompt_feat_len", prompt_feat_len, prompt_feat.shape[1])):
             if not bool((torch.as_tensor(length) == width).all()):
-                raise InvalidInputError(f"{name}={torch.as_tensor(length).tolist()} must equal the tensor width "
+                raise RuntimeError(f"{name}={torch.as_tensor(length).tolist()} must equal the tensor width "
                                         f"{width} for every row: padded batches are not supported")
         for name, ids in (("token", token), ("prompt_token", prompt_token)):
             if ids.is_floating_point() or ids.is_complex():
-                raise InvalidInputError(f"{name} must hold integer speech-token ids, got {ids.dtype}")
+                raise RuntimeError(f"{name} must hold integer speech-token ids, got {ids.dtype}")
             if ids.numel() and int(ids.max()) >= self.cfg.vocab_size:
-                raise InvalidInputError(f"{name} contains id {int(ids.max())}; speech tokens are "
+                raise RuntimeError(f"{name} contains id {int(ids.max())}; speech tokens are "
                                         f"0..{self.cfg.vocab_size - 1}")
         if not finalize and token.shape[1] + prompt_token.shape[1] < self.pre_lookahead_len:
-            raise InvalidInputError(f"finalize=False needs at least {self.pre_lookahead_len} tokens "
+            raise RuntimeError(f"finalize=False needs at least {self.pre_lookahead_len} tokens "
                                     f"(prompt included) to use as look-ahead")
         device, dtype = weight.device, weight.dtype
         return (token.to(device=device, dtype=torch.long), prompt_token.to(device=device, dtype=torch.long),
@@ -284,14 +283,14 @@ class FlowStream:
         flow = self.flow
         streaming = not finalize if streaming is None else streaming
         if self._finalized:
-            raise InvalidInputError("this FlowStream was finalised; start a new one for a new utterance")
+            raise RuntimeError("this FlowStream was finalised; start a new one for a new utterance")
         self._finalized = finalize
         n_prompt_tokens, n_prompt = self.prompt_token.shape[1], self.prompt_feat.shape[1]
         token, _, _, _ = flow._check_inputs(token, token.shape[1], self.prompt_token, n_prompt_tokens,
                                             self.prompt_feat, n_prompt, self.embedding, finalize=True)
         tokens = torch.cat((self._tokens, token), dim=1)
         if not finalize and tokens.shape[1] < self.flow.pre_lookahead_len:
-            raise InvalidInputError(f"finalize=False needs at least {self.flow.pre_lookahead_len} tokens "
+            raise RuntimeError(f"finalize=False needs at least {self.flow.pre_lookahead_len} tokens "
                                     f"(prompt included) to use as look-ahead")
         self._tokens = tokens
         if not streaming or self._caches is None:

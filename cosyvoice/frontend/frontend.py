@@ -12,13 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from cosyvoice.bundle import ModelBundle
-from cosyvoice.errors import InvalidInputError
 from cosyvoice.frontend.audio import AudioSource, load_prompt_audio
 from cosyvoice.frontend.features import MelParams
 from cosyvoice.frontend.onnx_models import CampPlus, SpeechTokenizer
 from cosyvoice.frontend.prompt import PromptFeatures, extract_prompt_features
 from cosyvoice.frontend.text import TextFrontend
-from cosyvoice.frontend.tokenizer import END_OF_PROMPT, CosyVoice3Tokenizer
+from cosyvoice.frontend.tokenizer import CosyVoice3Tokenizer
 from cosyvoice.settings import Limits
 
 
@@ -62,44 +61,6 @@ class CosyVoiceFrontend:
 
     # ------------------------------------------------------------------ text
 
-    def check_text(self, text: str, what: str = "text") -> None:
-        """Reject text the model cannot speak, before any work is done."""
-        if not isinstance(text, str):
-            raise InvalidInputError(f"{what} must be a string, got {type(text).__name__}")
-        if not text.strip():
-            raise InvalidInputError(f"{what} is empty; type something to say")
-        if len(text) > self.limits.max_text_chars:
-            raise InvalidInputError(
-                f"{what} has {len(text)} characters; at most {self.limits.max_text_chars} are allowed per request "
-                "(COSYVOICE_MAX_TEXT_CHARS); split it into several requests")
-
-    def segments(self, text: str, text_frontend: bool = True, split_prefixed: bool = False) -> list[str]:
-        """Normalised pieces of ``text`` to synthesise one after another (raises if nothing is speakable).
-
-        Text carrying ``<|endofprompt|>`` is one piece, unnormalised, as in the reference. With
-        ``split_prefixed`` the part after the marker is normalised and split like plain text and each
-        piece gets the part up to the marker again, so long cross-lingual text is spoken sentence by
-        sentence instead of as one very long segment.
-        """
-        head, marker, body = text.rpartition(END_OF_PROMPT)
-        if marker and not body.strip():
-            raise InvalidInputError(f"text has nothing to speak after {END_OF_PROMPT}: the marker ends a prompt "
-                                    "(a system prompt or an instruction); leave it out of the text to speak")
-        if not (split_prefixed and marker):
-            self.check_text(text)
-            head, marker, body = "", "", text
-        else:
-            self.check_text(body)
-        pieces = self.text.split(body, text_frontend=text_frontend)
-        if not pieces:
-            raise InvalidInputError(f"text {body.strip()[:80]!r} has nothing to speak (only punctuation?)")
-        return [head + marker + piece for piece in pieces]
-
-    def has_end_of_prompt(self, *texts: str | torch.Tensor) -> bool:
-        """Whether any text (string or token ids) carries ``<|endofprompt|>``, which the LLM requires."""
-        eop = self.tokenizer.end_of_prompt_id
-        return any(END_OF_PROMPT in t if isinstance(t, str) else bool((t == eop).any()) for t in texts)
-
     def encode(self, text: str) -> torch.Tensor:
         return _ids(self.tokenizer.encode(text, allowed_special="all"))
 
@@ -123,20 +84,20 @@ class CosyVoiceFrontend:
         return extract_prompt_features(wav, sample_rate, self.speech_tokenizer, self.campplus, self.sample_rate,
                                        mel_params=self.mel_params, token_mel_ratio=self.token_mel_ratio)
 
-    def voice(self, prompt_text: str, prompt_wav: AudioSource, text_frontend: bool = True) -> Voice:
+    def voice(self, prompt_text: str, prompt_wav: AudioSource) -> Voice:
         """A :class:`Voice` from a recording and its transcript (``''`` for modes that use no transcript)."""
-        return self.voice_from(self.prompt_features(prompt_wav), prompt_text, text_frontend)
+        return self.voice_from(self.prompt_features(prompt_wav), prompt_text)
 
-    def voice_from(self, features: PromptFeatures, prompt_text: str, text_frontend: bool = True) -> Voice:
-        """A :class:`Voice` from already computed features and the transcript."""
-        text = self.text.normalize(prompt_text, text_frontend=text_frontend) if prompt_text else ""
-        return Voice(features=features, prompt_text=self.encode(text))
+    def voice_from(self, features: PromptFeatures, prompt_text: str) -> Voice:
+        """A :class:`Voice` from already computed features and the transcript, tokenised as written (the
+        reference never normalises a transcript: it carries the system prompt's markup there)."""
+        return Voice(features=features, prompt_text=self.encode(prompt_text))
 
     # ------------------------------------------------------------------ model input per mode
 
     def model_input(self, segment: str, voice: Voice, prompt_text: torch.Tensor | None = None,
-                    llm_prompt_speech: bool = True) -> ModelInput:
-        """Model input for one normalised text segment.
+                    llm_prompt_speech: bool = True, head: torch.Tensor | None = None) -> ModelInput:
+        """Model input for one normalised text segment, its ids after ``head`` (ids, e.g. a system prompt).
 
         zero-shot: the voice's transcript + speech tokens prompt the LLM; cross-lingual: neither
         (``prompt_text`` empty, ``llm_prompt_speech=False``); instruct2: the instruction replaces the
@@ -145,8 +106,9 @@ class CosyVoiceFrontend:
         f = voice.features
         speech = f.speech_token.to(torch.int32)
         empty = torch.zeros(1, 0, dtype=torch.int32)
+        text = self.encode(segment)
         return ModelInput(
-            text=self.encode(segment),
+            text=text if head is None or not head.numel() else torch.cat([head, text], dim=1),
             prompt_text=voice.prompt_text if prompt_text is None else prompt_text,
             llm_prompt_speech_token=speech if llm_prompt_speech else empty,
             flow_prompt_speech_token=speech,

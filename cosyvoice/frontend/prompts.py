@@ -29,6 +29,23 @@ SYSTEM_PROMPT = "You are a helpful assistant."
 SYSTEM_PREFIX = SYSTEM_PROMPT + END_OF_PROMPT
 
 
+def split_prompt(text: str) -> tuple[str, str]:
+    """``(head, body)`` of ``text`` in the canonical prefixed form (``head + body == zero_shot_prompt_text(text)``):
+    the head is the system prompt closed by ``<|endofprompt|>`` (as the user typed it, when it starts with the
+    system prompt), the body what the user wrote to be spoken or transcribed, stripped. The pipeline makes the
+    head's token ids once and puts them before the body's; the voice library keeps a transcript's body alone."""
+    prefixed = _prefixed(text)
+    head, marker, body = prefixed.partition(END_OF_PROMPT)
+    return head + marker, body
+
+
+def transcript_ids(ids: list[int], end_of_prompt_id: int) -> list[int]:
+    """A transcript's token ids without the system prompt: ids stored in the model's form (the official
+    ``spk2info.pt``, voices saved before the library kept plain transcripts) carry it up to the first
+    ``<|endofprompt|>``; plain ids pass unchanged."""
+    return ids[ids.index(end_of_prompt_id) + 1:] if end_of_prompt_id in ids else ids
+
+
 def zero_shot_prompt_text(transcript: str) -> str:
     """The prompt text for zero-shot cloning: system prefix + the prompt audio's transcript."""
     return _prefixed(transcript)

@@ -32,7 +32,6 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from cosyvoice.config import HiFTConfig
-from cosyvoice.errors import InvalidInputError
 from cosyvoice.hifigan import f0_predictor as f0p
 from cosyvoice.hifigan.source import NoiseSource, SourceModuleHnNSF
 from cosyvoice.rng import SineGenRecipe, sinegen_rand_ini, sinegen_sine_waves
@@ -250,10 +249,10 @@ class CausalHiFTGenerator(nn.Module):
         and one more frame's samples are withheld, so N = (T - 8) * 480 for the released config.
         """
         if speech_feat.dim() != 3 or speech_feat.shape[1] != self.cfg.in_channels:
-            raise InvalidInputError(
+            raise RuntimeError(
                 f"vocoder input must be a mel of shape [B, {self.cfg.in_channels}, T], got {list(speech_feat.shape)}")
         if speech_feat.shape[2] < self.min_frames(finalize):
-            raise InvalidInputError(
+            raise RuntimeError(
                 f"vocoder needs at least {self.min_frames(finalize)} mel frames with finalize={finalize}, "
                 f"got {speech_feat.shape[2]}")
         f0 = self.f0_predictor(speech_feat, finalize=finalize).to(speech_feat)

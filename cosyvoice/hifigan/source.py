@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice.errors import InvalidInputError, ResourceLimitError
+from cosyvoice.errors import ResourceLimitError
 
 NoiseSource = Callable[[int], torch.Tensor]
 """``n_samples -> [1, n_samples, n_harmonics]``: the first ``n_samples`` of the fixed uniform noise."""
@@ -51,10 +51,10 @@ class CausalSineGen(nn.Module):
     def set_noise(self, rand_ini: torch.Tensor, sine_waves: torch.Tensor | NoiseSource) -> None:
         """Install the fixed buffers: ``rand_ini [1, H]`` and the uniform noise (a tensor or a prefix function)."""
         if tuple(rand_ini.shape) != (1, self.n_harmonics):
-            raise InvalidInputError(f"rand_ini must have shape [1, {self.n_harmonics}], got {list(rand_ini.shape)}")
+            raise RuntimeError(f"rand_ini must have shape [1, {self.n_harmonics}], got {list(rand_ini.shape)}")
         if isinstance(sine_waves, torch.Tensor):
             if sine_waves.dim() != 3 or sine_waves.shape[0] != 1 or sine_waves.shape[2] != self.n_harmonics:
-                raise InvalidInputError(
+                raise RuntimeError(
                     f"sine_waves must have shape [1, N, {self.n_harmonics}], got {list(sine_waves.shape)}")
             sine_waves = _prefix_of(sine_waves)
         self.rand_ini = rand_ini

@@ -21,7 +21,7 @@ class MelTimeScale:
 
     def __init__(self, speed: float) -> None:
         if not speed > 0:
-            raise ValueError(f"speed must be positive, got {speed}")
+            raise RuntimeError(f"speed must be positive, got {speed}")
         self.speed = float(speed)
         self._buf: torch.Tensor | None = None  # input frames [start, total) still needed
         self._start = 0  # absolute index of the first buffered input frame

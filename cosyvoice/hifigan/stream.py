@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cosyvoice.errors import InvalidInputError
 from cosyvoice.hifigan import f0_predictor as f0p
 from cosyvoice.hifigan.generator import CausalHiFTGenerator, ResBlock
 
@@ -122,14 +121,14 @@ class HiFTStream:
         """New mel frames ``[B, 80, n]`` -> the newly final waveform samples ``[B, N]``."""
         hift = self.hift
         if self._finalized:
-            raise InvalidInputError("this HiFTStream was finalised; start a new one for a new utterance")
+            raise RuntimeError("this HiFTStream was finalised; start a new one for a new utterance")
         if mel.dim() != 3 or mel.shape[1] != hift.cfg.in_channels:
-            raise InvalidInputError(
+            raise RuntimeError(
                 f"vocoder input must be a mel of shape [B, {hift.cfg.in_channels}, T], got {list(mel.shape)}")
         self._mel = mel if self._mel is None else torch.cat([self._mel, mel], dim=2)
         total = self.frames
         if total < hift.min_frames(finalize):
-            raise InvalidInputError(
+            raise RuntimeError(
                 f"vocoder needs at least {hift.min_frames(finalize)} mel frames with finalize={finalize}, got {total}")
         scale = hift.upsample_scale
         start = self._phase_frame  # decode window start; F0 needs f0_context more frames before it

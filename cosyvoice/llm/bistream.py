@@ -33,7 +33,7 @@ from collections import deque
 
 import torch
 
-from cosyvoice.errors import CosyVoiceError, InvalidInputError, ResourceLimitError
+from cosyvoice.errors import CosyVoiceError, ResourceLimitError
 from cosyvoice.llm.job import Job, Step, TokenStream, Wait
 from cosyvoice.llm.model import ENDOFPROMPT_ID, MAX_SILENT_RUN, SILENT_TOKENS, CosyVoice3LM, TokenIds
 
@@ -70,12 +70,12 @@ def bistream_job(lm: CosyVoice3LM, prompt_text: TokenIds, prompt_speech_token: T
     speech_ids = lm._ids(prompt_speech_token, "prompt_speech_token", lm.speech_token_size, device)
     hits = (prompt_ids == endofprompt_id).nonzero().flatten().tolist()
     if not hits:
-        raise InvalidInputError(
+        raise RuntimeError(
             f"text-stream synthesis needs <|endofprompt|> (id {endofprompt_id}) in the prompt text: end the "
             "zero-shot transcript or the instruct2 instruction with it (cross-lingual mode cannot stream text)")
     n_text, n_speech = mix_ratio
     if n_text <= 0 or n_speech <= 0:
-        raise InvalidInputError(f"mix_ratio must be two positive counts, got {mix_ratio}")
+        raise RuntimeError(f"mix_ratio must be two positive counts, got {mix_ratio}")
     eop = hits[0]  # the reference splits at the first <|endofprompt|>
     prefix = torch.cat([lm.speech_embedding.weight[lm.sos][None].detach(), _embed_text(lm, prompt_ids[:eop + 1])])
     if prefix.shape[0] >= max_len:
@@ -149,7 +149,7 @@ def _run(lm: CosyVoice3LM, prefix: torch.Tensor, text_head: torch.Tensor, speech
             break
         piece = torch.tensor(arrived.popleft(), dtype=torch.long, device=device)
         if int(piece.min()) < 0 or int(piece.max()) >= lm.cfg.qwen.vocab_size:
-            raise InvalidInputError(f"text-stream ids must be in [0, {lm.cfg.qwen.vocab_size})")
+            raise RuntimeError(f"text-stream ids must be in [0, {lm.cfg.qwen.vocab_size})")
         text_cache = torch.cat([text_cache, _embed_text(lm, piece)])
         n_streamed += piece.numel()
         while prompt_speech.shape[0] and text_cache.shape[0] >= n_text:

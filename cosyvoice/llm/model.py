@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from cosyvoice.config import LLMConfig
-from cosyvoice.errors import InvalidInputError
 from cosyvoice.llm.job import Job, Sampler, Step, run_eager
 from cosyvoice.llm.qwen2 import KVCache, Qwen2Backbone
 from cosyvoice.llm.sampling import SeededSampler, to_device
@@ -112,14 +111,14 @@ class CosyVoice3LM(nn.Module):
         """Validate one request and build its prompt: (lm_input [L, H], min_len, max_len).
 
         Inputs are 1-D token ids (or [1, T]); see the module docstring for what each mode passes.
-        Raises :class:`InvalidInputError` before any model work.
+        Raises RuntimeError before any model work on input the service would never pass (invariants).
         """
         device = self.speech_embedding.weight.device
         text_ids = self._ids(text, "text", self.cfg.qwen.vocab_size, device)
         prompt_ids = self._ids(prompt_text, "prompt_text", self.cfg.qwen.vocab_size, device)
         speech_ids = self._ids(prompt_speech_token, "prompt_speech_token", self.speech_token_size, device)
         if not bool((text_ids == endofprompt_id).any() or (prompt_ids == endofprompt_id).any()):
-            raise InvalidInputError(
+            raise RuntimeError(
                 f"CosyVoice3 needs the <|endofprompt|> token (id {endofprompt_id}) in the prompt text or the text: "
                 "end the prompt transcript (zero-shot), the instruction (instruct2) or a leading system prompt "
                 "(cross-lingual) with '<|endofprompt|>', e.g. 'You are a helpful assistant.<|endofprompt|>'")
@@ -145,7 +144,7 @@ class CosyVoice3LM(nn.Module):
         ``sampler`` replaces ras sampling (e.g. to replay a recorded token sequence). ``should_stop`` is
         polled before every decode step, so a caller in another thread can end generation within one step
         even while silent tokens are being withheld. ``fixed_tokens``: see :meth:`generate_job`.
-        Raises :class:`InvalidInputError` at call time, before any model work.
+        Raises RuntimeError at call time on input the service would never pass, before any model work.
         """
         lm_input, min_len, max_len = self.prepare(
             text, prompt_text, prompt_speech_token, endofprompt_id=endofprompt_id,
@@ -157,7 +156,7 @@ class CosyVoice3LM(nn.Module):
         if cache is None:
             cache = self.llm.new_cache(1, needed)
         elif cache.batch != 1 or cache.max_len < needed or cache.dtype != lm_input.dtype or cache.device != device:
-            raise InvalidInputError(
+            raise RuntimeError(
                 f"KV cache (batch {cache.batch}, {cache.max_len} slots, {cache.dtype}, {cache.device}) cannot hold "
                 f"this request: it needs batch 1, {needed} slots, {lm_input.dtype} on {device}")
         sample = sampler or SeededSampler(seed, self.cfg.sampling)
@@ -168,7 +167,7 @@ class CosyVoice3LM(nn.Module):
     def check_fixed_tokens(n: int) -> int:
         """``fixed_tokens`` must be a positive int: the exact number of speech tokens to decode."""
         if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-            raise InvalidInputError(f"fixed_tokens must be a positive integer, got {n!r}")
+            raise RuntimeError(f"fixed_tokens must be a positive integer, got {n!r}")
         return n
 
     def generate_job(self, lm_input: torch.Tensor, min_len: int, max_len: int,
@@ -206,8 +205,8 @@ class CosyVoice3LM(nn.Module):
         if t.dim() == 2 and t.shape[0] == 1:
             t = t[0]
         if t.dim() != 1 or t.is_floating_point() or t.is_complex():
-            raise InvalidInputError(f"{name} must be 1-D integer token ids (or shape [1, T]), "
+            raise RuntimeError(f"{name} must be 1-D integer token ids (or shape [1, T]), "
                                     f"got {t.dtype} of shape {tuple(t.shape)}")
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= limit):
-            raise InvalidInputError(f"{name} has ids outside [0, {limit}): min {int(t.min())}, max {int(t.max())}")
+            raise RuntimeError(f"{name} has ids outside [0, {limit}): min {int(t.min())}, max {int(t.max())}")
         return t.to(device=device, dtype=torch.long)

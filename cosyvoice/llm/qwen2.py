@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cosyvoice.config import QwenConfig
-from cosyvoice.errors import InvalidInputError, ResourceLimitError
+from cosyvoice.errors import ResourceLimitError
 
 # cuDNN attention (torch's first pick for bf16/fp16 on recent GPUs) builds a new plan for every new
 # key length, i.e. at every decode step: ~100 ms each on an H100. The other backends have no such cost.
@@ -79,7 +79,7 @@ class KVCache:
     def __init__(self, cfg: QwenConfig, batch: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
         if batch <= 0 or max_len <= 0:
-            raise InvalidInputError(f"KV cache needs batch > 0 and max_len > 0, got batch={batch} max_len={max_len}")
+            raise RuntimeError(f"KV cache needs batch > 0 and max_len > 0, got batch={batch} max_len={max_len}")
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -87,7 +87,7 @@ class KVCache:
     def rows(self, start: int, stop: int) -> KVCache:
         """Rows ``start .. stop-1`` as a cache of their own that shares this one's storage (a slot pool's view)."""
         if not 0 <= start < stop <= self.batch:
-            raise InvalidInputError(f"rows {start}..{stop} outside a cache of batch {self.batch}")
+            raise RuntimeError(f"rows {start}..{stop} outside a cache of batch {self.batch}")
         view = object.__new__(KVCache)
         view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
         return view
@@ -211,7 +211,7 @@ class Qwen2Model(nn.Module):
         b, t, _ = embeds.shape
         kv_len = cache.max_len if kv_len is None else kv_len
         if cache.batch != b or positions.shape != (b, t):
-            raise InvalidInputError(f"positions {tuple(positions.shape)} / cache batch {cache.batch} do not fit "
+            raise RuntimeError(f"positions {tuple(positions.shape)} / cache batch {cache.batch} do not fit "
                                     f"inputs of shape {tuple(embeds.shape)}")
         if kv_len > cache.max_len:
             raise ResourceLimitError(f"sequence needs {kv_len} KV-cache slots but the cache holds {cache.max_len}")

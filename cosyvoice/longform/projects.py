@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,11 +29,10 @@ from cosyvoice.jobs import Job, JobGone, JobState, Made, Task, release, runner, 
 from cosyvoice.llm.model import CosyVoice3LM
 from cosyvoice.longform import finishing, script
 from cosyvoice.longform.store import Project, ProjectStore, Segment, Take
-from cosyvoice.service import SynthesisRequest, TTSService
+from cosyvoice.service import SynthesisRequest, TTSService, check_text
 from cosyvoice.settings import SPEED_RANGE, default_data_dir
 from cosyvoice.utils.sqlite import require_writable
 
-MAX_SEED = 2**31  # seeds are drawn below this, so every client (JSON, JavaScript) carries them exactly
 SUSPECT_RETRIES = 0  # a project's default: suspect takes are flagged; a project may ask for new takes (new seeds)
 MAX_RETRIES = 5
 KIND = "longform"  # the job kind of a project's generation
@@ -254,7 +252,7 @@ class LongformStudio:
                 if not isinstance(value, str):
                     raise InvalidInputError("instruction must be text", "instruction")
                 if value.strip():
-                    self.frontend.check_text(value, "instruction")
+                    check_text(value, self.service.limits, "instruction")
                 updates["instruction"] = value.strip()
             elif key == "speed":
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not \
@@ -271,7 +269,7 @@ class LongformStudio:
     def _one_segment(self, text: object) -> str:
         if not isinstance(text, str):
             raise InvalidInputError("text must be a string", "text")
-        self.frontend.check_text(text)
+        check_text(text, self.service.limits)
         pieces = self.split(" ".join(text.split()))
         if not pieces:
             raise InvalidInputError("this text has nothing to speak (only punctuation?)", "text")
@@ -406,14 +404,13 @@ class LongformStudio:
         retries = self.store.project(project_id).settings.get("retries", SUSPECT_RETRIES)
         made_takes: list[Take] = []
         for _ in range(1 + retries):  # a suspect take is made again with a new seed, every take kept
-            seed = secrets.randbelow(MAX_SEED)
             request = SynthesisRequest(segment.text, "instruct" if segment.instruction else "sft",
                                        voice=segment.voice, instruction=segment.instruction, speed=segment.speed,
-                                       seed=seed, stream=False)
+                                       stream=False)  # the service draws the seed
             made = synthesize(self.service, request, token)
             flags = self._suspect(segment, made)
             try:
-                take = self.store.add_take(segment, made.pcm, self.sample_rate, seed=seed,
+                take = self.store.add_take(segment, made.pcm, self.sample_rate, seed=made.prepared.seed,
                                            voice_id=made.prepared.voice_id, flags=flags, seconds_to_make=made.seconds,
                                            choose=not flags)
             except NotFoundError:
@@ -432,7 +429,7 @@ class LongformStudio:
         speech tokens looping or at the model's length bounds for the text."""
         flags = finishing.check_take(made.pcm, self.sample_rate, segment.text, segment.speed)
         for text, tokens in zip(made.prepared.segments, made.speech_tokens, strict=False):
-            n_text = len(self.frontend.encode(text))
+            n_text = made.prepared.plan.head.shape[1] + len(self.frontend.encode(text))  # as the LLM counts
             reason = (finishing.token_bounds(len(tokens), CosyVoice3LM.length_limits(n_text), n_text)
                       or finishing.token_loop(tokens))
             if reason:

@@ -3,7 +3,7 @@
 A row has ``text``, a voice (``voice``: a saved voice's id or name, built-ins included; or ``prompt_audio`` +
 ``prompt_text``), and optionally ``mode``, ``instruction``, ``seed``, ``speed`` and ``label`` (the condition /
 system the take belongs to). Every row goes through :meth:`TTSService.synthesize`, like any other request; a
-row without a seed gets one drawn here and stored, so re-running the row with its stored seed gives the same
+row without a seed gets the one the service draws, stored, so re-running the row with its stored seed gives the same
 samples. A bad row (unknown voice, empty text, a bad speed) is reported with its row number and field, and the
 other rows still run. A batch is a job of :mod:`cosyvoice.jobs` (progress, ETA, cancel, resume after a crash).
 """
@@ -14,7 +14,6 @@ import csv
 import functools
 import io
 import json
-import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -25,7 +24,6 @@ from typing import Any
 from cosyvoice.bundle import bundle_digest
 from cosyvoice.engine import CancelToken
 from cosyvoice.errors import InvalidInputError
-from cosyvoice.frontend.tokenizer import END_OF_PROMPT
 from cosyvoice.jobs import Job, JobRunner, JobState, Kind, Task, release, runner, synthesize
 from cosyvoice.service import PreparedRequest, SynthesisRequest, TTSService
 from cosyvoice.settings import Limits, env_name
@@ -36,7 +34,6 @@ TAKES_CSV_COLUMNS = ("take_id", "row", "label", "file", "text", "normalised_text
                      "prompt_text", "instruction", "seed", "speed", "model_id", "software", "sample_rate",
                      "audio_seconds", "synthesis_seconds", "first_chunk_seconds", "created")
 KIND = "batch"  # the job kind of batches
-SEED_RANGE = 2**31  # drawn seeds stay small enough for any spreadsheet to keep exactly
 
 
 @dataclass(frozen=True)
@@ -176,12 +173,12 @@ def _rows(records: list[object], limits: Limits, unit: str) -> list[Row]:
 
 
 def row_request(row: Row, resolve_audio: Callable[[str], Path] | None) -> SynthesisRequest:
-    """A row as a service request (seed drawn if absent); errors name the row's column."""
+    """A row as a service request (the service draws a seed if the row has none); errors name the row's column."""
     v = row.values
     mode = v.get("mode") or ("instruct" if v.get("instruction") else "sft" if v.get("voice") else
                              "zero_shot" if v.get("prompt_text") else "cross_lingual")
     try:
-        seed = int(v["seed"]) if v.get("seed") else secrets.randbelow(SEED_RANGE)
+        seed = int(v["seed"]) if v.get("seed") else None
     except ValueError as exc:
         raise InvalidInputError(f"seed must be a whole number, got {v['seed']!r}", "seed") from exc
     try:
@@ -277,11 +274,10 @@ def provenance(service: TTSService, request: SynthesisRequest, prepared: Prepare
                timings: dict[str, float | None], *, model_id: str | None = None,
                software: str | None = None) -> dict[str, Any]:
     """How a take was made, for :meth:`WorkbenchStore.add_take`: any adapter that synthesised ``request``
-    (the web UI too) stores its takes with this. ``prepared`` is the session's; the seed must be explicit."""
-    assert prepared.seed is not None, "draw the seed before the request so that it can be recorded"
+    (the web UI too) stores its takes with this. ``prepared`` is the session's: it holds the seed used."""
     info = service.get_voice(prepared.voice_id)
-    return {  # segments: the normalised text pieces, without CosyVoice3's prompt prefix
-        "text": request.text, "segments": [s.rpartition(END_OF_PROMPT)[2] for s in prepared.segments],
+    return {  # segments: the normalised text pieces (the pipeline keeps CosyVoice3's prompt prefix apart)
+        "text": request.text, "segments": list(prepared.segments),
         "mode": prepared.mode,
         "engine_mode": prepared.engine_mode, "voice": info.name or "", "voice_id": prepared.voice_id,
         "prompt_text": info.transcript, "instruction": request.instruction if prepared.mode == "instruct" else "",
