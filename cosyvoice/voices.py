@@ -336,7 +336,7 @@ class VoiceLibrary:
                     self._write_meta(replace(info, owners=others))
                 else:
                     self._remove(info.id)
-            except OSError as exc:
+            except (OSError, StorageError) as exc:
                 raise _storage_error(exc, "delete this voice") from exc
             return replace(info)
 
@@ -424,7 +424,7 @@ class VoiceLibrary:
             if upload.voice_id not in self._index:
                 try:
                     self._store(upload, None, None)
-                except OSError as exc:
+                except (OSError, StorageError) as exc:
                     raise _storage_error(exc, f"store voice {name!r}") from exc
             return self.assign(name, upload.voice_id, replace_name=replace_name)
 
@@ -436,7 +436,7 @@ class VoiceLibrary:
             if replace_name and holder is not None and holder.id != voice_id:
                 try:
                     self._write_meta(replace(holder, name=None, creator=None))
-                except OSError as exc:
+                except (OSError, StorageError) as exc:
                     raise _storage_error(exc, f"move the name {key!r}") from exc
             return self.save(key, voice_id)
 
@@ -524,7 +524,7 @@ class VoiceLibrary:
             if info is None:
                 try:
                     info = self._store(upload, name, owner)
-                except OSError as exc:
+                except (OSError, StorageError) as exc:
                     raise _storage_error(exc, f"save the voice {name!r}") from exc
                 return replace(info)
             return self._write_name(info, name, owner)
@@ -542,7 +542,7 @@ class VoiceLibrary:
             if self._flock_depth == 0:
                 try:
                     fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-                except OSError as exc:  # e.g. the folder was remounted read-only after start-up
+                except (OSError, StorageError) as exc:  # e.g. the folder was remounted read-only after start-up
                     raise _storage_error(exc, "change the voice library") from exc
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX)
@@ -746,7 +746,7 @@ class VoiceLibrary:
         creator = info.creator if info.name is not None else owner
         try:
             self._write_meta(replace(info, name=name, owners=(), creator=creator))
-        except OSError as exc:
+        except (OSError, StorageError) as exc:
             raise _storage_error(exc, f"save the voice {name!r}") from exc
         return replace(self._index[info.id])
 
@@ -827,8 +827,9 @@ def _os_error(exc: OSError | StorageError) -> OSError:
     return exc if isinstance(exc, OSError) else exc.__cause__ if isinstance(exc.__cause__, OSError) else OSError(exc)
 
 
-def _storage_error(exc: OSError, action: str) -> StorageError:
+def _storage_error(failed: OSError | StorageError, action: str) -> StorageError:
     """A failed write as users may read it: what could not be done and why, without the server's paths."""
+    exc = _os_error(failed)
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         why = "the server's disk for voices is full; delete voices you no longer need, or ask its operator"
     elif exc.errno == errno.EROFS:
