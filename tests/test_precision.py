@@ -167,27 +167,26 @@ def test_fp32_leaves_the_modules_bit_equal(tiny_bundle_dir: Path, tmp_path: Path
 
 
 @pytest.mark.parametrize("precision", ["int8", "bf16"])
-def test_fast_paths_synthesise_streamed_and_whole(tiny_bundle_dir: Path, tmp_path: Path, short_prompt_wav: Path,
+def test_fast_paths_synthesise_streamed_and_whole(tts, tiny_bundle_dir: Path, tmp_path: Path, short_prompt_wav: Path,
                                                   precision: str) -> None:
-    """End to end through the engine (FlowStream's cached keys/values in the DiT's dtype): the same chunking
-    and length as fp32; the audio is finite."""
+    """End to end through the engine (FlowStream's cached keys/values, the scheduler's KV cache in the LLM's
+    dtype): the same chunking and length as fp32 (the shared ``tts``), finite audio."""
     from cosyvoice.cli.cosyvoice import CosyVoice3
 
-    lengths = {}
-    for name in ("fp32", precision):
-        tts = CosyVoice3(tiny_bundle_dir, device="cpu", voice_dir=tmp_path / name, backend="torch", precision=name)
-        try:
-            voice = tts.frontend.voice("<|endofprompt|>a prompt", short_prompt_wav, text_frontend=False)
-            inp = tts.frontend.model_input("Some words to speak.", voice)
-            for stream in (True, False):
-                chunks = list(tts.engine.synthesize(inp, stream=stream, seed=3, fixed_tokens=60))
-                audio = torch.cat([c.pcm.reshape(-1) for c in chunks])
-                assert torch.isfinite(audio).all()
-                lengths[name, stream] = [c.pcm.numel() for c in chunks]
-        finally:
-            tts.engine.close()
-    for stream in (True, False):
-        assert lengths["fp32", stream] == lengths[precision, stream]
+    fast_tts = CosyVoice3(tiny_bundle_dir, device="cpu", voice_dir=tmp_path, backend="torch", precision=precision)
+    try:
+        assert (fast_tts.model.plan.llm, fast_tts.model.plan.flow) == (precision, precision)
+        for stream in (True, False):
+            lengths = []
+            for model in (tts, fast_tts):
+                voice = model.frontend.voice("<|endofprompt|>a prompt", short_prompt_wav, text_frontend=False)
+                inp = model.frontend.model_input("Some words to speak.", voice)
+                chunks = list(model.engine.synthesize(inp, stream=stream, seed=3, fixed_tokens=60))
+                assert all(torch.isfinite(c.pcm).all() for c in chunks)
+                lengths.append([c.pcm.numel() for c in chunks])
+            assert lengths[0] == lengths[1] and len(lengths[0]) > stream  # streamed: the cached path too
+    finally:
+        fast_tts.engine.close()
 
 
 def test_auto_is_reported_by_ready_and_shown_on_the_page(tiny_bundle_dir: Path, tmp_path: Path) -> None:
