@@ -161,9 +161,9 @@ def profile(tts: CosyVoice3, prompt_wav: Path, fixed: int) -> dict[str, float]:
     out["prefill_s"], out["decode_s_per_token"] = runs[-1]
 
     torch.set_num_threads(t2w_threads)
-    tokens = torch.randint(0, flow.cfg.vocab_size, (1, fixed + 3), generator=torch.Generator().manual_seed(0))
     prompt_tokens = inp.flow_prompt_speech_token.shape[1]
     first = 25 + (-prompt_tokens) % 25 + 3  # the chunk policy's first hop (padded to the 25-token grid) + look-ahead
+    tokens = torch.randint(0, flow.cfg.vocab_size, (1, first + 50), generator=torch.Generator().manual_seed(0))
     n_steps = flow.decoder.n_timesteps
     stream = FlowStream(flow, inp.flow_prompt_speech_token, inp.prompt_speech_feat, inp.flow_embedding)
     for name, piece in (("first", tokens[:, :first]), ("second", tokens[:, first:first + 50])):
@@ -276,6 +276,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--requests", type=int, default=5, help="measured requests per row (first audio p50/p90)")
     parser.add_argument("--rows", nargs="*", choices=list(ROWS), default=list(ROWS))
     parser.add_argument("--golden", type=Path, help="golden fixtures: also measure the quality bounds")
+    parser.add_argument("--skip-profile", action="store_true", help="only the rows (and --golden)")
+    parser.add_argument("--quality-paths", nargs="*", choices=["int8", "bf16"],
+                        help="fast paths to hold to the bounds (default: this CPU's candidates for auto)")
     parser.add_argument("--json", type=Path, help="write settings and results here")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: run one row in this process, print JSON
     args = parser.parse_args(argv)
@@ -291,11 +294,13 @@ def main(argv: list[str] | None = None) -> dict:
                 "model": model, "fixed_tokens": args.fixed_tokens, "requests": args.requests,
                 "mode": "stream, 1 request at a time, batched engine, seed 0", "load_before": load_average()}
     print(" | ".join(f"{k} {v}" for k, v in settings.items()), flush=True)
-    tts = CosyVoice3(model_dir, device="cpu", voice_dir=work / "voices", backend="torch", precision="fp32")
-    prof = profile(tts, _prompt(work / "prompt.wav"), args.fixed_tokens)
-    tts.engine.close()
-    del tts
-    print("profile (fp32)", json.dumps({k: round(v, 4) for k, v in prof.items()}), flush=True)
+    prof: dict[str, float] = {}
+    if not args.skip_profile:
+        tts = CosyVoice3(model_dir, device="cpu", voice_dir=work / "voices", backend="torch", precision="fp32")
+        prof = profile(tts, _prompt(work / "prompt.wav"), args.fixed_tokens)
+        tts.engine.close()
+        del tts
+        print("profile (fp32)", json.dumps({k: round(v, 4) for k, v in prof.items()}), flush=True)
     results: dict[str, object] = {}
     for row in args.rows:
         reason = skip_reason(row, features)
@@ -324,9 +329,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['flow_s_per_audio_s']:.2f} | {r['vocoder_s_per_audio_s']:.2f} | {r['load_s']:.1f} | "  # type: ignore[index]
               f"{r['peak_rss_mb']:.0f} |")  # type: ignore[index]
     if args.golden:
-        paths = fast.candidates(features) if not args.tiny else ("int8", "bf16")
         bundles = {"benchmark bundle": Path(model_dir), "golden tiny bundle": args.golden / "tiny_bundle"}
-        report["quality"] = quality(args.golden, bundles, tuple(dict.fromkeys((*paths, "bf16"))))
+        report["quality"] = quality(args.golden, bundles, tuple(args.quality_paths or fast.candidates(features)))
         for label, q in report["quality"].items():  # type: ignore[union-attr]
             print(label, json.dumps({k: float(f"{v:.3g}") for k, v in q.items()}))
     if args.json:

@@ -178,13 +178,14 @@ def plan_and_apply(requested: str, llm: torch.nn.Module, flow: torch.nn.Module,
     features = cpu_features() if features is None else features
     cpu = tuple(sorted(features))
     if requested == "auto":
-        llm_kind, flow_kind, checks = self_check(llm, flow, candidates(features))
+        (llm_kind, llm), (flow_kind, flow), checks = self_check(llm, flow, candidates(features))
         plan = PrecisionPlan("auto", llm_kind, flow_kind, cpu=cpu, checks=checks)
-    else:
-        if requested == "bf16" and not native_bf16(features):
-            logger.warning("precision bf16 on a CPU without AVX512-BF16 or AMX: every op converts, expect it to "
-                           "run slower than fp32 (auto would not pick it here)")
-        plan = PrecisionPlan(requested, requested, requested, cpu=cpu)
+        logger.info("precision: %s", plan.label)
+        return plan, llm, flow
+    if requested == "bf16" and not native_bf16(features):
+        logger.warning("precision bf16 on a CPU without AVX512-BF16 or AMX: every op converts, expect it to "
+                       "run slower than fp32 (auto would not pick it here)")
+    plan = PrecisionPlan(requested, requested, requested, cpu=cpu)
     logger.info("precision: %s", plan.label)
     return plan, apply_llm(llm, plan.llm), apply_flow(flow, plan.flow)
 
@@ -263,11 +264,21 @@ def _flow_mels(flow: torch.nn.Module, n_prompt: int = 13, n_tokens: int = 25) ->
     return [mel for mel, _ in runs], min(s for _, s in runs)
 
 
-def self_check(llm: torch.nn.Module, flow: torch.nn.Module,
-               paths: tuple[str, ...]) -> tuple[str, str, dict[str, dict[str, float]]]:
-    """(the LLM's path, the DiT's path, every candidate's measurements against fp32 on this model's weights):
-    per stage the fastest of ``paths`` that stays within :data:`BOUNDS` and ran faster than fp32 (timed on
-    the same check, the better of two runs), else fp32."""
+def shadow(module: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A copy of ``module`` that shares its parameters (``dtype``: holds its own copies in that dtype instead):
+    int8 and the DiT's bf16 projections build new weights from the shared ones and never write them, so
+    trying a path at load costs only that path's own weights (the released LLM's fp32 weights are 2 GB)."""
+    memo: dict[int, object] = {id(p): p if dtype is None else torch.nn.Parameter(p.detach().to(dtype),
+                                                                                  requires_grad=False)
+                               for p in module.parameters()}
+    return copy.deepcopy(module, memo)
+
+
+def self_check(llm: torch.nn.Module, flow: torch.nn.Module, paths: tuple[str, ...]
+               ) -> tuple[tuple[str, torch.nn.Module], tuple[str, torch.nn.Module], dict[str, dict[str, float]]]:
+    """((the LLM's path, the LLM), (the DiT's path, the flow), every candidate's measurements against fp32 on
+    this model's weights): per stage the fastest of ``paths`` that stays within :data:`BOUNDS` and ran faster
+    than fp32 (timed on the same check, the better of two runs), else fp32 (the modules given)."""
     started = time.perf_counter()
     checks: dict[str, dict[str, float]] = {}
     lm_input, forced = _synthetic_llm_input(llm)
@@ -281,25 +292,25 @@ def self_check(llm: torch.nn.Module, flow: torch.nn.Module,
     checks["llm_fp32"] = {"seconds": seconds}
     ref_mels, flow_seconds = _flow_mels(flow)
     checks["flow_fp32"] = {"seconds": min(flow_seconds, _flow_mels(flow)[1])}
+    tried = {"llm_fp32": llm, "flow_fp32": flow}
     for kind in paths:
-        got = apply_llm(copy.deepcopy(llm), kind)
+        got = tried[f"llm_{kind}"] = apply_llm(shadow(llm, torch.bfloat16 if kind == "bf16" else None), kind)
         lp, seconds = llm_run(got)
         checks[f"llm_{kind}"] = {"llm_kl_mean": kl_mean(ref_lp, lp), "seconds": seconds}
-        del got
-        got = apply_flow(copy.deepcopy(flow), kind)
+        got = tried[f"flow_{kind}"] = apply_flow(shadow(flow), kind)
         _flow_mels(got)  # a warm-up: quantised and bf16 kernels pack their weights on first use
         mels, seconds = _flow_mels(got)
         errors = [mel_error(r, g) for r, g in zip(ref_mels, mels, strict=True)]
         checks[f"flow_{kind}"] = {**{k: max(e[k] for e in errors) for k in errors[0]}, "seconds": seconds}
-        del got
     chosen = {stage: min((k for k in paths if holds(checks[f"{stage}_{k}"])
                           and checks[f"{stage}_{k}"]["seconds"] < checks[f"{stage}_fp32"]["seconds"]),
                          key=lambda k, s=stage: checks[f"{s}_{k}"]["seconds"], default="fp32")
               for stage in ("llm", "flow")}
     logger.info("precision self-check (%.1f s): %s", time.perf_counter() - started, checks)
-    return chosen["llm"], chosen["flow"], checks
+    return ((chosen["llm"], tried[f"llm_{chosen['llm']}"]), (chosen["flow"], tried[f"flow_{chosen['flow']}"]),
+            checks)
 
 
 __all__ = ["BOUNDS", "CHOICES", "Bf16Linear", "PrecisionPlan", "apply_flow", "apply_llm", "bf16_dit", "candidates",
            "cpu_features", "dit_projections", "holds", "llm_kl", "mel_error", "native_bf16", "plan_and_apply",
-           "quantize_dit", "resolve", "self_check"]
+           "quantize_dit", "resolve", "self_check", "shadow"]
