@@ -21,6 +21,8 @@ ones do), the same seed and text, one streamed request at a time, exactly ``--fi
 3. **Quality** (``--golden``): each fast path against fp32 on the golden inputs (the DiT's mel whole, chunk-
    masked and streamed; the LLM's mean KL per teacher-forced step), at the benchmark's sizes and on the golden
    tiny bundle, against :data:`cosyvoice.backends.precision.BOUNDS`.
+4. **Threads** (:func:`thread_layouts`): the two stages' intra-op thread counts, measured in isolation from
+   the model (wall and CPU seconds of the same work per layout).
 
 The CPU flags and ``/proc/loadavg`` before and after are printed: other work sharing the cores shows there.
 """
@@ -36,6 +38,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -181,6 +184,41 @@ def profile(tts: CosyVoice3, prompt_wav: Path, fixed: int) -> dict[str, float]:
     return out
 
 
+def thread_layouts(repeats: int = 2) -> list[dict[str, object]]:
+    """The two engine stages at once, each in its own thread with its own intra-op count: an LLM-like decode
+    (GEMV over a released-size MLP weight) and a DiT-like step (a released-size projection over 412 frames),
+    the same work per layout; wall seconds and the process's CPU seconds (spinning OpenMP teams show as CPU
+    spent for nothing, which a loaded machine cannot hide the way it hides wall time)."""
+    weights = {"llm": (torch.randn(1, 896), torch.randn(4864, 896), 400),
+               "dit": (torch.randn(412, 1024), torch.randn(1024, 1024), 60)}
+    def stage(name: str, threads: int, seconds: dict[str, float]) -> None:
+        torch.set_num_threads(threads)
+        x, w, n = weights[name]
+        start = time.perf_counter()
+        for _ in range(n):
+            torch.nn.functional.linear(x, w)
+        seconds[name] = time.perf_counter() - start
+
+    rows = []
+    for layout in [(2, 2), (1, 1), (2, 1), (1, 2)] * repeats:
+        seconds: dict[str, float] = {}
+        cpu, start = process_cpu_s(), time.perf_counter()
+        threads = [threading.Thread(target=stage, args=(name, n, seconds))
+                   for name, n in zip(("llm", "dit"), layout, strict=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        rows.append({"layout": layout, "wall_s": time.perf_counter() - start, "cpu_s": process_cpu_s() - cpu,
+                     **{f"{k}_s": v for k, v in seconds.items()}, "load": load_average()})
+    return rows
+
+
+def process_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_row(model_dir: Path, row: str, fixed: int, requests: int, work: Path) -> dict[str, object]:
     """One row in this process: load, warm up, ``requests`` streamed requests (see the module docstring)."""
     precision, staged = ROWS[row]
@@ -301,6 +339,11 @@ def main(argv: list[str] | None = None) -> dict:
         tts.engine.close()
         del tts
         print("profile (fp32)", json.dumps({k: round(v, 4) for k, v in prof.items()}), flush=True)
+    layouts = thread_layouts()
+    print("| layout (LLM, t2w) | wall s | CPU s | LLM s | DiT s | load |\n| --- | --- | --- | --- | --- | --- |")
+    for r in layouts:
+        print(f"| {r['layout']} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {r['llm_s']:.2f} | {r['dit_s']:.2f} | "
+              f"{r['load']} |", flush=True)
     results: dict[str, object] = {}
     for row in args.rows:
         reason = skip_reason(row, features)
@@ -315,7 +358,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "failed": done.stderr.strip().splitlines()[-1:]}
         print(row, json.dumps(results[row]), flush=True)
     settings["load_after"] = load_average()
-    report: dict[str, object] = {"settings": settings, "profile": prof, "rows": results}
+    report: dict[str, object] = {"settings": settings, "profile": prof, "threads": layouts, "rows": results}
     print(f"\nload average before {settings['load_before']}, after {settings['load_after']}")
     print("| row | precision | threads (LLM, t2w) | first audio p50 / p90 s | RTF | LLM s/s | flow s/s | vocoder s/s "
           "| load s | peak RSS MB |")
