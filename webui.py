@@ -1,6 +1,7 @@
 """Start the CosyVoice3 Studio web UI.
 
     python webui.py [--port 8000] [--host 127.0.0.1] [--model-dir DIR_OR_MODELSCOPE_ID] [--voice-dir DIR]
+                    [--precision fp32|bf16|int8|auto]
                     [--api-key KEY ...]
 
 Without --model-dir it serves pretrained_models/Fun-CosyVoice3-0.5B of this repository (wherever it is
@@ -20,6 +21,7 @@ import os
 from dataclasses import replace
 
 from app.ui import BUILTIN_VOICE_DIR, DEMO_MODEL_DIR, launch, load_studio
+from cosyvoice.backends import precision
 from cosyvoice.errors import command_line_errors
 from cosyvoice.settings import ServerSettings, default_voice_dir
 
@@ -38,6 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--builtin-voice-dir", default=str(BUILTIN_VOICE_DIR),
                         help="built-in voices, <name>.wav + <name>.txt (%(default)s)")
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    parser.add_argument("--precision", choices=precision.CHOICES,
+                        help="CPU: fp32, bf16 or int8 weights, or auto (default: COSYVOICE_PRECISION, else fp32)")
     parser.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
                         help="accept this key (repeat for more; env COSYVOICE_API_KEYS=k1,k2); none: no sign-in")
     args = parser.parse_args(argv)
@@ -45,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     with command_line_errors():  # a bad setting or model folder: one line, exit 2
         settings = ServerSettings.from_env()
         studio = load_studio(args.model_dir, voice_dir=args.voice_dir, demo_dir=args.demo_dir,
-                             builtin_dir=args.builtin_voice_dir, device=args.device)
+                             builtin_dir=args.builtin_voice_dir, device=args.device, precision=args.precision)
     if args.api_keys:
         settings = replace(settings, api_keys=tuple(args.api_keys))
     studio.service.voices.policy = settings.voice_policy()

@@ -733,6 +733,8 @@ def build_ui(studio: Studio) -> gr.Blocks:
         gr.Markdown("# CosyVoice3 Studio")
         gr.Markdown(t("intro"))
         gr.Markdown(t("more_tools"), elem_id="more-tools")  # the studio's other pages, served on this app
+        gr.Textbox(studio.service.model.plan.label, label=t("precision"), interactive=False, max_lines=1,
+                   elem_id="precision")  # auto's choice is the server's; people comparing takes need to know it
         # no gr.State: it would make every tab hold a heartbeat connection, and browsers allow only six per
         # server; three waiting tabs would then starve each other's clicks (the takes are kept by the Studio)
         mode = gr.Textbox("zero_shot", visible=False, elem_id="mode")
@@ -883,7 +885,7 @@ def _api(studio: Studio, max_sessions: int) -> None:
 
 def load_studio(model_dir: str | Path | None = None, *, voice_dir: str | Path | None = None,
                 demo_dir: str | Path = DEMO_MODEL_DIR, builtin_dir: str | Path | None = BUILTIN_VOICE_DIR,
-                device: str | None = None) -> Studio:
+                device: str | None = None, precision: str | None = None) -> Studio:
     """The engine and voice library to serve.
 
     An explicit ``model_dir`` (a folder or a ModelScope id) must load. Without one, the repository's default
@@ -892,7 +894,8 @@ def load_studio(model_dir: str | Path | None = None, *, voice_dir: str | Path | 
     default the servers' folder (:func:`cosyvoice.settings.default_voice_dir`): one library for all of them.
     """
     model_dir, demo = model_dir_or_demo(model_dir, demo_dir)
-    service = TTSService.load(model_dir, default_voice_dir() if voice_dir is None else voice_dir, device=device)
+    service = TTSService.load(model_dir, default_voice_dir() if voice_dir is None else voice_dir, device=device,
+                              precision=precision)
     if builtin_dir is not None:
         service.voices.add_builtins(builtin_dir)  # start-up configuration, as the servers' voice folder
     return Studio(service, demo=demo)

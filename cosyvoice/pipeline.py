@@ -30,6 +30,7 @@ from typing import Literal
 import torch
 
 from cosyvoice.backends import attach_flow, attach_hift, resolve_backend
+from cosyvoice.backends import precision as fast
 from cosyvoice.bundle import open_model_dir
 from cosyvoice.engine import AudioChunk, CancelToken, Engine
 from cosyvoice.errors import CosyVoiceError, InvalidInputError
@@ -37,7 +38,7 @@ from cosyvoice.frontend import prompts
 from cosyvoice.frontend.audio import resample
 from cosyvoice.frontend.frontend import CosyVoiceFrontend, ModelInput, Voice
 from cosyvoice.llm.job import TokenStream
-from cosyvoice.settings import Limits, parse_precision
+from cosyvoice.settings import PRECISIONS, Limits, parse_precision, precision_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class Model:
     limits: Limits
     frontend: CosyVoiceFrontend
     engine: Engine
+    plan: fast.PrecisionPlan  # what each stage computes in (the service reports it)
 
     @property
     def sample_rate(self) -> int:
@@ -70,10 +72,13 @@ class Model:
     @classmethod
     def load(cls, model_dir: str | Path, *, device: str | torch.device | None = None, dtype: str = "fp32",
              limits: Limits | None = None, download_root: str | Path = "pretrained_models",
-             backend: str | None = None) -> Model:
+             backend: str | None = None, precision: str | None = None) -> Model:
         """A local model folder or a ModelScope id; half precision only on CUDA (the reference ignores it on CPU).
         ``backend`` runs the flow estimator and the vocoder on torch, onnxruntime or tensorrt (None:
-        ``COSYVOICE_BACKEND``, else automatic; :mod:`cosyvoice.backends`)."""
+        ``COSYVOICE_BACKEND``, else automatic; :mod:`cosyvoice.backends`). ``precision`` chooses fp32, bf16 or
+        int8 weights for the LLM and the DiT on a CPU, or ``auto`` (None: ``COSYVOICE_PRECISION``, else fp32;
+        :mod:`cosyvoice.backends.precision`)."""
+        wanted = precision or precision_from_env()
         bundle = open_model_dir(model_dir, download_root)
         device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
@@ -86,12 +91,19 @@ class Model:
         providers = ["CPUExecutionProvider"] if device.type == "cpu" else None
         frontend = CosyVoiceFrontend(bundle, limits, providers=providers)
         backend = resolve_backend(backend, device)
-        flow = attach_flow(bundle.load_flow(device, precision), bundle.root, backend, device)
+        wanted = fast.resolve(wanted, device, backend)
+        llm, flow = bundle.load_llm(device, precision), bundle.load_flow(device, precision)
+        if device.type == "cpu":
+            plan, llm, flow = fast.plan_and_apply(wanted, llm, flow)
+        else:
+            name = next(k for k, v in PRECISIONS.items() if v == precision)
+            plan = fast.PrecisionPlan(wanted, name, name)
+        flow = attach_flow(flow, bundle.root, backend, device)
         hift = attach_hift(bundle.load_hift(device), bundle.root, backend, device)
-        engine = Engine(bundle.config, bundle.load_llm(device, precision), flow, hift, device, limits,
+        engine = Engine(bundle.config, llm, flow, hift, device, limits,
                         endofprompt_id=frontend.tokenizer.end_of_prompt_id,
                         trim_leading_silence_ms=limits.trim_leading_silence_ms or None)
-        return cls(str(bundle.root), device, precision, limits, frontend, engine)
+        return cls(str(bundle.root), device, precision, limits, frontend, engine, plan)
 
     def close(self) -> None:
         self.engine.close()

@@ -184,6 +184,7 @@ class ServiceStatus:
     max_sessions: int
     max_queued_requests: int
     saved_voices: int
+    precision: dict[str, object]  # what each stage computes in (PrecisionPlan.describe())
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -564,12 +565,12 @@ class TTSService:
     @classmethod
     def load(cls, model_dir: str | Path, voice_dir: str | Path, *, device: str | torch.device | None = None,
              dtype: str = "fp32", limits: Limits | None = None, download_root: str | Path = "pretrained_models",
-             backend: str | None = None) -> TTSService:
-        """A model folder (or ModelScope id) and a voice folder -> a ready service (``backend``: see
-        :meth:`Model.load`)."""
+             backend: str | None = None, precision: str | None = None) -> TTSService:
+        """A model folder (or ModelScope id) and a voice folder -> a ready service (``backend``, ``precision``:
+        see :meth:`Model.load`)."""
         limits = limits or Limits.from_env()
         model = Model.load(model_dir, device=device, dtype=dtype, limits=limits, download_root=download_root,
-                           backend=backend)
+                           backend=backend, precision=precision)
         voices = VoiceLibrary(voice_dir, model.frontend, model_dir=model.model_dir,
                               max_entries=limits.max_cached_voices, max_bytes=limits.max_cached_voice_bytes,
                               max_named=limits.max_named_voices)
@@ -608,7 +609,8 @@ class TTSService:
 
     def status(self) -> ServiceStatus:
         return ServiceStatus(self.model_dir, self.sample_rate, self._admission.active, self._admission.waiting,
-                             self._admission.max_active, self._admission.max_waiting, len(self.list_voices()))
+                             self._admission.max_active, self._admission.max_waiting, len(self.list_voices()),
+                             self.model.plan.describe())
 
     # ------------------------------------------------------------------ synthesis
 

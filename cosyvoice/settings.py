@@ -96,6 +96,13 @@ def backend_from_env(environ: dict[str, str] | None = None) -> str:
     return env.get("COSYVOICE_BACKEND") or "auto"
 
 
+def precision_from_env(environ: dict[str, str] | None = None) -> str:
+    """``COSYVOICE_PRECISION``: what the LLM and the DiT compute in on a CPU (fp32, bf16, int8, auto; see
+    :mod:`cosyvoice.backends.precision`); ``fp32`` (bit-equal to the golden fixtures) when unset."""
+    env = os.environ if environ is None else environ
+    return env.get("COSYVOICE_PRECISION") or "fp32"
+
+
 @dataclass(frozen=True)
 class Limits:
     """Request bounds. ``from_env`` reads ``COSYVOICE_<FIELD>`` overrides (e.g. ``COSYVOICE_MAX_SESSIONS``)."""
@@ -165,6 +172,7 @@ class ServerSettings:
     host: str = "127.0.0.1"  # 0.0.0.0 serves other machines too
     port: int = 50000
     device: str | None = None  # cpu, cuda, cuda:1; None: CUDA when available
+    precision: str | None = None  # fp32, bf16, int8, auto (CPU; cosyvoice.backends.precision); None: fp32
     voice_dir: str = DEFAULT_VOICE_DIR  # the voice library, shared with the web UI
     api_keys: tuple[str, ...] = ()  # Bearer tokens accepted; empty: no authentication
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call; empty: none (CORS closed)

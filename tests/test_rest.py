@@ -308,6 +308,7 @@ def test_health_and_ready(url: str) -> None:
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     ready = httpx.get(f"{url}/ready").json()
     assert ready["status"] == "ready" and ready["sample_rate"] == SR
+    assert (ready["precision"]["requested"], ready["precision"]["llm"], ready["precision"]["flow"]) == ("fp32",) * 3
 
 
 def test_voices_belong_to_the_key_that_saved_them(tts, tmp_path: Path, short_prompt_wav: Path) -> None:

@@ -249,6 +249,7 @@ def test_the_session_history_downloads_as_one_zip(studio: Studio, short_prompt_w
 
     made = takes[0]["provenance"]  # how each take was made, as a batch take records it
     assert made["model_id"] == bundle_digest(studio.service.status().model_dir) and made["voice_id"]
+    assert made["precision"] == studio.service.model.plan.label == "fp32 (LLM fp32, flow fp32, vocoder fp32; fp32)"
     assert made["segments"] and made["timings"]["synthesis_seconds"] > 0 and made["settings"]["stream"] is False
     assert {"instruction", "prompt_text", "software", "engine_mode"} <= set(made)
 

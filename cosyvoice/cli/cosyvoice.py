@@ -102,16 +102,18 @@ class CosyVoice3:
     compatibility; this engine does not use them. ``voice_dir`` is the voice library's folder (default:
     :func:`cosyvoice.settings.default_voice_dir`), where saved voices live. ``backend`` runs the flow estimator
     and the vocoder on torch, onnxruntime or tensorrt (default ``COSYVOICE_BACKEND``, else auto: onnxruntime on
-    a CPU, torch on CUDA; :mod:`cosyvoice.backends`).
+    a CPU, torch on CUDA; :mod:`cosyvoice.backends`). ``precision`` (CPU): fp32, bf16 or int8 weights for the
+    LLM and the DiT, or auto (default ``COSYVOICE_PRECISION``, else fp32; :mod:`cosyvoice.backends.precision`).
     """
 
     def __init__(self, model_dir: str | Path, load_trt: bool = False, load_vllm: bool = False, fp16: bool = False,
                  trt_concurrent: int = 1, *, device: str | torch.device | None = None, dtype: str | None = None,
                  limits: Limits | None = None, download_root: str | Path = "pretrained_models",
-                 voice_dir: str | Path | None = None, backend: str | None = None) -> None:
+                 voice_dir: str | Path | None = None, backend: str | None = None,
+                 precision: str | None = None) -> None:
         self.service = TTSService.load(model_dir, voice_dir if voice_dir is not None else default_voice_dir(),
                                        device=device, dtype=dtype or ("fp16" if fp16 else "fp32"), limits=limits,
-                                       download_root=download_root, backend=backend)
+                                       download_root=download_root, backend=backend, precision=precision)
         self.model: Model = self.service.model
         self.model_dir, self.device, self.limits = self.model.model_dir, self.model.device, self.model.limits
         if (load_trt or load_vllm) and self.device.type == "cuda":

@@ -66,6 +66,16 @@ def llm_job(llm: CosyVoice3LM, inp: ModelInput, limits: Limits, endofprompt_id: 
         lm_input.shape[0] + max(max_len - 1, 0)
 
 
+def stage_threads(cores: int) -> tuple[int, int]:
+    """(LLM, token-to-wave) intra-op threads for ``cores`` CPU threads: both stages run at once while a stream
+    plays, so together they must not ask for more threads than there are cores (OpenMP teams that
+    oversubscribe spin against each other); measured on two cores in docs/perf.md, "Threads"."""
+    if cores <= 1:
+        return 1, 1
+    llm = cores // 2
+    return llm, cores - llm
+
+
 class Engine:
     """Owns the three networks on one device and runs sessions on them.
 
@@ -81,6 +91,8 @@ class Engine:
     many milliseconds before the first audible sample (:mod:`cosyvoice.engine.silence`); None: off.
     ``compile_dit``: every incremental flow step runs the DiT compiled per shape bucket (:mod:`.graphs`; CUDA:
     in CUDA graphs); a string names the ``torch.compile`` backend (default inductor).
+    ``threads``: (LLM scheduler, token-to-wave worker) intra-op threads on a CPU, each set in its own thread
+    (torch's thread count is per calling thread); None: :func:`stage_threads` of torch's count at construction.
     """
 
     def __init__(self, config: CosyVoice3Config, llm: CosyVoice3LM, flow: CausalMaskedDiffWithDiT,
@@ -88,7 +100,7 @@ class Engine:
                  endofprompt_id: int = ENDOFPROMPT_ID, incremental_flow: bool = True,
                  incremental_vocoder: bool = True, fixed_tokens: int | None = None, cuda_graphs: bool = False,
                  t2w_batch: int | None = None, trim_leading_silence_ms: float | None = None,
-                 compile_dit: bool | str = False) -> None:
+                 compile_dit: bool | str = False, threads: tuple[int, int] | None = None) -> None:
         self.config = config
         self.llm, self.flow, self.hift = llm.eval(), flow.eval(), hift.eval()
         self.device = device
@@ -104,13 +116,15 @@ class Engine:
             if compile_dit else None
         self.t2w = Token2Wav(config, self.flow, self.hift, device, incremental_flow, incremental_vocoder,
                              self.flow_cache_share, trim_leading_silence_ms, compiled)
+        self.threads = (threads or stage_threads(torch.get_num_threads())) if device.type == "cpu" else (None, None)
         self.scheduler = LLMScheduler(llm, self.limits.max_sessions, self.limits.max_llm_positions,
-                                      cuda_graphs=cuda_graphs)
+                                      cuda_graphs=cuda_graphs, threads=self.threads[0])
         self._open_sessions = _Registry(self.scheduler)  # the worker's callbacks must not hold the engine
         self._sessions = self._open_sessions.sessions
         self.worker = Token2WavWorker(self.t2w, on_release=self._open_sessions.release,
                                       on_failure=self._open_sessions.stop_llm,
-                                      batch=t2w_batch or (8 if device.type == "cuda" else 1))
+                                      batch=t2w_batch or (8 if device.type == "cuda" else 1),
+                                      threads=self.threads[1])
         # an engine dropped without close() must not leave its two threads (and the KV pool) behind
         self._finalizer = weakref.finalize(self, _stop_threads, self.scheduler, self.worker)
 

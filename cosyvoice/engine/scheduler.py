@@ -80,8 +80,9 @@ class LLMScheduler:
     """Continuous batching of LLM jobs on one device; see the module docstring."""
 
     def __init__(self, lm: CosyVoice3LM, rows: int, max_positions: int, name: str = "cosyvoice-scheduler",
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, threads: int | None = None) -> None:
         self.lm = lm
+        self.threads = threads  # intra-op threads of this thread's torch calls (None: torch's global setting)
         self.cuda_graphs = cuda_graphs  # CUDA only, unverified: see cosyvoice/engine/cuda_graphs.py
         self.rows = rows
         self.max_positions = max_positions
@@ -150,6 +151,8 @@ class LLMScheduler:
 
     @torch.inference_mode()  # jobs build their next inputs in send(): no autograd anywhere in this thread
     def _loop(self) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)  # this thread's OpenMP team only (docs/perf.md, "Threads")
         while (batch := self._schedule()) is not None:
             if batch.tickets:
                 self._step(batch)

@@ -238,8 +238,10 @@ class Token2WavWorker:
     """
 
     def __init__(self, t2w: Token2Wav, on_release: Callable[[Session], None],
-                 on_failure: Callable[[Session], None], batch: int = 8, name: str = "cosyvoice-t2w") -> None:
+                 on_failure: Callable[[Session], None], batch: int = 8, name: str = "cosyvoice-t2w",
+                 threads: int | None = None) -> None:
         self.t2w = t2w
+        self.threads = threads  # intra-op threads of this thread's torch calls (None: torch's global setting)
         self.batch = batch  # most streaming chunks packed into one DiT call (1: one session at a time)
         self.packed_calls = 0  # chunk computations that packed more than one session (tests, benchmarks)
         self.device = t2w.device
@@ -287,6 +289,8 @@ class Token2WavWorker:
     # ------------------------------------------------------------------ the worker thread
 
     def _loop(self) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)  # this thread's OpenMP team only (docs/perf.md, "Threads")
         # unverified on GPU (no device this session): a side stream so flow/vocoder overlap the LLM's kernels
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         with torch.cuda.stream(stream) if stream is not None else nullcontext():

@@ -148,7 +148,8 @@ class EmbeddedBridge:
         started = time.perf_counter()
         s = self.settings
         try:
-            self.state.install(TTSService.load(s.model_dir, s.voice_dir, device=s.device, limits=self.limits))
+            self.state.install(TTSService.load(s.model_dir, s.voice_dir, device=s.device, limits=self.limits,
+                                               precision=s.precision))
         except BaseException as exc:  # the server keeps answering: /health, /ready and requests say it failed
             logger.exception("loading the model failed")
             self.state.load_error = f"{type(exc).__name__}: {exc}"

@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stopped.set())
     logger.info("gRPC listening on %s; loading %s", server.address, settings.model_dir)
     try:
-        service = TTSService.load(settings.model_dir, settings.voice_dir, device=settings.device, limits=limits)
+        service = TTSService.load(settings.model_dir, settings.voice_dir, device=settings.device, limits=limits,
+                                  precision=settings.precision)
         service.voices.policy = settings.voice_policy()
         server.serve(service)
     except CosyVoiceError as exc:

@@ -34,14 +34,15 @@ async def health(http: Request) -> JSONResponse:
 
 @router.get("/ready")
 async def ready(http: Request) -> JSONResponse:
-    """Readiness: the model is loaded; with the current load (and, for a key holder, the model folder)."""
+    """Readiness: the model is loaded; with the current load, what each stage computes in (precision: auto's
+    choice and its measurements) and, for a key holder, the model folder."""
     body, status = readiness(server_state(http), _may_see_details(http), key_holder(http))
     return JSONResponse(body, status)
 
 
 def readiness(state: ServerState, details: bool, holder: bool) -> tuple[dict[str, object], int]:
-    """``/ready``'s body and status: the load counters if ``details``, the model folder and a load failure's
-    message only for a key ``holder``."""
+    """``/ready``'s body and status: the load counters and precision if ``details``, the model folder and a load
+    failure's message only for a key ``holder``."""
     if state.loaded is None:
         body: dict[str, object] = {"status": "failed" if state.load_error else "loading"}
         if state.load_error:
@@ -54,7 +55,8 @@ def readiness(state: ServerState, details: bool, holder: bool) -> tuple[dict[str
         s = state.loaded.status()
         body |= {"sample_rate": s.sample_rate, "active_sessions": s.active_sessions,
                  "queued_requests": s.queued_requests, "max_sessions": s.max_sessions,
-                 "max_queued_requests": s.max_queued_requests, "saved_voices": s.saved_voices}
+                 "max_queued_requests": s.max_queued_requests, "saved_voices": s.saved_voices,
+                 "precision": s.precision}
         if holder:
             body["model_dir"] = str(s.model_dir)
     return body, 200

@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def _load(settings: ServerSettings, limits: Limits) -> TTSService:
     started = time.perf_counter()
-    service = TTSService.load(settings.model_dir, settings.voice_dir, device=settings.device, limits=limits)
+    service = TTSService.load(settings.model_dir, settings.voice_dir, device=settings.device, limits=limits,
+                              precision=settings.precision)
     logger.info("loaded %s in %.1f s", settings.model_dir, time.perf_counter() - started)
     return service
 

@@ -1,0 +1,316 @@
+"""What the LLM and the DiT compute in on a CPU: fp32, bf16 weights, or int8 weights (``COSYVOICE_PRECISION``).
+
+- ``fp32``: every module as loaded; bit-equal to the golden fixtures.
+- ``bf16``: weights stored in bfloat16 (converted once at load, not autocast per call): the whole LLM (it then
+  runs in bf16; its sampler takes float32 log-probs) and the DiT's per-frame projections (:func:`bf16_dit`:
+  the residual stream, norms, attention and solver stay float32; a DiT wholly in bf16 moved the golden mel by
+  3% RMS, beyond the bound). Fast only where the CPU computes bf16 natively (AVX512-BF16 or AMX,
+  :func:`cpu_features`); elsewhere each op converts.
+- ``int8``: torch's dynamic int8 linears (weights int8, activations quantised per call; fbgemm kernels, VNNI
+  where the CPU has it): every LLM linear but the unused text head (:func:`cosyvoice.backends.quant.quantize_llm`)
+  and the DiT blocks' attention and feed-forward projections, per output channel (:func:`quantize_dit`).
+- ``auto``: per stage, the fastest candidate that holds the quality bounds (:data:`BOUNDS`) on THIS model's
+  weights and runs faster than fp32 on THIS CPU, both measured at load against fp32 on a fixed synthetic
+  input (:func:`self_check`; seconds at the released sizes). The candidates come from the CPU's flags: int8
+  everywhere, bf16 only where it is native. A stage whose candidates all miss a bound, or are slower (int8 on
+  tiny matrices), stays fp32. On CUDA ``auto`` is fp32 (the ``dtype`` argument chooses half precision there).
+
+The vocoder stays float32 on every path (half precision audibly moves its phases; bundle.load_hift).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from cosyvoice.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+CHOICES = ("auto", "fp32", "bf16", "int8")
+#: what a fast path must hold against fp32 (issue 21): the DiT's mel (relative RMS, max |diff|), the LLM's mean
+#: KL per teacher-forced step (nats)
+BOUNDS = {"mel_rel_rms": 0.01, "mel_max_abs": 0.05, "llm_kl_mean": 0.02}
+T = TypeVar("T")
+_FLAGS = ("avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni", "avx_vnni", "avx512f", "avx2")
+
+
+def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU flags that decide precision (from /proc/cpuinfo; empty where it is absent) plus torch's
+    ``cpu_capability:<name>`` (the widest vector ISA its kernels dispatch to)."""
+    flags: set[str] = set()
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split()) & set(_FLAGS)
+                break
+    except OSError:
+        pass
+    return frozenset(flags | {f"cpu_capability:{torch.backends.cpu.get_cpu_capability()}"})
+
+
+def native_bf16(features: frozenset[str]) -> bool:
+    return bool({"avx512_bf16", "amx_bf16"} & features)
+
+
+def candidates(features: frozenset[str]) -> tuple[str, ...]:
+    """The fast paths ``auto`` tries on a CPU with ``features``, fastest first (fp32 is the fallback)."""
+    return ("int8", "bf16") if native_bf16(features) else ("int8",)
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """What runs: each stage's precision, what was asked for, and why (auto's measurements)."""
+
+    requested: str
+    llm: str = "fp32"
+    flow: str = "fp32"
+    vocoder: str = "fp32"
+    cpu: tuple[str, ...] = ()
+    checks: dict[str, dict[str, float]] = field(default_factory=dict)  # auto: candidate -> measured bounds
+
+    @property
+    def label(self) -> str:
+        """One line for people: ``int8 (LLM int8, flow int8, vocoder fp32; auto)``."""
+        stages = f"LLM {self.llm}, flow {self.flow}, vocoder {self.vocoder}"
+        same = {self.llm, self.flow}
+        head = same.pop() if len(same) == 1 else "mixed"
+        return f"{head} ({stages}; {self.requested})"
+
+    def describe(self) -> dict[str, object]:
+        return {"requested": self.requested, "llm": self.llm, "flow": self.flow, "vocoder": self.vocoder,
+                "cpu": list(self.cpu), "checks": self.checks, "label": self.label}
+
+
+def check_name(name: str) -> str:
+    if name not in CHOICES:
+        raise ConfigError(f"precision must be one of {', '.join(CHOICES)}, got {name!r}")
+    return name
+
+
+class Bf16Linear(torch.nn.Module):
+    """A linear layer whose weights are stored in bfloat16: its input is rounded to bf16 and its output returned
+    in the input's dtype, so the residual stream, the norms and the attention around it stay float32."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+        self.bias = None if linear.bias is None else torch.nn.Parameter(
+            linear.bias.detach().to(torch.bfloat16), requires_grad=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+
+
+def dit_projections(dit: torch.nn.Module) -> list[str]:
+    """The DiT linears a fast path changes: every block's attention q/k/v/out and feed-forward layers, which
+    hold nearly all of its FLOPs (the layers of the ONNX int8 graph, :mod:`cosyvoice.backends.quant`). The AdaLN
+    and time linears (two rows per call, their scales steer every frame) and the input/output projections stay
+    float32."""
+    return [n for n, m in dit.named_modules() if isinstance(m, torch.nn.Linear)
+            and n.startswith("transformer_blocks.") and (".attn.to_" in n or ".ff." in n)]
+
+
+def quantize_dit(dit: torch.nn.Module) -> torch.nn.Module:
+    """The DiT with :func:`dit_projections` int8 (weights per output channel, activations per call)."""
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice (the API still ships)
+        return quantize_dynamic(dit, dict.fromkeys(dit_projections(dit), per_channel_dynamic_qconfig),
+                                inplace=True)
+
+
+def bf16_dit(dit: torch.nn.Module) -> torch.nn.Module:
+    """The DiT with :func:`dit_projections` holding bf16 weights (:class:`Bf16Linear`)."""
+    for name in dit_projections(dit):
+        parent, _, child = name.rpartition(".")
+        owner = dit.get_submodule(parent)
+        setattr(owner, child, Bf16Linear(getattr(owner, child)))
+    return dit
+
+
+def apply_llm(llm: torch.nn.Module, kind: str) -> torch.nn.Module:
+    from cosyvoice.backends.quant import quantize_llm
+
+    if kind == "bf16":
+        return llm.to(torch.bfloat16)
+    return quantize_llm(llm) if kind == "int8" else llm
+
+
+def apply_flow(flow: torch.nn.Module, kind: str) -> torch.nn.Module:
+    """``flow`` with its DiT's projections in ``kind``; the rest of the flow stays float32."""
+    dit = flow.decoder.estimator
+    if kind == "bf16":
+        bf16_dit(dit)
+    elif kind == "int8":
+        quantize_dit(dit)
+    return flow
+
+
+def resolve(requested: str, device: torch.device, backend: str) -> str:
+    """``requested`` checked against the device and the DiT backend: the name to plan with."""
+    check_name(requested)
+    if device.type != "cpu":
+        if requested in ("bf16", "int8"):
+            raise ConfigError(f"precision {requested!r} is for the CPU; on {device} choose dtype (fp32, bf16, "
+                              "fp16) instead")
+        return "fp32"
+    if backend != "torch" and requested != "fp32":
+        raise ConfigError(f"precision {requested!r} applies to the torch modules; backend {backend!r} runs the DiT "
+                          "in its own graphs: choose one of them (COSYVOICE_BACKEND=torch or "
+                          "COSYVOICE_PRECISION=fp32)")
+    return requested
+
+
+def plan_and_apply(requested: str, llm: torch.nn.Module, flow: torch.nn.Module,
+                   features: frozenset[str] | None = None) -> tuple[PrecisionPlan, torch.nn.Module, torch.nn.Module]:
+    """(the plan, the LLM, the flow) for ``requested`` (a resolved name) on fp32 modules loaded on the CPU."""
+    features = cpu_features() if features is None else features
+    cpu = tuple(sorted(features))
+    if requested == "auto":
+        (llm_kind, llm), (flow_kind, flow), checks = self_check(llm, flow, candidates(features))
+        plan = PrecisionPlan("auto", llm_kind, flow_kind, cpu=cpu, checks=checks)
+        logger.info("precision: %s", plan.label)
+        return plan, llm, flow
+    if requested == "bf16" and not native_bf16(features):
+        logger.warning("precision bf16 on a CPU without AVX512-BF16 or AMX: every op converts, expect it to "
+                       "run slower than fp32 (auto would not pick it here)")
+    plan = PrecisionPlan(requested, requested, requested, cpu=cpu)
+    logger.info("precision: %s", plan.label)
+    return plan, apply_llm(llm, plan.llm), apply_flow(flow, plan.flow)
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+
+def _timed(fn: Callable[[], T]) -> tuple[T, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+@torch.inference_mode()
+def teacher_forced_log_probs(llm: torch.nn.Module, seq: torch.Tensor, start: int) -> torch.Tensor:
+    """Float32 log-probs of every position from ``start`` of the embedded sequence ``seq`` [1, T, H]."""
+    hidden = llm.llm(seq.to(llm.speech_embedding.weight.dtype))[0][start:]
+    return llm.log_probs(hidden).float()
+
+
+def kl_mean(ref_lp: torch.Tensor, got_lp: torch.Tensor) -> float:
+    """Mean over steps of KL(ref || got) in nats (entries masked to -inf on either side are left out)."""
+    finite = torch.isfinite(ref_lp) & torch.isfinite(got_lp)
+    return float(torch.where(finite, ref_lp.exp() * (ref_lp - got_lp), 0).sum(-1).mean())
+
+
+def forced_sequence(ref: torch.nn.Module, lm_input: torch.Tensor, forced: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(``lm_input`` [1, T, H] then the embeddings of ``forced`` but its last, the first scored position)."""
+    with torch.inference_mode():
+        return torch.cat([lm_input, ref.speech_embedding(forced[:-1])[None]], dim=1), lm_input.shape[1] - 1
+
+
+def llm_kl(ref: torch.nn.Module, got: torch.nn.Module, lm_input: torch.Tensor, forced: torch.Tensor) -> float:
+    """Mean KL(ref || got) per step, in nats, teacher-forcing ``forced`` speech tokens after ``lm_input``
+    (the reference LLM's embeddings [1, T, H], so both see the same input)."""
+    seq, start = forced_sequence(ref, lm_input, forced)
+    return kl_mean(teacher_forced_log_probs(ref, seq, start), teacher_forced_log_probs(got, seq, start))
+
+
+def mel_error(ref: torch.Tensor, got: torch.Tensor) -> dict[str, float]:
+    diff = ref.float() - got.float()
+    return {"mel_max_abs": float(diff.abs().max()),
+            "mel_rel_rms": float(diff.pow(2).mean().sqrt() / ref.float().pow(2).mean().sqrt())}
+
+
+def holds(measured: dict[str, float]) -> bool:
+    return all(measured[k] <= bound for k, bound in BOUNDS.items() if k in measured)
+
+
+def _synthetic_llm_input(llm: torch.nn.Module, n_text: int = 24, n_prompt: int = 24,
+                         n_forced: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed zero-shot-shaped LLM input (text ids + prompt speech tokens) and forced tokens: seeded, so the
+    check is the same on every load of the same weights."""
+    gen = torch.Generator().manual_seed(0)
+    speech = llm.speech_token_size
+    text = torch.randint(0, min(1000, llm.llm.embed_tokens.num_embeddings), (n_text,), generator=gen)
+    prompt_speech = torch.randint(0, speech, (n_prompt,), generator=gen)
+    forced = torch.randint(0, speech, (n_forced,), generator=gen)
+    with torch.inference_mode():
+        lm_input = llm.build_lm_input(text, torch.zeros(0, dtype=torch.long), prompt_speech)
+    return lm_input, forced
+
+
+def _flow_mels(flow: torch.nn.Module, n_prompt: int = 13, n_tokens: int = 25) -> tuple[list[torch.Tensor], float]:
+    """(the mel of a fixed synthetic input whole and chunk-masked, the faster call's seconds): the prompt plus
+    one chunk and a bit."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = flow.input_embedding.num_embeddings
+    tok = torch.randint(0, vocab, (1, n_tokens), generator=gen)
+    ptok = torch.randint(0, vocab, (1, n_prompt), generator=gen)
+    pfeat = torch.randn(1, n_prompt * flow.token_mel_ratio, flow.spk_embed_affine_layer.out_features, generator=gen)
+    emb = torch.randn(1, flow.spk_embed_affine_layer.in_features, generator=gen)
+    with torch.inference_mode():
+        runs = [_timed(lambda s=streaming: flow.inference(tok, n_tokens, ptok, n_prompt, pfeat, pfeat.shape[1], emb,
+                                                          s, True)) for streaming in (False, True)]
+    return [mel for mel, _ in runs], min(s for _, s in runs)
+
+
+def shadow(module: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A copy of ``module`` that shares its parameters (``dtype``: holds its own copies in that dtype instead):
+    int8 and the DiT's bf16 projections build new weights from the shared ones and never write them, so
+    trying a path at load costs only that path's own weights (the released LLM's fp32 weights are 2 GB)."""
+    memo: dict[int, object] = {id(p): p if dtype is None else torch.nn.Parameter(p.detach().to(dtype),
+                                                                                  requires_grad=False)
+                               for p in module.parameters()}
+    return copy.deepcopy(module, memo)
+
+
+def self_check(llm: torch.nn.Module, flow: torch.nn.Module, paths: tuple[str, ...]
+               ) -> tuple[tuple[str, torch.nn.Module], tuple[str, torch.nn.Module], dict[str, dict[str, float]]]:
+    """((the LLM's path, the LLM), (the DiT's path, the flow), every candidate's measurements against fp32 on
+    this model's weights): per stage the fastest of ``paths`` that stays within :data:`BOUNDS` and ran faster
+    than fp32 (timed on the same check, the better of two runs), else fp32 (the modules given)."""
+    started = time.perf_counter()
+    checks: dict[str, dict[str, float]] = {}
+    lm_input, forced = _synthetic_llm_input(llm)
+    seq, start = forced_sequence(llm, lm_input, forced)
+
+    def llm_run(model: torch.nn.Module) -> tuple[torch.Tensor, float]:
+        runs = [_timed(lambda: teacher_forced_log_probs(model, seq, start)) for _ in range(2)]
+        return runs[-1][0], min(s for _, s in runs)
+
+    ref_lp, seconds = llm_run(llm)
+    checks["llm_fp32"] = {"seconds": seconds}
+    ref_mels, flow_seconds = _flow_mels(flow)
+    checks["flow_fp32"] = {"seconds": min(flow_seconds, _flow_mels(flow)[1])}
+    tried = {"llm_fp32": llm, "flow_fp32": flow}
+    for kind in paths:
+        got = tried[f"llm_{kind}"] = apply_llm(shadow(llm, torch.bfloat16 if kind == "bf16" else None), kind)
+        lp, seconds = llm_run(got)
+        checks[f"llm_{kind}"] = {"llm_kl_mean": kl_mean(ref_lp, lp), "seconds": seconds}
+        got = tried[f"flow_{kind}"] = apply_flow(shadow(flow), kind)
+        _flow_mels(got)  # a warm-up: quantised and bf16 kernels pack their weights on first use
+        mels, seconds = _flow_mels(got)
+        errors = [mel_error(r, g) for r, g in zip(ref_mels, mels, strict=True)]
+        checks[f"flow_{kind}"] = {**{k: max(e[k] for e in errors) for k in errors[0]}, "seconds": seconds}
+    chosen = {stage: min((k for k in paths if holds(checks[f"{stage}_{k}"])
+                          and checks[f"{stage}_{k}"]["seconds"] < checks[f"{stage}_fp32"]["seconds"]),
+                         key=lambda k, s=stage: checks[f"{s}_{k}"]["seconds"], default="fp32")
+              for stage in ("llm", "flow")}
+    logger.info("precision self-check (%.1f s): %s", time.perf_counter() - started, checks)
+    return ((chosen["llm"], tried[f"llm_{chosen['llm']}"]), (chosen["flow"], tried[f"flow_{chosen['flow']}"]),
+            checks)
+
+
+__all__ = ["BOUNDS", "CHOICES", "Bf16Linear", "PrecisionPlan", "apply_flow", "apply_llm", "bf16_dit", "candidates",
+           "cpu_features", "dit_projections", "holds", "llm_kl", "mel_error", "native_bf16", "plan_and_apply",
+           "quantize_dit", "resolve", "self_check", "shadow"]
