@@ -179,7 +179,7 @@ def test_fast_paths_synthesise_streamed_and_whole(tts, tiny_bundle_dir: Path, tm
         for stream in (True, False):
             lengths = []
             for model in (tts, fast_tts):
-                voice = model.frontend.voice("<|endofprompt|>a prompt", short_prompt_wav, text_frontend=False)
+                voice = model.frontend.voice("<|endofprompt|>a prompt", short_prompt_wav)
                 inp = model.frontend.model_input("Some words to speak.", voice)
                 chunks = list(model.engine.synthesize(inp, stream=stream, seed=3, fixed_tokens=60))
                 assert all(torch.isfinite(c.pcm).all() for c in chunks)

@@ -57,6 +57,12 @@ def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset(flags | {f"cpu_capability:{torch.backends.cpu.get_cpu_capability()}"})
 
 
+def native_int8_dot(features: frozenset[str]) -> bool:
+    """Whether the CPU multiplies int8 without 16-bit saturation (VNNI or AMX); without it (plain AVX2),
+    onnxruntime's u8 x s8 kernels can saturate unless weights keep to 7 bits."""
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & features)
+
+
 def native_bf16(features: frozenset[str]) -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & features)
 
