@@ -30,14 +30,15 @@ from typing import Literal
 import torch
 
 from cosyvoice.backends import resolve_backend
-from cosyvoice.bundle import open_model_dir
+from cosyvoice.bundle import bundle_digest, open_model_dir
 from cosyvoice.engine import AudioChunk, CancelToken, Engine
 from cosyvoice.errors import CosyVoiceError, InvalidInputError
+from cosyvoice.flow.prompt_cache import PromptCache
 from cosyvoice.frontend import prompts
 from cosyvoice.frontend.audio import resample
 from cosyvoice.frontend.frontend import CosyVoiceFrontend, ModelInput, Voice
 from cosyvoice.llm.job import TokenStream
-from cosyvoice.settings import Limits, parse_precision
+from cosyvoice.settings import Limits, parse_precision, prompt_cache_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +71,12 @@ class Model:
     @classmethod
     def load(cls, model_dir: str | Path, *, device: str | torch.device | None = None, dtype: str = "fp32",
              limits: Limits | None = None, download_root: str | Path = "pretrained_models",
-             backend: str | None = None) -> Model:
+             backend: str | None = None, prompt_cache: bool | None = None) -> Model:
         """A local model folder or a ModelScope id; half precision only on CUDA (the reference ignores it on CPU).
         ``backend`` runs the flow estimator and the vocoder on torch, onnxruntime or tensorrt (None:
-        ``COSYVOICE_BACKEND``, else automatic; :mod:`cosyvoice.backends`)."""
+        ``COSYVOICE_BACKEND``, else automatic; :mod:`cosyvoice.backends`). ``prompt_cache``: keep each voice's
+        flow prefix across requests (None: ``COSYVOICE_PROMPT_CACHE``, on unless set off); the service also keeps
+        it on disk with the voices."""
         bundle = open_model_dir(model_dir, download_root)
         device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
@@ -86,10 +89,13 @@ class Model:
         providers = ["CPUExecutionProvider"] if device.type == "cpu" else None
         frontend = CosyVoiceFrontend(bundle, limits, providers=providers)
         backend = resolve_backend(backend, device)
+        root = bundle.root
+        cache = PromptCache(int(limits.prompt_cache_mb * 2**20), lambda: bundle_digest(root)) \
+            if (prompt_cache_from_env() if prompt_cache is None else prompt_cache) else None
         engine = Engine(bundle.config, bundle.load_llm(device, precision), bundle.load_flow(device, precision, backend),
                         bundle.load_hift(device, backend), device, limits,
                         endofprompt_id=frontend.tokenizer.end_of_prompt_id,
-                        trim_leading_silence_ms=limits.trim_leading_silence_ms or None)
+                        trim_leading_silence_ms=limits.trim_leading_silence_ms or None, prompt_cache=cache or False)
         return cls(str(bundle.root), device, precision, limits, frontend, engine)
 
     def close(self) -> None:
@@ -137,7 +143,8 @@ def text_segments(frontend: CosyVoiceFrontend, mode: EngineMode, text: str, *, t
 
 
 def run_segments(model: Model, cond: Conditioning, segments: list[str], *, stream: bool, speed: float, seed: int,
-                 cancel: CancelToken, first_index: int = 0, first_sample: int = 0) -> Iterator[AudioChunk]:
+                 cancel: CancelToken, first_index: int = 0, first_sample: int = 0,
+                 steps: int | None = None) -> Iterator[AudioChunk]:
     """Each segment's chunks in turn; indices and sample offsets run across segments."""
     index, offset = first_index, first_sample
     for i, segment in enumerate(segments):
@@ -147,14 +154,14 @@ def run_segments(model: Model, cond: Conditioning, segments: list[str], *, strea
         logger.debug("synthesising segment %d/%d: %s", i + 1, len(segments), segment)
         for chunk in model.engine.synthesize(cond.model_input(model.frontend, segment), stream=stream, speed=speed,
                                              seed=segment_seed(seed, i), sample_offset=offset, first_index=index,
-                                             cancel=cancel):
+                                             cancel=cancel, steps=steps):
             index, offset = chunk.index + 1, chunk.sample_offset + chunk.pcm.numel()
             yield chunk
 
 
 async def arun_segments(model: Model, cond: Conditioning, segments: list[str], *, stream: bool, speed: float,
-                        seed: int, cancel: CancelToken, first_index: int = 0,
-                        first_sample: int = 0) -> AsyncIterator[AudioChunk]:
+                        seed: int, cancel: CancelToken, first_index: int = 0, first_sample: int = 0,
+                        steps: int | None = None) -> AsyncIterator[AudioChunk]:
     """:func:`run_segments` on the event loop: the engine hands chunks over without a thread per request."""
     index, offset = first_index, first_sample
     for i, segment in enumerate(segments):
@@ -163,7 +170,7 @@ async def arun_segments(model: Model, cond: Conditioning, segments: list[str], *
         logger.debug("synthesising segment %d/%d: %s", i + 1, len(segments), segment)
         chunks = model.engine.asynthesize(cond.model_input(model.frontend, segment), stream=stream, speed=speed,
                                           seed=segment_seed(seed, i), sample_offset=offset, first_index=index,
-                                          cancel=cancel)
+                                          cancel=cancel, steps=steps)
         try:
             async for chunk in chunks:
                 index, offset = chunk.index + 1, chunk.sample_offset + chunk.pcm.numel()
@@ -326,12 +333,12 @@ def _speakable(sentence: str) -> bool:
 
 
 def run_text_stream(model: Model, cond: Conditioning, feed: TextFeed, *, stream: bool, speed: float, seed: int,
-                    cancel: CancelToken) -> Iterator[AudioChunk]:
+                    cancel: CancelToken, steps: int | None = None) -> Iterator[AudioChunk]:
     """Audio for text that arrives through ``feed``, starting before the text is complete."""
     try:
         if feed.kind == "tokens":  # the reference's bi-streaming: speech tokens follow the text tokens as they come
             yield from model.engine.synthesize(cond.model_input(model.frontend, ""), stream=stream, speed=speed,
-                                               seed=seed, text_stream=feed.tokens, cancel=cancel)
+                                               seed=seed, text_stream=feed.tokens, cancel=cancel, steps=steps)
             return
         index = offset = 0
         for i, sentence in enumerate(feed.sentences(cancel)):
@@ -339,7 +346,7 @@ def run_text_stream(model: Model, cond: Conditioning, feed: TextFeed, *, stream:
                 continue
             segments = text_segments(model.frontend, cond.mode, sentence)
             for chunk in run_segments(model, cond, segments, stream=stream, speed=speed, seed=segment_seed(seed, i),
-                                      cancel=cancel, first_index=index, first_sample=offset):
+                                      cancel=cancel, first_index=index, first_sample=offset, steps=steps):
                 index, offset = chunk.index + 1, chunk.sample_offset + chunk.pcm.numel()
                 yield chunk
     finally:
@@ -347,12 +354,12 @@ def run_text_stream(model: Model, cond: Conditioning, feed: TextFeed, *, stream:
 
 
 async def arun_text_stream(model: Model, cond: Conditioning, feed: TextFeed, *, stream: bool, speed: float,
-                           seed: int, cancel: CancelToken) -> AsyncIterator[AudioChunk]:
+                           seed: int, cancel: CancelToken, steps: int | None = None) -> AsyncIterator[AudioChunk]:
     """:func:`run_text_stream` on the event loop."""
     try:
         if feed.kind == "tokens":
             chunks = model.engine.asynthesize(cond.model_input(model.frontend, ""), stream=stream, speed=speed,
-                                              seed=seed, text_stream=feed.tokens, cancel=cancel)
+                                              seed=seed, text_stream=feed.tokens, cancel=cancel, steps=steps)
             try:
                 async for chunk in chunks:
                     yield chunk
@@ -366,7 +373,7 @@ async def arun_text_stream(model: Model, cond: Conditioning, feed: TextFeed, *, 
             segments = text_segments(model.frontend, cond.mode, sentence)
             async for chunk in arun_segments(model, cond, segments, stream=stream, speed=speed,
                                              seed=segment_seed(seed, i), cancel=cancel, first_index=index,
-                                             first_sample=offset):
+                                             first_sample=offset, steps=steps):
                 index, offset = chunk.index + 1, chunk.sample_offset + chunk.pcm.numel()
                 yield chunk
             i += 1

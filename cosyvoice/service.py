@@ -48,12 +48,13 @@ from cosyvoice.errors import (
     NotFoundError,
     ResourceLimitError,
 )
+from cosyvoice.flow.prompt_cache import FOLDER as PROMPT_CACHE_FOLDER
 from cosyvoice.frontend.audio import AudioSource
 from cosyvoice.frontend.frontend import Voice
 from cosyvoice.frontend.prompts import user_text, zero_shot_prompt_text
 from cosyvoice.frontend.tokenizer import END_OF_PROMPT
 from cosyvoice.pipeline import Conditioning, Model, TextFeed
-from cosyvoice.settings import SPEED_RANGE, Limits
+from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, Limits
 from cosyvoice.voices import VoiceInfo, VoiceLibrary, check_name
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,8 @@ class SynthesisRequest:
     The voice is ``voice`` (a saved voice's id or name) or ``prompt_audio`` (an uploaded recording: file
     bytes, a file-like object, an ``(array, sample_rate)`` pair, a float tensor/array at 16 kHz, or a path the
     adapter has vetted). ``stream`` asks the engine for chunks as they are ready; ``format`` is the output
-    ``AudioFormat`` name for adapters that encode (``cosyvoice.encoding.FORMATS``).
+    ``AudioFormat`` name for adapters that encode (``cosyvoice.encoding.FORMATS``). ``steps``: the flow's Euler
+    steps (``settings.FLOW_STEPS_RANGE``; None: the model's): fewer are faster and coarser.
     For the official API's semantics: ``text_frontend`` (normalise the text), ``split_prefixed`` (text carrying
     ``<|endofprompt|>`` is normalised and split like plain text; False keeps it one unnormalised piece, as the
     reference does) and ``prompt_conventions`` (False: transcript, instruction and cross-lingual text come in
@@ -92,6 +94,7 @@ class SynthesisRequest:
     instruction: str = ""
     speed: float = 1.0
     seed: int | None = None
+    steps: int | None = None  # the flow's Euler steps (None: the model's, 10 for CosyVoice3)
     stream: bool = True
     format: str = "pcm"
     text_frontend: bool = True
@@ -112,6 +115,7 @@ class PreparedRequest:
     speed: float
     seed: int  # drawn at validation when the request had none
     format: AudioFormat
+    steps: int  # the model's default when the request named none
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,7 @@ class _Checked:
     seed: int
     format: AudioFormat
     instruction: str
+    steps: int
 
 
 @dataclass(frozen=True)
@@ -522,6 +527,9 @@ class TTSService:
                                     self.limits.queue_timeout_seconds)
         self._sessions: weakref.WeakSet[_Ending] = weakref.WeakSet()  # running requests, for cancel_all
         self._listeners: list[Callable[[Outcome], None]] = []
+        if model.engine.prompt_cache is not None:  # the voices' flow prefixes live with the voices
+            model.engine.prompt_cache.persist(voices.dir / PROMPT_CACHE_FOLDER,
+                                              int(self.limits.prompt_cache_disk_mb * 2**20))
 
     @classmethod
     def load(cls, model_dir: str | Path, voice_dir: str | Path, *, device: str | torch.device | None = None,
@@ -590,7 +598,7 @@ class TTSService:
                              job=cancel if wait else None)
         p = ending.prepared
         chunks = pipeline.run_segments(self.model, p.cond, list(p.segments), stream=p.stream, speed=p.speed,
-                                       seed=p.seed, cancel=ending.token)
+                                       seed=p.seed, cancel=ending.token, steps=p.steps)
         return SynthesisSession(ending, chunks)
 
     async def asynthesize(self, request: SynthesisRequest, *, cancel: CancelToken | None = None,
@@ -601,7 +609,7 @@ class TTSService:
         ending = await self._aadmit(request, started, owner, cancel, has_text=True)
         p = ending.prepared
         chunks = pipeline.arun_segments(self.model, p.cond, list(p.segments), stream=p.stream, speed=p.speed,
-                                        seed=p.seed, cancel=ending.token)
+                                        seed=p.seed, cancel=ending.token, steps=p.steps)
         return AsyncSynthesisSession(ending, chunks)
 
     def synthesize_text_stream(self, request: SynthesisRequest, pieces: Iterable[str] | None = None, *,
@@ -620,7 +628,7 @@ class TTSService:
         p = ending.prepared
         ending.feed = self._feed(p)
         chunks = pipeline.run_text_stream(self.model, p.cond, ending.feed, stream=p.stream, speed=p.speed,
-                                          seed=p.seed, cancel=ending.token)
+                                          seed=p.seed, cancel=ending.token, steps=p.steps)
         session = SynthesisSession(ending, chunks)
         if pieces is not None:
             _pump(pieces, ending.feed)
@@ -635,7 +643,7 @@ class TTSService:
         p = ending.prepared
         ending.feed = self._feed(p)
         chunks = pipeline.arun_text_stream(self.model, p.cond, ending.feed, stream=p.stream, speed=p.speed,
-                                           seed=p.seed, cancel=ending.token)
+                                           seed=p.seed, cancel=ending.token, steps=p.steps)
         session = AsyncSynthesisSession(ending, chunks)
         if pieces is not None:
             _pump(pieces, ending.feed)
@@ -823,7 +831,8 @@ class TTSService:
         stream, speed, seed = self._options(request)
         with _field("format"):
             fmt = audio_format(request.format)
-        return _Checked(mode, stream, speed, seed, fmt, self._instruction(mode, request.instruction))
+        return _Checked(mode, stream, speed, seed, fmt, self._instruction(mode, request.instruction),
+                        self._steps(request.steps))
 
     def _resolve(self, request: SynthesisRequest, checked: _Checked, owner: str | None = None,
                  text: bool = True) -> PreparedRequest:
@@ -846,7 +855,7 @@ class TTSService:
             _check_model_form(checked.mode, request, text)
         cond = pipeline.conditioning(self.model.frontend, engine_mode, voice, checked.instruction)
         return PreparedRequest(checked.mode, engine_mode, voice_id, cond, tuple(segments), checked.stream,
-                               checked.speed, checked.seed, checked.format)
+                               checked.speed, checked.seed, checked.format, checked.steps)
 
     @staticmethod
     def _mode(mode: object) -> str:
@@ -878,6 +887,17 @@ class TTSService:
         if seed is None:
             seed = int(torch.randint(0, pipeline.SEED_SPACE - 1, (), dtype=torch.int64))
         return request.stream, float(speed), seed
+
+    def _steps(self, steps: object) -> int:
+        """The flow's Euler steps: an integer in ``FLOW_STEPS_RANGE``, or the model's default for None."""
+        if steps is None:
+            return self.model.engine.default_steps
+        lo, hi = FLOW_STEPS_RANGE
+        if isinstance(steps, numbers.Integral) and not isinstance(steps, bool):
+            steps = int(steps)  # numpy integers from adapters
+        if not isinstance(steps, int) or isinstance(steps, bool) or not lo <= steps <= hi:
+            raise InvalidInputError(f"steps must be an integer from {lo} to {hi}, got {steps!r}", "steps")
+        return steps
 
     def _instruction(self, mode: str, instruction: object) -> str:
         """The instruction as the user wrote it (the pipeline wraps it where its token ids are made)."""

@@ -139,6 +139,7 @@ class Session:
     inp: ModelInput
     stream: bool
     speed: float
+    steps: int  # the flow's Euler steps
     sample_offset: int = 0  # of the first chunk in the request's waveform
     first_index: int = 0  # of the first chunk in the request
     started: float = field(default_factory=time.perf_counter)
