@@ -236,3 +236,24 @@ def test_steps_are_validated_once_and_reach_the_engine(tts, short_prompt_wav: Pa
     inp = prepared.cond.model_input(tts.frontend, prepared.segments[0])
     direct = torch.cat([c.pcm for c in tts.engine.synthesize(inp, seed=1, steps=6)])
     assert torch.equal(six, direct)
+
+
+def test_a_batch_steps_column_reaches_the_take_and_its_provenance(tts, tmp_path: Path) -> None:
+    """The listening test's A/B of 10 against 6 steps: a CSV with a steps column, its takes recorded with them."""
+    from cosyvoice.workbench.batch import parse_rows, run_batch, takes_csv_rows
+    from cosyvoice.workbench.store import WorkbenchStore
+
+    library = VoiceLibrary(tmp_path / "voices", tts.frontend, model_dir=tts.model_dir,
+                           builtin_dir=Path(__file__).resolve().parents[1] / "assets" / "voices")
+    service = TTSService(tts.model, library, Limits(max_sessions=2))
+    store = WorkbenchStore(tmp_path / "data")
+    rows = parse_rows("text,voice,seed,steps,label\nHello there.,en-allison,11,,ten\nHello there.,en-allison,11,6,six\n"
+                      "Hello there.,en-allison,11,six,bad\n")
+    result = run_batch(service, store, rows)
+    assert [(e.row, e.field) for e in result.errors] == [(3, "steps")]
+    ten, six = result.takes
+    assert (ten.provenance["steps"], six.provenance["steps"]) == (10, 6)
+    assert [r["steps"] for r in takes_csv_rows(store.takes())] == [10, 6]
+    assert store.take(ten.id).provenance["steps"] == 10  # as stored
+    a, b = (store.audio_path(t).read_bytes() for t in (ten, six))
+    assert a != b

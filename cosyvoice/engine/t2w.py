@@ -219,7 +219,7 @@ class Token2Wav:
             stream.drop_cache()
             self.fallbacks += 1
 
-    def _over_budget(self, n_prompt_tokens: int, n_tokens: int, steps: int) -> bool:
+    def _over_budget(self, n_prompt_tokens: int, n_tokens: int, steps: int | None) -> bool:
         frames = (n_prompt_tokens + n_tokens) * self.config.flow.token_mel_ratio
         return frames * FlowStream.bytes_per_frame(self.flow, steps=steps) > self.flow_cache_share
 

@@ -30,7 +30,7 @@ from cosyvoice.jobs import Job, JobGone, JobState, Task, release, runner, synthe
 from cosyvoice.longform import finishing, script
 from cosyvoice.longform.store import Project, ProjectStore, Segment, Take
 from cosyvoice.service import SynthesisRequest, TTSService
-from cosyvoice.settings import SPEED_RANGE, default_data_dir
+from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, default_data_dir
 from cosyvoice.utils.sqlite import require_writable
 
 MAX_SEED = 2**31  # seeds are drawn below this, so every client (JSON, JavaScript) carries them exactly
@@ -110,7 +110,7 @@ class LongformStudio:
                **settings: object) -> Project:
         """A project from a document (``voice`` reads it all) or a dialogue script (``speakers`` maps each
         label to a voice). ``chapters`` (title, text) come from an EPUB; ``settings`` override the defaults
-        (``pauses``, ``preset``, ``margin``)."""
+        (``pauses``, ``preset``, ``margin``, ``steps``: the flow's Euler steps of every take, None: the model's)."""
         if kind not in ("document", "dialogue"):
             raise InvalidInputError(f"kind must be 'document' or 'dialogue', got {kind!r}", "kind")
         if not isinstance(text, str) or not text.strip():
@@ -167,6 +167,12 @@ class LongformStudio:
                 out["preset"] = None if value == "none" else value
             elif key == "margin":
                 out["margin"] = _seconds(value, "margin", 2.0)
+            elif key == "steps":
+                lo, hi = FLOW_STEPS_RANGE
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                          or not lo <= value <= hi):
+                    raise InvalidInputError(f"steps must be a whole number from {lo} to {hi}", "steps")
+                out["steps"] = value
             else:
                 raise InvalidInputError(f"unknown setting {key!r}", key)
         return out
@@ -396,7 +402,8 @@ class LongformStudio:
             return
         seed = secrets.randbelow(MAX_SEED)
         request = SynthesisRequest(segment.text, "instruct" if segment.instruction else "sft", voice=segment.voice,
-                                   instruction=segment.instruction, speed=segment.speed, seed=seed, stream=False)
+                                   instruction=segment.instruction, speed=segment.speed, seed=seed, stream=False,
+                                   steps=self.store.project(project_id).settings.get("steps"))
         made = synthesize(self.service, request, token)
         flags = finishing.check_take(made.pcm, self.sample_rate, segment.text, segment.speed)
         try:

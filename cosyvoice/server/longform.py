@@ -70,6 +70,7 @@ class NewProject(_Body):
     pauses: dict[str, float] | None = None
     preset: str | None = "podcast"
     margin: float | None = None
+    steps: int | None = None  # the flow's Euler steps of every take (None: the model's)
 
 
 class ProjectChanges(_Body):
@@ -77,6 +78,7 @@ class ProjectChanges(_Body):
     pauses: dict[str, float] | None = None
     preset: str | None = None
     margin: float | None = None
+    steps: int | None = None
 
 
 class SegmentChanges(_Body):
@@ -148,7 +150,8 @@ def projects(s: Studio) -> JSONResponse:
 
 @routes.post("/v1/longform/projects", status_code=201)
 def create(s: Studio, body: NewProject) -> JSONResponse:
-    options = {k: v for k, v in (("pauses", body.pauses), ("margin", body.margin)) if v is not None}
+    options = {k: v for k, v in (("pauses", body.pauses), ("margin", body.margin), ("steps", body.steps))
+               if v is not None}
     project = s.create(body.name, body.text, voice=body.voice, kind=body.kind, speakers=body.speakers,
                        preset=body.preset, **options)
     return JSONResponse(detail(s, project.id), 201)
