@@ -172,7 +172,7 @@ class Engine:
     @property
     def default_steps(self) -> int:
         """The flow's Euler steps when a request names none (the yaml's ``n_timesteps``)."""
-        return self.flow.decoder.n_timesteps
+        return self.config.flow.cfm.n_timesteps
 
     @property
     def active_sessions(self) -> int:

@@ -175,9 +175,10 @@ class Token2Wav:
             if state.flow_stream is None:
                 voice = (self.flow, inp.flow_prompt_speech_token.to(dev), inp.prompt_speech_feat.to(dev),
                          inp.flow_embedding.to(dev), session.steps)
-                state.flow_stream = FlowStream(*voice) if self.prompt_cache is None or not streaming \
-                    or self._over_budget(inp.flow_prompt_speech_token.shape[1], tokens.shape[1], session.steps) \
-                    else self.prompt_cache.stream(*voice)
+                # a stream that starts over its budget recomputes at once: no use for the voice's prefix
+                cached = self.prompt_cache is not None and not self._over_budget(
+                    inp.flow_prompt_speech_token.shape[1], tokens.shape[1], session.steps)
+                state.flow_stream = self.prompt_cache.stream(*voice) if cached else FlowStream(*voice)
             self._budget_flow_cache(state.flow_stream, tokens.shape[1])
             step = state.flow_stream.begin(tokens[:, state.flow_fed:].to(dev), finalize=finalize)
             state.flow_fed = tokens.shape[1]

@@ -218,6 +218,9 @@ class FlowStream:
     rows) x heads x dim_head elements of the flow's dtype; for the released 22-block, 16 x 64-head DiT
     that is 3.6 MB in float32 (1.8 MB in bf16), ~180 MB per second of audio (measured on an H100: 4.5 GiB
     of cache after 1300 frames). Not thread-safe: one session per utterance.
+
+    ``steps``: the Euler steps of every call (None: the model's). ``prefix``: the voice's :class:`VoicePrefix` (same
+    steps), so the first call starts after it (:meth:`voice_prefix` makes one; :mod:`cosyvoice.flow.prompt_cache`).
     """
 
     def __init__(self, flow: CausalMaskedDiffWithDiT, prompt_token: Tensor, prompt_feat: Tensor,
@@ -306,7 +309,11 @@ class FlowStream:
         mu = flow.token_condition(self.prompt_token, finalize=False)[:, :length].transpose(1, 2)
         cond = flow.prompt_condition(self.prompt_feat, length)
         self.solve(PendingExtension(self, mu, cond, flow.decoder.start_noise(0, length, mu), length))
-        return VoicePrefix(length, self.steps, tuple(self._caches), self._mel)
+        # the position-conv tails are views of whole conv inputs: copies, so a kept prefix holds only itself
+        caches = tuple(DiTCache(c.length, (c.conv_tails[0].clone(), c.conv_tails[1].clone()), c.kv)
+                       for c in self._caches)
+        self._caches = list(caches)
+        return VoicePrefix(length, self.steps, caches, self._mel)
 
     @torch.inference_mode()
     def begin(self, token: Tensor, finalize: bool, streaming: bool | None = None) -> Tensor | PendingExtension:
