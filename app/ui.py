@@ -471,8 +471,8 @@ class Studio:
                 "created": take.created, "provenance": p}
 
     def generate(self, take_id: str, mode: str, text: str, prompt: str | None, transcript: str, instruction: str,
-                 voice_key: str | None, seed: float | None, speed: float, steps: float | None, stream: bool,
-                 fmt: str, request: gr.Request | None = None) -> Iterator[tuple]:
+                 voice_key: str | None, seed: float | None, speed: float, stream: bool, fmt: str,
+                 steps: float | None = None, request: gr.Request | None = None) -> Iterator[tuple]:
         """The page's Generate: yields (status, download, number of takes, generate button, stop button)."""
         take_id = take_id or secrets.token_hex(8)
         with self._lock:
@@ -835,7 +835,7 @@ def build_ui(studio: Studio) -> gr.Blocks:
         # the progress (queue position) shows on the status line only, never over the other controls
         running = generate.click(
             studio.generate,
-            [take_id, mode, text, prompt, transcript, instruction, voice, seed, speed, steps, stream, fmt],
+            [take_id, mode, text, prompt, transcript, instruction, voice, seed, speed, stream, fmt, steps],
             [status, download, takes_count, generate, stop], concurrency_limit=limits.max_sessions,
             concurrency_id="synthesis", show_progress="full", show_progress_on=[status],
             js=f"(...inputs) => [window.cvStudio.begin({rate}), ...inputs.slice(1)]", **private)

@@ -89,9 +89,12 @@ class Model:
         providers = ["CPUExecutionProvider"] if device.type == "cpu" else None
         frontend = CosyVoiceFrontend(bundle, limits, providers=providers)
         backend = resolve_backend(backend, device)
-        root = bundle.root
-        cache = PromptCache(int(limits.prompt_cache_mb * 2**20), lambda: bundle_digest(root)) \
-            if (prompt_cache_from_env() if prompt_cache is None else prompt_cache) else None
+        cache = None
+        if prompt_cache_from_env() if prompt_cache is None else prompt_cache:
+            root = bundle.root
+            cache = PromptCache(int(limits.prompt_cache_mb * 2**20), lambda: bundle_digest(root))
+            # the cache's key needs the model digest (seconds for a real bundle): hashed now, not in the first request
+            threading.Thread(target=bundle_digest, args=(root,), name="cosyvoice-model-digest", daemon=True).start()
         engine = Engine(bundle.config, bundle.load_llm(device, precision), bundle.load_flow(device, precision, backend),
                         bundle.load_hift(device, backend), device, limits,
                         endofprompt_id=frontend.tokenizer.end_of_prompt_id,

@@ -257,3 +257,51 @@ def test_a_batch_steps_column_reaches_the_take_and_its_provenance(tts, tmp_path:
     assert store.take(ten.id).provenance["steps"] == 10  # as stored
     a, b = (store.audio_path(t).read_bytes() for t in (ten, six))
     assert a != b
+
+
+def test_a_long_form_project_speaks_at_its_steps(tts, short_prompt_wav: Path, tmp_path: Path, monkeypatch) -> None:
+    """A project's ``steps`` setting is checked where it is set and goes with every take's request."""
+    from cosyvoice.longform import LongformStudio
+
+    service = TTSService(tts.model, VoiceLibrary(tmp_path / "voices", tts.frontend, model_dir=tts.model_dir),
+                         Limits(max_sessions=2))
+    service.create_voice("Ann", short_prompt_wav, TRANSCRIPT)
+    asked: list[int] = []
+    synthesize = service.synthesize
+
+    def recording(request: SynthesisRequest, **kwargs):
+        session = synthesize(request, **kwargs)
+        asked.append(session.prepared.steps)
+        return session
+
+    monkeypatch.setattr(service, "synthesize", recording)
+    studio = LongformStudio(service, tmp_path / "data")
+    try:
+        with pytest.raises(InvalidInputError) as caught:
+            studio.create("Bad", "Hi there.", voice="Ann", steps=0)
+        assert caught.value.field == "steps"
+        project = studio.create("Six", "Hi there.", voice="Ann", steps=6)
+        assert project.settings["steps"] == 6
+        studio.generate(project.id)
+        assert studio.wait(project.id, 300)["done"] == 1
+        project = studio.update_settings(project.id, steps=None)  # back to the model's
+        studio.regenerate(project.id, studio.segments(project.id)[0].id)
+        studio.wait(project.id, 300)
+        assert asked == [6, tts.engine.default_steps]
+    finally:
+        studio.close()
+
+
+def test_the_pages_flow_steps_reach_the_take_and_come_back_with_it(tts, short_prompt_wav: Path,
+                                                                   tmp_path: Path) -> None:
+    """The web UI's advanced setting: a take made at 6 steps records them; "Use these settings" puts them back."""
+    from app.ui import Studio
+
+    studio = Studio(TTSService(tts.model, VoiceLibrary(tmp_path / "voices", tts.frontend, model_dir=tts.model_dir)),
+                    demo=True)
+    list(studio.generate("take-steps", "zero_shot", "Hi there.", str(short_prompt_wav), TRANSCRIPT, "", None, 5, 1.0,
+                         False, "wav", 6.0))
+    (take,) = studio.store.takes()
+    assert take.provenance["steps"] == 6
+    text, *_, steps, stream = studio.open_take(take.id)
+    assert (text, steps, stream) == ("Hi there.", 6, False)
