@@ -472,8 +472,9 @@ class Studio:
 
     def generate(self, take_id: str, mode: str, text: str, prompt: str | None, transcript: str, instruction: str,
                  voice_key: str | None, seed: float | None, speed: float, stream: bool, fmt: str,
-                 steps: float | None = None, request: gr.Request | None = None) -> Iterator[tuple]:
-        """The page's Generate: yields (status, download, number of takes, generate button, stop button)."""
+                 request: gr.Request | None = None, steps: float | None = None) -> Iterator[tuple]:
+        """The page's Generate: yields (status, download, number of takes, generate button, stop button). Gradio
+        puts ``request`` in its place and the form's inputs around it, so ``steps`` (the last input) comes last."""
         take_id = take_id or secrets.token_hex(8)
         with self._lock:
             self.times[take_id] = TakeTimes(start=time.time())

@@ -300,7 +300,7 @@ def test_the_pages_flow_steps_reach_the_take_and_come_back_with_it(tts, short_pr
     studio = Studio(TTSService(tts.model, VoiceLibrary(tmp_path / "voices", tts.frontend, model_dir=tts.model_dir)),
                     demo=True)
     list(studio.generate("take-steps", "zero_shot", "Hi there.", str(short_prompt_wav), TRANSCRIPT, "", None, 5, 1.0,
-                         False, "wav", 6.0))
+                         False, "wav", None, 6.0))
     (take,) = studio.store.takes()
     assert take.provenance["steps"] == 6
     text, *_, steps, stream = studio.open_take(take.id)
