@@ -18,6 +18,7 @@ window.cvHistory = (() => {
     emptyAll: ["No takes in the store yet.", "存储中还没有录音。"],
     take: ["Take", "第"],
     mode: ["mode", "模式"], voice: ["voice", "声音"], seed: ["seed", "种子"], speed: ["speed", "语速"],
+    steps: ["steps", "步数"],
     streamed: ["streamed", "流式"], notStreamed: ["not streamed", "非流式"], stopped: ["stopped", "已停止"],
     batch: ["batch", "批量"], row: ["row", "行"], condition: ["condition", "条件"],
     reuseSeed: ["Use this seed", "使用此种子"], open: ["Use these settings", "使用这些设置"],
@@ -79,6 +80,7 @@ window.cvHistory = (() => {
       `${say("voice")} ${p.voice_label || p.voice || p.voice_id || ""}`,
       `${say("seed")} ${p.seed}`,
       `${say("speed")} ${p.speed}`,
+      ...(p.steps ? [`${say("steps")} ${p.steps}`] : []),  // takes made before steps were recorded have none
       s.stream ? say("streamed") : say("notStreamed"),
       String(s.format || "wav").toUpperCase(),
       `${Number(take.seconds).toFixed(1)} ${ZH ? "秒" : "s"}`,

@@ -48,7 +48,7 @@ from cosyvoice.owners import LOCAL, Caller, Owners
 from cosyvoice.server.longform import longform_router
 from cosyvoice.server.workbench import rater_route, workbench_router
 from cosyvoice.service import SEED_DRAWS, PreparedRequest, SynthesisRequest, SynthesisSession, TTSService, draw_seed
-from cosyvoice.settings import SPEED_RANGE, default_data_dir, default_voice_dir
+from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, default_data_dir, default_voice_dir
 from cosyvoice.voices import BUILTIN_VOICE_DIR, EXPORT_SUFFIX
 from cosyvoice.workbench.batch import provenance
 from cosyvoice.workbench.store import Take as StoredTake
@@ -168,6 +168,11 @@ def _page_message(exc: CosyVoiceError, zh: bool = False) -> str:
 def warn(message: str) -> None:
     """A warning toast on the page (HTML-escaped: messages may quote ``<|endofprompt|>``)."""
     gr.Warning(html.escape(message))
+
+
+def _whole(value: float | None) -> int | float | None:
+    """A Gradio number as the integer it stands for; anything else goes to the service, which refuses it by name."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 # ----------------------------------------------------------------------------- the shared state and handlers
@@ -345,7 +350,8 @@ class Studio:
 
     def _start(self, mode: str, text: str, prompt: str | None, transcript: str, instruction: str,
                voice_key: str | None, seed: int | None, speed: float, stream: bool, fmt: str = "wav",
-               request: gr.Request | None = None) -> tuple[SynthesisSession | GpuSession, SynthesisRequest, str]:
+               request: gr.Request | None = None,
+               steps: int | None = None) -> tuple[SynthesisSession | GpuSession, SynthesisRequest, str]:
         """Validate and start a request through the service: (session, the request, voice description).
 
         A take without a seed gets the service's (``session.seed``), which every take shows to reproduce it."""
@@ -354,7 +360,7 @@ class Studio:
         synthesis = SynthesisRequest(
             text=text, mode=mode, voice=voice_key or None, prompt_audio=prompt,
             transcript=transcript or "", instruction=instruction or "", speed=float(speed),
-            seed=None if seed is None or seed < 0 else int(seed),
+            seed=None if seed is None or seed < 0 else int(seed), steps=steps,
             stream=bool(stream), format=fmt)
         try:
             if spaces is None:
@@ -465,8 +471,9 @@ class Studio:
 
     def generate(self, take_id: str, mode: str, text: str, prompt: str | None, transcript: str, instruction: str,
                  voice_key: str | None, seed: float | None, speed: float, stream: bool, fmt: str,
-                 request: gr.Request | None = None) -> Iterator[tuple]:
-        """The page's Generate: yields (status, download, number of takes, generate button, stop button)."""
+                 request: gr.Request | None = None, steps: float | None = None) -> Iterator[tuple]:
+        """The page's Generate: yields (status, download, number of takes, generate button, stop button). Gradio
+        puts ``request`` in its place and the form's inputs around it, so ``steps`` (the last input) comes last."""
         take_id = take_id or secrets.token_hex(8)
         with self._lock:
             self.times[take_id] = TakeTimes(start=time.time())
@@ -483,7 +490,8 @@ class Studio:
             return
         try:
             session, synthesis, voice = self._start(mode, text, prompt, transcript, instruction, voice_key,
-                                                    None if seed is None else int(seed), speed, stream, fmt, request)
+                                                    None if seed is None else int(seed), speed, stream, fmt, request,
+                                                    _whole(steps))
         except CosyVoiceError as exc:
             self.times[take_id].finished = time.time()
             with self._lock:
@@ -578,10 +586,10 @@ class Studio:
 
     def open_take(self, take_id: str, request: gr.Request | None = None) -> tuple:
         """"Use these settings" on any take in the store (this browser's, a batch's, the API's): its text, mode,
-        instruction, voice, seed, speed and streaming go back in the form, to reproduce or vary it. Returns
-        (text, mode, tabs, instruction, voice, seed, speed, stream)."""
+        instruction, voice, seed, speed, flow steps and streaming go back in the form, to reproduce or vary it.
+        Returns (text, mode, tabs, instruction, voice, seed, speed, steps, stream)."""
         zh = is_zh(request)
-        skip = (gr.skip(),) * 8
+        skip = (gr.skip(),) * 9
         try:
             take = self.store.take(take_id or "", self.caller(request))
         except CosyVoiceError as exc:
@@ -595,7 +603,8 @@ class Studio:
         else:  # an unsaved upload of another visitor, or a voice deleted since
             warn(say(zh, "voice_gone"))
         return (p.get("text", ""), tab, gr.Tabs(selected=tab), p.get("instruction", ""), voice, p.get("seed", -1),
-                p.get("speed", 1.0), bool(p.get("settings", {}).get("stream")))
+                p.get("speed", 1.0), p.get("steps") or self.service.model.engine.default_steps,
+                bool(p.get("settings", {}).get("stream")))
 
     def caller(self, request: gr.Request | None) -> Caller:
         """The visitor as :mod:`cosyvoice.owners` sees it (direct Python calls: the local, unrestricted caller)."""
@@ -616,19 +625,20 @@ class Studio:
     def api_synthesize(self, text: str, mode: str | None = None, voice: str | None = None,
                        prompt_audio: str | None = None, prompt_text: str | None = None,
                        instruction: str | None = None, seed: float | None = None, speed: float | None = None,
-                       format: str | None = None, request: gr.Request | None = None) -> str:
+                       format: str | None = None, steps: float | None = None,
+                       request: gr.Request | None = None) -> str:
         """One whole take as a file (``format``: wav, mp3, flac or opus); plain-text errors.
 
         ``mode``: zero_shot (default), cross_lingual or instruct2; ``voice``: a voice's name or id, looked up at
         call time, else ``prompt_audio`` (+ ``prompt_text``, its transcript, for zero_shot); ``seed`` -1 or
-        None: random."""
+        None: random; ``steps``: the flow's Euler steps (None: the model's)."""
         try:
             if (format or "wav") not in DOWNLOAD_FORMATS:
                 raise InvalidInputError(f"format must be one of {', '.join(DOWNLOAD_FORMATS)}, got {format!r}")
             session, synthesis, voice_label = self._start(
                 mode or "zero_shot", text, prompt_audio, prompt_text or "", instruction or "", voice or None,
                 None if seed is None else int(seed), 1.0 if speed is None else float(speed), False, format or "wav",
-                request)
+                request, _whole(steps))
             audio, prepared = session.prepared.format, session.prepared
             started = time.perf_counter()
             with contextlib.closing(session):
@@ -762,6 +772,9 @@ def build_ui(studio: Studio) -> gr.Blocks:
                     dice = gr.Button(t("dice"), size="sm", elem_id="dice")
                     fmt = gr.Dropdown([(f.upper(), f) for f in DOWNLOAD_FORMATS], value="wav", label=t("format"),
                                       elem_id="format")
+                with gr.Accordion(t("advanced"), open=False, elem_id="advanced"):
+                    steps = gr.Slider(*FLOW_STEPS_RANGE, studio.service.model.engine.default_steps, step=1,
+                                      label=t("steps"), info=t("steps_info"), elem_id="steps")
                 with gr.Row():
                     generate = gr.Button(t("generate"), variant="primary", elem_id="generate")
                     stop = gr.Button(t("stop"), variant="stop", interactive=False, elem_id="stop")
@@ -812,7 +825,7 @@ def build_ui(studio: Studio) -> gr.Blocks:
         # history.js shows the ZIP button once this browser has takes (a load event here would queue behind takes)
         takes_count.change(None, None, None, js="() => window.cvHistory.refresh()", **private)
         page.load(None, None, None, js="() => window.cvHistory.start()", **private)
-        open_take.click(studio.open_take, opened, [text, mode, tabs, instruction, voice, seed, speed, stream],
+        open_take.click(studio.open_take, opened, [text, mode, tabs, instruction, voice, seed, speed, steps, stream],
                         js="() => [window.cvHistory.opening]", show_progress="hidden", **private)
         takes_zip.click(studio.history_zip, None, zip_file, show_progress="hidden", **private).then(
             None, zip_file, None, js=DOWNLOAD_JS, **private)
@@ -828,7 +841,8 @@ def build_ui(studio: Studio) -> gr.Blocks:
         generate.click(studio.begin, None, [generate, stop], queue=False, show_progress="hidden", **private)
         # the progress (queue position) shows on the status line only, never over the other controls
         running = generate.click(
-            studio.generate, [take_id, mode, text, prompt, transcript, instruction, voice, seed, speed, stream, fmt],
+            studio.generate,
+            [take_id, mode, text, prompt, transcript, instruction, voice, seed, speed, stream, fmt, steps],
             [status, download, takes_count, generate, stop], concurrency_limit=limits.max_sessions,
             concurrency_id="synthesis", show_progress="full", show_progress_on=[status],
             js=f"(...inputs) => [window.cvStudio.begin({rate}), ...inputs.slice(1)]", **private)
@@ -869,12 +883,14 @@ def _api(studio: Studio, max_sessions: int) -> None:
         seed = gr.Number(-1, precision=0, label="seed", info="-1: random")
         speed = gr.Number(1.0, label="speed")
         fmt = gr.Dropdown(list(DOWNLOAD_FORMATS), value="wav", label="format")
+        steps = gr.Number(None, precision=0, label="steps", info="the flow's Euler steps (empty: the model's)")
         result = gr.File(label="audio")
         name = gr.Textbox(label="name")
         voices = gr.JSON(label="voices")
         saved = gr.JSON(label="voice")
         run, list_voices, save = gr.Button(), gr.Button(), gr.Button()
-    run.click(studio.api_synthesize, [text, mode, voice, prompt_audio, prompt_text, instruction, seed, speed, fmt],
+    run.click(studio.api_synthesize,
+              [text, mode, voice, prompt_audio, prompt_text, instruction, seed, speed, fmt, steps],
               result, api_name="synthesize", concurrency_limit=max_sessions, concurrency_id="synthesis")
     list_voices.click(studio.api_voices, None, voices, api_name="voices", queue=False)
     save.click(studio.api_save_voice, [name, prompt_audio, prompt_text], saved, api_name="save_voice")

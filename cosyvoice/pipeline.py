@@ -31,14 +31,15 @@ import torch
 
 from cosyvoice.backends import attach_flow, attach_hift, resolve_backend
 from cosyvoice.backends import precision as fast
-from cosyvoice.bundle import open_model_dir
+from cosyvoice.bundle import bundle_digest, open_model_dir
 from cosyvoice.engine import AudioChunk, CancelToken, Engine
 from cosyvoice.errors import CosyVoiceError, InvalidInputError
+from cosyvoice.flow.prompt_cache import PromptCache
 from cosyvoice.frontend import prompts
 from cosyvoice.frontend.audio import resample
 from cosyvoice.frontend.frontend import CosyVoiceFrontend, ModelInput, Voice
 from cosyvoice.llm.job import TokenStream
-from cosyvoice.settings import PRECISIONS, Limits, parse_precision, precision_from_env
+from cosyvoice.settings import PRECISIONS, Limits, parse_precision, precision_from_env, prompt_cache_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +73,13 @@ class Model:
     @classmethod
     def load(cls, model_dir: str | Path, *, device: str | torch.device | None = None, dtype: str = "fp32",
              limits: Limits | None = None, download_root: str | Path = "pretrained_models",
-             backend: str | None = None, precision: str | None = None) -> Model:
+             backend: str | None = None, precision: str | None = None, prompt_cache: bool | None = None) -> Model:
         """A local model folder or a ModelScope id; half precision only on CUDA (the reference ignores it on CPU).
         ``backend`` runs the flow estimator and the vocoder on torch, onnxruntime or tensorrt (None:
         ``COSYVOICE_BACKEND``, else automatic; :mod:`cosyvoice.backends`). ``precision`` chooses fp32, bf16 or
         int8 weights for the LLM and the DiT on a CPU, or ``auto`` (None: ``COSYVOICE_PRECISION``, else fp32;
-        :mod:`cosyvoice.backends.precision`)."""
+        :mod:`cosyvoice.backends.precision`). ``prompt_cache``: keep each voice's flow prefix across requests
+        (None: ``COSYVOICE_PROMPT_CACHE``, on unless set off); the service also keeps it on disk with the voices."""
         wanted = precision or precision_from_env()
         bundle = open_model_dir(model_dir, download_root)
         device = torch.device(device) if device is not None else torch.device(
@@ -100,9 +102,15 @@ class Model:
             plan = fast.PrecisionPlan(wanted, name, name)
         flow = attach_flow(flow, bundle.root, backend, device)
         hift = attach_hift(bundle.load_hift(device), bundle.root, backend, device)
+        cache = None
+        if prompt_cache_from_env() if prompt_cache is None else prompt_cache:
+            root = bundle.root
+            cache = PromptCache(int(limits.prompt_cache_mb * 2**20), lambda: bundle_digest(root))
+            # the cache's key needs the model digest (seconds for a real bundle): hashed now, not in the first request
+            threading.Thread(target=bundle_digest, args=(root,), name="cosyvoice-model-digest", daemon=True).start()
         engine = Engine(bundle.config, llm, flow, hift, device, limits,
                         endofprompt_id=frontend.tokenizer.end_of_prompt_id,
-                        trim_leading_silence_ms=limits.trim_leading_silence_ms or None)
+                        trim_leading_silence_ms=limits.trim_leading_silence_ms or None, prompt_cache=cache or False)
         return cls(str(bundle.root), device, precision, limits, frontend, engine, plan)
 
     def close(self) -> None:
@@ -259,27 +267,32 @@ class _Cursor:
 
 
 def run_inputs(model: Model, inputs: Iterable[tuple[ModelInput, int]], *, stream: bool, speed: float,
-               cancel: CancelToken, text_stream: TokenStream | None = None) -> Iterator[AudioChunk]:
+               cancel: CancelToken, text_stream: TokenStream | None = None,
+               steps: int | None = None) -> Iterator[AudioChunk]:
     """Each model input's chunks in turn, with its seed; indices and sample offsets run across inputs.
-    ``text_stream``: the text ids of a bi-streaming input (:meth:`TextFeed.inputs`), arriving as they come."""
+    ``text_stream``: the text ids of a bi-streaming input (:meth:`TextFeed.inputs`), arriving as they come;
+    ``steps``: the flow's Euler steps (None: the model's)."""
     cursor = _Cursor()
     for inp, seed in inputs:
         if cancel.cancelled:
             return
         for chunk in model.engine.synthesize(inp, stream=stream, speed=speed, seed=seed, sample_offset=cursor.offset,
-                                             first_index=cursor.index, text_stream=text_stream, cancel=cancel):
+                                             first_index=cursor.index, text_stream=text_stream, cancel=cancel,
+                                             steps=steps):
             yield cursor.passed(chunk)
 
 
 async def arun_inputs(model: Model, inputs: AsyncIterable[tuple[ModelInput, int]], *, stream: bool, speed: float,
-                      cancel: CancelToken, text_stream: TokenStream | None = None) -> AsyncIterator[AudioChunk]:
+                      cancel: CancelToken, text_stream: TokenStream | None = None,
+                      steps: int | None = None) -> AsyncIterator[AudioChunk]:
     """:func:`run_inputs` on the event loop: the engine hands chunks over without a thread per request."""
     cursor = _Cursor()
     async for inp, seed in inputs:
         if cancel.cancelled:
             return
         chunks = model.engine.asynthesize(inp, stream=stream, speed=speed, seed=seed, sample_offset=cursor.offset,
-                                          first_index=cursor.index, text_stream=text_stream, cancel=cancel)
+                                          first_index=cursor.index, text_stream=text_stream, cancel=cancel,
+                                          steps=steps)
         try:
             async for chunk in chunks:
                 yield cursor.passed(chunk)

@@ -50,10 +50,11 @@ from cosyvoice.errors import (
     NotFoundError,
     ResourceLimitError,
 )
+from cosyvoice.flow.prompt_cache import FOLDER as PROMPT_CACHE_FOLDER
 from cosyvoice.frontend.audio import AudioSource
 from cosyvoice.frontend.frontend import Voice
 from cosyvoice.pipeline import Conditioning, Model, Plan, TextFeed
-from cosyvoice.settings import SPEED_RANGE, Limits
+from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, Limits
 from cosyvoice.voices import VoiceInfo, VoiceLibrary, check_name
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,8 @@ class SynthesisRequest:
     The voice is ``voice`` (a saved voice's id or name) or ``prompt_audio`` (an uploaded recording: file
     bytes, a file-like object, an ``(array, sample_rate)`` pair, a float tensor/array at 16 kHz, or a path the
     adapter has vetted). ``stream`` asks the engine for chunks as they are ready; ``format`` is the output
-    ``AudioFormat`` name for adapters that encode (``cosyvoice.encoding.FORMATS``).
+    ``AudioFormat`` name for adapters that encode (``cosyvoice.encoding.FORMATS``). ``steps``: the flow's Euler
+    steps (``settings.FLOW_STEPS_RANGE``; None: the model's): fewer are faster and coarser.
     For the official API's semantics: ``text_frontend`` (normalise the text), ``split_prefixed`` (text carrying
     ``<|endofprompt|>`` is normalised and split like plain text; False keeps it one unnormalised piece, as the
     reference does) and ``prompt_conventions`` (False: transcript, instruction and cross-lingual text come in
@@ -112,6 +114,7 @@ class SynthesisRequest:
     instruction: str = ""
     speed: float = 1.0
     seed: int | None = None
+    steps: int | None = None  # the flow's Euler steps (None: the model's, 10 for CosyVoice3)
     stream: bool = True
     format: str = "pcm"
     text_frontend: bool = True
@@ -128,6 +131,7 @@ class PreparedRequest:
     stream: bool
     speed: float
     format: AudioFormat
+    steps: int  # the model's default when the request named none
 
     @property
     def engine_mode(self) -> pipeline.EngineMode:
@@ -160,6 +164,7 @@ class _Checked:
     seed: int
     format: AudioFormat
     instruction: str
+    steps: int
 
 
 @dataclass(frozen=True)
@@ -561,6 +566,9 @@ class TTSService:
                                     self.limits.queue_timeout_seconds)
         self._sessions: weakref.WeakSet[_Ending] = weakref.WeakSet()  # running requests, for cancel_all
         self._listeners: list[Callable[[Outcome], None]] = []
+        if model.engine.prompt_cache is not None:  # the voices' flow prefixes live with the voices
+            model.engine.prompt_cache.persist(voices.dir / PROMPT_CACHE_FOLDER,
+                                              int(self.limits.prompt_cache_disk_mb * 2**20))
 
     @classmethod
     def load(cls, model_dir: str | Path, voice_dir: str | Path, *, device: str | torch.device | None = None,
@@ -630,7 +638,8 @@ class TTSService:
                              job=cancel if wait else None)
         p = ending.prepared
         chunks = pipeline.run_inputs(self.model, p.plan.inputs(self.model.frontend), stream=p.stream, speed=p.speed,
-                                     cancel=ending.token)
+                                     cancel=ending.token,
+                                     steps=p.steps)
         return SynthesisSession(ending, chunks)
 
     async def asynthesize(self, request: SynthesisRequest, *, cancel: CancelToken | None = None,
@@ -641,7 +650,8 @@ class TTSService:
         ending = await self._aadmit(request, started, owner, cancel, has_text=True)
         p = ending.prepared
         chunks = pipeline.arun_inputs(self.model, pipeline.as_async(p.plan.inputs(self.model.frontend)),
-                                      stream=p.stream, speed=p.speed, cancel=ending.token)
+                                      stream=p.stream, speed=p.speed, cancel=ending.token,
+                                      steps=p.steps)
         return AsyncSynthesisSession(ending, chunks)
 
     def synthesize_text_stream(self, request: SynthesisRequest, pieces: Iterable[str] | None = None, *,
@@ -662,7 +672,8 @@ class TTSService:
         feed = ending.feed
         chunks = pipeline.run_inputs(self.model, pipeline.stream_inputs(self.model.frontend, p.cond, feed, p.seed,
                                                                         ending.token),
-                                     stream=p.stream, speed=p.speed, cancel=ending.token, text_stream=feed.text_ids)
+                                     stream=p.stream, speed=p.speed, cancel=ending.token, text_stream=feed.text_ids,
+                                     steps=p.steps)
         session = SynthesisSession(ending, chunks)
         if pieces is not None:
             _pump(pieces, ending.feed)
@@ -679,7 +690,8 @@ class TTSService:
         feed = ending.feed
         chunks = pipeline.arun_inputs(self.model, pipeline.astream_inputs(self.model.frontend, p.cond, feed, p.seed,
                                                                           ending.token),
-                                      stream=p.stream, speed=p.speed, cancel=ending.token, text_stream=feed.text_ids)
+                                      stream=p.stream, speed=p.speed, cancel=ending.token, text_stream=feed.text_ids,
+                                      steps=p.steps)
         session = AsyncSynthesisSession(ending, chunks)
         if pieces is not None:
             _pump(pieces, ending.feed)
@@ -867,7 +879,8 @@ class TTSService:
         stream, speed, seed = self._options(request)
         with _field("format"):
             fmt = audio_format(request.format)
-        return _Checked(mode, stream, speed, seed, fmt, self._instruction(mode, request.instruction))
+        return _Checked(mode, stream, speed, seed, fmt, self._instruction(mode, request.instruction),
+                        self._steps(request.steps))
 
     def _resolve(self, request: SynthesisRequest, checked: _Checked, owner: str | None = None,
                  text: bool = True) -> PreparedRequest:
@@ -880,7 +893,7 @@ class TTSService:
                              seed=checked.seed, transcript=uploaded, instruction=checked.instruction,
                              text_frontend=request.text_frontend, split_prefixed=request.split_prefixed,
                              model_form=not request.prompt_conventions)
-        return PreparedRequest(checked.mode, plan, checked.stream, checked.speed, checked.format)
+        return PreparedRequest(checked.mode, plan, checked.stream, checked.speed, checked.format, checked.steps)
 
     @staticmethod
     def _mode(mode: object) -> str:
@@ -910,6 +923,17 @@ class TTSService:
         if not isinstance(speed, numbers.Real) or isinstance(speed, bool) or not lo <= float(speed) <= hi:
             raise InvalidInputError(f"speed must be between {lo:g} and {hi:g}, got {request.speed!r}", "speed")
         return request.stream, float(speed), draw_seed() if seed is None else seed
+
+    def _steps(self, steps: object) -> int:
+        """The flow's Euler steps: an integer in ``FLOW_STEPS_RANGE``, or the model's default for None."""
+        if steps is None:
+            return self.model.engine.default_steps
+        lo, hi = FLOW_STEPS_RANGE
+        if isinstance(steps, numbers.Integral) and not isinstance(steps, bool):
+            steps = int(steps)  # numpy integers from adapters
+        if not isinstance(steps, int) or isinstance(steps, bool) or not lo <= steps <= hi:
+            raise InvalidInputError(f"steps must be an integer from {lo} to {hi}, got {steps!r}", "steps")
+        return steps
 
     def _instruction(self, mode: str, instruction: object) -> str:
         """The instruction as the user wrote it (the pipeline wraps it where its token ids are made)."""

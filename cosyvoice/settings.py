@@ -21,6 +21,9 @@ VOICE_DIR_SETTING = "COSYVOICE_VOICE_DIR"  # named in errors about the voice fol
 DATA_DIR_SETTING = "COSYVOICE_DATA_DIR"  # named in errors about the data folder (takes, tests, projects)
 CSV_FIELD_LIMIT = 131072  # the longest field Python's csv reader accepts by default (csv.field_size_limit())
 SPEED_RANGE = (0.5, 2.0)  # speed factors: the mel is stretched linearly before the vocoder (streamed: per chunk)
+# a request's flow Euler steps (``steps``; the model's default is its yaml's n_timesteps, 10 for CosyVoice3): fewer
+# are faster and coarser, F5-TTS's speed/quality knob; each step costs one DiT call per chunk and its flow cache
+FLOW_STEPS_RANGE = (1, 32)
 TOKENIZER_MAX_SECONDS = 30.0  # speech_tokenizer_v3 refuses longer audio
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 VOICE_EDITORS = ("anyone", "creator", "admin")  # who may rename, export or delete a saved voice
@@ -89,6 +92,17 @@ def parse_precision(name: str) -> torch.dtype:
     return PRECISIONS[name]
 
 
+def prompt_cache_from_env(environ: dict[str, str] | None = None) -> bool:
+    """``COSYVOICE_PROMPT_CACHE``: ``on`` (the default) keeps each voice's flow prefix across requests
+    (:mod:`cosyvoice.flow.prompt_cache`; bounded by ``Limits.prompt_cache_mb`` / ``prompt_cache_disk_mb``), ``off``
+    recomputes it for every request (the benchmark's ablation)."""
+    env = os.environ if environ is None else environ
+    value = (env.get("COSYVOICE_PROMPT_CACHE") or "on").strip().lower()
+    if value not in ("on", "off"):
+        raise ConfigError(f"COSYVOICE_PROMPT_CACHE must be on or off, got {value!r}")
+    return value == "on"
+
+
 def backend_from_env(environ: dict[str, str] | None = None) -> str:
     """``COSYVOICE_BACKEND``: the flow estimator and vocoder backend (auto, torch, onnxruntime, tensorrt;
     see :mod:`cosyvoice.backends`); ``auto`` when unset."""
@@ -127,6 +141,11 @@ class Limits:
     # all streams' incremental flow caches together; each stream gets flow_cache_mb / max_sessions and
     # recomputes (the reference's path) beyond it (docs/architecture.md, "Memory")
     flow_cache_mb: float = 32768.0
+    # each voice's flow prefix (the prompt's DiT keys/values at every Euler step, cosyvoice/flow/prompt_cache.py),
+    # kept across requests in memory and in the voice folder (0: not on disk); 3.6 MB per prompt frame in fp32 at
+    # the released size with 10 steps (half in bf16), so ~360 MB for a 3 s prompt (its first 100 frames)
+    prompt_cache_mb: float = 1024.0
+    prompt_cache_disk_mb: float = 4096.0
     # audible first sound: a streamed request's leading silence is sent only from this many ms before its first
     # audible sample (cosyvoice/engine/silence.py; nothing audible is ever removed); 0: off
     trim_leading_silence_ms: float = 40.0
@@ -142,7 +161,7 @@ class Limits:
         for f in fields(self):
             value = getattr(self, f.name)
             if value < 0 or (value == 0 and f.name not in ("queue_timeout_seconds", "max_queued_requests",
-                                                            "trim_leading_silence_ms")):
+                                                            "trim_leading_silence_ms", "prompt_cache_disk_mb")):
                 raise ConfigError(f"limit {f.name} must be positive, got {value}")
         if self.min_prompt_seconds > self.max_prompt_seconds:
             raise ConfigError("min_prompt_seconds must not exceed max_prompt_seconds")

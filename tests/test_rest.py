@@ -198,6 +198,7 @@ def test_bridge_contract_speaker_is_the_instruction_and_prompt_audio_is_required
     for body in ({"text": TEXT}, {"text": TEXT, "prompt_audio": "", "speaker": "Calm."}):
         message = _error(httpx.post(f"{url}/synthesize", json=body), 400, "prompt_audio")
         assert message == "prompt_audio is required for CosyVoice3 synthesis"
+    _error(httpx.post(f"{url}/synthesize", json={"text": TEXT, "prompt_audio": encoded, "steps": 0}), 400, "steps")
 
 
 def test_bridge_client_that_leaves_cancels_its_synthesis(url: str, service: TTSService, short_prompt_wav: Path,
@@ -252,6 +253,7 @@ def test_openai_instructions_sse_and_errors(url: str, saved_voice: dict, outcome
     _error(httpx.post(f"{url}/v1/audio/speech", json={**body, "response_format": "ogg"}), 400, "response_format")
     _error(httpx.post(f"{url}/v1/audio/speech", json={**body, "input": ""}), 400, "input")
     _error(httpx.post(f"{url}/v1/audio/speech", json={**body, "voice": "nobody"}), 404, "voice")
+    _error(httpx.post(f"{url}/v1/audio/speech", json={**body, "steps": 33}), 400, "steps")  # our extension
     _error(httpx.post(f"{url}/v1/audio/speech", json={"input": TEXT}), 400, "voice")
     _error(httpx.post(f"{url}/v1/audio/speech", content=b"{not json", headers={"content-type": "application/json"}),
            400, None)

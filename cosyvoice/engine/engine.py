@@ -34,12 +34,13 @@ from cosyvoice.engine.session import AudioChunk, CancelToken, Session
 from cosyvoice.engine.t2w import Token2Wav, Token2WavWorker, as_cosyvoice_error
 from cosyvoice.errors import CosyVoiceError, ResourceLimitError
 from cosyvoice.flow import CausalMaskedDiffWithDiT
+from cosyvoice.flow.prompt_cache import PromptCache
 from cosyvoice.frontend.frontend import ModelInput
 from cosyvoice.hifigan import CausalHiFTGenerator
 from cosyvoice.llm import CosyVoice3LM
 from cosyvoice.llm.job import Job, TokenStream
 from cosyvoice.llm.model import ENDOFPROMPT_ID
-from cosyvoice.settings import SPEED_RANGE, Limits
+from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, Limits
 
 
 def llm_job(llm: CosyVoice3LM, inp: ModelInput, limits: Limits, endofprompt_id: int,
@@ -93,6 +94,11 @@ class Engine:
     in CUDA graphs); a string names the ``torch.compile`` backend (default inductor).
     ``threads``: (LLM scheduler, token-to-wave worker) intra-op threads on a CPU, each set in its own thread
     (torch's thread count is per calling thread); None: :func:`stage_threads` of torch's count at construction.
+    ``prompt_cache``: streams start from their voice's flow prefix, computed once per voice and step count
+    (:mod:`cosyvoice.flow.prompt_cache`; True: in memory within ``limits.prompt_cache_mb``; a
+    :class:`PromptCache` may also persist them). The same mel up to float rounding (<= 1e-5); off by default here
+    (the parity tool compares the engine's streamed mel with the reference's), on in :meth:`Model.load`.
+    ``steps`` (per request; None: the yaml's ``n_timesteps``): the flow's Euler steps.
     """
 
     def __init__(self, config: CosyVoice3Config, llm: CosyVoice3LM, flow: CausalMaskedDiffWithDiT,
@@ -100,7 +106,8 @@ class Engine:
                  endofprompt_id: int = ENDOFPROMPT_ID, incremental_flow: bool = True,
                  incremental_vocoder: bool = True, fixed_tokens: int | None = None, cuda_graphs: bool = False,
                  t2w_batch: int | None = None, trim_leading_silence_ms: float | None = None,
-                 compile_dit: bool | str = False, threads: tuple[int, int] | None = None) -> None:
+                 compile_dit: bool | str = False, threads: tuple[int, int] | None = None,
+                 prompt_cache: PromptCache | bool = False) -> None:
         self.config = config
         self.llm, self.flow, self.hift = llm.eval(), flow.eval(), hift.eval()
         self.device = device
@@ -114,8 +121,11 @@ class Engine:
         self._ids = itertools.count()
         compiled = CompiledDiT(device, compile_dit if isinstance(compile_dit, str) else "inductor") \
             if compile_dit else None
+        if prompt_cache is True:
+            prompt_cache = PromptCache(int(self.limits.prompt_cache_mb * 2**20))
+        self.prompt_cache = prompt_cache or None
         self.t2w = Token2Wav(config, self.flow, self.hift, device, incremental_flow, incremental_vocoder,
-                             self.flow_cache_share, trim_leading_silence_ms, compiled)
+                             self.flow_cache_share, trim_leading_silence_ms, compiled, self.prompt_cache)
         self.threads = (threads or stage_threads(torch.get_num_threads())) if device.type == "cpu" else (None, None)
         self.scheduler = LLMScheduler(llm, self.limits.max_sessions, self.limits.max_llm_positions,
                                       cuda_graphs=cuda_graphs, threads=self.threads[0])
@@ -132,7 +142,8 @@ class Engine:
 
     def synthesize(self, inp: ModelInput, stream: bool = False, speed: float = 1.0, seed: int | None = 0,
                    sample_offset: int = 0, first_index: int = 0, *, text_stream: TokenStream | None = None,
-                   fixed_tokens: int | None = None, cancel: CancelToken | None = None) -> Iterator[AudioChunk]:
+                   fixed_tokens: int | None = None, cancel: CancelToken | None = None,
+                   steps: int | None = None) -> Iterator[AudioChunk]:
         """Speak one text segment. Streaming yields chunks as the policy allows; otherwise one chunk.
 
         ``text_stream``: the text arrives over time (bi-streaming); ``inp.text`` is then unused. Inputs arrive
@@ -142,18 +153,19 @@ class Engine:
         """
         job = self._job(inp, text_stream, fixed_tokens)
         return self._iterate(lambda: self._open(inp, stream, speed, seed, sample_offset, first_index, cancel,
-                                                job, text_stream), cancel)
+                                                job, text_stream, steps=steps), cancel)
 
     async def asynthesize(self, inp: ModelInput, stream: bool = False, speed: float = 1.0, seed: int | None = 0,
                           sample_offset: int = 0, first_index: int = 0, *, text_stream: TokenStream | None = None,
-                          fixed_tokens: int | None = None,
-                          cancel: CancelToken | None = None) -> AsyncIterator[AudioChunk]:
+                          fixed_tokens: int | None = None, cancel: CancelToken | None = None,
+                          steps: int | None = None) -> AsyncIterator[AudioChunk]:
         """:meth:`synthesize` for asyncio: ``async for chunk in engine.asynthesize(...)``, no thread involved;
         leaving the loop (or cancelling the task) cancels the request, as does ``cancel``."""
         if cancel is not None and cancel.cancelled:
             return
         job = self._job(inp, text_stream, fixed_tokens)
-        session = self._open(inp, stream, speed, seed, sample_offset, first_index, cancel, job, text_stream)
+        session = self._open(inp, stream, speed, seed, sample_offset, first_index, cancel, job, text_stream,
+                             steps=steps)
         try:
             while (item := await session.aget()) is not None:
                 chunk = _unwrap(item)
@@ -164,12 +176,18 @@ class Engine:
             self._close(session, wait=False)  # released by the worker within one step
 
     def vocode(self, tokens: list[int] | torch.Tensor, inp: ModelInput, stream: bool = False, speed: float = 1.0,
-               *, cancel: CancelToken | None = None) -> Iterator[AudioChunk]:
+               *, cancel: CancelToken | None = None, steps: int | None = None) -> Iterator[AudioChunk]:
         """Speech tokens given by the caller (voice conversion, replay) through the same chunking as
         :meth:`synthesize`; ``inp`` supplies the flow prompt and speaker embedding (its text is unused)."""
         ids = torch.as_tensor(tokens).reshape(-1).tolist()
         assert all(0 <= t < self.config.flow.vocab_size for t in ids), "speech token ids out of range"
-        return self._iterate(lambda: self._open(inp, stream, speed, 0, 0, 0, cancel, None, None, tokens=ids), cancel)
+        return self._iterate(lambda: self._open(inp, stream, speed, 0, 0, 0, cancel, None, None, tokens=ids,
+                                                steps=steps), cancel)
+
+    @property
+    def default_steps(self) -> int:
+        """The flow's Euler steps when a request names none (the yaml's ``n_timesteps``)."""
+        return self.config.flow.cfm.n_timesteps
 
     @property
     def active_sessions(self) -> int:
@@ -196,6 +214,8 @@ class Engine:
         self._finalizer.detach()
         self.scheduler.close()
         self.worker.close()
+        if self.prompt_cache is not None:
+            self.prompt_cache.close()
 
     # ------------------------------------------------------------------ sessions
 
@@ -205,12 +225,15 @@ class Engine:
 
     def _open(self, inp: ModelInput, stream: bool, speed: float, seed: int | None, sample_offset: int,
               first_index: int, cancel: CancelToken | None, job: Job | None, text_stream: TokenStream | None,
-              tokens: list[int] | None = None) -> Session:
+              tokens: list[int] | None = None, steps: int | None = None) -> Session:
         """Register a session and hand it to the scheduler (its LLM job) and the worker; returns at once."""
         lo, hi = SPEED_RANGE
         assert lo <= speed <= hi and (seed is None or 0 <= seed < 2**63), "options are validated by the service"
+        steps = self.default_steps if steps is None else steps
+        assert FLOW_STEPS_RANGE[0] <= steps <= FLOW_STEPS_RANGE[1], "options are validated by the service"
         session = Session(id=next(self._ids), seed=secrets.randbits(63) if seed is None else int(seed), inp=inp,
-                          stream=stream, speed=float(speed), sample_offset=sample_offset, first_index=first_index)
+                          stream=stream, speed=float(speed), steps=int(steps), sample_offset=sample_offset,
+                          first_index=first_index)
         cleanups = self._open_sessions.add(session)
         if job is None:  # vocode(): the caller is the "LLM"; its tokens are all there
             session.add_tokens(tuple(tokens or ()))

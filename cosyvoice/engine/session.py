@@ -141,6 +141,7 @@ class Session:
     speed: float
     sample_offset: int = 0  # of the first chunk in the request's waveform
     first_index: int = 0  # of the first chunk in the request
+    steps: int | None = None  # the flow's Euler steps (None: the model's; the engine always names them)
     started: float = field(default_factory=time.perf_counter)
     cancel: CancelToken = field(default_factory=CancelToken)  # the session's own; a caller's token cancels it
     cond: threading.Condition = field(default_factory=threading.Condition)

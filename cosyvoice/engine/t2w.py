@@ -28,6 +28,7 @@ from cosyvoice.engine.session import AudioChunk, ChunkPolicy, ChunkWork, Session
 from cosyvoice.engine.silence import LeadingSilenceTrim
 from cosyvoice.errors import CosyVoiceError, ResourceLimitError
 from cosyvoice.flow import CausalMaskedDiffWithDiT, FlowStream, PendingExtension, extend_packed
+from cosyvoice.flow.prompt_cache import PromptCache
 from cosyvoice.hifigan import CausalHiFTGenerator, HiFTStream
 from cosyvoice.hifigan.speed import MelTimeScale
 
@@ -100,13 +101,14 @@ class Token2Wav:
 
     ``incremental_flow`` / ``incremental_vocoder`` False: re-run the flow / vocoder over the whole utterance
     per chunk, as the reference does (the benchmark baseline). ``flow_cache_share``: bytes one stream's
-    incremental flow cache may hold (the engine's memory budget).
+    incremental flow cache may hold (the engine's memory budget). ``prompt_cache``: streams start from their
+    voice's flow prefix, computed once per voice (:mod:`cosyvoice.flow.prompt_cache`).
     """
 
     def __init__(self, config: CosyVoice3Config, flow: CausalMaskedDiffWithDiT, hift: CausalHiFTGenerator,
                  device: torch.device, incremental_flow: bool = True, incremental_vocoder: bool = True,
                  flow_cache_share: float = float("inf"), trim_leading_silence_ms: float | None = None,
-                 compiled: CompiledDiT | None = None) -> None:
+                 compiled: CompiledDiT | None = None, prompt_cache: PromptCache | None = None) -> None:
         self.config, self.flow, self.hift, self.device = config, flow, hift, device
         self.sample_rate = config.sample_rate
         self.incremental_flow, self.incremental_vocoder = incremental_flow, incremental_vocoder
@@ -114,6 +116,7 @@ class Token2Wav:
         self.fallbacks = 0  # streams switched to recompute by the memory budget
         self.trim_leading_silence_ms = trim_leading_silence_ms
         self.compiled = compiled  # the packed DiT step compiled per shape bucket (every flow step goes through it)
+        self.prompt_cache = prompt_cache
 
     def open(self, session: Session) -> T2WState:
         """A new session's state."""
@@ -170,8 +173,12 @@ class Token2Wav:
         streaming, finalize = not work.final, work.final
         if self.incremental_flow and (streaming or state.flow_stream is not None):
             if state.flow_stream is None:
-                state.flow_stream = FlowStream(self.flow, inp.flow_prompt_speech_token.to(dev),
-                                               inp.prompt_speech_feat.to(dev), inp.flow_embedding.to(dev))
+                voice = (self.flow, inp.flow_prompt_speech_token.to(dev), inp.prompt_speech_feat.to(dev),
+                         inp.flow_embedding.to(dev), session.steps)
+                # a stream that starts over its budget recomputes at once: no use for the voice's prefix
+                cached = self.prompt_cache is not None and not self._over_budget(
+                    inp.flow_prompt_speech_token.shape[1], tokens.shape[1], session.steps)
+                state.flow_stream = self.prompt_cache.stream(*voice) if cached else FlowStream(*voice)
             self._budget_flow_cache(state.flow_stream, tokens.shape[1])
             step = state.flow_stream.begin(tokens[:, state.flow_fed:].to(dev), finalize=finalize)
             state.flow_fed = tokens.shape[1]
@@ -180,7 +187,7 @@ class Token2Wav:
         mel = self.flow.inference(
             token=tokens.to(dev), token_len=tokens.shape[1], prompt_token=prompt_token,
             prompt_token_len=prompt_token.shape[1], prompt_feat=prompt_feat, prompt_feat_len=prompt_feat.shape[1],
-            embedding=inp.flow_embedding.to(dev), streaming=streaming, finalize=finalize)
+            embedding=inp.flow_embedding.to(dev), streaming=streaming, finalize=finalize, n_steps=session.steps)
         return mel[:, :, work.start * self.config.flow.token_mel_ratio:]
 
     def vocode(self, state: T2WState, mel: torch.Tensor, streaming: bool, finalize: bool,
@@ -209,12 +216,13 @@ class Token2Wav:
         """A stream that would grow past its share drops its cache and recomputes from then on (the reference's
         path: the same output up to rounding). The share does not depend on other sessions, so neither does a
         session's output."""
-        if not stream.caching:
-            return
-        frames = (stream.prompt_token.shape[1] + n_tokens) * self.config.flow.token_mel_ratio
-        if frames * FlowStream.bytes_per_frame(self.flow) > self.flow_cache_share:
+        if stream.caching and self._over_budget(stream.prompt_token.shape[1], n_tokens, stream.steps):
             stream.drop_cache()
             self.fallbacks += 1
+
+    def _over_budget(self, n_prompt_tokens: int, n_tokens: int, steps: int | None) -> bool:
+        frames = (n_prompt_tokens + n_tokens) * self.config.flow.token_mel_ratio
+        return frames * FlowStream.bytes_per_frame(self.flow, steps=steps) > self.flow_cache_share
 
 
 def as_cosyvoice_error(exc: BaseException, stage: str) -> CosyVoiceError:
@@ -331,7 +339,8 @@ class Token2WavWorker:
         _, session, state = due[0]
         if self.batch == 1 or not state.packable(session, self.t2w):
             return [(session, state)]
-        return [(s, st) for _, s, st in due if st.packable(s, self.t2w)][:self.batch]
+        # one Euler loop per packed call: only sessions of the same step count share it
+        return [(s, st) for _, s, st in due if st.packable(s, self.t2w) and s.steps == session.steps][:self.batch]
 
     def _run(self, due: list[tuple[Session, T2WState]]) -> None:
         """Compute the due chunks and queue them (or the errors that end their sessions)."""

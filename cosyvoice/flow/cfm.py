@@ -86,15 +86,18 @@ class CausalConditionalCFM(nn.Module):
         z = self.noise[:, :, start:stop].to(device=like.device, dtype=like.dtype)
         return z.expand(like.shape[0], -1, -1)
 
-    def time_grid(self, like: Tensor) -> Tensor:
-        return time_grid(self.n_timesteps, self.t_scheduler, like.device, like.dtype)
+    def time_grid(self, like: Tensor, n_steps: int | None = None) -> Tensor:
+        """The grid of ``n_steps`` Euler steps (None: the model's ``n_timesteps``, the yaml's)."""
+        return time_grid(n_steps or self.n_timesteps, self.t_scheduler, like.device, like.dtype)
 
-    def forward(self, mu: Tensor, spks: Tensor, cond: Tensor, streaming: bool = False) -> Tensor:
-        """Mel [B, mel_dim, N] for token features ``mu`` [B, C, N], speaker ``spks`` [B, S], prompt mel ``cond``."""
+    def forward(self, mu: Tensor, spks: Tensor, cond: Tensor, streaming: bool = False,
+                n_steps: int | None = None) -> Tensor:
+        """Mel [B, mel_dim, N] for token features ``mu`` [B, C, N], speaker ``spks`` [B, S], prompt mel ``cond``;
+        ``n_steps`` Euler steps (None: the model's): fewer are faster and coarser (F5-TTS's speed/quality knob)."""
         z = self.start_noise(0, mu.shape[2], mu)
         mu_in, spks_in, cond_in = guidance_batch(mu, spks, cond)
 
         def velocity(x_in: Tensor, t_in: Tensor, step: int) -> Tensor:
             return self.estimator(x_in, mu_in, t_in, spks_in, cond_in, streaming=streaming)
 
-        return solve_euler_cfg(velocity, z, self.time_grid(mu), self.cfg_rate)
+        return solve_euler_cfg(velocity, z, self.time_grid(mu, n_steps), self.cfg_rate)

@@ -111,7 +111,7 @@ class CausalMaskedDiffWithDiT(nn.Module):
     @torch.inference_mode()
     def inference(self, token: Tensor, token_len: Tensor | int, prompt_token: Tensor, prompt_token_len: Tensor | int,
                   prompt_feat: Tensor, prompt_feat_len: Tensor | int, embedding: Tensor,
-                  streaming: bool, finalize: bool) -> Tensor:
+                  streaming: bool, finalize: bool, n_steps: int | None = None) -> Tensor:
         """Mel frames after the prompt, float32 [B, output_size, T_out].
 
         ``token`` [B, T], ``prompt_token`` [B, P] speech-token ids; ``prompt_feat`` [B, F, mels]
@@ -120,7 +120,8 @@ class CausalMaskedDiffWithDiT(nn.Module):
         widths; padded batches are not supported). ``streaming`` selects chunk-causal
         attention, ``finalize=False`` treats the last ``pre_lookahead_len`` tokens as
         look-ahead only. T_out = (P + T [- pre_lookahead_len]) * token_mel_ratio - F; when
-        that is not positive (nothing beyond the prompt yet) the result is empty.
+        that is not positive (nothing beyond the prompt yet) the result is empty. ``n_steps``: Euler steps of
+        the flow (None: the model's ``n_timesteps``).
 
         The reference returns ``(mel, None)`` (the None is an unused cache slot); this returns the mel only.
         """
@@ -134,8 +135,18 @@ class CausalMaskedDiffWithDiT(nn.Module):
         mu = self.token_condition(tokens, finalize)
         spks = self.speaker_condition(embedding)
         cond = self.prompt_condition(prompt_feat, n_frames)
-        mel = self.decoder(mu.transpose(1, 2), spks, cond, streaming=streaming)
+        mel = self.decoder(mu.transpose(1, 2), spks, cond, streaming=streaming, n_steps=n_steps)
         return mel[:, :, n_prompt:].float()  # the reference always hands float32 to the vocoder
+
+    def voice_frames(self, n_prompt_tokens: int, n_prompt_frames: int) -> int:
+        """How many leading frames' DiT state depends on the voice alone, under the chunk-causal mask: the whole
+        chunks before the first frame whose token features read a token after the prompt (the look-ahead of
+        the last ``pre_lookahead_len`` prompt tokens reaches the first generated ones) or whose ``cond`` is not
+        the prompt mel. Their keys/values at every Euler step are a function of the voice, the fixed noise and
+        the step grid, so :class:`VoicePrefix` computes them once per voice."""
+        frames = min((n_prompt_tokens - self.pre_lookahead_len) * self.token_mel_ratio, n_prompt_frames)
+        chunk = self.decoder.estimator.chunk_size
+        return max(frames, 0) // chunk * chunk
 
     def _frames_for(self, n_tokens: int, finalize: bool) -> int:
         usable = n_tokens if finalize else n_tokens - self.pre_lookahead_len
@@ -206,28 +217,37 @@ class FlowStream:
     rows) x heads x dim_head elements of the flow's dtype; for the released 22-block, 16 x 64-head DiT
     that is 3.6 MB in float32 (1.8 MB in bf16), ~180 MB per second of audio (measured on an H100: 4.5 GiB
     of cache after 1300 frames). Not thread-safe: one session per utterance.
+
+    ``steps``: the Euler steps of every call (None: the model's). ``prefix``: the voice's :class:`VoicePrefix` (same
+    steps), so the first call starts after it (:meth:`voice_prefix` makes one; :mod:`cosyvoice.flow.prompt_cache`).
     """
 
     def __init__(self, flow: CausalMaskedDiffWithDiT, prompt_token: Tensor, prompt_feat: Tensor,
-                 embedding: Tensor) -> None:
+                 embedding: Tensor, steps: int | None = None, prefix: VoicePrefix | None = None) -> None:
         self.flow = flow
         _, self.prompt_token, self.prompt_feat, self.embedding = flow._check_inputs(
             prompt_token[:, :0], 0, prompt_token, prompt_token.shape[-1], prompt_feat, prompt_feat.shape[1],
             embedding, finalize=True)
+        self.steps = steps or flow.decoder.n_timesteps  # Euler steps of every call
         with torch.inference_mode():
             self.spks = flow.speaker_condition(self.embedding)
         self._tokens = self.prompt_token  # prompt ++ every token seen so far
-        self._caches: list[DiTCache | None] | None = [None] * flow.decoder.n_timesteps
+        self._caches: list[DiTCache | None] | None = [None] * self.steps
         self._mel = self.prompt_feat.new_zeros(self.prompt_feat.shape[0], flow.cfg.output_size, 0)
+        if prefix is not None:  # the voice's finished chunks, computed once per voice (shared, never modified)
+            assert prefix.steps == self.steps and prefix.length == flow.voice_frames(
+                self.prompt_token.shape[1], self.prompt_feat.shape[1]), "a prefix of another voice or step count"
+            self._caches, self._mel = list(prefix.caches), prefix.mel
         self._returned = 0  # mel frames after the prompt returned so far
         self._finalized = False
 
     @staticmethod
-    def bytes_per_frame(flow: CausalMaskedDiffWithDiT, batch: int = 1) -> int:
+    def bytes_per_frame(flow: CausalMaskedDiffWithDiT, batch: int = 1, steps: int | None = None) -> int:
         """Cache bytes one finished mel frame costs (keys and values of every block at every ODE step)."""
         dit = flow.decoder.estimator
         attn = dit.transformer_blocks[0].attn
-        elements = flow.decoder.n_timesteps * len(dit.transformer_blocks) * 2 * 2 * batch * attn.heads * attn.dim_head
+        elements = (steps or flow.decoder.n_timesteps) * len(dit.transformer_blocks) * 2 * 2 * batch * attn.heads \
+            * attn.dim_head
         return elements * dit.proj_out.weight.element_size()
 
     @property
@@ -240,7 +260,7 @@ class FlowStream:
         """Bytes held by the attention cache now (0 after :meth:`drop_cache`)."""
         if self._caches is None or self._caches[0] is None:
             return 0
-        return self.finished_frames * self.bytes_per_frame(self.flow, self.prompt_token.shape[0])
+        return self.finished_frames * self.bytes_per_frame(self.flow, self.prompt_token.shape[0], self.steps)
 
     @property
     def caching(self) -> bool:
@@ -272,8 +292,27 @@ class FlowStream:
             out, caches[k] = cfm.estimator.forward_cached(x_in, mu_in, t_in, spks_in, cond_in, past[k], step.keep)
             return out
 
-        mel = solve_euler_cfg(velocity, step.noise, cfm.time_grid(step.mu), cfm.cfg_rate)
+        mel = solve_euler_cfg(velocity, step.noise, cfm.time_grid(step.mu, self.steps), cfm.cfg_rate)
         return self._finish(step, mel, caches)
+
+    @torch.inference_mode()
+    def voice_prefix(self) -> VoicePrefix | None:
+        """Compute this (new) stream's :class:`VoicePrefix` and start from it; None when the prompt has no whole
+        chunk that depends on the voice alone."""
+        assert self.finished_frames == 0 and not self._finalized, "a prefix is made before the first call"
+        flow = self.flow
+        length = flow.voice_frames(self.prompt_token.shape[1], self.prompt_feat.shape[1])
+        if length == 0:
+            return None
+        # finalize=False: the last pre_lookahead_len prompt tokens are look-ahead only, as for every later token
+        mu = flow.token_condition(self.prompt_token, finalize=False)[:, :length].transpose(1, 2)
+        cond = flow.prompt_condition(self.prompt_feat, length)
+        self.solve(PendingExtension(self, mu, cond, flow.decoder.start_noise(0, length, mu), length))
+        # the position-conv tails are views of whole conv inputs: copies, so a kept prefix holds only itself
+        caches = tuple(DiTCache(c.length, (c.conv_tails[0].clone(), c.conv_tails[1].clone()), c.kv)
+                       for c in self._caches)
+        self._caches = list(caches)
+        return VoicePrefix(length, self.steps, caches, self._mel)
 
     @torch.inference_mode()
     def begin(self, token: Tensor, finalize: bool, streaming: bool | None = None) -> Tensor | PendingExtension:
@@ -296,7 +335,7 @@ class FlowStream:
         if not streaming or self._caches is None:
             mel = flow.inference(tokens[:, n_prompt_tokens:], tokens.shape[1] - n_prompt_tokens, self.prompt_token,
                                  n_prompt_tokens, self.prompt_feat, n_prompt, self.embedding, streaming=streaming,
-                                 finalize=finalize)
+                                 finalize=finalize, n_steps=self.steps)
             return self._new_frames(mel)
         n_frames = flow._frames_for(tokens.shape[1], finalize)
         if n_frames <= n_prompt:
@@ -322,6 +361,24 @@ class FlowStream:
         mel = torch.cat((self._mel, mel), dim=2)
         self._caches, self._mel = caches, mel[:, :, :start + step.keep]
         return self._new_frames(mel[:, :, self.prompt_feat.shape[1]:].float())
+
+
+@dataclass(frozen=True, eq=False)
+class VoicePrefix:
+    """What a :class:`FlowStream` of one voice holds after its voice-only frames (:meth:`~CausalMaskedDiffWithDiT.
+    voice_frames`): every Euler step's :class:`DiTCache` of them (both guidance rows) and their mel. The same for
+    every request of the voice at this step count, so it is computed once (:mod:`cosyvoice.flow.prompt_cache`)
+    and each stream of the voice starts from it: its first DiT call runs over the frames after it only."""
+
+    length: int
+    steps: int
+    caches: tuple[DiTCache, ...]
+    mel: Tensor  # [B, mels, length]
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.mel] + [t for c in self.caches for t in (*c.conv_tails, *(x for kv in c.kv for x in kv))]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass(eq=False)
@@ -352,6 +409,8 @@ def extend_packed(steps: list[PendingExtension], trunk: PackedTrunk | None = Non
     """
     flow = steps[0].stream.flow
     cfm = flow.decoder
+    n_steps = steps[0].stream.steps
+    assert all(s.stream.steps == n_steps for s in steps), "streams packed together share their Euler steps"
     width = max(s.frames for s in steps)
     rows = [s.mu.shape[0] for s in steps]
     offsets = [sum(rows[:i]) for i in range(len(steps))]
@@ -368,7 +427,7 @@ def extend_packed(steps: list[PendingExtension], trunk: PackedTrunk | None = Non
     owner = [(i, r - offsets[i]) for i, n in enumerate(rows) for r in range(offsets[i], offsets[i] + n)]
     lengths = [steps[i].frames for i, _ in owner] * 2
     keeps = [steps[i].keep for i, _ in owner] * 2
-    new_caches: list[list[DiTCache | None]] = [[None] * len(steps) for _ in range(cfm.n_timesteps)]
+    new_caches: list[list[DiTCache | None]] = [[None] * len(steps) for _ in range(n_steps)]
 
     def velocity(x_in: Tensor, t_in: Tensor, step: int) -> Tensor:
         pasts = [cache_rows(steps[i].stream._caches[step], half * rows[i] + r, half * rows[i] + r + 1)
@@ -380,7 +439,8 @@ def extend_packed(steps: list[PendingExtension], trunk: PackedTrunk | None = Non
             new_caches[step][i] = cache_cat(caches[lo:lo + n] + caches[n_rows + lo:n_rows + lo + n])
         return out
 
-    mel = solve_euler_cfg(velocity, torch.cat([pad(s.noise) for s in steps]), cfm.time_grid(mu), cfm.cfg_rate)
+    mel = solve_euler_cfg(velocity, torch.cat([pad(s.noise) for s in steps]), cfm.time_grid(mu, n_steps),
+                          cfm.cfg_rate)
     return [s.stream._finish(s, mel[offsets[i]:offsets[i] + rows[i], :, :s.frames],
-                             [new_caches[k][i] for k in range(cfm.n_timesteps)])
+                             [new_caches[k][i] for k in range(n_steps)])
             for i, s in enumerate(steps)]

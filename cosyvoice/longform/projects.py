@@ -30,7 +30,7 @@ from cosyvoice.llm.model import CosyVoice3LM
 from cosyvoice.longform import finishing, script
 from cosyvoice.longform.store import Project, ProjectStore, Segment, Take
 from cosyvoice.service import SynthesisRequest, TTSService, check_text
-from cosyvoice.settings import SPEED_RANGE, default_data_dir
+from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, default_data_dir
 from cosyvoice.utils.sqlite import require_writable
 
 SUSPECT_RETRIES = 0  # a project's default: suspect takes are flagged; a project may ask for new takes (new seeds)
@@ -112,7 +112,8 @@ class LongformStudio:
                owner: str | None = None, **settings: object) -> Project:
         """A project from a document (``voice`` reads it all) or a dialogue script (``speakers`` maps each
         label to a voice), belonging to ``owner`` (:mod:`cosyvoice.owners`). ``chapters`` (title, text) come from
-        an EPUB; ``settings`` override the defaults (``pauses``, ``preset``, ``margin``)."""
+        an EPUB, DOCX or PDF; ``settings`` override the defaults (``pauses``, ``preset``, ``margin``, ``retries``,
+        ``steps``: the flow's Euler steps of every take, None: the model's)."""
         if kind not in ("document", "dialogue"):
             raise InvalidInputError(f"kind must be 'document' or 'dialogue', got {kind!r}", "kind")
         if not isinstance(text, str) or not text.strip():
@@ -174,6 +175,12 @@ class LongformStudio:
                     raise InvalidInputError(f"retries must be a whole number of new takes in 0..{MAX_RETRIES}",
                                             "retries")
                 out["retries"] = value
+            elif key == "steps":
+                lo, hi = FLOW_STEPS_RANGE
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                          or not lo <= value <= hi):
+                    raise InvalidInputError(f"steps must be a whole number from {lo} to {hi}", "steps")
+                out["steps"] = value
             else:
                 raise InvalidInputError(f"unknown setting {key!r}", key)
         return out
@@ -401,12 +408,13 @@ class LongformStudio:
             return  # merged away meanwhile
         if not new_take and self.current_take(segment, self.store.takes(project_id)) is not None:
             return
-        retries = self.store.project(project_id).settings.get("retries", SUSPECT_RETRIES)
+        settings = self.store.project(project_id).settings
+        retries, steps = settings.get("retries", SUSPECT_RETRIES), settings.get("steps")
         made_takes: list[Take] = []
         for _ in range(1 + retries):  # a suspect take is made again with a new seed, every take kept
             request = SynthesisRequest(segment.text, "instruct" if segment.instruction else "sft",
                                        voice=segment.voice, instruction=segment.instruction, speed=segment.speed,
-                                       stream=False)  # the service draws the seed
+                                       stream=False, steps=steps)  # the service draws the seed
             made = synthesize(self.service, request, token)
             flags = self._suspect(segment, made)
             try:

@@ -43,6 +43,7 @@ class BridgeSynthesis(BaseModel):
     speaker: str | None = None  # an instruction when ``instruct`` is not given (the contract's fallback)
     speed: float = 1.0
     seed: int | None = None  # negative: random
+    steps: int | None = None  # our extension: the flow's Euler steps (None: the model's)
 
 
 def bridge_request(body: BridgeSynthesis, audio: object) -> SynthesisRequest:
@@ -55,7 +56,7 @@ def bridge_request(body: BridgeSynthesis, audio: object) -> SynthesisRequest:
     seed = body.seed if body.seed is None or body.seed >= 0 else None
     return SynthesisRequest(body.text, mode, prompt_audio=audio, transcript=body.prompt_text or "",
                             instruction=instruction if mode == "instruct" else "", speed=body.speed, seed=seed,
-                            stream=False, format="wav")
+                            steps=body.steps, stream=False, format="wav")
 
 
 def contract_request(body: BridgeSynthesis, settings: ServerSettings) -> SynthesisRequest:

@@ -76,6 +76,7 @@ class NewProject(_Body):
     preset: str | None = "podcast"
     margin: float | None = None
     retries: int | None = None
+    steps: int | None = None  # the flow's Euler steps of every take (None: the model's)
 
 
 class ProjectChanges(_Body):
@@ -84,6 +85,7 @@ class ProjectChanges(_Body):
     preset: str | None = None
     margin: float | None = None
     retries: int | None = None  # new takes (new seeds) made for a segment whose take sounds wrong
+    steps: int | None = None
 
 
 class SegmentChanges(_Body):
@@ -178,7 +180,8 @@ def projects(s: Studio, who: Who) -> JSONResponse:
 
 @routes.post("/v1/longform/projects", status_code=201)
 def create(s: Studio, who: Who, body: NewProject) -> JSONResponse:
-    options = {k: v for k, v in (("pauses", body.pauses), ("margin", body.margin), ("retries", body.retries))
+    options = {k: v for k, v in (("pauses", body.pauses), ("margin", body.margin), ("retries", body.retries),
+                                 ("steps", body.steps))
                if v is not None}
     project = s.create(body.name, body.text, voice=body.voice, kind=body.kind, speakers=body.speakers,
                        preset=body.preset, owner=who.owner, **options)

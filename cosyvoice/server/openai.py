@@ -36,6 +36,7 @@ class OpenAISpeech(BaseModel):
     speed: float = 1.0
     stream_format: str = "audio"  # "audio" or "sse"
     seed: int | None = None  # our extension
+    steps: int | None = None  # our extension: the flow's Euler steps (None: the model's)
 
 
 @router.post("/v1/audio/speech")
@@ -49,7 +50,7 @@ async def speech(http: Request, body: OpenAISpeech) -> SessionStream:
         instructed = bool(body.instructions and body.instructions.strip())
         request = SynthesisRequest(body.input, "instruct" if instructed else "sft", voice=voice,
                                    instruction=body.instructions or "", speed=body.speed, seed=body.seed,
-                                   stream=True, format=body.response_format)
+                                   steps=body.steps, stream=True, format=body.response_format)
         session = await while_connected(http.receive, service_of(http).asynthesize(request, owner=request_owner(http)))
     return audio_stream(session, session.prepared.format, sse=body.stream_format == "sse")
 

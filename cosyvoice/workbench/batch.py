@@ -1,11 +1,12 @@
 """Batch generation with provenance: rows of a CSV or JSONL -> takes in the store, each with how it was made.
 
 A row has ``text``, a voice (``voice``: a saved voice's id or name, built-ins included; or ``prompt_audio`` +
-``prompt_text``), and optionally ``mode``, ``instruction``, ``seed``, ``speed`` and ``label`` (the condition /
-system the take belongs to). Every row goes through :meth:`TTSService.synthesize`, like any other request; a
-row without a seed gets the one the service draws, stored, so re-running the row with its stored seed gives the same
-samples. A bad row (unknown voice, empty text, a bad speed) is reported with its row number and field, and the
-other rows still run. A batch is a job of :mod:`cosyvoice.jobs` (progress, ETA, cancel, resume after a crash).
+``prompt_text``), and optionally ``mode``, ``instruction``, ``seed``, ``speed``, ``steps`` (the flow's Euler steps;
+empty: the model's) and ``label`` (the condition / system the take belongs to). Every row goes through
+:meth:`TTSService.synthesize`, like any other request; a row without a seed gets the one the service draws, stored, so
+re-running the row with its stored seed gives the same samples. A bad row (unknown voice, empty text, a bad speed)
+is reported with its row number and field, and the other rows still run. A batch is a job of :mod:`cosyvoice.jobs`
+(progress, ETA, cancel, resume after a crash).
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from cosyvoice.service import PreparedRequest, SynthesisRequest, TTSService
 from cosyvoice.settings import Limits, env_name
 from cosyvoice.workbench.store import Take, WorkbenchStore
 
-COLUMNS = ("text", "voice", "prompt_audio", "prompt_text", "mode", "instruction", "seed", "speed", "label")
+COLUMNS = ("text", "voice", "prompt_audio", "prompt_text", "mode", "instruction", "seed", "speed", "steps", "label")
 TAKES_CSV_COLUMNS = ("take_id", "row", "label", "file", "text", "normalised_text", "mode", "voice", "voice_id",
-                     "prompt_text", "instruction", "seed", "speed", "model_id", "software", "sample_rate",
+                     "prompt_text", "instruction", "seed", "speed", "steps", "model_id", "software", "sample_rate",
                      "audio_seconds", "synthesis_seconds", "first_chunk_seconds", "created")
 KIND = "batch"  # the job kind of batches
 
@@ -185,6 +186,10 @@ def row_request(row: Row, resolve_audio: Callable[[str], Path] | None) -> Synthe
         speed = float(v["speed"]) if v.get("speed") else 1.0
     except ValueError as exc:
         raise InvalidInputError(f"speed must be a number, got {v['speed']!r}", "speed") from exc
+    try:
+        steps = int(v["steps"]) if v.get("steps") else None
+    except ValueError as exc:
+        raise InvalidInputError(f"steps must be a whole number, got {v['steps']!r}", "steps") from exc
     audio = None
     if v.get("prompt_audio"):
         if resolve_audio is None:
@@ -193,7 +198,7 @@ def row_request(row: Row, resolve_audio: Callable[[str], Path] | None) -> Synthe
         audio = resolve_audio(v["prompt_audio"])
     return SynthesisRequest(text=v.get("text", ""), mode=mode, voice=v.get("voice") or None, prompt_audio=audio,
                             transcript=v.get("prompt_text", ""), instruction=v.get("instruction", ""), speed=speed,
-                            seed=seed, stream=False, format="wav")
+                            seed=seed, steps=steps, stream=False, format="wav")
 
 
 def submit_batch(jobs: JobRunner, store: WorkbenchStore, rows: list[Row], *, source: str = "",
@@ -281,7 +286,8 @@ def provenance(service: TTSService, request: SynthesisRequest, prepared: Prepare
         "mode": prepared.mode,
         "engine_mode": prepared.engine_mode, "voice": info.name or "", "voice_id": prepared.voice_id,
         "prompt_text": info.transcript, "instruction": request.instruction if prepared.mode == "instruct" else "",
-        "seed": prepared.seed, "speed": prepared.speed, "settings": {"stream": prepared.stream},
+        "seed": prepared.seed, "speed": prepared.speed, "steps": prepared.steps,
+        "settings": {"stream": prepared.stream},
         "model_id": model_id or bundle_digest(service.status().model_dir), "software": software or software_version(),
         "precision": service.model.plan.label,  # what the LLM and the DiT computed in (a fast path or fp32)
         "sample_rate": service.sample_rate,
@@ -301,7 +307,7 @@ def takes_csv_rows(takes: Iterable[Take], files: dict[str, str] | None = None) -
             "normalised_text": " | ".join(p.get("segments", [])), "sample_rate": t.sample_rate,
             "audio_seconds": timings.get("audio_seconds", round(t.seconds, 4)), "created": round(t.created, 3),
             **{k: p.get(k, "") for k in ("text", "mode", "voice", "voice_id", "prompt_text", "instruction", "seed",
-                                         "speed", "model_id", "software")},
+                                         "speed", "steps", "model_id", "software")},
             **{k: timings.get(k, "") for k in ("synthesis_seconds", "first_chunk_seconds")}})
     return out
 
