@@ -233,8 +233,8 @@ def test_steps_are_validated_once_and_reach_the_engine(tts, short_prompt_wav: Pa
 
     six = speak(6)
     assert not torch.allclose(six, speak(None), atol=1e-3)
-    inp = prepared.cond.model_input(tts.frontend, prepared.segments[0])
-    direct = torch.cat([c.pcm for c in tts.engine.synthesize(inp, seed=1, steps=6)])
+    [(inp, seed)] = prepared.plan.inputs(tts.frontend)
+    direct = torch.cat([c.pcm for c in tts.engine.synthesize(inp, seed=seed, steps=6)])
     assert torch.equal(six, direct)
 
 
