@@ -33,7 +33,7 @@ from starlette.middleware import Middleware
 from app.auth import KeyGate, owner_dependency
 from app.i18n import I18N, say, t
 from app.live import LiveHub, head_html, mount
-from cosyvoice.bundle import DEMO_MODEL_DIR, model_dir_or_demo
+from cosyvoice.bundle import DEMO_MODEL_DIR
 from cosyvoice.encoding import audio_format, encode_audio, to_pcm16
 from cosyvoice.engine import AudioChunk
 from cosyvoice.errors import (
@@ -49,6 +49,7 @@ from cosyvoice.server.longform import longform_router
 from cosyvoice.server.workbench import rater_route, workbench_router
 from cosyvoice.service import SEED_DRAWS, PreparedRequest, SynthesisRequest, SynthesisSession, TTSService, draw_seed
 from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, default_data_dir, default_voice_dir
+from cosyvoice.tools.make_tiny_bundle import model_dir_or_demo
 from cosyvoice.voices import BUILTIN_VOICE_DIR, EXPORT_SUFFIX
 from cosyvoice.workbench.batch import provenance
 from cosyvoice.workbench.store import Take as StoredTake
@@ -905,8 +906,9 @@ def load_studio(model_dir: str | Path | None = None, *, voice_dir: str | Path | 
     """The engine and voice library to serve.
 
     An explicit ``model_dir`` (a folder or a ModelScope id) must load. Without one, the repository's default
-    folder is used if present; otherwise the demo model in ``demo_dir`` (:func:`cosyvoice.bundle.model_dir_or_demo`,
-    as the command lines do), said loudly in the log and on the page. Voices are kept in ``voice_dir``, by
+    folder is used if present; otherwise the demo model in ``demo_dir``
+    (:func:`cosyvoice.tools.make_tiny_bundle.model_dir_or_demo`, as the command lines do), said loudly in the log
+    and on the page. Voices are kept in ``voice_dir``, by
     default the servers' folder (:func:`cosyvoice.settings.default_voice_dir`): one library for all of them.
     """
     model_dir, demo = model_dir_or_demo(model_dir, demo_dir)

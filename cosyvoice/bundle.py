@@ -379,26 +379,6 @@ def validate_model_dir(model_dir: str | Path) -> ModelBundle:
     return ModelBundle(root=root, config=config)
 
 
-def model_dir_or_demo(model_dir: str | Path | None, demo_dir: str | Path = DEMO_MODEL_DIR) -> tuple[str | Path, bool]:
-    """The model to load and whether it is the demo: ``model_dir`` as given (a folder or a ModelScope id);
-    without one the repository's model folder, or where that is missing a tiny random model generated (once)
-    into ``demo_dir``, so that the web UI and the command lines still run on a fresh clone, saying loudly
-    that their audio is noise."""
-    if model_dir is not None:
-        return model_dir, False
-    if DEFAULT_MODEL_DIR.is_dir():
-        return DEFAULT_MODEL_DIR, False
-    logger.warning("\n%s\n%s\n%s", "!" * 100, DEMO_WARNING, "!" * 100)
-    try:
-        validate_model_dir(demo_dir)
-    except ModelBundleError:
-        from cosyvoice.tools.make_tiny_bundle import make_tiny_bundle
-
-        logger.warning("writing the demo model to %s", demo_dir)
-        make_tiny_bundle(demo_dir, seed=0)
-    return Path(demo_dir), True
-
-
 def open_model_dir(model_dir_or_id: str | Path, download_root: str | Path = "pretrained_models") -> ModelBundle:
     """:func:`resolve_model_dir` then :func:`validate_model_dir`: the one call a service makes at start-up."""
     return validate_model_dir(resolve_model_dir(model_dir_or_id, download_root))

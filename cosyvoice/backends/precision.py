@@ -26,11 +26,11 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TypeVar
 
 import torch
 
+from cosyvoice.backends.cpu import cpu_features, native_bf16
 from cosyvoice.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -40,33 +40,6 @@ CHOICES = ("auto", "fp32", "bf16", "int8")
 #: KL per teacher-forced step (nats)
 BOUNDS = {"mel_rel_rms": 0.01, "mel_max_abs": 0.05, "llm_kl_mean": 0.02}
 T = TypeVar("T")
-_FLAGS = ("avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni", "avx_vnni", "avx512f", "avx2")
-
-
-def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The CPU flags that decide precision (from /proc/cpuinfo; empty where it is absent) plus torch's
-    ``cpu_capability:<name>`` (the widest vector ISA its kernels dispatch to)."""
-    flags: set[str] = set()
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split()) & set(_FLAGS)
-                break
-    except OSError:
-        pass
-    return frozenset(flags | {f"cpu_capability:{torch.backends.cpu.get_cpu_capability()}"})
-
-
-def native_int8_dot(features: frozenset[str]) -> bool:
-    """Whether the CPU multiplies int8 without 16-bit saturation (VNNI or AMX); without it (plain AVX2),
-    onnxruntime's u8 x s8 kernels can saturate unless weights keep to 7 bits."""
-    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & features)
-
-
-def native_bf16(features: frozenset[str]) -> bool:
-    return bool({"avx512_bf16", "amx_bf16"} & features)
-
-
 def candidates(features: frozenset[str]) -> tuple[str, ...]:
     """The fast paths ``auto`` tries on a CPU with ``features``, fastest first (fp32 is the fallback)."""
     return ("int8", "bf16") if native_bf16(features) else ("int8",)

@@ -27,7 +27,7 @@ def quantize_dit(src: Path, dst: Path) -> None:
     """Write the int8 variant of the DiT graph ``src`` to ``dst`` (atomically)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from cosyvoice.backends.precision import cpu_features, native_int8_dot
+    from cosyvoice.backends.cpu import cpu_features, native_int8_dot
 
     nodes = quantized_nodes(onnx.load(str(src), load_external_data=False))
     tmp = dst.with_suffix(f".tmp{os.getpid()}.onnx")

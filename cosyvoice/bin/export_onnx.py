@@ -23,8 +23,9 @@ from cosyvoice.backends.export import (
     export_onnx,
     parity_table,
 )
-from cosyvoice.bundle import MODEL_IN_REPO, model_dir_or_demo
+from cosyvoice.bundle import MODEL_IN_REPO
 from cosyvoice.errors import command_line_errors
+from cosyvoice.tools.make_tiny_bundle import model_dir_or_demo
 
 
 def main(argv: list[str] | None = None) -> int:

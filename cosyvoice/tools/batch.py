@@ -14,9 +14,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from cosyvoice.bundle import MODEL_IN_REPO, model_dir_or_demo
+from cosyvoice.bundle import MODEL_IN_REPO
 from cosyvoice.errors import InvalidInputError, command_line_errors
 from cosyvoice.settings import default_data_dir, default_voice_dir
+from cosyvoice.tools.make_tiny_bundle import model_dir_or_demo
 from cosyvoice.voices import BUILTIN_VOICE_DIR
 from cosyvoice.workbench.batch import TAKES_CSV_COLUMNS, Progress, parse_rows, run_batch, takes_csv_rows, write_csv
 from cosyvoice.workbench.store import WorkbenchStore

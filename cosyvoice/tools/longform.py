@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from cosyvoice.bundle import MODEL_IN_REPO, model_dir_or_demo
+from cosyvoice.bundle import MODEL_IN_REPO
 from cosyvoice.encoding import file_format
 from cosyvoice.errors import InvalidInputError, command_line_errors
 from cosyvoice.longform import LongformStudio
@@ -27,6 +27,7 @@ from cosyvoice.longform.finishing import PRESETS, srt, vtt
 from cosyvoice.longform.script import read_document
 from cosyvoice.service import TTSService
 from cosyvoice.settings import DEFAULT_VOICE_DIR, default_data_dir, default_voice_dir
+from cosyvoice.tools.make_tiny_bundle import model_dir_or_demo
 from cosyvoice.voices import BUILTIN_VOICE_DIR
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,12 +26,15 @@ from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 from torch import nn
 
-from cosyvoice.bundle import TOKENIZER_DIR, validate_model_dir
+from cosyvoice.bundle import DEFAULT_MODEL_DIR, DEMO_MODEL_DIR, DEMO_WARNING, TOKENIZER_DIR, validate_model_dir
 from cosyvoice.config import load_config
+from cosyvoice.errors import ModelBundleError
 from cosyvoice.flow import CausalMaskedDiffWithDiT
 from cosyvoice.frontend.tokenizer import QWEN2_SPLIT_PATTERN
 from cosyvoice.hifigan import CausalHiFTGenerator
 from cosyvoice.llm import CosyVoice3LM
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -564,6 +568,24 @@ def make_tiny_bundle(out_dir: str | Path, seed: int = 0, dims: TinyDims = TinyDi
     _write_checkpoints(out_dir, seed)
     validate_model_dir(out_dir)
     return out_dir
+
+
+def model_dir_or_demo(model_dir: str | Path | None, demo_dir: str | Path = DEMO_MODEL_DIR) -> tuple[str | Path, bool]:
+    """The model to load and whether it is the demo: ``model_dir`` as given (a folder or a ModelScope id);
+    without one the repository's model folder, or where that is missing a tiny random model generated (once)
+    into ``demo_dir``, so that the web UI and the command lines still run on a fresh clone, saying loudly
+    that their audio is noise."""
+    if model_dir is not None:
+        return model_dir, False
+    if DEFAULT_MODEL_DIR.is_dir():
+        return DEFAULT_MODEL_DIR, False
+    logger.warning("\n%s\n%s\n%s", "!" * 100, DEMO_WARNING, "!" * 100)
+    try:
+        validate_model_dir(demo_dir)
+    except ModelBundleError:
+        logger.warning("writing the demo model to %s", demo_dir)
+        make_tiny_bundle(demo_dir, seed=0)
+    return Path(demo_dir), True
 
 
 def main(argv: list[str] | None = None) -> None:
