@@ -165,14 +165,22 @@ def test_a_pdf_book_becomes_chapters_and_is_mastered_to_acx(page, tmp_path: Path
     shot(page, "7-acx-mastered")
 
 
-def test_a_project_has_its_own_address_and_the_form_is_cleared(page, app: str) -> None:
+def new_project(page, app: str, name: str, *, text: str = "", book: Path | None = None) -> None:
+    """A project made from the page's form (the built-in narrator), open once the page shows it."""
     page.goto(app + "studio/longform")
     page.wait_for_function("() => window.longformReady === true")
-    page.fill("#new-name", "Addressed")
+    page.fill("#new-name", name)
     page.select_option("#new-voice", label="Narrator (built-in)")
-    page.fill("#new-text", "One line.")
+    if book is not None:
+        page.set_input_files("#new-file", str(book))
+    else:
+        page.fill("#new-text", text)
     page.click("#create")
-    page.wait_for_function("() => current && current.name === 'Addressed'")
+    page.wait_for_function("(name) => current && current.name === name", arg=name)
+
+
+def test_a_project_has_its_own_address_and_the_form_is_cleared(page, app: str) -> None:
+    new_project(page, app, "Addressed", text="One line.")
     assert page.input_value("#new-name") == "" and page.input_value("#new-text") == ""  # a second click makes none
     project = page.evaluate("() => current.id")
     assert page.url.endswith(f"?project={project}")
@@ -195,13 +203,7 @@ def test_a_docx_book_becomes_chapters(page, app: str, tmp_path: Path) -> None:
         document.add_paragraph(f"It was {title.lower()}.")
     book = tmp_path / "book.docx"
     document.save(book)
-    page.goto(app + "studio/longform")
-    page.wait_for_function("() => window.longformReady === true")
-    page.fill("#new-name", "DOCX book")
-    page.select_option("#new-voice", label="Narrator (built-in)")
-    page.set_input_files("#new-file", str(book))
-    page.click("#create")
-    page.wait_for_function("() => current && current.name === 'DOCX book'")
+    new_project(page, app, "DOCX book", book=book)
     chapters = page.locator("#segments tr.chapter td:first-child").all_inner_texts()
     assert chapters == ["Chapter: Morning", "Chapter: Evening"]
     texts = page.locator("#segments textarea.text").evaluate_all("ts => ts.map(t => t.value)")
@@ -209,13 +211,7 @@ def test_a_docx_book_becomes_chapters(page, app: str, tmp_path: Path) -> None:
 
 
 def test_a_suspect_take_is_flagged_made_again_and_the_choice_shown(page, app: str) -> None:
-    page.goto(app + "studio/longform")
-    page.wait_for_function("() => window.longformReady === true")
-    page.fill("#new-name", "Guarded")
-    page.select_option("#new-voice", label="Narrator (built-in)")
-    page.fill("#new-text", "Hello there.")
-    page.click("#create")
-    page.wait_for_function("() => current && current.name === 'Guarded'")
+    new_project(page, app, "Guarded", text="Hello there.")
     page.fill("#retries", "2")
     page.click("#save-settings")
     page.wait_for_function("() => current.settings.retries === 2")
