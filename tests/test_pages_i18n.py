@@ -27,7 +27,8 @@ ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 KEPT = re.compile(r"^(CosyVoice3 Studio|MUSHRA|ACX|RMS dB|wav|mp3|flac|opus|m4b|mp4|takes\.csv|subtitles\.(srt|vtt)|"
                   r"segments\.json|text,voice,mode,instruction,seed,speed,label|voice|label|en-allison, fr-june|"
                   r"# Title|\[pause:1\.5s\]|Alice: line|Alice \(whispering\): line|Alice = voice name|sysA|sysB|"
-                  r"one|A|B|X|ref|take-\w+|test-\w+|ab|abx|mos|cmos|mushra|mushra_noref|[\d.,:/ ()·%–-]+|http\S+)$")
+                  r"one|A|B|X|ref|take-\w+|test-\w+|[A-Z_]+ test|ab|abx|mos|cmos|mushra|mushra_noref|"
+                  r"[\d.,:/ ()·%–-]+|http\S+)$")
 
 
 OWNER = "d" * 32  # the browser (cv-browser id) whose test it is

@@ -200,3 +200,14 @@ def test_abx_draws_x_per_rater_scores_it_and_tests_against_guessing(store: Workb
     assert {r["rater"]: r["correct"] for r in summary["per_rater"]} == {"Ann": 3, "Bob": 3, "Cy": 3, "Di": 0}
     rows = listening.export_rows(store, test_id)
     assert {r["score"] for r in rows} == {0, 1} and all(r["kind"] == "abx" for r in rows)
+
+
+def test_raters_see_the_public_title_never_the_owners_name(store: WorkbenchStore) -> None:
+    make_takes(store, ["sysA", "sysB"], ["one"])
+    items = listening.design("ab", store.takes(), ["sysA", "sysB"])
+    named = store.test(listening.create_test(store, "ab", items, name="AB sysA vs sysB"))
+    assert (named["title"], listening.owner_name(named)) == (listening.PUBLIC_TITLE, "AB sysA vs sysB")
+    titled = store.test(listening.create_test(store, "ab", items, title="Which voice do you prefer?"))
+    assert (titled["title"], listening.owner_name(titled)) == ("Which voice do you prefer?", "AB test")
+    rater = listening.join(store, named["id"], "Ann")
+    assert listening.next_item(store, rater)["title"] == listening.PUBLIC_TITLE

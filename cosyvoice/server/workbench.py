@@ -140,6 +140,7 @@ class NewTest(_Body):
     text, with ``reference`` / ``anchor`` labels)."""
 
     kind: str
+    name: str = ""  # the owner's working name; raters see only ``title`` and ``instructions``
     title: str = ""
     instructions: str = ""
     allow_none: bool = False
@@ -288,7 +289,8 @@ def resume_batch(wb: Bench, who: Who, batch_id: str) -> Any:
 @routes.get("/api/tests")
 def tests(wb: Bench, who: Who) -> Any:
     s = wb.store()
-    return {"tests": [{"id": t["id"], "kind": t["kind"], "title": t["title"], "created": t["created"],
+    return {"tests": [{"id": t["id"], "kind": t["kind"], "name": listening.owner_name(t), "title": t["title"],
+                       "created": t["created"],
                        "items": len(t["spec"]["items"]), "raters": listening.progress(s, t["id"])}
                       for t in s.tests(who)]}
 
@@ -303,7 +305,8 @@ def create_test(wb: Bench, who: Who, spec: NewTest) -> Any:
                                  reference=spec.reference, anchor=spec.anchor)
     else:
         raise InvalidInputError("give 'conditions' (take labels) or 'items'", "conditions")
-    test_id = listening.create_test(s, spec.kind, items, title=spec.title, instructions=spec.instructions,
+    test_id = listening.create_test(s, spec.kind, items, name=spec.name, title=spec.title,
+                                    instructions=spec.instructions,
                                     allow_none=spec.allow_none, limits=wb.limits, owner=who.owner)
     return JSONResponse({"id": test_id, "items": len(items), "rate_url": f"/workbench/rate/{test_id}",
                          "results_url": f"/workbench/tests/{test_id}"}, 201)
@@ -313,7 +316,8 @@ def create_test(wb: Bench, who: Who, spec: NewTest) -> Any:
 def results(wb: Bench, who: Who, test_id: str) -> Any:
     s = wb.store()
     test = s.test(test_id, who)
-    return {"id": test_id, "kind": test["kind"], "title": test["title"], "items": len(test["spec"]["items"]),
+    return {"id": test_id, "kind": test["kind"], "name": listening.owner_name(test), "title": test["title"],
+            "items": len(test["spec"]["items"]),
             "progress": listening.progress(s, test_id), "summary": listening.summary(s, test_id)}
 
 
