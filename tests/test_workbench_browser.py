@@ -367,3 +367,42 @@ def test_abx_and_mushra_items_and_an_answer_sent_while_the_server_restarts(setup
                                                      cookies={"cv-browser": OWNER}).text)))
     assert sorted(int(r["score"]) for r in rows) == [50, 80]
     device.close()
+
+
+def test_a_thousand_takes_are_paged_and_filtered_and_the_forms_come_first(setup, browser) -> None:
+    app, _, _ = setup
+    store = WorkbenchStore(app.env["COSYVOICE_DATA_DIR"])
+    pcm = np.zeros(2400, np.float32)
+    for k in range(1000):
+        text = f"bulk line {k}"
+        store.add_take(pcm, 24000, {"text": text, "segments": [text]}, label="bulk", owner=f"browser:{OWNER}")
+    store.close()
+    device = browser()
+    device.add_cookies([{"name": "cv-browser", "value": OWNER, "url": app.url}])
+    page = device.new_page()
+    started = time.monotonic()
+    page.goto(f"{app.url}/workbench/")
+    page.wait_for_function("() => window.wb && window.wb.ready")
+    assert time.monotonic() - started < 2.0  # one page of 50, not every take
+    expect = sync_api.expect
+    expect(page.locator("#takes tr")).to_have_count(50)
+    total = page.evaluate("() => wb.total")
+    assert total >= 1000
+    expect(page.locator("#takes-range")).to_have_text(f"1–50 of {total}")
+    expect(page.locator("#takes tr td.text").first).to_have_text("bulk line 999")  # newest first
+    # the forms stand above the long list
+    headings = page.locator("h2").all_inner_texts()
+    assert headings.index("2. New blind test") < headings.index("4. Takes")
+    page.click("#takes-older")
+    expect(page.locator("#takes-range")).to_have_text(f"51–100 of {total}")
+    page.fill("#filter-text", "LINE 12")  # any case
+    page.locator("#filter-text").dispatch_event("change")
+    expect(page.locator("#takes-range")).to_have_text("1–11 of 11")  # line 12 and lines 120..129
+    page.fill("#filter-text", "")
+    page.select_option("#filter-label", "sysA")
+    page.locator("#filter-text").dispatch_event("change")
+    expect(page.locator("#takes tr td:nth-child(2)")).to_have_text(["sysA"] * 4)
+    width = page.evaluate("() => document.documentElement.scrollWidth")
+    assert width <= 1100, width  # nothing overflows the page
+    page.screenshot(path=str(ARTIFACTS / "workbench-owner-paged.png"), full_page=True)
+    device.close()

@@ -225,6 +225,17 @@ def takes(wb: Bench, who: Who, after: int = 0, batch: str | None = None, mine: b
     return {"takes": [t.json() for t in items], "last": items[-1].seq if items else after}
 
 
+@routes.get("/api/takes/page")
+def take_page(wb: Bench, who: Who, offset: int = 0, limit: int = 50, batch: str = "", label: str = "",
+              text: str = "") -> Any:
+    """The owner page's take table: one page, newest first, filtered; with the total and every label."""
+    store = wb.store()
+    items, total = store.take_page(who, offset=max(0, offset), limit=max(1, min(limit, 500)), batch=batch,
+                                   label=label, text=text)
+    return {"takes": [t.json() for t in items], "total": total, "offset": max(0, offset),
+            "labels": store.take_labels(who)}
+
+
 @routes.get("/api/takes.csv")
 def takes_csv(wb: Bench, who: Who, batch: str | None = None) -> Response:
     return _csv_file(takes_csv_rows(wb.store().visible_takes(who, batch=batch, limit=1_000_000)), TAKES_CSV_COLUMNS,

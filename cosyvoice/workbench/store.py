@@ -234,6 +234,32 @@ class WorkbenchStore:
         return self.takes(owner=caller.owner, any_owner=caller.sees_all and not mine, after=after, batch=batch,
                           limit=limit)
 
+    def take_page(self, caller: Caller, *, offset: int = 0, limit: int = 50, batch: str = "", label: str = "",
+                  text: str = "") -> tuple[list[Take], int]:
+        """One page of the takes ``caller`` may see, newest first, with how many match: filtered by batch id,
+        label (exact) and text (contained, any case), so the owner page stays light at thousands of takes."""
+        where, args = ["1"], []
+        if not caller.sees_all:
+            where, args = ["owner IS ?"], [caller.owner]
+        for column, value in (("batch", batch), ("label", label)):
+            if value:
+                where, args = [*where, f"{column} = ?"], [*args, value]
+        if text:
+            pattern = "%" + text.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            where = [*where, "lower(json_extract(provenance, '$.text')) LIKE ? ESCAPE '\\'"]
+            args = [*args, pattern]
+        sql = " AND ".join(where)
+        total = self._rows(f"SELECT COUNT(*) FROM takes WHERE {sql}", *args)[0][0]
+        rows = self._rows(f"SELECT * FROM takes WHERE {sql} ORDER BY seq DESC LIMIT ? OFFSET ?", *args, limit, offset)
+        return [_take(r) for r in rows], total
+
+    def take_labels(self, caller: Caller) -> list[str]:
+        """The labels (conditions) of the takes ``caller`` may see: what a new test can compare."""
+        sql, args = "SELECT DISTINCT label FROM takes WHERE label != ''", []
+        if not caller.sees_all:
+            sql, args = sql + " AND owner IS ?", [caller.owner]
+        return [r[0] for r in self._rows(sql + " ORDER BY label", *args)]
+
     def delete_take(self, take_id: str, caller: Caller = LOCAL) -> Take:
         """Delete a take (its row, scores and audio) that ``caller`` owns; a take a listening test uses is refused
         (its answers refer to it): the error names the tests."""
