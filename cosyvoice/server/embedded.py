@@ -35,7 +35,7 @@ from cosyvoice.server.common import (
     too_large,
     wire_fields,
 )
-from cosyvoice.server.errors import HttpError, http_error, invalid_body, log_error
+from cosyvoice.server.errors import HttpError, http_error, invalid_body, log_error, undecodable_body
 from cosyvoice.server.memory import MemoryKeeper
 from cosyvoice.server.operations import readiness
 from cosyvoice.server.voices_api import voice_json
@@ -92,16 +92,12 @@ def parse_body(raw: bytes, content_type: str | None) -> BridgeSynthesis:
             body = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise invalid_body([{"type": "json_invalid", "ctx": {"error": exc.msg}}]) from exc
-        except UnicodeDecodeError as exc:  # FastAPI's answer to a body it cannot decode
-            raise BodyNotParsed("There was an error parsing the body") from exc
+        except UnicodeDecodeError as exc:  # as the REST server answers a body it cannot decode
+            raise undecodable_body(exc) from exc
     try:
         return BridgeSynthesis.model_validate(body, from_attributes=True)
     except ValidationError as exc:
         raise invalid_body(exc.errors()) from exc
-
-
-class BodyNotParsed(Exception):
-    """A body that is not text: FastAPI's plain 400 (type ``error``), not a validation error."""
 
 
 class EmbeddedBridge:
@@ -180,8 +176,7 @@ class EmbeddedBridge:
         except Exception as exc:
             if self.state.loaded is not None:
                 self.state.loaded.report_failure(mode, exc, started)
-            error = (HttpError(400, "error", str(exc)) if isinstance(exc, BodyNotParsed)
-                     else http_error(exc, self.settings))
+            error = http_error(exc, self.settings)
             log_error(error, exc, "POST /synthesize")
             answer = _error_answer(error)
             return answer._replace(mode=mode, reason="cancelled" if cancel.cancelled else failure_reason(exc))

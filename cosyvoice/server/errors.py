@@ -94,10 +94,15 @@ def invalid_request(exc: Exception) -> InvalidInputError | None:
     if isinstance(exc, HTTPException) and exc.status_code == 400 and exc.__cause__ is not None:
         cause = exc.__cause__  # FastAPI's "There was an error parsing the body", without saying what
         if isinstance(cause, UnicodeDecodeError):
-            return InvalidInputError(f"the body is not UTF-8 text (byte {cause.object[cause.start]:#04x} at offset "
-                                     f"{cause.start})")
+            return undecodable_body(cause)
         return InvalidInputError(f"the body cannot be read: {cause}")
     return None
+
+
+def undecodable_body(cause: UnicodeDecodeError) -> InvalidInputError:
+    """A body that is not UTF-8 text, naming the first byte that is not."""
+    return InvalidInputError(f"the body is not UTF-8 text (byte {cause.object[cause.start]:#04x} at offset "
+                             f"{cause.start})")
 
 
 def log_error(error: HttpError, exc: BaseException, where: str) -> None:
