@@ -252,7 +252,9 @@ runpy.run_path("webui.py", run_name="__main__")
 
 
 # uvicorn's speed-ups: used where installed (another extra brings them), done without otherwise
-OPTIONAL_SPEEDUPS = {"uvloop", "httptools", "watchfiles"}
+# and what a package imports only where it is installed: Pillow reads XMP with defusedxml if present (it is, in
+# the dev venv, through fpdf2); the web UI's own install runs without it (tests/test_webui_install.py)
+OPTIONAL_SPEEDUPS = {"uvloop", "httptools", "watchfiles", "defusedxml"}
 
 
 def _dist_name(name: str) -> str:

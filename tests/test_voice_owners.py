@@ -38,7 +38,7 @@ def test_an_unsaved_upload_is_its_uploaders_alone(tts, tmp_path: Path) -> None:
     for action in (lambda: service.get_voice(upload, owner=BOB), lambda: service.voice_recording(upload, owner=BOB),
                    lambda: service.export_voice(upload, owner=BOB), lambda: service.delete_voice(upload, owner=BOB),
                    lambda: library.save("Bob's now", upload, owner=BOB),
-                   lambda: service._voice("cross_lingual", SynthesisRequest("Hi.", "cross_lingual", voice=upload),
+                   lambda: service._voice("cross_lingual", SynthesisRequest("Hi.", "cross_lingual", voice=upload), "",
                                           owner=BOB)):
         with pytest.raises(NotFoundError, match=f"unknown voice '{upload}'"):  # as if it did not exist
             action()
