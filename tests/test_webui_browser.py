@@ -280,7 +280,7 @@ def test_a_saved_voice_survives_a_restart(tts, browser, tmp_path: Path, short_pr
             sync_api.expect(page.locator("#voice input")).to_have_value("Survivor", timeout=30000)
             page.close()
         with serving(make_studio(tts, tmp_path)) as url:  # a new server process's library, from the same folder
-            page = open_page(ctx, url)
+            page = open_page(ctx, url, new_visitor=False)  # the visitor who saved it (voices keep their creator)
             page.click("#voice input")
             page.get_by_role("option", name="Survivor").click()
             sync_api.expect(page.locator("#preview audio, #preview [data-testid='waveform-Voice preview']").first
