@@ -33,6 +33,7 @@ import argparse
 import copy
 import datetime
 import json
+import os
 import platform
 import resource
 import subprocess
@@ -41,6 +42,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -61,13 +63,28 @@ from cosyvoice.frontend.prompts import zero_shot_prompt_text
 from cosyvoice.hifigan import HiFTStream
 from cosyvoice.settings import Limits
 
-#: row -> (precision, per-stage threads); "fp32" is today's path. Rows after it add one optimisation each.
-ROWS: dict[str, tuple[str, bool]] = {
-    "fp32": ("fp32", False),
-    "+bf16": ("bf16", False),
-    "+int8": ("int8", False),
-    "+threads": ("fp32", True),
-    "all (auto)": ("auto", True),
+
+@dataclass(frozen=True)
+class Row:
+    """One ablation row: the precision, per-stage threads (else both engine threads on every core, as before),
+    the voice's flow prefix (``COSYVOICE_PROMPT_CACHE``) and the flow's Euler steps (None: the model's 10)."""
+
+    precision: str = "fp32"
+    staged: bool = False
+    prefix: bool = False
+    steps: int | None = None
+
+
+#: "fp32" is today's path; the rows after it add one optimisation each, the "all" rows add them together.
+ROWS: dict[str, Row] = {
+    "fp32": Row(),
+    "+bf16": Row(precision="bf16"),
+    "+int8": Row(precision="int8"),
+    "+threads": Row(staged=True),
+    "+prefix": Row(prefix=True),
+    "+6 steps": Row(steps=6),
+    "all (auto)": Row("auto", True, True),
+    "all (auto), 6 steps": Row("auto", True, True, 6),
 }
 PROMPT_TEXT = "A prompt recording of three seconds."
 
@@ -220,14 +237,15 @@ def process_cpu_s() -> float:
 
 def run_row(model_dir: Path, row: str, fixed: int, requests: int, work: Path) -> dict[str, object]:
     """One row in this process: load, warm up, ``requests`` streamed requests (see the module docstring)."""
-    precision, staged = ROWS[row]
+    spec = ROWS[row]
     cores = torch.get_num_threads()
+    os.environ["COSYVOICE_PROMPT_CACHE"] = "on" if spec.prefix else "off"
     start = time.perf_counter()
     tts = CosyVoice3(model_dir, device="cpu", limits=Limits(max_sessions=1, queue_timeout_seconds=600),
-                     voice_dir=work / f"voices-{row}", backend="torch", precision=precision)
+                     voice_dir=work / f"voices-{row}", backend="torch", precision=spec.precision)
     load_s = time.perf_counter() - start
     engine = tts.engine
-    if not staged:  # today's layout: both engine threads run torch's global count (both ask for every core)
+    if not spec.staged:  # today's layout: both engine threads run torch's global count (both ask for every core)
         engine.scheduler.threads = engine.worker.threads = cores
     voice = tts.frontend.voice(zero_shot_prompt_text(PROMPT_TEXT), _prompt(work / "prompt.wav"))
     inp = tts.frontend.model_input(TEXT, voice)
@@ -235,13 +253,13 @@ def run_row(model_dir: Path, row: str, fixed: int, requests: int, work: Path) ->
     def request(tokens: int) -> dict[str, float]:
         start = time.perf_counter()
         first, samples = None, 0
-        for chunk in engine.synthesize(inp, stream=True, seed=0, fixed_tokens=tokens):
+        for chunk in engine.synthesize(inp, stream=True, seed=0, fixed_tokens=tokens, steps=spec.steps):
             first = first if first is not None else time.perf_counter() - start
             samples += chunk.pcm.numel()
         total = time.perf_counter() - start
         return {"first": first or total, "total": total, "audio": samples / engine.sample_rate}
 
-    request(min(fixed, 30))  # warm-up: allocations, the KV pool, noise buffers
+    warm = request(min(fixed, 30))  # warm-up: allocations, the KV pool, noise buffers, the voice's flow prefix
     with StageTimer() as timer:
         runs = [request(fixed) for _ in range(requests)]
     audio = sum(r["audio"] for r in runs)
@@ -251,13 +269,15 @@ def run_row(model_dir: Path, row: str, fixed: int, requests: int, work: Path) ->
         "first_audio_p50_s": float(np.percentile(firsts, 50)), "first_audio_p90_s": float(np.percentile(firsts, 90)),
         "rtf": sum(r["total"] for r in runs) / audio, "audio_s_per_request": audio / len(runs),
         **{f"{stage}_s_per_audio_s": s / audio for stage, s in timer.seconds.items()},
-        "load_s": load_s, "peak_rss_mb": peak_rss_mb(), "checks": tts.model.plan.checks}
+        "steps": spec.steps or engine.default_steps, "prefix": spec.prefix, "warm_up_first_audio_s": warm["first"],
+        "load_average_after": load_average(), "load_s": load_s, "peak_rss_mb": peak_rss_mb(),
+        "checks": tts.model.plan.checks}
     engine.close()
     return result
 
 
 def skip_reason(row: str, features: frozenset[str]) -> str | None:
-    if ROWS[row][0] == "bf16" and not fast.native_bf16(features):
+    if ROWS[row].precision == "bf16" and not fast.native_bf16(features):
         return "no AVX512-BF16 or AMX: bf16 is converted op by op here, which auto never picks"
     return None
 
@@ -359,17 +379,19 @@ def main(argv: list[str] | None = None) -> dict:
     settings["load_after"] = load_average()
     report: dict[str, object] = {"settings": settings, "profile": prof, "threads": layouts, "rows": results}
     print(f"\nload average before {settings['load_before']}, after {settings['load_after']}")
-    print("| row | precision | threads (LLM, t2w) | first audio p50 / p90 s | RTF | LLM s/s | flow s/s | vocoder s/s "
-          "| load s | peak RSS MB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| row | precision | threads (LLM, t2w) | prefix | steps | first audio p50 / p90 s | RTF | LLM s/s "
+          "| flow s/s | vocoder s/s | load s | warm-up first audio s | peak RSS MB | load average after |")
+    print("| --- " * 14 + "|")
     for row, r in results.items():
         if "rtf" not in r:  # type: ignore[operator]
             print(f"| {row} | {r} |")
             continue
-        print(f"| {row} | {r['precision']} | {r['threads']} | {r['first_audio_p50_s']:.2f} / "  # type: ignore[index]
+        print(f"| {row} | {r['precision']} | {r['threads']} | {'yes' if r['prefix'] else 'no'} | "  # type: ignore[index]
+              f"{r['steps']} | {r['first_audio_p50_s']:.2f} / "  # type: ignore[index]
               f"{r['first_audio_p90_s']:.2f} | {r['rtf']:.2f} | {r['llm_s_per_audio_s']:.2f} | "  # type: ignore[index]
               f"{r['flow_s_per_audio_s']:.2f} | {r['vocoder_s_per_audio_s']:.2f} | {r['load_s']:.1f} | "  # type: ignore[index]
-              f"{r['peak_rss_mb']:.0f} |")  # type: ignore[index]
+              f"{r['warm_up_first_audio_s']:.2f} | "  # type: ignore[index]
+              f"{r['peak_rss_mb']:.0f} | {r['load_average_after']} |")  # type: ignore[index]
     if args.golden:
         bundles = {"benchmark bundle": Path(model_dir), "golden tiny bundle": args.golden / "tiny_bundle"}
         report["quality"] = quality(args.golden, bundles, tuple(args.quality_paths or fast.candidates(features)))
