@@ -64,6 +64,11 @@ class PrecisionPlan:
         head = same.pop() if len(same) == 1 else "mixed"
         return f"{head} ({stages}; {self.requested})"
 
+    def runs(self, name: str) -> bool:
+        """Whether asking for precision ``name`` gets what this plan runs: the name both stages run, or ``auto``
+        when auto made the plan. A batch row naming anything else needs a model loaded at it."""
+        return self.llm == self.flow == name or name == self.requested == "auto"
+
     def describe(self) -> dict[str, object]:
         return {"requested": self.requested, "llm": self.llm, "flow": self.flow, "vocoder": self.vocoder,
                 "cpu": list(self.cpu), "checks": self.checks, "label": self.label}

@@ -49,6 +49,7 @@ from cosyvoice.workbench.batch import (
     batch_kind,
     batch_status,
     body_rows,
+    check_precisions,
     submit_batch,
     takes_csv_rows,
     write_csv,
@@ -263,10 +264,12 @@ def delete_take(wb: Bench, who: Who, take_id: str) -> Any:
 
 @routes.post("/api/batches", status_code=202)
 async def start_batch(wb: Bench, who: Who, request: Request) -> Any:
-    """A CSV or JSONL body (or JSON ``{"rows": [...]}``): the batch runs as a job; poll its id."""
+    """A CSV or JSONL body (or JSON ``{"rows": [...]}``): the batch runs as a job; poll its id. Rows naming a
+    precision must name the one this server runs (400 otherwise: the batch CLI runs several)."""
     owner = who.owner
     parsed = body_rows(await request.body(), request.headers.get("content-type", ""), wb.limits)
     svc = wb.service()
+    check_precisions(svc, parsed)
     batch_id = submit_batch(wb.batch_jobs(svc), wb.store(), parsed,
                             source="http", owner=owner)
     return JSONResponse({"id": batch_id, "rows": len(parsed)}, 202)

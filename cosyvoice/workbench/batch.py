@@ -2,11 +2,16 @@
 
 A row has ``text``, a voice (``voice``: a saved voice's id or name, built-ins included; or ``prompt_audio`` +
 ``prompt_text``), and optionally ``mode``, ``instruction``, ``seed``, ``speed``, ``steps`` (the flow's Euler steps;
-empty: the model's) and ``label`` (the condition / system the take belongs to). Every row goes through
-:meth:`TTSService.synthesize`, like any other request; a row without a seed gets the one the service draws, stored, so
-re-running the row with its stored seed gives the same samples. A bad row (unknown voice, empty text, a bad speed)
-is reported with its row number and field, and the other rows still run. A batch is a job of :mod:`cosyvoice.jobs`
-(progress, ETA, cancel, resume after a crash).
+empty: the model's), ``precision`` (what the LLM and the DiT compute in, one of
+:data:`~cosyvoice.backends.precision.CHOICES`; empty: what runs) and ``label`` (the condition / system the take
+belongs to). Every row goes through :meth:`TTSService.synthesize`, like any other request; a row without a seed
+gets the one the service draws, stored, so re-running the row with its stored seed gives the same samples. A bad
+row (unknown voice, empty text, a bad speed) is reported with its row number and field, and the other rows still
+run. A batch is a job of :mod:`cosyvoice.jobs` (progress, ETA, cancel, resume after a crash).
+
+A server runs one model, so its batches may name only the precision it runs (:func:`check_precisions`); the batch
+CLI runs a file naming several on one model per precision (:func:`by_precision`), so fp32 and a fast path make
+takes of the same rows for a blind listening test.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from cosyvoice.backends.precision import CHOICES as PRECISION_CHOICES
 from cosyvoice.bundle import bundle_digest
 from cosyvoice.engine import CancelToken
 from cosyvoice.errors import InvalidInputError
@@ -30,11 +36,13 @@ from cosyvoice.service import PreparedRequest, SynthesisRequest, TTSService
 from cosyvoice.settings import Limits, env_name
 from cosyvoice.workbench.store import Take, WorkbenchStore
 
-COLUMNS = ("text", "voice", "prompt_audio", "prompt_text", "mode", "instruction", "seed", "speed", "steps", "label")
+COLUMNS = ("text", "voice", "prompt_audio", "prompt_text", "mode", "instruction", "seed", "speed", "steps", "precision",
+           "label")
 TAKES_CSV_COLUMNS = ("take_id", "row", "label", "file", "text", "normalised_text", "mode", "voice", "voice_id",
-                     "prompt_text", "instruction", "seed", "speed", "steps", "model_id", "software", "sample_rate",
-                     "audio_seconds", "synthesis_seconds", "first_chunk_seconds", "created")
+                     "prompt_text", "instruction", "seed", "speed", "steps", "precision", "model_id", "software",
+                     "sample_rate", "audio_seconds", "synthesis_seconds", "first_chunk_seconds", "created")
 KIND = "batch"  # the job kind of batches
+Services = Callable[[str], TTSService]  # a row's precision ("": what runs) -> the service that makes the row
 
 
 @dataclass(frozen=True)
@@ -170,7 +178,51 @@ def _rows(records: list[object], limits: Limits, unit: str) -> list[Row]:
         raise InvalidInputError(f"unknown column(s) {', '.join(unknown)}; use {', '.join(COLUMNS)}", "input")
     if not records:
         raise InvalidInputError("the input has no rows", "input")
-    return [Row(i, {k: "" if v is None else str(v).strip() for k, v in r.items()}) for i, r in enumerate(records, 1)]
+    rows = [Row(i, {k: "" if v is None else str(v).strip() for k, v in r.items()}) for i, r in enumerate(records, 1)]
+    for row in rows:
+        if row.values.get("precision", "") not in ("", *PRECISION_CHOICES):
+            raise InvalidInputError(f"{unit} {row.number}: precision must be one of "
+                                    f"{', '.join(PRECISION_CHOICES)} (empty: the run's own), got "
+                                    f"{row.values['precision']!r}", "precision")
+    return rows
+
+
+def by_precision(rows: list[Row], default: str) -> list[Row]:
+    """``rows`` grouped by precision for the batch CLI, which loads one model per group: an empty precision is
+    ``default`` (written into the row, so the job says what each row asked for), the groups in the order the
+    file first names them, the file's order within each."""
+    named = [Row(r.number, {**r.values, "precision": r.values.get("precision") or default}) for r in rows]
+    order = {name: i for i, name in enumerate(dict.fromkeys(r.values["precision"] for r in named))}
+    return sorted(named, key=lambda r: order[r.values["precision"]])
+
+
+def check_precision(service: TTSService, precision: str) -> None:
+    """A row asking for another precision than ``service`` runs is refused: a server runs one model, and a take
+    is never made at another precision than its row names."""
+    plan = service.model.plan
+    if precision and not plan.runs(precision):
+        raise InvalidInputError(f"precision {precision} was asked for, but this server runs {plan.label}; a server "
+                                "runs one model: run a file of several precisions with the batch CLI (python -m "
+                                "cosyvoice.tools.batch), which loads a model per precision", "precision")
+
+
+def check_precisions(service: TTSService, rows: list[Row]) -> None:
+    """Before a server queues ``rows``: the first whose precision ``service`` does not run is refused by number."""
+    for row in rows:
+        try:
+            check_precision(service, row.values.get("precision", ""))
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"row {row.number}: {exc}", exc.field) from None
+
+
+def serving(service: TTSService) -> Services:
+    """A server's one model as the :data:`Services` of its batches: rows naming another precision fail (a batch
+    queued elsewhere and resumed here, say), the others run on ``service``."""
+    def services(precision: str) -> TTSService:
+        check_precision(service, precision)
+        return service
+
+    return services
 
 
 def row_request(row: Row, resolve_audio: Callable[[str], Path] | None) -> SynthesisRequest:
@@ -211,18 +263,20 @@ def submit_batch(jobs: JobRunner, store: WorkbenchStore, rows: list[Row], *, sou
     return batch_id
 
 
-def batch_kind(service: TTSService, store: WorkbenchStore,
+def batch_kind(service: TTSService | Services, store: WorkbenchStore,
                resolve_audio: Callable[[str], Path] | None = None) -> Kind:
-    """How a batch job's rows become tasks, for :meth:`JobRunner.register`. A row whose take is in the store
-    already (made just before a crash) is not made again."""
+    """How a batch job's rows become tasks, for :meth:`JobRunner.register`, each made by the service of its
+    precision (one service: :func:`serving`). A row whose take is in the store already (made just before a
+    crash) is not made again."""
+    services = serving(service) if isinstance(service, TTSService) else service
+
     def tasks(job: Job) -> Iterator[Task]:
         rows = [Row(number, values) for number, values in job.params["rows"]]
         made = {t.row for t in store.takes(batch=job.id, limit=len(rows) + 1)}
-        model_id = bundle_digest(service.status().model_dir)
         software = software_version()
         for row in rows:
             run = _kept if row.number in made else functools.partial(
-                _run_row, service, store, row, job.id, job.owner, resolve_audio, model_id, software)
+                _run_row, services, store, row, job.id, job.owner, resolve_audio, software)
             yield Task(str(row.number), 1.0, run)
 
     return tasks
@@ -236,12 +290,13 @@ def batch_status(jobs: JobRunner, store: WorkbenchStore, batch_id: str) -> dict[
             "eta_seconds": job.eta_seconds, "error": job.error, "finished": job.finished, "errors": errors}
 
 
-def run_batch(service: TTSService, store: WorkbenchStore, rows: list[Row], *, source: str = "",
+def run_batch(service: TTSService | Services, store: WorkbenchStore, rows: list[Row], *, source: str = "",
               owner: str | None = None, resolve_audio: Callable[[str], Path] | None = None,
               on_progress: Callable[[Progress], None] | None = None) -> BatchResult:
     """Run a batch in this process to its end (the CLI): the job runner of the store's folder makes each row,
-    one after another, storing each take as soon as it is made."""
-    jobs = runner(store.root, service.limits.job_workers)
+    one after another in the order of ``rows``, storing each take as soon as it is made."""
+    limits = service.limits if isinstance(service, TTSService) else Limits.from_env()
+    jobs = runner(store.root, limits.job_workers)
     try:
         jobs.register(KIND, batch_kind(service, store, resolve_audio))
         started = time.perf_counter()
@@ -264,9 +319,11 @@ def _kept(token: CancelToken) -> None:
     """A row whose take exists already: nothing to make."""
 
 
-def _run_row(service: TTSService, store: WorkbenchStore, row: Row, batch_id: str, owner: str | None,
-             resolve_audio: Callable[[str], Path] | None, model_id: str, software: str, token: CancelToken) -> Take:
+def _run_row(services: Services, store: WorkbenchStore, row: Row, batch_id: str, owner: str | None,
+             resolve_audio: Callable[[str], Path] | None, software: str, token: CancelToken) -> Take:
     request = row_request(row, resolve_audio)
+    service = services(row.values.get("precision", ""))
+    model_id = bundle_digest(service.model_dir)
     made = synthesize(service, request, token)
     timings = {"synthesis_seconds": made.seconds, "first_chunk_seconds": made.first_chunk_seconds}
     return store.add_take(made.pcm, service.sample_rate,
@@ -307,7 +364,7 @@ def takes_csv_rows(takes: Iterable[Take], files: dict[str, str] | None = None) -
             "normalised_text": " | ".join(p.get("segments", [])), "sample_rate": t.sample_rate,
             "audio_seconds": timings.get("audio_seconds", round(t.seconds, 4)), "created": round(t.created, 3),
             **{k: p.get(k, "") for k in ("text", "mode", "voice", "voice_id", "prompt_text", "instruction", "seed",
-                                         "speed", "steps", "model_id", "software")},
+                                         "speed", "steps", "precision", "model_id", "software")},
             **{k: timings.get(k, "") for k in ("synthesis_seconds", "first_chunk_seconds")}})
     return out
 
