@@ -99,6 +99,36 @@ def test_batch_over_http_reports_progress_and_bad_rows(app_url: tuple[str, Path]
         assert bad.status_code == 400 and bad.json()["error"]["field"] == "kind"
 
 
+def test_a_batch_naming_another_precision_than_the_server_runs_is_refused(app_url: tuple[str, Path]) -> None:
+    """A server runs one model: a row asking for another precision is refused up front, saying which row, what
+    it asked for, what runs, and where several precisions run; the running one is accepted."""
+    url, _ = app_url
+    rows = [{"text": "Hello there.", "voice": "Narrator", "seed": 3, "precision": "fp32"},
+            {"text": "Hello there.", "voice": "Narrator", "seed": 3, "precision": "int8"}]
+    with httpx.Client(base_url=url, timeout=60) as client:
+        running = client.get("/ready").json()["precision"]["label"]
+        assert running.startswith("fp32 (")
+        refused = client.post("/workbench/api/batches", json={"rows": rows})
+        assert refused.status_code == 400 and refused.json()["error"]["field"] == "precision"
+        message = refused.json()["error"]["message"]
+        assert message.startswith(f"row 2: precision int8 was asked for, but this server runs {running}; ")
+        assert "batch CLI (python -m cosyvoice.tools.batch)" in message
+        unknown = client.post("/workbench/api/batches", content="text,voice,precision\nHi.,Narrator,fp8\n",
+                              headers={"Content-Type": "text/csv"})
+        assert unknown.status_code == 400 and "row 1: precision must be one of auto, fp32, bf16, int8" in \
+            unknown.json()["error"]["message"]
+
+        started = client.post("/workbench/api/batches", json={"rows": rows[:1]})
+        assert started.status_code == 202
+        batch_id, deadline = started.json()["id"], time.monotonic() + 300
+        while (batch := client.get(f"/workbench/api/batches/{batch_id}").json())["state"] in ("queued", "running"):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert (batch["state"], batch["done"]) == ("done", 1)
+        (take,) = client.get("/workbench/api/takes", params={"batch": batch_id}).json()["takes"]
+        assert take["provenance"]["precision"] == running
+
+
 def test_the_web_ui_serves_the_same_workbench(tts, tmp_path: Path) -> None:
     pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra")
     from test_webui import make_studio, serving

@@ -1,4 +1,5 @@
-"""Batch takes through the real CLI on the tiny bundle: provenance, bad rows, and bit-identical re-runs."""
+"""Batch takes through the real CLI on the tiny bundle: provenance, bad rows, bit-identical re-runs, and a file of
+several precisions run on a model per precision."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ import os
 import shutil
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
 import soundfile as sf
 
 from cosyvoice.bundle import bundle_digest
+from cosyvoice.service import TTSService
+from cosyvoice.settings import Limits
+from cosyvoice.voices import BUILTIN_VOICE_DIR, VoiceLibrary
 from cosyvoice.workbench.store import WorkbenchStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,12 +33,12 @@ The end.,ru-ivrvoice,,,,,3,,sysA
 """
 
 
-def run_cli(tmp: Path, name: str, text: str, bundle: Path) -> tuple[subprocess.CompletedProcess, Path]:
+def run_cli(tmp: Path, name: str, text: str, bundle: Path, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
     (tmp / name).write_text(text, encoding="utf-8")
     out = tmp / f"out-{name}"
     env = {**os.environ, "PYTHONPATH": str(REPO), "COSYVOICE_DATA_DIR": str(tmp / "data")}
     proc = subprocess.run([sys.executable, "-m", "cosyvoice.tools.batch", str(tmp / name), "--out", str(out),
-                           "--model-dir", str(bundle), "--voice-dir", str(tmp / "voices"), "--device", "cpu"],
+                           "--model-dir", str(bundle), "--voice-dir", str(tmp / "voices"), "--device", "cpu", *extra],
                           capture_output=True, text=True, env=env, timeout=600)
     return proc, out
 
@@ -101,3 +106,103 @@ def test_rows_from_csv_and_jsonl_read_the_same() -> None:
         row_request(parse_rows("text,seed\nHi.,x\n")[0], None)
     with pytest.raises(InvalidInputError, match="prompt_audio paths are not accepted here"):
         row_request(parse_rows("text,prompt_audio\nHi.,/etc/passwd\n")[0], None)
+
+
+# ----------------------------------------------------------------------------- a precision column
+
+PRECISION_ROWS = """text,voice,seed,precision,label
+Hello there.,en-allison,11,fp32,fp32
+Hello there.,en-allison,11,int8,int8
+Good morning to you.,en-allison,5,,fp32
+Good morning to you.,en-allison,5,int8,int8
+"""
+
+
+def test_batch_cli_runs_each_precision_on_a_model_of_its_own(tmp_path: Path, tiny_bundle_dir: Path) -> None:
+    """fp32 against the fast path, for a blind A/B test: the same rows at each precision (empty: ``--precision``),
+    grouped, one model loaded per group, each take recording what ran."""
+    from cosyvoice.workbench.listening import design
+
+    proc, out = run_cli(tmp_path, "paths.csv", PRECISION_ROWS, tiny_bundle_dir, "--precision", "fp32")
+    assert proc.returncode == 0, proc.stderr
+    log = proc.stderr
+    loads = [line for line in log.splitlines() if line.startswith("loading the model")]
+    assert loads == ["loading the model at precision fp32 (2 of the 4 rows)",
+                     "loading the model at precision int8 (2 of the 4 rows)"]
+    # one group after the other, in the file's order within each
+    assert log.index(loads[0]) < log.index("[1/4] row 1 done") < log.index("[2/4] row 3 done") < log.index(loads[1])
+    assert log.index(loads[1]) < log.index("[3/4] row 2 done") < log.index("[4/4] row 4 done")
+
+    with open(out / "takes.csv", encoding="utf-8") as f:
+        takes = {int(t["row"]): t for t in csv.DictReader(f)}
+    assert sorted(takes) == [1, 2, 3, 4]
+    for row, path in ((1, "fp32"), (3, "fp32"), (2, "int8"), (4, "int8")):
+        assert takes[row]["precision"] == f"{path} (LLM {path}, flow {path}, vocoder fp32; {path})"
+    for fp32, int8 in ((1, 2), (3, 4)):  # the same text and seed, made on two paths
+        assert takes[fp32]["seed"] == takes[int8]["seed"]
+        assert (out / takes[fp32]["file"]).read_bytes() != (out / takes[int8]["file"]).read_bytes()
+
+    stored = WorkbenchStore(tmp_path / "data").takes()
+    assert [(t.row, t.label, t.provenance["precision"].split()[0]) for t in stored] == [
+        (1, "fp32", "fp32"), (3, "fp32", "fp32"), (2, "int8", "int8"), (4, "int8", "int8")]
+    items = design("ab", stored, ["fp32", "int8"])  # what the workbench's A/B test of the two labels pairs
+    by_id = {t.id: t for t in stored}
+    assert sorted((by_id[a].row, by_id[b].row) for a, b in (i["takes"] for i in items)) == [(1, 2), (3, 4)]
+
+
+def test_batch_cli_refuses_an_unknown_precision_in_one_line(tmp_path: Path, tiny_bundle_dir: Path) -> None:
+    proc, out = run_cli(tmp_path, "fp8.csv", "text,voice,precision\nHi.,en-allison,fp32\nHi.,en-allison,fp8\n",
+                        tiny_bundle_dir)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "loading" not in proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.stderr.rstrip().endswith(line)
+    assert line.endswith("fp8.csv: row 2: precision must be one of auto, fp32, bf16, int8 (empty: the run's own), "
+                         "got 'fp8'")
+    assert not out.exists()
+
+
+def test_a_served_batch_makes_no_take_at_another_precision(tts, tmp_path: Path) -> None:
+    """A server runs one model: a row naming another precision (a batch queued elsewhere and resumed here) fails
+    with what it asked for and what runs; rows naming the running one, or none, are made."""
+    from cosyvoice.workbench.batch import parse_rows, run_batch
+
+    library = VoiceLibrary(tmp_path / "voices", tts.frontend, model_dir=tts.model_dir, builtin_dir=BUILTIN_VOICE_DIR)
+    service = TTSService(tts.model, library, Limits(max_sessions=2))
+    plan = service.model.plan
+    assert (plan.llm, plan.flow) == ("fp32", "fp32")
+    store = WorkbenchStore(tmp_path / "data")
+    rows = parse_rows("text,voice,seed,precision\nHello there.,en-allison,11,fp32\nHello there.,en-allison,11,int8\n"
+                      "Hello there.,en-allison,11,\n")
+    result = run_batch(service, store, rows)
+    assert [t.row for t in result.takes] == [1, 3]
+    assert all(t.provenance["precision"] == plan.label for t in result.takes)
+    (error,) = result.errors
+    assert (error.row, error.field) == (2, "precision")
+    assert error.message.startswith(f"precision int8 was asked for, but this server runs {plan.label}; ")
+    assert "python -m cosyvoice.tools.batch" in error.message
+    store.close()
+
+
+def test_one_model_at_a_time_releases_the_one_before(tiny_bundle_dir: Path, tmp_path: Path) -> None:
+    """The batch CLI's models: the loaded one serves every precision it runs; another closes it and lets it go
+    before loading, so a file of several precisions holds one model's memory."""
+    from cosyvoice.tools.batch import OneModel
+
+    loaded: list[str] = []
+    before: list[weakref.ref] = []  # the first model's service, engine and LLM
+
+    def load(precision: str) -> TTSService:
+        assert all(ref() is None for ref in before), "a model loads while the one before is still held"
+        loaded.append(precision)
+        return TTSService.load(tiny_bundle_dir, tmp_path / "voices", device="cpu", backend="torch",
+                               precision=precision)
+
+    models = OneModel(load, load("fp32"))
+    try:
+        first = models("fp32")
+        before += [weakref.ref(first), weakref.ref(first.model.engine), weakref.ref(first.model.engine.llm)]
+        del first
+        int8 = models("int8")  # load() found the fp32 model gone: its threads ended, nothing holds its weights
+        assert models("int8") is int8 and int8.model.plan.llm == "int8" and loaded == ["fp32", "int8"]
+    finally:
+        models.close()
