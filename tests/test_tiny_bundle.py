@@ -147,3 +147,23 @@ def test_different_seed_changes_the_weights(bundle_dir: Path, tmp_path: Path,
         assert (bundle_dir / name).read_bytes() != (other / name).read_bytes()
     assert (bundle_dir / "CosyVoice-BlankEN/vocab.json").read_bytes() == \
         (other / "CosyVoice-BlankEN/vocab.json").read_bytes()
+
+
+def test_two_processes_starting_at_once_share_one_complete_demo_bundle(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two CLIs (or a server and a CLI) on a fresh clone both find the demo model missing (here: a folder an
+    interrupted run left incomplete): each writes its own copy and renames it into place; neither loads a
+    half-written bundle, and no partial copy is left behind."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from cosyvoice.tools import make_tiny_bundle as tool
+
+    monkeypatch.setattr(tool, "DEFAULT_MODEL_DIR", tmp_path / "absent")  # the workers are forked: they see it
+    demo = tmp_path / "pretrained_models" / ".tiny-demo"
+    demo.mkdir(parents=True)
+    (demo / "cosyvoice3.yaml").write_text("interrupted")
+    with ProcessPoolExecutor(2) as pool:
+        found = list(pool.map(tool.model_dir_or_demo, [None, None], [demo, demo]))
+    assert found == [(demo, True), (demo, True)]
+    validate_model_dir(demo)
+    assert [p.name for p in demo.parent.iterdir()] == [".tiny-demo"]

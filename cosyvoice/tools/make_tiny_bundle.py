@@ -15,6 +15,8 @@ import argparse
 import hashlib
 import json
 import logging
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -580,12 +582,28 @@ def model_dir_or_demo(model_dir: str | Path | None, demo_dir: str | Path = DEMO_
     if DEFAULT_MODEL_DIR.is_dir():
         return DEFAULT_MODEL_DIR, False
     logger.warning("\n%s\n%s\n%s", "!" * 100, DEMO_WARNING, "!" * 100)
+    demo_dir = Path(demo_dir)
     try:
         validate_model_dir(demo_dir)
     except ModelBundleError:
         logger.warning("writing the demo model to %s", demo_dir)
-        make_tiny_bundle(demo_dir, seed=0)
-    return Path(demo_dir), True
+        # written beside it and renamed into place: a second process starting at once (two CLIs, a server and a
+        # CLI) never loads a half-written bundle; the loser of the rename drops its copy
+        demo_dir.parent.mkdir(parents=True, exist_ok=True)
+        partial = make_tiny_bundle(Path(tempfile.mkdtemp(prefix=f"{demo_dir.name}.", dir=demo_dir.parent)), seed=0)
+        try:
+            partial.rename(demo_dir)
+        except OSError:  # a folder is there: another process's complete bundle, or one left incomplete
+            try:
+                validate_model_dir(demo_dir)
+            except ModelBundleError:
+                aside = Path(tempfile.mkdtemp(prefix=f"{demo_dir.name}.broken.", dir=demo_dir.parent))
+                demo_dir.rename(aside / demo_dir.name)
+                partial.rename(demo_dir)
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                shutil.rmtree(partial, ignore_errors=True)
+    return demo_dir, True
 
 
 def main(argv: list[str] | None = None) -> None:
