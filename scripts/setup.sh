@@ -4,9 +4,9 @@
 #
 # Everything Python goes into the venv, never into the system interpreter: Debian's python3 is "externally
 # managed" (PEP 668) and refuses pip, and one environment per checkout gives every machine the same test
-# command (.venv/bin/python -m pytest -q). When all is installed (scripts/install_state.py: a stamp keyed on
-# pyproject.toml, this script and the venv's Python, listing the extras installed) it makes no pip call and
-# no network access at all.
+# command (scripts/test.sh). When all is installed (scripts/install_state.py: a stamp keyed on pyproject.toml,
+# this script and the venv's Python, listing the extras installed) it makes no pip call and no network access
+# at all.
 #
 # torch: a torch already in range is kept (a GPU box's own build included). Otherwise the CUDA build where an
 # NVIDIA GPU is seen (nvidia-smi or /proc/driver/nvidia), else the ~200 MB CPU build from PyTorch's CPU index

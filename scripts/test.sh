@@ -10,4 +10,5 @@ if ! bash scripts/build_rust.sh; then
   [ "${COSYVOICE_REQUIRE_RUST:-0}" = 1 ] && { echo "[test] the Rust server did not build" >&2; exit 1; }
   echo "[test] WARNING: the Rust server did not build; its contract tests will be skipped" >&2
 fi
-exec "${COSYVOICE_VENV:-.venv}/bin/python" -m pytest -q "$@"
+# a worker per core, each test file on one worker (its module's server and browser are started once)
+exec "${COSYVOICE_VENV:-.venv}/bin/python" -m pytest -q -n auto --dist loadfile "$@"
