@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from cosyvoice import pipeline
-from cosyvoice.encoding import AudioFormat, audio_format
+from cosyvoice.encoding import FORMATS, AudioFormat
 from cosyvoice.engine import AudioChunk, CancelToken
 from cosyvoice.errors import (
     CosyVoiceError,
@@ -853,8 +853,7 @@ class TTSService:
             if has_text:
                 check_text(request.text, self.limits)
         stream, speed, seed = self._options(request)
-        with _field("format"):
-            fmt = audio_format(request.format)
+        fmt = self._format(request.format)
         return _Checked(mode, stream, speed, seed, fmt, self._instruction(mode, request.instruction),
                         self._steps(request.steps))
 
@@ -899,6 +898,14 @@ class TTSService:
         if not isinstance(speed, numbers.Real) or isinstance(speed, bool) or not lo <= float(speed) <= hi:
             raise InvalidInputError(f"speed must be between {lo:g} and {hi:g}, got {request.speed!r}", "speed")
         return request.stream, float(speed), draw_seed() if seed is None else seed
+
+    @staticmethod
+    def _format(name: object) -> AudioFormat:
+        """The output format called ``name`` (case-insensitive), one of the encoder's :data:`FORMATS`."""
+        fmt = FORMATS.get(name.lower()) if isinstance(name, str) else None
+        if fmt is None:
+            raise InvalidInputError(f"unknown audio format {name!r}; use one of {', '.join(FORMATS)}", "format")
+        return fmt
 
     def _steps(self, steps: object) -> int:
         """The flow's Euler steps: an integer in ``FLOW_STEPS_RANGE``, or the model's default for None."""
