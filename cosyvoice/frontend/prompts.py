@@ -79,8 +79,8 @@ def llm_prompt(mode: str, instruction: str = "", transcript_head: str = "") -> s
     the wrapped instruct2 instruction, or nothing (cross-lingual)."""
     if mode == "zero_shot":
         return transcript_head or SYSTEM_PREFIX
-    if mode == "instruct2":
-        return instruct_text(instruction)
+    if mode == "instruct2":  # the instruction replaces the transcript; the reference keeps a saved voice's
+        return instruct_text(instruction)  # transcript here instead, silently dropping it (docs/differences.md)
     return ""
 
 
