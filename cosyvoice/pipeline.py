@@ -159,22 +159,6 @@ def plain_transcript(transcript: str) -> str:
     return prompts.split_prompt(transcript)[1]
 
 
-def conditioning(frontend: CosyVoiceFrontend, mode: EngineMode, voice: Voice, instruction: str = "",
-                 transcript_head: str = "") -> Conditioning:
-    """The conditioning of ``mode``, CosyVoice3's conventions applied as token ids: a zero-shot voice's plain
-    transcript ids follow the system prompt's (``transcript_head``, default ``You are a helpful
-    assistant.<|endofprompt|>``); an instruction is wrapped (``You are a helpful assistant. ...<|endofprompt|>``)."""
-    if mode == "zero_shot":
-        assert voice.prompt_text.numel(), "zero-shot needs a voice with a transcript (the service checks)"
-        head = frontend.encode(transcript_head or prompts.SYSTEM_PREFIX)
-        return Conditioning(mode, voice, torch.cat([head, voice.prompt_text], dim=1), True)
-    if mode == "cross_lingual":
-        return Conditioning(mode, voice, no_ids(), False)
-    # the instruction replaces the transcript; the reference keeps a saved voice's transcript here instead,
-    # silently dropping the instruction (docs/differences.md)
-    return Conditioning(mode, voice, frontend.encode(prompts.instruct_text(instruction)), False)
-
-
 def text_plan(frontend: CosyVoiceFrontend, mode: EngineMode, text: str, *, text_frontend: bool = True,
               split_prefixed: bool = True) -> tuple[torch.Tensor, list[str]]:
     """``(head ids, pieces)``: the normalised pieces of ``text`` to speak one after another, and the token ids
@@ -219,8 +203,9 @@ def plan(frontend: CosyVoiceFrontend, mode: str, text: str | None, voice_of: Voi
     where it decides the engine mode. ``transcript`` is an uploaded prompt's: its system prompt (the default
     one, or one the user typed) is kept apart from the plain transcript the voice library keeps.
     ``model_form``: the official API's requests, which carry ``<|endofprompt|>`` where the mode needs it.
+    The conventions are applied once, as token ids: the LLM's prompt ids are the mode's prompt text
+    (:func:`prompts.llm_prompt`) followed, in zero-shot, by the voice's plain transcript ids.
     """
-    transcript_head, plain = prompts.split_prompt(transcript) if transcript.strip() else ("", "")
     voice = voice_of("") if mode == "sft" else None
     engine_mode = ENGINE_MODES[mode] if voice is None else (
         "zero_shot" if voice[1].prompt_text.numel() else "cross_lingual")
@@ -228,31 +213,17 @@ def plan(frontend: CosyVoiceFrontend, mode: str, text: str | None, voice_of: Voi
     if text is not None:
         head, pieces = text_plan(frontend, engine_mode, text, text_frontend=text_frontend,
                                  split_prefixed=split_prefixed)
+    transcript_head, plain = prompts.split_prompt(transcript) if transcript.strip() else ("", "")
     voice_id, chosen = voice or voice_of(plain)
     if model_form:  # after the voice, as the official API reports its errors
-        check_model_form(mode, text, transcript, instruction)
-    return Plan(voice_id, conditioning(frontend, engine_mode, chosen, instruction, transcript_head), head,
-                tuple(pieces), seed)
-
-
-_MODEL_FORM = ("CosyVoice3 needs '<|endofprompt|>' in the prompt: end the zero-shot transcript with it ('You are a "
-               "helpful assistant.<|endofprompt|>' + transcript), wrap the instruct2 instruction as 'You are a "
-               "helpful assistant. <instruction><|endofprompt|>', or start cross-lingual text with 'You are a "
-               "helpful assistant.<|endofprompt|>' (cosyvoice.frontend.prompts does this for you)")
-
-
-def check_model_form(mode: str, text: str | None, transcript: str, instruction: str) -> None:
-    """A request in the model's form (the official API) carries ``<|endofprompt|>`` where the mode needs it
-    (``text`` None: a text stream; ``transcript`` ``''``: none uploaded)."""
-    if mode == "cross_lingual" and text is None:
-        raise InvalidInputError("text given as a stream works in zero_shot and instruct2 mode only (the reference's "
-                                "bi-streaming needs <|endofprompt|> in the prompt text); use instruct2 with a neutral "
-                                "instruction for a voice without a transcript", "text")
-    needs = {"zero_shot": ("transcript", transcript), "cross_lingual": ("text", text),
-             "instruct": ("instruction", instruction)}
-    field, value = needs.get(mode, ("", None))
-    if isinstance(value, str) and value.strip() and prompts.END_OF_PROMPT not in value:
-        raise InvalidInputError(_MODEL_FORM, field)
+        prompts.check_model_form(mode, text, transcript, instruction)
+    prompt = prompts.llm_prompt(engine_mode, instruction, transcript_head)
+    prompt_ids = frontend.encode(prompt) if prompt else no_ids()
+    if engine_mode == "zero_shot":
+        assert chosen.prompt_text.numel(), "zero-shot needs a voice with a transcript (the service checks)"
+        prompt_ids = torch.cat([prompt_ids, chosen.prompt_text], dim=1)
+    cond = Conditioning(engine_mode, chosen, prompt_ids, engine_mode == "zero_shot")
+    return Plan(voice_id, cond, head, tuple(pieces), seed)
 
 
 class _Cursor:

@@ -36,13 +36,13 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 import torch
 
 from cosyvoice import pipeline
-from cosyvoice.encoding import AudioFormat, audio_format
+from cosyvoice.encoding import FORMATS, AudioFormat
 from cosyvoice.engine import AudioChunk, CancelToken
 from cosyvoice.errors import (
     CosyVoiceError,
@@ -393,7 +393,8 @@ class Admission:
 
 
 class _Ending:
-    """What a session does once, however it ends: free the admission slot and report the outcome."""
+    """What a session does once, however it ends: free the admission slot and report the outcome; and the
+    bookkeeping of the chunks its reader gets, the same for the sync and asyncio sessions."""
 
     def __init__(self, service: TTSService, prepared: PreparedRequest, started: float, token: CancelToken) -> None:
         self.service, self.prepared, self.started, self.token = service, prepared, started, token
@@ -402,11 +403,29 @@ class _Ending:
         self.samples = 0
         self.done = False
         self._lock = threading.Lock()
+        service._sessions.add(self)  # running, for cancel_all
 
-    def count(self, chunk: AudioChunk) -> None:
+    @property
+    def engine_options(self) -> dict[str, object]:
+        """How the engine runs the request: its streaming, speed, token and flow steps."""
+        p = self.prepared
+        return {"stream": p.stream, "speed": p.speed, "cancel": self.token, "steps": p.steps}
+
+    def passed(self, chunk: AudioChunk) -> AudioChunk:
+        """Count a chunk handed to the reader (the audio's length; when the first one with samples came)."""
         if chunk.pcm.numel() and self.first is None:
             self.first = time.perf_counter() - self.started
         self.samples += chunk.pcm.numel()
+        return chunk
+
+    def reason(self, exc: BaseException | None) -> str | None:
+        """The outcome of chunks that stopped: with ``exc``, the error they raised (marked as reported: adapters
+        that report errors they catch skip it); without, their end (cancelled if the token was)."""
+        if exc is None:
+            return "cancelled" if self.token.cancelled else None
+        with contextlib.suppress(AttributeError):
+            exc._outcome_reported = True
+        return failure_reason(exc)
 
     def cancel(self) -> None:
         self.token.cancel()
@@ -428,13 +447,10 @@ class _Ending:
         return True
 
 
-class SynthesisSession(Iterator[AudioChunk]):
-    """One admitted request's audio. Iterate for :class:`AudioChunk`; ``close()`` (or leaving a ``with``
-    block, or dropping it) ends the request, cancels the engine session and frees the slot. ``cancel()``
-    may be called from any thread: the engine stops within one LLM step and the reader's iteration ends.
-    A text-stream session takes its text through ``writer``."""
+class _Session:
+    """What a sync and an asyncio session share: the admitted request, its chunks, and what adapters read."""
 
-    def __init__(self, ending: _Ending, chunks: Iterator[AudioChunk]) -> None:
+    def __init__(self, ending: _Ending, chunks: Iterator[AudioChunk] | AsyncIterator[AudioChunk]) -> None:
         self._ending, self._chunks = ending, chunks
         self.prepared = ending.prepared
         self.sample_rate = ending.service.sample_rate
@@ -448,26 +464,28 @@ class SynthesisSession(Iterator[AudioChunk]):
     def audio_seconds(self) -> float:
         return self._ending.samples / self.sample_rate
 
+    def cancel(self) -> None:
+        """Thread-safe: the engine stops within one LLM step; a reader waiting for the next chunk returns."""
+        self._ending.cancel()
+
+
+class SynthesisSession(_Session, Iterator[AudioChunk]):
+    """One admitted request's audio. Iterate for :class:`AudioChunk`; ``close()`` (or leaving a ``with``
+    block, or dropping it) ends the request, cancels the engine session and frees the slot. ``cancel()``
+    may be called from any thread: the engine stops within one LLM step and the reader's iteration ends.
+    A text-stream session takes its text through ``writer``."""
+
+    _chunks: Iterator[AudioChunk]
+
     def __next__(self) -> AudioChunk:
-        ending = self._ending
-        if ending.done:
+        if self._ending.done:
             raise StopIteration
         try:
             chunk = next(self._chunks)
-        except StopIteration:
-            self._finish("cancelled" if ending.token.cancelled else None)
-            raise
         except BaseException as exc:
-            self._finish(failure_reason(exc))
-            with contextlib.suppress(AttributeError):
-                exc._outcome_reported = True  # adapters that report errors they catch skip this one
+            self._finish(self._ending.reason(None if isinstance(exc, StopIteration) else exc))
             raise
-        ending.count(chunk)
-        return chunk
-
-    def cancel(self) -> None:
-        """Thread-safe: the engine stops within one LLM step; a reader blocked in ``next()`` returns."""
-        self._ending.cancel()
+        return self._ending.passed(chunk)
 
     def close(self) -> None:
         self._finish("cancelled")
@@ -491,24 +509,12 @@ class SynthesisSession(Iterator[AudioChunk]):
             self._ending.finish(reason)
 
 
-class AsyncSynthesisSession(AsyncIterator[AudioChunk]):
+class AsyncSynthesisSession(_Session, AsyncIterator[AudioChunk]):
     """One admitted request's audio on the event loop, with no thread of its own: the engine hands chunks to
     the loop directly. ``cancel()`` works from any thread; ``aclose()`` ends the request."""
 
-    def __init__(self, ending: _Ending, chunks: AsyncIterator[AudioChunk]) -> None:
-        self._ending, self._chunks = ending, chunks
-        self.prepared = ending.prepared
-        self.sample_rate = ending.service.sample_rate
-        self.writer = ending.feed
-        self._reading = False
-
-    @property
-    def seed(self) -> int:
-        return self.prepared.seed
-
-    @property
-    def audio_seconds(self) -> float:
-        return self._ending.samples / self.sample_rate
+    _chunks: AsyncIterator[AudioChunk]
+    _reading = False  # a reader is waiting in ``__anext__``
 
     async def __anext__(self) -> AudioChunk:
         ending = self._ending
@@ -518,22 +524,15 @@ class AsyncSynthesisSession(AsyncIterator[AudioChunk]):
         try:
             chunk = await self._chunks.__anext__()
         except StopAsyncIteration:
-            ending.finish("cancelled" if ending.token.cancelled else None)
+            ending.finish(ending.reason(None))
             raise
         except BaseException as exc:
             ending.cancel()
-            ending.finish(failure_reason(exc))
-            with contextlib.suppress(AttributeError):
-                exc._outcome_reported = True
+            ending.finish(ending.reason(exc))
             raise
         finally:
             self._reading = False
-        ending.count(chunk)
-        return chunk
-
-    def cancel(self) -> None:
-        """Thread-safe: the engine stops within one LLM step and a pending ``__anext__`` ends."""
-        self._ending.cancel()
+        return ending.passed(chunk)
 
     async def aclose(self) -> None:
         """Cancel (if still running): the engine stops within one LLM step and the slot goes back."""
@@ -633,26 +632,20 @@ class TTSService:
         here, before any audio. Iterate the returned session for chunks; close it (or ``cancel``) to stop.
         ``wait`` (long jobs, with ``cancel``): wait for the slot in order until granted or cancelled."""
         assert not wait or cancel is not None, "a waiting request needs a token that can end its wait"
-        started = time.perf_counter()
-        ending = self._admit(request, started, lambda checked: self._resolve(request, checked, owner), cancel,
+        ending = self._admit(request, lambda checked: self._resolve(request, checked, owner), cancel,
                              job=cancel if wait else None)
-        p = ending.prepared
-        chunks = pipeline.run_inputs(self.model, p.plan.inputs(self.model.frontend), stream=p.stream, speed=p.speed,
-                                     cancel=ending.token,
-                                     steps=p.steps)
-        return SynthesisSession(ending, chunks)
+        plan = ending.prepared.plan
+        return SynthesisSession(ending, pipeline.run_inputs(self.model, plan.inputs(self.model.frontend),
+                                                            **ending.engine_options))
 
     async def asynthesize(self, request: SynthesisRequest, *, cancel: CancelToken | None = None,
                           owner: str | None = None) -> AsyncSynthesisSession:
         """:meth:`synthesize` for asyncio: waiting for a slot never blocks the loop; decoding and featurising an
         upload runs on a worker thread; the audio then comes from the engine with no thread per request."""
-        started = time.perf_counter()
-        ending = await self._aadmit(request, started, owner, cancel, has_text=True)
-        p = ending.prepared
-        chunks = pipeline.arun_inputs(self.model, pipeline.as_async(p.plan.inputs(self.model.frontend)),
-                                      stream=p.stream, speed=p.speed, cancel=ending.token,
-                                      steps=p.steps)
-        return AsyncSynthesisSession(ending, chunks)
+        ending = await self._aadmit(request, lambda checked: self._resolve(request, checked, owner), cancel)
+        plan = ending.prepared.plan
+        return AsyncSynthesisSession(ending, pipeline.arun_inputs(
+            self.model, pipeline.as_async(plan.inputs(self.model.frontend)), **ending.engine_options))
 
     def synthesize_text_stream(self, request: SynthesisRequest, pieces: Iterable[str] | None = None, *,
                                cancel: CancelToken | None = None, owner: str | None = None) -> SynthesisSession:
@@ -664,43 +657,27 @@ class TTSService:
         as they come); cross-lingual has no such input, so each sentence is spoken as soon as it is complete.
         The whole stream holds one slot; its text is bounded by ``Limits.max_text_chars``.
         """
-        started = time.perf_counter()
-        ending = self._admit(request, started, lambda checked: self._resolve(request, checked, owner, text=False),
-                             cancel, has_text=False)
-        p = ending.prepared
-        ending.feed = self._feed(p)
-        feed = ending.feed
-        chunks = pipeline.run_inputs(self.model, pipeline.stream_inputs(self.model.frontend, p.cond, feed, p.seed,
-                                                                        ending.token),
-                                     stream=p.stream, speed=p.speed, cancel=ending.token, text_stream=feed.text_ids,
-                                     steps=p.steps)
-        session = SynthesisSession(ending, chunks)
-        if pieces is not None:
-            _pump(pieces, ending.feed)
-        return session
+        ending = self._admit(request, lambda checked: self._resolve(request, checked, owner, text=False), cancel,
+                             has_text=False)
+        feed, p = self._feed(ending), ending.prepared
+        inputs = pipeline.stream_inputs(self.model.frontend, p.cond, feed, p.seed, ending.token)
+        return _pumped(SynthesisSession(ending, pipeline.run_inputs(self.model, inputs, text_stream=feed.text_ids,
+                                                                    **ending.engine_options)), pieces)
 
     async def asynthesize_text_stream(self, request: SynthesisRequest, pieces: Iterable[str] | None = None, *,
                                       cancel: CancelToken | None = None,
                                       owner: str | None = None) -> AsyncSynthesisSession:
         """:meth:`synthesize_text_stream` for asyncio: write pieces to ``session.writer`` from the event loop."""
-        started = time.perf_counter()
-        ending = await self._aadmit(request, started, owner, cancel, has_text=False)
-        p = ending.prepared
-        ending.feed = self._feed(p)
-        feed = ending.feed
-        chunks = pipeline.arun_inputs(self.model, pipeline.astream_inputs(self.model.frontend, p.cond, feed, p.seed,
-                                                                          ending.token),
-                                      stream=p.stream, speed=p.speed, cancel=ending.token, text_stream=feed.text_ids,
-                                      steps=p.steps)
-        session = AsyncSynthesisSession(ending, chunks)
-        if pieces is not None:
-            _pump(pieces, ending.feed)
-        return session
+        ending = await self._aadmit(request, lambda checked: self._resolve(request, checked, owner, text=False),
+                                    cancel, has_text=False)
+        feed, p = self._feed(ending), ending.prepared
+        inputs = pipeline.astream_inputs(self.model.frontend, p.cond, feed, p.seed, ending.token)
+        return _pumped(AsyncSynthesisSession(ending, pipeline.arun_inputs(
+            self.model, inputs, text_stream=feed.text_ids, **ending.engine_options)), pieces)
 
     def convert_voice(self, source_audio: AudioSource, prompt_audio: AudioSource, *, stream: bool = False,
                       speed: float = 1.0, cancel: CancelToken | None = None) -> SynthesisSession:
         """Voice conversion: the speech of ``source_audio`` (its speech tokens) in the voice of ``prompt_audio``."""
-        started = time.perf_counter()
         request = SynthesisRequest("", "cross_lingual", prompt_audio=prompt_audio, speed=speed, stream=stream,
                                    seed=0)
         source: list[tuple[torch.Tensor, int]] = []
@@ -710,7 +687,7 @@ class TTSService:
                 source.append(self.model.frontend.load_prompt(source_audio))
             return self._resolve(request, checked, text=False)
 
-        ending = self._admit(request, started, resolve, cancel, has_text=False)
+        ending = self._admit(request, resolve, cancel, has_text=False)
         tokens, inp = pipeline.conversion_input(self.model, source[0], ending.prepared.cond.voice)
         return SynthesisSession(ending, self.model.engine.vocode(tokens, inp, stream=stream,
                                                                  speed=ending.prepared.speed, cancel=ending.token))
@@ -743,54 +720,53 @@ class TTSService:
         for ending in list(self._sessions):
             ending.cancel()
 
-    # ------------------------------------------------------------------ admission
+    # ------------------------------------------------------------------ admission (a sync and an asyncio face)
 
-    def _admit(self, request: SynthesisRequest, started: float, resolve: Callable[[_Checked], PreparedRequest],
+    def _admit(self, request: SynthesisRequest, resolve: Callable[[_Checked], PreparedRequest],
                cancel: CancelToken | None, has_text: bool = True, job: CancelToken | None = None) -> _Ending:
         """Check, take a slot (blocking), resolve: the request's :class:`_Ending`, holding its slot."""
-        mode = mode_label(request.mode)
-        try:
-            checked = self._check(request, has_text=has_text)  # before taking a slot: a bad request never waits
+        started, checked = self._checked(request, has_text)
+        with self._failing(checked.mode, started):
             self._admission.acquire(job)
-        except BaseException as exc:
-            self.report_failure(mode, exc, started)
-            raise
-        return self._started(request, checked, started, resolve, cancel)
-
-    async def _aadmit(self, request: SynthesisRequest, started: float, owner: str | None,
-                      cancel: CancelToken | None, has_text: bool) -> _Ending:
-        mode = mode_label(request.mode)
-        try:
-            checked = self._check(request, has_text=has_text)
-            await self._admission.aacquire()
-        except BaseException as exc:
-            self.report_failure(mode, exc, started)
-            raise
-        try:
-            # decoding and featurising an upload is CPU work: a worker thread, never the event loop
-            prepared = await asyncio.to_thread(self._resolve, request, checked, owner, has_text)
-        except BaseException as exc:
-            self._admission.release()
-            self.report_failure(mode, exc, started)
-            raise
-        return self._started(request, checked, started, lambda _: prepared, cancel)
-
-    def _started(self, request: SynthesisRequest, checked: _Checked, started: float,
-                 resolve: Callable[[_Checked], PreparedRequest], cancel: CancelToken | None) -> _Ending:
-        try:
+        with self._failing(checked.mode, started, holding=True):
             prepared = resolve(checked)
-        except BaseException as exc:
-            self._admission.release()
-            self.report_failure(checked.mode, exc, started)
-            raise
-        ending = _Ending(self, prepared, started, cancel or CancelToken())
-        self._sessions.add(ending)
-        return ending
+        return _Ending(self, prepared, started, cancel or CancelToken())
 
-    def _feed(self, prepared: PreparedRequest) -> TextFeed:
-        """A text stream's input: token by token where the engine has bi-streaming, else sentence by sentence."""
-        kind = "sentences" if prepared.engine_mode == "cross_lingual" else "tokens"
-        return TextFeed(self.model.frontend, self.limits.max_text_chars, kind)
+    async def _aadmit(self, request: SynthesisRequest, resolve: Callable[[_Checked], PreparedRequest],
+                      cancel: CancelToken | None, has_text: bool = True) -> _Ending:
+        """:meth:`_admit` without blocking the event loop: the slot is awaited, and resolving (decoding and
+        featurising an upload is CPU work) runs on a worker thread."""
+        started, checked = self._checked(request, has_text)
+        with self._failing(checked.mode, started):
+            await self._admission.aacquire()
+        with self._failing(checked.mode, started, holding=True):
+            prepared = await asyncio.to_thread(resolve, checked)
+        return _Ending(self, prepared, started, cancel or CancelToken())
+
+    def _checked(self, request: SynthesisRequest, has_text: bool) -> tuple[float, _Checked]:
+        """(when the call began, the checked request): every check before taking a slot, so a bad request never
+        waits."""
+        started = time.perf_counter()
+        with self._failing(mode_label(request.mode), started):
+            return started, self._check(request, has_text=has_text)
+
+    @contextlib.contextmanager
+    def _failing(self, mode: str, started: float, holding: bool = False) -> Iterator[None]:
+        """Report a request that fails inside before it has a session, giving back its slot when ``holding`` one."""
+        try:
+            yield
+        except BaseException as exc:
+            if holding:
+                self._admission.release()
+            self.report_failure(mode, exc, started)
+            raise
+
+    def _feed(self, ending: _Ending) -> TextFeed:
+        """A text stream's input (closed when the request ends): token by token where the engine has
+        bi-streaming, else sentence by sentence."""
+        kind = "sentences" if ending.prepared.engine_mode == "cross_lingual" else "tokens"
+        ending.feed = TextFeed(self.model.frontend, self.limits.max_text_chars, kind)
+        return ending.feed
 
     # ------------------------------------------------------------------ voices
 
@@ -877,8 +853,7 @@ class TTSService:
             if has_text:
                 check_text(request.text, self.limits)
         stream, speed, seed = self._options(request)
-        with _field("format"):
-            fmt = audio_format(request.format)
+        fmt = self._format(request.format)
         return _Checked(mode, stream, speed, seed, fmt, self._instruction(mode, request.instruction),
                         self._steps(request.steps))
 
@@ -923,6 +898,14 @@ class TTSService:
         if not isinstance(speed, numbers.Real) or isinstance(speed, bool) or not lo <= float(speed) <= hi:
             raise InvalidInputError(f"speed must be between {lo:g} and {hi:g}, got {request.speed!r}", "speed")
         return request.stream, float(speed), draw_seed() if seed is None else seed
+
+    @staticmethod
+    def _format(name: object) -> AudioFormat:
+        """The output format called ``name`` (case-insensitive), one of the encoder's :data:`FORMATS`."""
+        fmt = FORMATS.get(name.lower()) if isinstance(name, str) else None
+        if fmt is None:
+            raise InvalidInputError(f"unknown audio format {name!r}; use one of {', '.join(FORMATS)}", "format")
+        return fmt
 
     def _steps(self, steps: object) -> int:
         """The flow's Euler steps: an integer in ``FLOW_STEPS_RANGE``, or the model's default for None."""
@@ -978,6 +961,17 @@ class TTSService:
                                             "prompt recording after it")
         with _field("prompt_audio"):
             return self.voices.get_or_create(audio, transcript if mode == "zero_shot" else "", owner=owner)
+
+
+_S = TypeVar("_S", SynthesisSession, AsyncSynthesisSession)
+
+
+def _pumped(session: _S, pieces: Iterable[str] | None) -> _S:
+    """``session``, its text fed from ``pieces`` (when given) by :func:`_pump`."""
+    if pieces is not None:
+        assert session.writer is not None, "pieces are the text of a text stream"
+        _pump(pieces, session.writer)
+    return session
 
 
 def _pump(pieces: Iterable[str], feed: TextFeed) -> None:

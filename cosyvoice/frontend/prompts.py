@@ -73,6 +73,37 @@ def instruct_text(instruction: str) -> str:
     return f"{SYSTEM_PROMPT} {instruction}{END_OF_PROMPT}" if instruction else SYSTEM_PREFIX
 
 
+def llm_prompt(mode: str, instruction: str = "", transcript_head: str = "") -> str:
+    """The text of the LLM's prompt in engine ``mode``, ahead of a zero-shot voice's plain transcript: the system
+    prompt (``transcript_head``, the one the user typed before the transcript, by default ``SYSTEM_PREFIX``),
+    the wrapped instruct2 instruction, or nothing (cross-lingual)."""
+    if mode == "zero_shot":
+        return transcript_head or SYSTEM_PREFIX
+    if mode == "instruct2":  # the instruction replaces the transcript; the reference keeps a saved voice's
+        return instruct_text(instruction)  # transcript here instead, silently dropping it (docs/differences.md)
+    return ""
+
+
+_MODEL_FORM = ("CosyVoice3 needs '<|endofprompt|>' in the prompt: end the zero-shot transcript with it ('You are a "
+               "helpful assistant.<|endofprompt|>' + transcript), wrap the instruct2 instruction as 'You are a "
+               "helpful assistant. <instruction><|endofprompt|>', or start cross-lingual text with 'You are a "
+               "helpful assistant.<|endofprompt|>' (cosyvoice.frontend.prompts does this for you)")
+
+
+def check_model_form(mode: str, text: str | None, transcript: str, instruction: str) -> None:
+    """A request in the model's form (the official API) carries ``<|endofprompt|>`` where the service's ``mode``
+    needs it (``text`` None: a text stream; ``transcript`` ``''``: none uploaded)."""
+    if mode == "cross_lingual" and text is None:
+        raise InvalidInputError("text given as a stream works in zero_shot and instruct2 mode only (the reference's "
+                                "bi-streaming needs <|endofprompt|> in the prompt text); use instruct2 with a neutral "
+                                "instruction for a voice without a transcript", "text")
+    needs = {"zero_shot": ("transcript", transcript), "cross_lingual": ("text", text),
+             "instruct": ("instruction", instruction)}
+    field, value = needs.get(mode, ("", None))
+    if isinstance(value, str) and value.strip() and END_OF_PROMPT not in value:
+        raise InvalidInputError(_MODEL_FORM, field)
+
+
 def user_text(text: str) -> str:
     """What the user wrote, without the system prompt and ``<|endofprompt|>``: the transcript or text of a
     prefixed prompt, or the instruction of a wrapped instruction; ``''`` if there is none."""
