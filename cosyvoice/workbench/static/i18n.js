@@ -162,6 +162,9 @@
     "binomial p (one-sided: better than guessing)": "二项检验 p（单侧：优于猜测）",
     "correct": "正确",
     "chose": "选择", "times": "次数", "condition": "条件", "mean": "均值", "95% CI": "95% 置信区间",
+    "takes": "录音数", "length s": "时长（秒）", "peak dBFS": "峰值 dBFS",
+    "similarity (CAM++)": "相似度（CAM++）", "similarity (Resemblyzer)": "相似度（Resemblyzer）",
+    "DNSMOS signal": "DNSMOS 语音", "DNSMOS background": "DNSMOS 背景", "DNSMOS overall": "DNSMOS 总体",
     // long-form page
     "Long-form projects · CosyVoice3 Studio": "长文本项目 · CosyVoice3 Studio",
     "Long-form projects": "长文本项目",
