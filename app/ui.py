@@ -687,7 +687,7 @@ CSS = """
 #live-player[data-state=failed] .live-dot { background:#b91c1c; flex:none; }
 #queue-place { font-size:14px; color:#b45309; font-weight:600; }
 #status { min-height:40px; }
-#status .wrap.hide { display:none !important; }  /* Gradio's hidden progress keeps "queue: 2/2" in the layout */
+#status > .wrap { display:none !important; }  /* Gradio's progress ("queue: 2/2"): player.js says the place */
 .cv-hidden { display:none !important; }
 #take-history .history-views { display:flex; gap:8px; margin-bottom:8px; }
 #take-history .history-view { padding:4px 10px; border:1px solid #d1d5db; border-radius:6px; background:none; }

@@ -478,7 +478,7 @@ def test_a_waiting_take_says_its_place_in_chinese(tts, browser, tmp_path: Path, 
             ARTIFACTS.mkdir(exist_ok=True)
             pages[1].screenshot(path=str(ARTIFACTS / "webui-queued-zh.png"), full_page=True)
             pages[0].click("#stop")  # the first take ends: the second leaves the queue
-            sync_api.expect(pages[1].locator("#status")).to_contain_text("生成中", timeout=60000)
+            sync_api.expect(pages[1].locator("#status").get_by_text("生成中")).to_be_visible(timeout=60000)
             sync_api.expect(pages[1].locator("#queue-place")).to_be_hidden()
             pages[1].click("#stop")
             sync_api.expect(pages[1].locator("#generate")).to_be_enabled(timeout=5000)
