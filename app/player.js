@@ -146,6 +146,7 @@ window.cvStudio = (() => {
     stop() {
       const take = current;
       if (!take) return "";
+      window.cvQueue.forget(take.id);
       if (take.endAt !== null) return take.id;
       take.stopped = true;
       if (take.socket) take.socket.close();
@@ -165,6 +166,112 @@ window.cvStudio = (() => {
       return plain;
     },
   };
+})();
+
+// A waiting take's place in Gradio's queue, in words ("waiting: 2nd in line"), on the line #queue-place. Gradio
+// sends each event's place over the session's event stream (its queue protocol's "estimation" messages) and
+// draws it as "queue: 2/2 | 0.6s", which the page hides (show_progress="hidden"). This reads the same stream:
+// the join request names the take (its first input is the take id) and its answer the event id; a copy of the
+// stream's body is read here, the original goes to Gradio untouched.
+window.cvQueue = (() => {
+  const ZH = (navigator.language || "").startsWith("zh");
+  const WORDS = {
+    next: ["waiting: next in line", "排队中：下一个就是你"],
+    place: ["waiting: {n} in line", "排队中：第 {n} 位"],
+    starting: ["starting…", "即将开始…"],
+  };
+  const takeOf = {};  // event id -> take id
+  const early = {};  // event id -> its latest message, when it came before the join's answer
+  const stopped = new Set();  // takes stopped by the page: still in Gradio's queue until their handler runs
+  let shown = "";  // the take whose place is on the line
+
+  function ordinal(n) {
+    const tens = n % 100, ones = n % 10;
+    const suffix = tens >= 11 && tens <= 13 ? "th" : ones === 1 ? "st" : ones === 2 ? "nd" : ones === 3 ? "rd" : "th";
+    return ZH ? String(n) : `${n}${suffix}`;
+  }
+
+  function line(text, takeId) {
+    const el = document.getElementById("queue-place");
+    if (!el) return;
+    el.textContent = text;
+    el.hidden = !text;
+    shown = text ? takeId : "";
+  }
+
+  function clear(takeId) {
+    if (takeId === shown) line("", "");
+  }
+
+  function said(message, takeId) {
+    const studio = window.cvStudio;
+    if (stopped.has(takeId) || !studio || studio.current() !== takeId) return clear(takeId);
+    if (message.msg === "estimation" && typeof message.rank === "number") {
+      const n = message.rank + 1;
+      line(n === 1 ? WORDS.next[ZH ? 1 : 0] : WORDS.place[ZH ? 1 : 0].replace("{n}", ordinal(n)), takeId);
+    } else if (message.msg === "process_starts") {
+      line(WORDS.starting[ZH ? 1 : 0], takeId);
+    } else if (message.msg === "process_generating" || message.msg === "process_completed") {
+      clear(takeId);
+    }
+  }
+
+  function heard(message) {
+    const id = message && message.event_id;
+    if (!id) return;
+    if (takeOf[id]) said(message, takeOf[id]);
+    else if (message.msg === "process_completed") delete early[id];
+    else early[id] = message;
+  }
+
+  async function read(body) {
+    const reader = body.pipeThrough(new TextDecoderStream()).getReader();
+    let rest = "";
+    try {
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) return;
+        const lines = (rest + value).split(/\r?\n/);
+        rest = lines.pop();
+        for (const text of lines) {
+          if (!text.startsWith("data:")) continue;
+          try { heard(JSON.parse(text.slice(5))); } catch (err) { /* not a queue message */ }
+        }
+      }
+    } catch (err) { /* the stream was closed: Gradio's copy says so */ }
+  }
+
+  const original = window.fetch.bind(window);
+  window.fetch = async (input, init) => {
+    const url = typeof input === "string" ? input : input instanceof URL ? input.href : input.url;
+    const path = new URL(url, window.location.href).pathname;
+    const response = await original(input, init);
+    if (path.endsWith("/queue/join") && init && typeof init.body === "string") {
+      let takeId = null;
+      try { takeId = JSON.parse(init.body).data[0]; } catch (err) { /* not a take */ }
+      if (typeof takeId === "string" && window.cvStudio && window.cvStudio.takes[takeId]) {
+        response.clone().json().then(({ event_id: id }) => {
+          takeOf[id] = takeId;
+          if (early[id]) said(early[id], takeId);
+          delete early[id];
+        }).catch(() => {});
+      }
+    } else if (path.endsWith("/queue/data") && response.ok && response.body) {
+      const [mine, theirs] = response.body.tee();
+      read(mine);
+      return new Response(theirs, { status: response.status, statusText: response.statusText,
+                                    headers: response.headers });
+    }
+    return response;
+  };
+
+  // Stop (or a new take) on the page: the take's place is no longer news.
+  function forget(takeId) {
+    stopped.add(takeId);
+    clear(takeId);
+  }
+
+  return { forget };
 })();
 
 // Prompt uploads and recordings: what the browser's own checks would get wrong or leave unsaid.

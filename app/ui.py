@@ -685,7 +685,9 @@ CSS = """
 #live-player[data-state=waiting] .live-dot { background:#f59e0b; }
 #live-player[data-state=failed] { color:#b91c1c; font-weight:600; }  /* the cause, where the status is read */
 #live-player[data-state=failed] .live-dot { background:#b91c1c; flex:none; }
+#queue-place { font-size:14px; color:#b45309; font-weight:600; }
 #status { min-height:40px; }
+#status > .wrap { display:none !important; }  /* Gradio's progress ("queue: 2/2"): player.js says the place */
 .cv-hidden { display:none !important; }
 #take-history .history-views { display:flex; gap:8px; margin-bottom:8px; }
 #take-history .history-view { padding:4px 10px; border:1px solid #d1d5db; border-radius:6px; background:none; }
@@ -780,7 +782,8 @@ def build_ui(studio: Studio) -> gr.Blocks:
                     generate = gr.Button(t("generate"), variant="primary", elem_id="generate")
                     stop = gr.Button(t("stop"), variant="stop", interactive=False, elem_id="stop")
                 gr.HTML('<div id="live-player" data-state="idle"><span class="live-dot"></span>'
-                        '<span class="live-text"></span></div>')
+                        '<span class="live-text"></span></div>'
+                        '<div id="queue-place" role="status" aria-live="polite" hidden></div>')
                 status = gr.Markdown(elem_id="status")
                 download = gr.File(label=t("download"), interactive=False, visible=False, elem_id="download")
             with gr.Column(scale=2, elem_id="voice-column"):
@@ -840,12 +843,13 @@ def build_ui(studio: Studio) -> gr.Blocks:
         # one click, two events: the buttons change at once, and the take joins the queue straight away (its
         # place in the queue is the click's: first come, first served); the take id comes from the player
         generate.click(studio.begin, None, [generate, stop], queue=False, show_progress="hidden", **private)
-        # the progress (queue position) shows on the status line only, never over the other controls
+        # a waiting take's place is said in words by player.js (cvQueue) from Gradio's own queue messages: Gradio's
+        # progress ("queue: 2/2 | 0.6s") is hidden, and nothing covers the other controls
         running = generate.click(
             studio.generate,
             [take_id, mode, text, prompt, transcript, instruction, voice, seed, speed, stream, fmt, steps],
             [status, download, takes_count, generate, stop], concurrency_limit=limits.max_sessions,
-            concurrency_id="synthesis", show_progress="full", show_progress_on=[status],
+            concurrency_id="synthesis", show_progress="hidden",
             js=f"(...inputs) => [window.cvStudio.begin({rate}), ...inputs.slice(1)]", **private)
         running.then(studio.idle, None, [generate, stop], queue=False, show_progress="hidden", **private)
         stop.click(studio.stop_clicked, take_id, [generate, stop], queue=False, show_progress="hidden",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +40,23 @@ CJK_GLYPHS_DRAWN = """() => {
   const a = draw("要"), b = draw("朗"), missing = draw("\\u{10FFFD}");
   return a !== b && a !== missing && b !== missing && /[1-9]/.test(a);
 }"""
+# Before any page script: every text the queue line (#queue-place) shows, in order, and any raw Gradio queue
+# progress ("queue: 2/2 | 0.6s") that is ever rendered (checked at most every 50 ms: it used to stay for seconds).
+QUEUE_WATCH = """(() => {
+  window.cvSeen = { place: [""], raw: [] };
+  let pending = false;
+  const rawCheck = () => {
+    pending = false;
+    const raw = document.body && document.body.innerText.match(/queue:\\s*\\d+/);
+    if (raw) window.cvSeen.raw.push(raw[0]);
+  };
+  new MutationObserver(() => {
+    const line = document.getElementById("queue-place");
+    const text = line && !line.hidden ? line.textContent : "";
+    if (window.cvSeen.place.at(-1) !== text) window.cvSeen.place.push(text);
+    if (!pending) { pending = true; setTimeout(rawCheck, 50); }
+  }).observe(document, { subtree: true, childList: true, characterData: true, attributes: true });
+})()"""
 
 
 @pytest.fixture(scope="module")
@@ -374,6 +390,7 @@ def test_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path: Path,
     library = make_studio(tts, tmp_path).service.voices
     studio = Studio(TTSService(tts.model, library, limits=replace(tts.limits, max_sessions=1)), demo=True)
     ctx = browser(locale="en-US")
+    ctx.add_init_script(QUEUE_WATCH)
     try:
         with serving(studio) as url:
             pages = []
@@ -397,18 +414,17 @@ def test_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path: Path,
                         time.sleep(0.02)
                     assert ids[0] in studio.times
                 else:  # the others wait: locked Generate, Stop ready, their place shown
-                    sync_api.expect(page.locator("#status")).to_contain_text(re.compile(r"queue: \d+/"),
-                                                                             timeout=15000)
-            places = []
-            for page in pages[1:]:
+                    sync_api.expect(page.locator("#queue-place")).to_contain_text("waiting: ", timeout=15000)
+            # their places in words, in click order
+            for page, place in zip(pages[1:], ("next", "2nd", "3rd"), strict=True):
                 sync_api.expect(page.locator("#generate")).to_be_disabled()
                 sync_api.expect(page.locator("#stop")).to_be_enabled()
-                places.append(int(re.search(r"queue: (\d+)/", page.locator("#status").inner_text()).group(1)))
-            assert places == [1, 2, 3], places  # in click order
+                sync_api.expect(page.locator("#queue-place")).to_have_text(f"waiting: {place} in line")
             ARTIFACTS.mkdir(exist_ok=True)
             pages[2].screenshot(path=str(ARTIFACTS / "webui-queued.png"), full_page=True)
             pages[3].close()  # a waiting tab closed: its take leaves the queue
             pages[2].click("#stop")  # Stop while waiting: the tab is free at once and its take never runs
+            sync_api.expect(pages[2].locator("#queue-place")).to_be_hidden()
             sync_api.expect(pages[2].locator("#generate")).to_be_enabled(timeout=5000)
             sync_api.expect(pages[2].locator("#stop")).to_be_disabled()
             for page, number in ((pages[0], 1), (pages[1], 2)):  # one browser's tabs: one history
@@ -422,8 +438,53 @@ def test_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path: Path,
                 time.sleep(0.05)
             for gone in ids[2:]:  # the stopped one and the closed one never made audio
                 assert gone not in studio.times or studio.times[gone].first_chunk is None, gone
-            sync_api.expect(pages[2].locator("#status")).not_to_contain_text("queue", timeout=15000)  # not left waiting
+            sync_api.expect(pages[2].locator("#queue-place")).to_be_hidden()  # not left waiting
+            # the second take's line: its place, then "starting…" when it left the queue, then nothing once it ran
+            seen = pages[1].evaluate("() => window.cvSeen")
+            assert seen["place"][-3:] == ["waiting: next in line", "starting…", ""], seen
+            for page in pages[:3]:  # Gradio's own progress never showed
+                assert page.evaluate("() => window.cvSeen.raw") == []
             assert studio.service.status().active_sessions == 0 and not studio._running
+    finally:
+        ctx.close()
+
+
+def test_a_waiting_take_says_its_place_in_chinese(tts, browser, tmp_path: Path, short_prompt_wav: Path) -> None:
+    """One session and two tabs of a Chinese browser: the second take's place is said in Chinese while it waits,
+    then that it is starting; Gradio's raw "queue: 1/1" never shows."""
+    from dataclasses import replace
+
+    from app.ui import Studio
+    from cosyvoice.service import TTSService
+
+    library = make_studio(tts, tmp_path).service.voices
+    studio = Studio(TTSService(tts.model, library, limits=replace(tts.limits, max_sessions=1)), demo=True)
+    ctx = browser(locale="zh-CN")
+    ctx.add_init_script(QUEUE_WATCH)
+    try:
+        with serving(studio) as url:
+            pages = [open_page(ctx, url, new_visitor=n == 0) for n in range(2)]
+            for page in pages:
+                page.get_by_role("tab", name="跨语种").click()
+                upload_prompt(page, short_prompt_wav)
+                page.fill("#text textarea", LONG_TEXT)
+                page.fill("#seed input", "4")  # a take that runs to the length limit
+            pages[0].click("#generate")
+            pages[0].wait_for_function("() => document.getElementById('live-player').dataset.state === 'playing'",
+                                       timeout=60000)
+            pages[1].click("#generate")
+            sync_api.expect(pages[1].locator("#queue-place")).to_have_text("排队中：下一个就是你", timeout=15000)
+            sync_api.expect(pages[1].locator("#queue-place")).to_be_visible()
+            ARTIFACTS.mkdir(exist_ok=True)
+            pages[1].screenshot(path=str(ARTIFACTS / "webui-queued-zh.png"), full_page=True)
+            pages[0].click("#stop")  # the first take ends: the second leaves the queue
+            sync_api.expect(pages[1].locator("#status").get_by_text("生成中")).to_be_visible(timeout=60000)
+            sync_api.expect(pages[1].locator("#queue-place")).to_be_hidden()
+            pages[1].click("#stop")
+            sync_api.expect(pages[1].locator("#generate")).to_be_enabled(timeout=5000)
+            seen = [page.evaluate("() => window.cvSeen") for page in pages]
+            assert seen[1]["place"][-3:] == ["排队中：下一个就是你", "即将开始…", ""], seen[1]
+            assert seen[0]["raw"] == seen[1]["raw"] == [], seen
     finally:
         ctx.close()
 

@@ -162,6 +162,13 @@
     "binomial p (one-sided: better than guessing)": "二项检验 p（单侧：优于猜测）",
     "correct": "正确",
     "chose": "选择", "times": "次数", "condition": "条件", "mean": "均值", "95% CI": "95% 置信区间",
+    "hidden reference": "隐藏参考",
+    // the scorecard's note (cosyvoice/workbench/scorecard.py NOTE)
+    "Objective measures, no listener: duration, level (RMS/peak dBFS), speaker similarity to the prompt (cosine; CAM++ from the model bundle, Resemblyzer if installed) and DNSMOS P.835 (1-5). With the demo model these numbers mean nothing.":
+      "客观指标，无需听者：时长、电平（RMS/峰值 dBFS）、与参考录音的说话人相似度（余弦；CAM++ 来自模型包，已安装 Resemblyzer 时也用它）和 DNSMOS P.835（1-5）。使用演示模型时这些数字没有意义。",
+    "takes": "录音数", "length s": "时长（秒）", "peak dBFS": "峰值 dBFS",
+    "similarity (CAM++)": "相似度（CAM++）", "similarity (Resemblyzer)": "相似度（Resemblyzer）",
+    "DNSMOS signal": "DNSMOS 语音", "DNSMOS background": "DNSMOS 背景", "DNSMOS overall": "DNSMOS 总体",
     // long-form page
     "Long-form projects · CosyVoice3 Studio": "长文本项目 · CosyVoice3 Studio",
     "Long-form projects": "长文本项目",
