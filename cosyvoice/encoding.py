@@ -21,6 +21,7 @@ from typing import BinaryIO
 
 import av
 import numpy as np
+import soundfile as sf
 import torch
 
 from cosyvoice.errors import InvalidInputError
@@ -171,6 +172,14 @@ def encode_audio(samples: np.ndarray | torch.Tensor, fmt: str | AudioFormat, sam
         return wav_header(sample_rate, x.size) + to_pcm16(x).tobytes()
     with AudioEncoder(fmt, sample_rate) as encoder:
         return encoder.encode(x) + encoder.finish()
+
+
+def float_wav(samples: np.ndarray | torch.Tensor, sample_rate: int) -> bytes:
+    """The stored take's format: a 32-bit float WAV, the samples exactly as made, so a mix of stored takes
+    (long-form) is bit-identical however often it is made; answers are encoded from it as asked."""
+    out = io.BytesIO()
+    sf.write(out, _float32(samples), sample_rate, subtype="FLOAT", format="WAV")
+    return out.getvalue()
 
 
 def file_format(name: str) -> AudioFormat:
