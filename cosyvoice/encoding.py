@@ -21,7 +21,6 @@ from typing import BinaryIO
 
 import av
 import numpy as np
-import soundfile as sf
 import torch
 
 from cosyvoice.errors import InvalidInputError
@@ -176,10 +175,13 @@ def encode_audio(samples: np.ndarray | torch.Tensor, fmt: str | AudioFormat, sam
 
 def float_wav(samples: np.ndarray | torch.Tensor, sample_rate: int) -> bytes:
     """The stored take's format: a 32-bit float WAV, the samples exactly as made, so a mix of stored takes
-    (long-form) is bit-identical however often it is made; answers are encoded from it as asked."""
-    out = io.BytesIO()
-    sf.write(out, _float32(samples), sample_rate, subtype="FLOAT", format="WAV")
-    return out.getvalue()
+    (long-form) is bit-identical however often it is made; answers are encoded from it as asked. Written here,
+    not by libsndfile, whose PEAK chunk holds the time of writing: the same samples give the same bytes."""
+    data = _float32(samples).astype("<f4").tobytes()
+    fmt = struct.pack("<HHIIHHH", 3, 1, sample_rate, sample_rate * 4, 4, 32, 0)  # IEEE float, mono, cbSize 0
+    body = (b"WAVEfmt " + struct.pack("<I", len(fmt)) + fmt + b"fact" + struct.pack("<II", 4, len(data) // 4)
+            + b"data" + struct.pack("<I", len(data)) + data)
+    return b"RIFF" + struct.pack("<I", len(body)) + body
 
 
 def file_format(name: str) -> AudioFormat:
