@@ -173,6 +173,17 @@ def encode_audio(samples: np.ndarray | torch.Tensor, fmt: str | AudioFormat, sam
         return encoder.encode(x) + encoder.finish()
 
 
+def float_wav(samples: np.ndarray | torch.Tensor, sample_rate: int) -> bytes:
+    """The stored take's format: a 32-bit float WAV, the samples exactly as made, so a mix of stored takes
+    (long-form) is bit-identical however often it is made; answers are encoded from it as asked. Written here,
+    not by libsndfile, whose PEAK chunk holds the time of writing: the same samples give the same bytes."""
+    data = _float32(samples).astype("<f4").tobytes()
+    fmt = struct.pack("<HHIIHHH", 3, 1, sample_rate, sample_rate * 4, 4, 32, 0)  # IEEE float, mono, cbSize 0
+    body = (b"WAVEfmt " + struct.pack("<I", len(fmt)) + fmt + b"fact" + struct.pack("<II", 4, len(data) // 4)
+            + b"data" + struct.pack("<I", len(data)) + data)
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
 def file_format(name: str) -> AudioFormat:
     """A format for whole files: any of :data:`FORMATS` or :data:`FILE_FORMATS`, by name (case-insensitive)."""
     fmt = (FORMATS | FILE_FORMATS).get(name.lower()) if isinstance(name, str) else None

@@ -161,6 +161,11 @@ class Made:
     seconds: float  # from the call to the last chunk (admission wait included)
     first_chunk_seconds: float | None
 
+    @property
+    def timings(self) -> dict[str, float | None]:
+        """The timings a take's provenance records."""
+        return {"synthesis_seconds": self.seconds, "first_chunk_seconds": self.first_chunk_seconds}
+
 
 def synthesize(service: TTSService, request: SynthesisRequest, token: CancelToken) -> Made:
     """``request``'s audio for a job: waits for its slot in the service's admission, in order. Raises

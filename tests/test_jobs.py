@@ -127,7 +127,7 @@ def test_a_batch_on_a_full_disk_fails_with_the_error_shown(serve, tmp_path: Path
 
 def test_long_form_on_a_full_audio_disk_shows_the_error_and_leaves_no_part_file(serve, tmp_path: Path) -> None:
     data = tmp_path / "data"
-    with tmpfs(data / "longform") as audio:
+    with tmpfs(data / "takes") as audio:  # the take store's audio: long-form's takes are kept there
         fill(audio)
         url = serve(data)
         with httpx.Client(base_url=url + "/v1/longform", timeout=60) as client:
@@ -296,7 +296,9 @@ def test_deleting_a_project_on_one_server_ends_its_render_on_the_other_cleanly(t
     until(lambda: httpx.get(f"{a.url}/v1/longform/projects/{pid}/progress").status_code == 404, 30, "the delete")
     until(lambda: httpx.get(f"{a.url}/ready").json()["active_sessions"] == 0, 60, "the end of A's last take")
     time.sleep(0.5)
-    assert not (tmp_path / "data" / "longform" / pid).exists()  # no orphan take file
+    store = WorkbenchStore(tmp_path / "data")
+    assert [t.id for t in store.takes() if t.longform["project"] == pid] == []  # the project's takes went with it
+    assert files(store.audio_dir) == sorted(t.audio for t in store.takes())  # and no orphan take file
     for server in (a, b):
         assert "Traceback" not in server.log.read_text(), server.log.read_text()
 

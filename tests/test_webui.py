@@ -81,7 +81,8 @@ def test_a_take_streams_live_pcm_and_is_kept_in_the_history(tts, studio: Studio,
     assert generate["interactive"] is True and stop["interactive"] is False
     assert take["seed"] == 5 and take["mode"] == "zero_shot" and take["text"] == TEXT and "seed 5" in status
     assert Path(download["value"]).name == "take-1-seed5.wav" and take["number"] == 1
-    kept, rate = sf.read(take["file"], dtype="int16")  # kept in the workbench store, as downloaded
+    kept, rate = sf.read(take["file"], dtype="float32")  # kept in the take store, exactly as made
+    kept = ui.to_pcm16(kept)  # and as downloaded
     assert np.array_equal(sf.read(download["value"], dtype="int16")[0], kept)
     live = np.frombuffer(b"".join(channel._pending[:-1]), np.int16)
     assert rate == 24000 and channel._pending[-1] is None and np.array_equal(kept, live)

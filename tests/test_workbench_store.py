@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from cosyvoice.encoding import to_pcm16
 from cosyvoice.settings import default_data_dir
 from cosyvoice.workbench.store import DB_NAME, Answer, WorkbenchStore
 
@@ -38,8 +37,9 @@ def test_takes_tests_raters_and_answers_survive_reopening(tmp_path: Path) -> Non
 
     again = WorkbenchStore(tmp_path)
     assert again.take(take.id) == take
-    samples, rate = sf.read(again.audio_path(take), dtype="int16")
-    assert rate == 24000 and np.array_equal(samples, to_pcm16(pcm))
+    samples, rate = sf.read(again.audio_path(take), dtype="float32")
+    assert rate == 24000 and np.array_equal(samples, pcm)  # float32 WAV: the samples exactly as made
+    assert sf.info(again.audio_path(take)).subtype == "FLOAT"
     assert [t.id for t in again.takes(owner="browser:abc", any_owner=False)] == [take.id]
     assert again.takes(owner="browser:other", any_owner=False) == []
     assert again.takes(after=take.seq) == []  # incremental history: nothing newer

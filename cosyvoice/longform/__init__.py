@@ -1,7 +1,8 @@
 """Long-form narration and dialogue: projects with an editable segment table, takes, finishing, export.
 
 ``script`` turns documents and dialogue scripts into segment rows (with the frontend's own splitter),
-``store`` keeps projects and takes (SQLite + audio files), ``finishing`` trims, levels, mixes and writes
+``store`` keeps projects, segments and which takes each segment has (the takes themselves are the studio's one
+take store's, :mod:`cosyvoice.workbench.store`), ``finishing`` trims, levels, mixes and writes
 subtitles, and ``projects.LongformStudio`` ties them to the service. Adapters: ``cosyvoice.server.longform``
 (REST + page) and ``cosyvoice.tools.longform`` (CLI).
 """

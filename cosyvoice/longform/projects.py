@@ -32,6 +32,7 @@ from cosyvoice.longform.store import Project, ProjectStore, Segment, Take
 from cosyvoice.service import SynthesisRequest, TTSService, check_text
 from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, default_data_dir
 from cosyvoice.utils.sqlite import require_writable
+from cosyvoice.workbench.batch import provenance
 
 SUSPECT_RETRIES = 0  # a project's default: suspect takes are flagged; a project may ask for new takes (new seeds)
 MAX_RETRIES = 5
@@ -332,9 +333,10 @@ class LongformStudio:
             changes["name"] = " ".join(str(name).split()) or project.name
         return self.store.update_project(project_id, **changes)
 
-    def delete(self, project_id: str) -> Project:
-        """Delete a project, its segments and every take (the one way takes are removed). Its jobs are cancelled
-        first; one that another process runs ends there cleanly (its take is refused, its file removed)."""
+    def delete(self, project_id: str) -> tuple[Project, dict[str, list[str]]]:
+        """Delete a project, its segments and its takes, except those listening tests use (they stay in the
+        workbench; returned: take id -> the tests). Its jobs are cancelled first; one that another process runs
+        ends there cleanly (its take is refused, its file removed)."""
         for job in self.jobs.jobs(project_id, active=True):
             self.jobs.cancel(job.id)
             self.jobs.wait(job.id)
@@ -417,10 +419,10 @@ class LongformStudio:
                                        stream=False, steps=steps)  # the service draws the seed
             made = synthesize(self.service, request, token)
             flags = self._suspect(segment, made)
+            record = provenance(self.service, request, made.prepared, made.pcm.size, made.timings)
             try:
-                take = self.store.add_take(segment, made.pcm, self.sample_rate, seed=made.prepared.seed,
-                                           voice_id=made.prepared.voice_id, flags=flags, seconds_to_make=made.seconds,
-                                           choose=not flags)
+                take = self.store.add_take(segment, made.pcm, self.sample_rate, record, flags=flags,
+                                           seconds_to_make=made.seconds, choose=not flags)
             except NotFoundError:
                 self._exists(project_id)
                 raise

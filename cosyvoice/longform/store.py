@@ -1,19 +1,30 @@
-"""The project store: projects, their segment tables and every take, in SQLite; take audio in files beside it.
+"""The project store: projects, their segment tables and each segment's takes, in SQLite; the takes themselves
+(audio, owner, label, provenance) are the studio's one take store's (:class:`WorkbenchStore`).
 
-One database file (``longform.sqlite3`` in the data folder, WAL journal, every change one transaction) and one
-folder of take audio per project (``longform/<project>/<take>.wav``, float32 samples exactly as synthesised, so
-a mix made from them is bit-identical across restarts). A take's file is written (atomically, fsynced) before
-its row, so a row always has its audio; a file whose row cannot be written (a full disk, a deleted project) is
-removed. Nothing is deleted except by deleting the project: takes of a segment that is
-edited, split or merged are kept (they no longer match its text, so they are not used until chosen again).
+One database file (``longform.sqlite3`` in the data folder, WAL journal, every change one transaction). Its
+``takes`` table links a take of the take store to the segment it was made for and records what that segment said
+then (text, voice, instruction, speed: a take is current while they match), its seed and the automatic check's
+flags. A take is kept in the take store first (its float32 WAV written atomically and fsynced, then its row, owned
+by the project's owner and labelled with the project's name), then linked here; a take whose link cannot be written
+(a full disk, a project deleted meanwhile) is removed again. So a long-form take is also a workbench take: its owner
+sees it there and can put it in a listening test.
+
+Takes are removed with their project, except those a listening test uses, which stay in the take store (the answer
+names them and their tests); a take deleted in the workbench (one no test uses) is gone from its segment here too
+(a segment whose chosen take it was has no audio until generated again). Takes of a segment that is edited, split or
+merged are kept (they no longer match its text, so they are not used until chosen again).
+
+A data folder from before the one take store (takes' rows here, their float32 files in ``longform/<project>/``) is
+adopted when it is first opened writable: each take becomes the take store's under its own id, its file left where
+it is; one transaction, then ``user_version`` marks it done, and adopting again after a crash changes nothing. A
+read-only folder from before is read as it is.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import json
-import shutil
+import logging
 import sqlite3
 import threading
 import time
@@ -25,10 +36,14 @@ import numpy as np
 import soundfile as sf
 
 from cosyvoice.errors import NotFoundError
-from cosyvoice.utils.fs import atomic_write
-from cosyvoice.utils.sqlite import add_columns, open_store, require_writable, write_transaction
+from cosyvoice.utils.sqlite import add_columns, open_store, write_transaction
+from cosyvoice.workbench.store import Take as StoredTake
+from cosyvoice.workbench.store import WorkbenchStore
+
+logger = logging.getLogger(__name__)
 
 DB_NAME = "longform.sqlite3"
+TAKE_STORE_VERSION = 1  # longform.sqlite3's user_version once its takes are the take store's
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS projects (
     id TEXT PRIMARY KEY, name TEXT NOT NULL, kind TEXT NOT NULL, source TEXT NOT NULL,
@@ -80,6 +95,8 @@ class Segment:
 
 @dataclass(frozen=True)
 class Take:
+    """A segment's take: the take store's take ``id``, with what its segment said when it was made."""
+
     id: str
     project_id: str
     segment_id: str
@@ -113,10 +130,26 @@ class ProjectStore:
         self.audio_root = self.root / "longform"
         self._lock = threading.RLock()
         self._db, self.read_only = open_store(self.root, DB_NAME, SCHEMA)
+        self.take_store = WorkbenchStore(self.root)
         if not self.read_only:
             with self.transaction() as db:
                 db.execute("UPDATE segments SET state = 'idle' WHERE state = 'running'")  # a job the last run left
                 add_columns(db, "projects", {"owner": "TEXT"})  # a database from before owners: local projects
+            self._adopt_takes()
+        with self._lock:  # only a read-only folder from before the one take store stays so
+            self._own_files = self._db.execute("PRAGMA user_version").fetchone()[0] < TAKE_STORE_VERSION
+
+    def _adopt_takes(self) -> None:
+        """Takes stored here before the one take store become its takes (see the module's docstring)."""
+        with self._lock:
+            if self._db.execute("PRAGMA user_version").fetchone()[0] >= TAKE_STORE_VERSION:
+                return
+            rows = self._db.execute("SELECT t.*, p.name AS project_name, p.owner AS project_owner, "
+                                    "p.settings AS project_settings FROM takes t "
+                                    "JOIN projects p ON p.id = t.project_id ORDER BY t.created").fetchall()
+        self.take_store.adopt_takes([_adopted(r) for r in rows])
+        with self.transaction() as db:
+            db.execute(f"PRAGMA user_version = {TAKE_STORE_VERSION}")
 
     def transaction(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
         return write_transaction(self._db, self._lock, self.read_only)
@@ -124,6 +157,7 @@ class ProjectStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        self.take_store.close()
 
     # ------------------------------------------------------------------ projects
 
@@ -161,14 +195,20 @@ class ProjectStore:
             db.execute("UPDATE projects SET updated = ? WHERE id = ?", (time.time(), project_id))
         return self.project(project_id)
 
-    def delete_project(self, project_id: str) -> Project:
+    def delete_project(self, project_id: str) -> tuple[Project, dict[str, list[str]]]:
+        """Delete a project, its segments and its takes, except the takes listening tests use: those stay in the
+        take store (their owner's, in the workbench) and are returned (take id -> the tests). The project goes
+        first, so a crash between leaves takes in the workbench, never a project missing some."""
         project = self.project(project_id)
         with self.transaction() as db:
+            take_ids = [r[0] for r in db.execute("SELECT id FROM takes WHERE project_id = ?", (project_id,))]
             db.execute("DELETE FROM takes WHERE project_id = ?", (project_id,))
             db.execute("DELETE FROM segments WHERE project_id = ?", (project_id,))
             db.execute("DELETE FROM projects WHERE id = ?", (project_id,))
-        shutil.rmtree(self.audio_root / project_id, ignore_errors=True)  # a take written meanwhile removes itself
-        return project
+        kept = self.take_store.remove_takes(take_ids)  # a take written meanwhile removes itself
+        with contextlib.suppress(OSError):  # the folder of its takes from before the one take store, once empty
+            (self.audio_root / project_id).rmdir()
+        return project, kept
 
     def touch(self, db: sqlite3.Connection, project_id: str) -> None:
         db.execute("UPDATE projects SET updated = ? WHERE id = ?", (time.time(), project_id))
@@ -231,19 +271,19 @@ class ProjectStore:
 
     # ------------------------------------------------------------------ takes
 
-    def add_take(self, segment: Segment, audio: np.ndarray, sample_rate: int, *, seed: int, voice_id: str,
+    def add_take(self, segment: Segment, audio: np.ndarray, sample_rate: int, provenance: dict, *,
                  flags: list[str], seconds_to_make: float, choose: bool = True) -> Take:
-        """Keep a take of ``segment`` as it is now (its audio file first, then its row); ``choose`` marks it."""
-        require_writable(self.read_only)  # before its audio is written
-        take = Take(new_id(), segment.project_id, segment.id, seed, segment.text, segment.voice, voice_id,
-                    segment.instruction, segment.speed, len(audio), sample_rate, flags, seconds_to_make, time.time())
-        path = self.take_path(take)
-        wav = io.BytesIO()
-        sf.write(wav, audio.astype(np.float32), sample_rate, subtype="FLOAT", format="WAV")
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Keep a take of ``segment`` as it is now: the take store's take (``provenance``: how it was made, with
+        its seed and voice id; the project and segment are added), then its link here; ``choose`` marks it."""
+        project = self.project(segment.project_id)
+        stored = self.take_store.add_take(audio, sample_rate,
+                                          provenance | {"longform": {"project": project.id, "segment": segment.id}},
+                                          label=project.name, owner=project.owner)
+        take = Take(stored.id, segment.project_id, segment.id, provenance["seed"], segment.text, segment.voice,
+                    provenance["voice_id"], segment.instruction, segment.speed, stored.samples, sample_rate, flags,
+                    seconds_to_make, stored.created)
         row = asdict(take) | {"flags": json.dumps(flags)}
         try:
-            atomic_write(path, lambda tmp: Path(tmp).write_bytes(wav.getvalue()))
             with self.transaction() as db:
                 if db.execute("SELECT 1 FROM projects WHERE id = ?", (segment.project_id,)).fetchone() is None:
                     raise NotFoundError("the project was deleted meanwhile", "project")
@@ -253,37 +293,67 @@ class ProjectStore:
                     db.execute("UPDATE segments SET chosen_take = ?, state = 'idle', error = NULL WHERE id = ?",
                                (take.id, segment.id))
                 self.touch(db, segment.project_id)
-        except BaseException:  # no row: no file either (and no folder, if its project is gone)
-            path.unlink(missing_ok=True)
-            with contextlib.suppress(OSError):
-                path.parent.rmdir()
+        except BaseException:  # no link: no take either
+            try:
+                self.take_store.remove_takes([take.id])
+            except Exception:  # e.g. the disk is still full: the take stays, its owner's, in the workbench
+                logger.warning("take %s of project %s stays in the take store unlinked", take.id, project.id,
+                               exc_info=True)
             raise
         return take
 
     def takes(self, project_id: str) -> dict[str, list[Take]]:
-        """Every take of the project by segment id, oldest first."""
+        """Every take of the project by segment id, oldest first (takes deleted in the workbench are gone)."""
         with self._lock:
             rows = self._db.execute("SELECT * FROM takes WHERE project_id = ? ORDER BY created",
                                     (project_id,)).fetchall()
+        held = self._held([r["id"] for r in rows])
         out: dict[str, list[Take]] = {}
         for r in rows:
-            out.setdefault(r["segment_id"], []).append(_take(r))
+            if r["id"] in held:
+                out.setdefault(r["segment_id"], []).append(_take(r))
         return out
 
     def take(self, project_id: str, take_id: str) -> Take:
         with self._lock:
             row = self._db.execute("SELECT * FROM takes WHERE id = ? AND project_id = ?",
                                    (take_id, project_id)).fetchone()
-        if row is None:
+        if row is None or not self._held([take_id]):
             raise NotFoundError(f"no take {take_id!r} in this project", "take")
         return _take(row)
 
+    def _held(self, take_ids: list[str]) -> set[str]:
+        """Which of ``take_ids`` the take store still has (all, in a read-only folder from before it)."""
+        return set(take_ids) if self._own_files else set(self.take_store.existing(take_ids))
+
     def take_path(self, take: Take) -> Path:
-        return self.audio_root / take.project_id / f"{take.id}.wav"
+        """The take's audio file, as the take store names it."""
+        if self._own_files:
+            return self.audio_root / take.project_id / f"{take.id}.wav"
+        stored = self.take_store.existing([take.id]).get(take.id)
+        if stored is None:
+            raise NotFoundError(f"take {take.id!r} was deleted", "take")
+        return self.take_store.audio_path(stored)
 
     def take_audio(self, take: Take) -> np.ndarray:
         audio, _ = sf.read(self.take_path(take), dtype="float32")
         return audio
+
+
+def _adopted(row: sqlite3.Row) -> StoredTake:
+    """A take long-form stored itself, as the take store keeps it (its file where it is: ``longform/<project>/``),
+    with the provenance it had (what it did not record, as None)."""
+    settings = json.loads(row["project_settings"])
+    provenance = {"text": row["text"], "segments": [row["text"]], "mode": "instruct" if row["instruction"] else "sft",
+                  "voice": "", "voice_id": row["voice_id"], "instruction": row["instruction"], "seed": row["seed"],
+                  "speed": row["speed"], "steps": settings.get("steps"), "model_id": None, "software": None,
+                  "precision": None, "sample_rate": row["sample_rate"],
+                  "timings": {"synthesis_seconds": round(row["seconds_to_make"], 4), "first_chunk_seconds": None,
+                              "audio_seconds": round(row["samples"] / row["sample_rate"], 4)},
+                  "longform": {"project": row["project_id"], "segment": row["segment_id"]}}
+    return StoredTake(0, row["id"], row["created"], row["project_owner"], None, None, row["project_name"],
+                      f"../longform/{row['project_id']}/{row['id']}.wav", row["sample_rate"], row["samples"],
+                      provenance)
 
 
 def _project(row: sqlite3.Row) -> Project:

@@ -8,7 +8,9 @@ HTML + JavaScript that calls the same endpoints, so everything it does is script
 
 Projects belong to their owner (:mod:`cosyvoice.owners`): the list holds the projects the caller may see (the
 server's sharing; admins see all), and every route under a project answers 404 for a project the caller may not
-see, as if it did not exist; deleting one is its owner's (or an admin's).
+see, as if it did not exist; deleting one is its owner's (or an admin's). A project's takes are also workbench
+takes (the studio's one take store), so they can be put in listening tests; deleting the project keeps the takes a
+test uses (in the workbench) and says which.
 
     GET    /v1/longform/voices                                   built-in and saved voices
     GET    /v1/longform/projects                                 the projects, last changed first
@@ -16,7 +18,7 @@ see, as if it did not exist; deleting one is its owner's (or an admin's).
     POST   /v1/longform/projects/upload                          multipart: file (.txt .md .epub .pdf .docx), ...
     GET    /v1/longform/projects/{p}                             settings, segment table (status, takes), progress
     PATCH  /v1/longform/projects/{p}                             {name, pauses, preset, margin, retries}
-    DELETE /v1/longform/projects/{p}                             the project and every take
+    DELETE /v1/longform/projects/{p}                             the project and its takes (a test's stay)
     PATCH  /v1/longform/projects/{p}/segments/{s}                {text, voice, instruction, speed, pause}
     POST   /v1/longform/projects/{p}/segments/{s}/split          {at: character offset}
     POST   /v1/longform/projects/{p}/segments/{s}/merge          with the next segment
@@ -221,8 +223,9 @@ def change_project(s: Studio, project_id: str, body: ProjectChanges) -> JSONResp
 def delete_project(s: Studio, who: Who, project_id: str) -> JSONResponse:
     if not who.owns(s.project(project_id).owner):
         raise PermissionDeniedError("only the project's owner (or an admin) may delete it")
-    project = s.delete(project_id)
-    return JSONResponse({"deleted": project.id, "name": project.name})
+    project, kept = s.delete(project_id)
+    return JSONResponse({"deleted": project.id, "name": project.name,
+                         "kept_takes": [{"take": take, "tests": tests} for take, tests in kept.items()]})
 
 
 # ------------------------------------------------------------------ segments

@@ -19,6 +19,8 @@ bits; a rater's name never resumes a rater (only its id does).
 Everything else belongs to its owner (:mod:`cosyvoice.owners`): takes, batches and tests are listed, read,
 played and exported only by callers who may see them (the server's sharing; admins see all); another owner's
 are "not found". Takes and tests are deleted by their owner (a take a test uses is refused, naming the test).
+Long-form's takes are takes of the same store (owned by their project's owner, labelled with its name), so they
+are listed, played, put in tests and deleted here like any other.
 """
 
 from __future__ import annotations
@@ -245,8 +247,8 @@ def takes_csv(wb: Bench, who: Who, batch: str | None = None) -> Response:
 
 @routes.get("/api/takes/{take_id}/audio")
 def take_audio(wb: Bench, who: Who, take_id: str, format: str = "wav") -> Any:
-    """A take's audio as stored (16-bit WAV), or encoded to ``format`` (mp3, opus, flac, ...): the history offers
-    each take in the format it was made in."""
+    """A take's audio as stored (float32 WAV; 16-bit for older takes), or encoded to ``format`` (mp3, opus, flac,
+    ...): the history offers each take in the format it was made in."""
     store = wb.store()
     take = store.take(take_id, who)
     fmt = file_format(format)
@@ -258,8 +260,15 @@ def take_audio(wb: Bench, who: Who, take_id: str, format: str = "wav") -> Any:
 
 @routes.delete("/api/takes/{take_id}")
 def delete_take(wb: Bench, who: Who, take_id: str) -> Any:
-    """The caller's own take, with its audio; refused (409) while a listening test uses it."""
-    return {"deleted": wb.store().delete_take(take_id, who).id}
+    """The caller's own take, with its audio; refused (409) while a listening test uses it. A long-form take goes
+    from its project too (a segment whose chosen take it was has no audio until generated again): the answer
+    says so."""
+    take = wb.store().delete_take(take_id, who)
+    if take.longform is None:
+        return {"deleted": take.id}
+    return {"deleted": take.id, "longform": take.longform,
+            "note": f"a take of the long-form project {take.label!r}: if it was its segment's chosen take, that "
+                    "segment has no audio until it is generated again"}
 
 
 @routes.post("/api/batches", status_code=202)

@@ -325,9 +325,8 @@ def _run_row(services: Services, store: WorkbenchStore, row: Row, batch_id: str,
     service = services(row.values.get("precision", ""))
     model_id = bundle_digest(service.model_dir)
     made = synthesize(service, request, token)
-    timings = {"synthesis_seconds": made.seconds, "first_chunk_seconds": made.first_chunk_seconds}
     return store.add_take(made.pcm, service.sample_rate,
-                          provenance(service, request, made.prepared, made.pcm.size, timings, model_id=model_id,
+                          provenance(service, request, made.prepared, made.pcm.size, made.timings, model_id=model_id,
                                      software=software),
                           label=row.values.get("label", ""), owner=owner, batch=batch_id, row=row.number)
 
@@ -336,7 +335,7 @@ def provenance(service: TTSService, request: SynthesisRequest, prepared: Prepare
                timings: dict[str, float | None], *, model_id: str | None = None,
                software: str | None = None) -> dict[str, Any]:
     """How a take was made, for :meth:`WorkbenchStore.add_take`: any adapter that synthesised ``request``
-    (the web UI too) stores its takes with this. ``prepared`` is the session's: it holds the seed used."""
+    (the web UI, long-form too) stores its takes with this. ``prepared`` is the session's: it holds the seed used."""
     info = service.get_voice(prepared.voice_id)
     return {  # segments: the normalised text pieces (the pipeline keeps CosyVoice3's prompt prefix apart)
         "text": request.text, "segments": list(prepared.segments),

@@ -1,16 +1,22 @@
-"""THE workbench store: one SQLite database (takes' metadata, batches, tests, raters, play events, answers) and
-the takes' audio as WAV files beside it.
+"""THE take store of the studio, and the workbench's store: one SQLite database (every take's metadata: the web UI's,
+the API's, batches' and long-form's; batches, tests, raters, play events, answers) and the takes' audio as WAV
+files beside it.
 
-Every write is one transaction in WAL mode with ``synchronous=FULL``: a committed answer survives ``kill -9``
-(and a power cut); a process killed mid-answer loses at most that answer. A take's audio file is written
-(atomically) before its row, so a row never names a missing file; an orphan file left by a crash between the
-two is harmless. Safe to share between threads (one connection, one lock) and between processes (SQLite's
-own locking, with a busy timeout).
+A take is one row (its owner, label, provenance: model digest, software, precision, seed, speed, steps, text, ...)
+and one file: a 32-bit float WAV (:func:`cosyvoice.encoding.float_wav`, the samples exactly as made; takes stored
+before as 16-bit WAV are read as they are, and long-form's older takes keep their file in ``longform/<project>/``,
+named relative to ``takes/``). Every write is one transaction in WAL mode with ``synchronous=FULL``: a committed
+answer survives ``kill -9`` (and a power cut); a process killed mid-answer loses at most that answer. A take's audio
+file is written (atomically, fsynced) before its row, so a row never names a missing file; an orphan file left by a
+crash between the two is harmless. A take a listening test uses cannot be deleted (the refusal names the tests).
+Safe to share between threads (one connection, one lock) and between processes (SQLite's own locking, with a busy
+timeout).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import sqlite3
 import threading
@@ -23,7 +29,7 @@ from typing import Any
 import numpy as np
 import soundfile as sf
 
-from cosyvoice.encoding import encode_audio
+from cosyvoice.encoding import float_wav
 from cosyvoice.errors import (
     AlreadyExistsError,
     ConflictError,
@@ -53,7 +59,7 @@ CREATE TABLE IF NOT EXISTS takes (
     batch TEXT,
     row INTEGER,
     label TEXT NOT NULL DEFAULT '',         -- the condition (system) the take belongs to
-    audio TEXT NOT NULL,                    -- file name under takes/
+    audio TEXT NOT NULL,                    -- file name under takes/ (long-form's older takes: ../longform/...)
     sample_rate INTEGER NOT NULL,
     samples INTEGER NOT NULL,
     provenance TEXT NOT NULL                -- JSON: how the take was made (see batch.Provenance)
@@ -138,8 +144,15 @@ class Take:
         return self.samples / self.sample_rate
 
     @property
+    def longform(self) -> dict[str, Any] | None:
+        """The long-form project and segment the take was made for (as made; None: not a long-form take)."""
+        return self.provenance.get("longform")
+
+    @property
     def source(self) -> str:
         """Where the take was made, for people (the owner string itself may name an API key's hash)."""
+        if self.longform is not None:
+            return "long-form"
         if self.batch is not None:
             return "batch"
         if self.owner is not None and self.owner.startswith(("browser:", "session:")):
@@ -206,12 +219,12 @@ class WorkbenchStore:
 
     def add_take(self, pcm: np.ndarray, sample_rate: int, provenance: dict[str, Any], *, label: str = "",
                  owner: str | None = None, batch: str | None = None, row: int | None = None) -> Take:
-        """Write the audio (float samples as the engine makes them -> 16-bit WAV), then the row: a take exists
-        once its row does."""
+        """Write the audio (float samples as the engine makes them, kept exactly: :func:`float_wav`), then the
+        row: a take exists once its row does."""
         require_writable(self.read_only)  # before its audio is written
         take_id = new_id("take")
         name = f"{take_id}.wav"
-        data = encode_audio(pcm, "wav", sample_rate)
+        data = float_wav(pcm, sample_rate)
         atomic_write(self.audio_dir / name, lambda tmp: Path(tmp).write_bytes(data))
         created = time.time()
         with self._tx() as db:
@@ -267,15 +280,40 @@ class WorkbenchStore:
         if not caller.owns(take.owner):
             raise PermissionDeniedError("only the take's owner (or an admin) may delete it", "take")
         with self._tx() as db:
-            users = [r["title"] or r["id"] for r in db.execute("SELECT id, title, spec FROM tests ORDER BY created")
-                     if take_id in test_take_ids(json.loads(r["spec"]))]
+            users = _test_users(db, [take_id]).get(take_id)
             if users:
                 raise ConflictError(f"take {take_id!r} is used by the listening test(s) "
                                     f"{', '.join(map(repr, users))}: delete those first", "take")
-            db.execute("DELETE FROM scores WHERE take=?", (take_id,))
-            db.execute("DELETE FROM takes WHERE id=?", (take_id,))
+            _delete_rows(db, [take_id])
         self.audio_path(take).unlink(missing_ok=True)
         return take
+
+    def remove_takes(self, take_ids: list[str]) -> dict[str, list[str]]:
+        """Delete the takes ``take_ids`` that no listening test uses, in one transaction, then their audio; returns
+        the others (take id -> the tests that keep it). For a feature deleting what holds them (a long-form
+        project), whose own owner check came first."""
+        with self._tx() as db:
+            kept = _test_users(db, take_ids)
+            gone = [_take(r) for r in db.execute("SELECT * FROM takes WHERE id IN (SELECT value FROM json_each(?))",
+                                                 (json.dumps([t for t in take_ids if t not in kept]),))]
+            _delete_rows(db, [t.id for t in gone])
+        for take in gone:
+            self.audio_path(take).unlink(missing_ok=True)
+        return kept
+
+    def adopt_takes(self, takes: list[Take]) -> None:
+        """Rows for takes whose audio another store wrote before this one kept every take (long-form's), under
+        their own ids, in one transaction; a take already here is left as it is (adopting again changes nothing)."""
+        with self._tx() as db:
+            db.executemany("INSERT OR IGNORE INTO takes (id, created, owner, batch, row, label, audio, sample_rate, "
+                           "samples, provenance) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                           [(t.id, t.created, t.owner, t.batch, t.row, t.label, t.audio, t.sample_rate, t.samples,
+                             json.dumps(t.provenance)) for t in takes])
+
+    def existing(self, take_ids: list[str]) -> dict[str, Take]:
+        """The takes of ``take_ids`` that exist, by id (whoever owns them: for features that hold take ids)."""
+        rows = self._rows("SELECT * FROM takes WHERE id IN (SELECT value FROM json_each(?))", json.dumps(take_ids))
+        return {r["id"]: _take(r) for r in rows}
 
     def takes(self, *, owner: str | None = None, any_owner: bool = True, after: int = 0, batch: str | None = None,
               limit: int = 1000) -> list[Take]:
@@ -296,10 +334,10 @@ class WorkbenchStore:
         return self._rows(sql, *args)[0][0]
 
     def audio_path(self, take: Take) -> Path:
-        return self.audio_dir / take.audio
+        return Path(os.path.normpath(self.audio_dir / take.audio))  # ../longform/... without takes/ having to exist
 
     def read_audio(self, take: Take) -> np.ndarray:
-        """The take's samples as float32 in [-1, 1), as they were stored (16-bit)."""
+        """The take's samples as float32, as they were stored (float32, or 16-bit for older takes)."""
         samples, _ = sf.read(self.audio_path(take), dtype="float32")
         return samples
 
@@ -427,6 +465,22 @@ def test_take_ids(spec: dict[str, Any]) -> list[str]:
     """Every take a test's items name (rated, reference and anchor), each once, in the items' order."""
     return list(dict.fromkeys(t for item in spec["items"]
                               for t in [*item["takes"], *(item[k] for k in ("reference", "anchor") if item.get(k))]))
+
+
+def _test_users(db: sqlite3.Connection, take_ids: list[str]) -> dict[str, list[str]]:
+    """Which of ``take_ids`` listening tests use: take id -> the tests' titles (or ids), oldest test first."""
+    wanted, users = set(take_ids), dict[str, list[str]]()
+    for r in db.execute("SELECT id, title, spec FROM tests ORDER BY created"):
+        for take_id in wanted.intersection(test_take_ids(json.loads(r["spec"]))):
+            users.setdefault(take_id, []).append(r["title"] or r["id"])
+    return users
+
+
+def _delete_rows(db: sqlite3.Connection, take_ids: list[str]) -> None:
+    """The rows of ``take_ids`` and their scores (inside the caller's transaction; the files are the caller's)."""
+    ids = json.dumps(take_ids)
+    db.execute("DELETE FROM scores WHERE take IN (SELECT value FROM json_each(?))", (ids,))
+    db.execute("DELETE FROM takes WHERE id IN (SELECT value FROM json_each(?))", (ids,))
 
 
 def _take(row: sqlite3.Row) -> Take:

@@ -241,7 +241,8 @@
     "silence": "静音",
     "mastered to ACX: the export now uses the audiobook preset": "已按 ACX 处理：导出将使用有声书预设",
     "settings saved": "设置已保存",
-    "Delete this project and all its takes?": "删除此项目及其所有录音？",
+    "Delete this project and its takes? Takes a listening test uses stay in the workbench.":
+      "删除此项目及其录音？听测使用的录音会保留在工作台中。",
     "(no takes)": "（无录音）",
     "(none chosen)": "（未选择）",
     "new take with a new seed": "用新种子生成新录音",
@@ -276,6 +277,7 @@
     [/^take (\d+) · seed (\d+) · ([\d.]+) s( · old text)?( · suspect)?$/,
      (m, n, seed, s, old, suspect) => `录音 ${n} · 种子 ${seed} · ${s} 秒${old ? " · 旧文本" : ""}${suspect ? " · 可疑" : ""}`],
     [/^project created: (\d+) segments$/, "项目已创建：$1 段"],
+    [/^(\d+) take\(s\) kept in the workbench: listening tests use them$/, "$1 条录音保留在工作台中：听测在使用它们"],
     [/^exported (.+)$/, "已导出 $1"],
     [/^Chapter: (.+)$/, "章节：$1"],
     [/^(.+) \(built-in\)$/, "$1（内置）"],
