@@ -28,8 +28,8 @@ from cosyvoice.errors import ConfigError, ModelBundleError, WeightsError
 from cosyvoice.flow import CausalMaskedDiffWithDiT
 from cosyvoice.hifigan import CausalHiFTGenerator, rename_hift_key
 from cosyvoice.llm import CosyVoice3LM
-from cosyvoice.rng import SineGenRecipe
-from cosyvoice.weights import load_weights
+from cosyvoice.rng import SineGenRecipe, cfm_noise
+from cosyvoice.weights import load_module, load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -313,16 +313,15 @@ class ModelBundle:
 
     def load_llm(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> CosyVoice3LM:
         """``CosyVoice3LM`` built from the yaml with llm.pt loaded strictly, in eval mode."""
-        module = CosyVoice3LM(self.config.llm)
-        load_weights(module, self.llm_path)
+        module = load_module(lambda: CosyVoice3LM(self.config.llm), self.llm_path)
         return module.to(device=device, dtype=dtype).eval()
 
     def load_flow(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
                   ) -> CausalMaskedDiffWithDiT:
         """``CausalMaskedDiffWithDiT`` built from the yaml with flow.pt loaded strictly, in eval mode, in torch
         (:func:`cosyvoice.backends.attach_flow` runs its DiT on another backend)."""
-        module = CausalMaskedDiffWithDiT(self.config.flow)
-        load_weights(module, self.flow_path)
+        noise = cfm_noise()  # made here: a module built on the meta device would hold none
+        module = load_module(lambda: CausalMaskedDiffWithDiT(self.config.flow, noise), self.flow_path)
         return module.to(device=device, dtype=dtype).eval()
 
     def load_hift(self, device: torch.device | str = "cpu") -> CausalHiFTGenerator:

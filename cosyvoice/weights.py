@@ -2,7 +2,9 @@
 
 The official loader does ``torch.load(path, weights_only=True)`` then
 ``load_state_dict(strict=True)``. We do the same, but turn every failure into a
-:class:`WeightsError` that names the file, the keys involved and the fix.
+:class:`WeightsError` that names the file, the keys involved and the fix. The two large modules are built
+without weights of their own and take the checkpoint's tensors (:func:`load_module`): one copy of the weights
+in memory while loading, not two.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ import pickle
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from cosyvoice.errors import WeightsError
 
+M = TypeVar("M", bound=nn.Module)
 _REDOWNLOAD = "re-download the model (e.g. modelscope FunAudioLLM/Fun-CosyVoice3-0.5B-2512)"
 
 
@@ -39,8 +43,8 @@ def _key_list(keys: list[str], limit: int = 12) -> str:
     return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
 
 
-def load_state_dict_strict(module: nn.Module, sd: dict[str, torch.Tensor], source: str) -> None:
-    """``module.load_state_dict(sd, strict=True)`` with an error that lists missing/unexpected/mis-shaped keys."""
+def check_fits(module: nn.Module, sd: dict[str, torch.Tensor], source: str) -> None:
+    """A :class:`WeightsError` listing the missing, unexpected and mis-shaped keys of ``sd`` for ``module``."""
     expected = module.state_dict()
     missing = sorted(set(expected) - set(sd))
     unexpected = sorted(set(sd) - set(expected))
@@ -57,6 +61,11 @@ def load_state_dict_strict(module: nn.Module, sd: dict[str, torch.Tensor], sourc
         raise WeightsError(
             f"{source} does not fit {type(module).__name__} built from cosyvoice3.yaml ({'; '.join(parts)}). "
             f"The checkpoint and the yaml must come from the same model release; {_REDOWNLOAD}")
+
+
+def load_state_dict_strict(module: nn.Module, sd: dict[str, torch.Tensor], source: str) -> None:
+    """``module.load_state_dict(sd, strict=True)`` with an error that lists missing/unexpected/mis-shaped keys."""
+    check_fits(module, sd, source)
     module.load_state_dict(sd, strict=True)
 
 
@@ -67,4 +76,45 @@ def load_weights(module: nn.Module, path: str | Path,
     if rename is not None:
         sd = {rename(k): v for k, v in sd.items()}
     load_state_dict_strict(module, sd, Path(path).name)
+    return module
+
+
+def _as_copied(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as copying it into the built tensor ``like`` would have left it: in ``like``'s dtype, contiguous,
+    alone in its storage (a view into a larger one would keep all of it alive); unchanged when it already is."""
+    tensor = tensor.to(like.dtype)
+    if not tensor.is_contiguous() or tensor.storage_offset() or tensor.untyped_storage().nbytes() != tensor.nbytes:
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
+def load_module(build: Callable[[], M], path: str | Path) -> M:
+    """``build()`` holding the weights of the checkpoint ``path``, loaded strictly.
+
+    Copying a checkpoint into a built module holds two copies of its weights at once, the module's randomly
+    initialised ones and the checkpoint's (4 GB for the released LLM). Here the module is built on the meta device
+    (no memory, no initialisation) and takes the checkpoint's tensors themselves (``load_state_dict(assign=True)``),
+    converted only where a copy would have changed them (:func:`_as_copied`), so the weights are bit-equal to a
+    copy's. Parameters the module ties (one parameter under two names) are tied again, to the tensor loaded last,
+    which is what a copy into their shared storage leaves. ``build`` must make every tensor the checkpoint does not
+    hold (non-persistent buffers) from a CPU tensor it was given: built on the meta device, it would hold no values.
+    """
+    with torch.device("meta"):
+        module = build()
+    sd = read_checkpoint(path)
+    source = Path(path).name
+    check_fits(module, sd, source)
+    built = module.state_dict(keep_vars=True)
+    tied: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(param), []).append(name)
+    module.load_state_dict({k: _as_copied(v, built[k]) for k, v in sd.items()}, strict=True, assign=True)
+    del sd, built  # the module holds the only references to the weights now
+    for names in (n for n in tied.values() if len(n) > 1):
+        last = module.get_parameter(names[-1])
+        for name in names[:-1]:
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, last)
+    empty = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    assert not empty, f"{type(module).__name__} built tensors that {source} does not hold on the meta device: {empty}"
     return module

@@ -21,8 +21,12 @@ from cosyvoice.bundle import (
     validate_model_dir,
 )
 from cosyvoice.errors import ConfigError, ModelBundleError, WeightsError
+from cosyvoice.flow import CausalMaskedDiffWithDiT
+from cosyvoice.llm import CosyVoice3LM
+from cosyvoice.rng import cfm_noise
 from cosyvoice.tools.parity.common import Golden
 from cosyvoice.voices import model_identity
+from cosyvoice.weights import load_module, load_weights
 
 
 @pytest.fixture
@@ -166,6 +170,59 @@ def test_golden_hift_loads_with_training_prefix_and_legacy_names(bundle_copy: Pa
     hift = validate_model_dir(bundle_copy).load_hift()
     loaded = hift.state_dict()
     assert all(torch.equal(loaded[key], value) for key, value in state.items())
+
+
+def _copy_loaded(module: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
+    """The state of ``module`` (built on the CPU, randomly initialised) after copying the checkpoint into it."""
+    load_weights(module, path)
+    return module.state_dict()
+
+
+def test_llm_and_flow_take_the_checkpoints_tensors_bit_equal_to_a_copying_load(golden: Golden) -> None:
+    """Built on the meta device and given the checkpoint's tensors (weights.load_module): the same values, ties and
+    buffers as building on the CPU and copying the checkpoint in, with no initialised weights beside them."""
+    bundle = validate_model_dir(golden.bundle_dir)
+    llm, flow = bundle.load_llm(), bundle.load_flow()
+    for module, built, path in ((llm, CosyVoice3LM(bundle.config.llm), bundle.llm_path),
+                                (flow, CausalMaskedDiffWithDiT(bundle.config.flow), bundle.flow_path)):
+        copied = _copy_loaded(built, path)
+        loaded = module.state_dict()
+        assert sorted(loaded) == sorted(copied)
+        assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in copied.items())
+        assert all(p.device.type == "cpu" and p.is_contiguous() for p in module.parameters())
+    assert llm.llm.model.lm_head.weight is llm.llm.embed_tokens.weight  # still one tensor under two names
+    assert torch.equal(flow.decoder.noise, cfm_noise())  # not in flow.pt: made on the CPU, not the meta device
+
+
+def test_tied_weights_take_the_last_loaded_tensor_and_other_dtypes_convert_as_a_copy_would(bundle_copy: Path) -> None:
+    state = torch.load(bundle_copy / "llm.pt", weights_only=True)
+    head = "llm.model.lm_head.weight"
+    state[head] = state[head] + 1  # a file whose tied matrices differ: the one loaded last (the head) wins
+    state["speech_embedding.weight"] = state["speech_embedding.weight"].half()
+    state["llm_decoder.weight"] = state["llm_decoder.weight"].t().contiguous().t()  # a transposed layout
+    torch.save(state, bundle_copy / "llm.pt")
+    bundle = validate_model_dir(bundle_copy)
+    copied = _copy_loaded(CosyVoice3LM(bundle.config.llm), bundle.llm_path)
+    llm = bundle.load_llm()
+    assert all(torch.equal(llm.state_dict()[k], v) for k, v in copied.items())
+    assert torch.equal(llm.llm.embed_tokens.weight, state[head]) and llm.llm.model.lm_head.weight is \
+        llm.llm.embed_tokens.weight
+    assert llm.speech_embedding.weight.dtype == torch.float32 and llm.llm_decoder.weight.is_contiguous()
+
+
+def test_a_module_holding_a_tensor_its_checkpoint_lacks_cannot_be_built_on_the_meta_device(tmp_path: Path) -> None:
+    class WithTable(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 2)
+            self.register_buffer("table", torch.arange(4.0), persistent=False)  # made in __init__, not in the file
+
+    torch.save(torch.nn.Linear(3, 2).state_dict(), tmp_path / "w.pt")
+    torch.save({f"linear.{k}": v for k, v in torch.nn.Linear(3, 2).state_dict().items()}, tmp_path / "m.pt")
+    assert torch.equal(load_module(lambda: torch.nn.Linear(3, 2), tmp_path / "w.pt").weight,
+                       torch.load(tmp_path / "w.pt")["weight"])
+    with pytest.raises(AssertionError, match="table"):
+        load_module(WithTable, tmp_path / "m.pt")
 
 
 # ----------------------------------------------------------------------------- resolving ids and paths

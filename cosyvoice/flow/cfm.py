@@ -68,8 +68,11 @@ class CausalConditionalCFM(nn.Module):
         self.n_timesteps = cfm.n_timesteps
         self.t_scheduler = cfm.t_scheduler
         self.mel_dim = dit.mel_dim
-        self.register_buffer("noise", torch.empty(1, dit.mel_dim, 0), persistent=False)  # not in flow.pt
-        self.set_noise(cfm_noise() if noise is None else noise)
+        noise = cfm_noise() if noise is None else noise
+        # not in flow.pt; on the given noise's device, so a module built on the meta device (weights.load_module)
+        # still holds its values
+        self.register_buffer("noise", torch.empty(1, dit.mel_dim, 0, device=noise.device), persistent=False)
+        self.set_noise(noise)
 
     def set_noise(self, noise: Tensor) -> None:
         """Replace the start-noise buffer [1, mel_dim, L]; frame i of every utterance starts from column i."""
