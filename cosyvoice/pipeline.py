@@ -94,10 +94,11 @@ class Model:
         frontend = CosyVoiceFrontend(bundle, limits, providers=providers)
         backend = resolve_backend(backend, device)
         wanted = fast.resolve(wanted, device, backend)
-        llm, flow = bundle.load_llm(device, precision), bundle.load_flow(device, precision)
-        if device.type == "cpu":
-            plan, llm, flow = fast.plan_and_apply(wanted, llm, flow)
+        if device.type == "cpu":  # each stage loaded and given its precision in turn (a lower peak of memory)
+            plan, llm, flow = fast.plan_and_apply(wanted, lambda: bundle.load_llm(device, precision),
+                                                  lambda: bundle.load_flow(device, precision))
         else:
+            llm, flow = bundle.load_llm(device, precision), bundle.load_flow(device, precision)
             name = next(k for k, v in PRECISIONS.items() if v == precision)
             plan = fast.PrecisionPlan(wanted, name, name)
         flow = attach_flow(flow, bundle.root, backend, device)

@@ -116,7 +116,7 @@ def test_auto_picks_per_stage_the_fastest_candidate_that_holds_the_bounds(golden
     """Data-driven: every candidate of this CPU is measured against fp32 on the model's own weights (quality and
     seconds); a stage runs the fastest that holds the bounds and beats fp32, else fp32."""
     llm, flow = (copy.deepcopy(m) for m in golden_models)
-    plan, llm, flow = fast.plan_and_apply("auto", llm, flow, features)
+    plan, llm, flow = fast.plan_and_apply("auto", lambda: llm, lambda: flow, features)
     paths = fast.candidates(features)
     assert paths == (("int8", "bf16") if "avx512_bf16" in features else ("int8",))
     for stage in ("llm", "flow"):

@@ -11,9 +11,10 @@
   and the DiT blocks' attention and feed-forward projections, per output channel (:func:`quantize_dit`).
 - ``auto``: per stage, the fastest candidate that holds the quality bounds (:data:`BOUNDS`) on THIS model's
   weights and runs faster than fp32 on THIS CPU, both measured at load against fp32 on a fixed synthetic
-  input (:func:`self_check`; seconds at the released sizes). The candidates come from the CPU's flags: int8
-  everywhere, bf16 only where it is native. A stage whose candidates all miss a bound, or are slower (int8 on
-  tiny matrices), stays fp32. On CUDA ``auto`` is fp32 (the ``dtype`` argument chooses half precision there).
+  input (:func:`check_llm`, :func:`check_flow`; seconds at the released sizes). The candidates come from the
+  CPU's flags: int8 everywhere, bf16 only where it is native. A stage whose candidates all miss a bound, or are
+  slower (int8 on tiny matrices), stays fp32. On CUDA ``auto`` is fp32 (the ``dtype`` argument chooses half
+  precision there).
 
 The vocoder stays float32 on every path (half precision audibly moves its phases; bundle.load_hift).
 """
@@ -156,14 +157,20 @@ def resolve(requested: str, device: torch.device, backend: str) -> str:
     return requested
 
 
-def plan_and_apply(requested: str, llm: torch.nn.Module, flow: torch.nn.Module,
+def plan_and_apply(requested: str, load_llm: Callable[[], torch.nn.Module], load_flow: Callable[[], torch.nn.Module],
                    features: frozenset[str] | None = None) -> tuple[PrecisionPlan, torch.nn.Module, torch.nn.Module]:
-    """(the plan, the LLM, the flow) for ``requested`` (a resolved name) on fp32 modules loaded on the CPU."""
+    """(the plan, the LLM, the flow) for ``requested`` (a resolved name), from loaders of the fp32 modules on the CPU.
+
+    Each stage is loaded and given its precision before the next is loaded: the fp32 weights int8 replaces, and
+    the candidates ``auto`` rejects, are gone before the flow is read, so a load's peak memory holds one stage's
+    fp32 weights beside the other's final ones, not both stages in fp32 (3.3 GB at the released sizes)."""
     features = cpu_features() if features is None else features
     cpu = tuple(sorted(features))
     if requested == "auto":
-        (llm_kind, llm), (flow_kind, flow), checks = self_check(llm, flow, candidates(features))
-        plan = PrecisionPlan("auto", llm_kind, flow_kind, cpu=cpu, checks=checks)
+        paths = candidates(features)
+        llm_kind, llm, llm_checks = check_llm(load_llm(), paths)
+        flow_kind, flow, flow_checks = check_flow(load_flow(), paths)
+        plan = PrecisionPlan("auto", llm_kind, flow_kind, cpu=cpu, checks={**llm_checks, **flow_checks})
         logger.info("precision: %s", plan.label)
         return plan, llm, flow
     if requested == "bf16" and not native_bf16(features):
@@ -171,7 +178,8 @@ def plan_and_apply(requested: str, llm: torch.nn.Module, flow: torch.nn.Module,
                        "run slower than fp32 (auto would not pick it here)")
     plan = PrecisionPlan(requested, requested, requested, cpu=cpu)
     logger.info("precision: %s", plan.label)
-    return plan, apply_llm(llm, plan.llm), apply_flow(flow, plan.flow)
+    llm = apply_llm(load_llm(), plan.llm)
+    return plan, llm, apply_flow(load_flow(), plan.flow)
 
 
 # ---------------------------------------------------------------------------------------------- measuring
@@ -258,43 +266,56 @@ def shadow(module: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.n
     return copy.deepcopy(module, memo)
 
 
-def self_check(llm: torch.nn.Module, flow: torch.nn.Module, paths: tuple[str, ...]
-               ) -> tuple[tuple[str, torch.nn.Module], tuple[str, torch.nn.Module], dict[str, dict[str, float]]]:
-    """((the LLM's path, the LLM), (the DiT's path, the flow), every candidate's measurements against fp32 on
-    this model's weights): per stage the fastest of ``paths`` that stays within :data:`BOUNDS` and ran faster
-    than fp32 (timed on the same check, the better of two runs), else fp32 (the modules given)."""
+def fastest(stage: str, paths: tuple[str, ...], checks: dict[str, dict[str, float]]) -> str:
+    """The fastest of ``paths`` for ``stage`` that stays within :data:`BOUNDS` and ran faster than fp32, else fp32."""
+    return min((k for k in paths if holds(checks[f"{stage}_{k}"])
+                and checks[f"{stage}_{k}"]["seconds"] < checks[f"{stage}_fp32"]["seconds"]),
+               key=lambda k: checks[f"{stage}_{k}"]["seconds"], default="fp32")
+
+
+def check_llm(llm: torch.nn.Module, paths: tuple[str, ...]
+              ) -> tuple[str, torch.nn.Module, dict[str, dict[str, float]]]:
+    """(the LLM's path, the LLM, every candidate's measurements against fp32 on its weights): :func:`fastest` of
+    ``paths`` (timed on the same check, the better of two runs), else fp32 (the module given)."""
     started = time.perf_counter()
-    checks: dict[str, dict[str, float]] = {}
     lm_input, forced = _synthetic_llm_input(llm)
     seq, start = forced_sequence(llm, lm_input, forced)
 
-    def llm_run(model: torch.nn.Module) -> tuple[torch.Tensor, float]:
+    def run(model: torch.nn.Module) -> tuple[torch.Tensor, float]:
         runs = [_timed(lambda: teacher_forced_log_probs(model, seq, start)) for _ in range(2)]
         return runs[-1][0], min(s for _, s in runs)
 
-    ref_lp, seconds = llm_run(llm)
-    checks["llm_fp32"] = {"seconds": seconds}
-    ref_mels, flow_seconds = _flow_mels(flow)
-    checks["flow_fp32"] = {"seconds": min(flow_seconds, _flow_mels(flow)[1])}
-    tried = {"llm_fp32": llm, "flow_fp32": flow}
+    ref_lp, seconds = run(llm)
+    checks = {"llm_fp32": {"seconds": seconds}}
+    tried = {"fp32": llm}
     for kind in paths:
-        got = tried[f"llm_{kind}"] = apply_llm(shadow(llm, torch.bfloat16 if kind == "bf16" else None), kind)
-        lp, seconds = llm_run(got)
+        got = tried[kind] = apply_llm(shadow(llm, torch.bfloat16 if kind == "bf16" else None), kind)
+        lp, seconds = run(got)
         checks[f"llm_{kind}"] = {"llm_kl_mean": kl_mean(ref_lp, lp), "seconds": seconds}
-        got = tried[f"flow_{kind}"] = apply_flow(shadow(flow), kind)
+    chosen = fastest("llm", paths, checks)
+    logger.info("precision self-check of the LLM (%.1f s): %s", time.perf_counter() - started, checks)
+    return chosen, tried[chosen], checks
+
+
+def check_flow(flow: torch.nn.Module, paths: tuple[str, ...]
+               ) -> tuple[str, torch.nn.Module, dict[str, dict[str, float]]]:
+    """(the DiT's path, the flow, every candidate's measurements against fp32 on its weights): :func:`fastest` of
+    ``paths`` (timed on the same check, the better of two runs), else fp32 (the module given)."""
+    started = time.perf_counter()
+    ref_mels, seconds = _flow_mels(flow)
+    checks = {"flow_fp32": {"seconds": min(seconds, _flow_mels(flow)[1])}}
+    tried = {"fp32": flow}
+    for kind in paths:
+        got = tried[kind] = apply_flow(shadow(flow), kind)
         _flow_mels(got)  # a warm-up: quantised and bf16 kernels pack their weights on first use
         mels, seconds = _flow_mels(got)
         errors = [mel_error(r, g) for r, g in zip(ref_mels, mels, strict=True)]
         checks[f"flow_{kind}"] = {**{k: max(e[k] for e in errors) for k in errors[0]}, "seconds": seconds}
-    chosen = {stage: min((k for k in paths if holds(checks[f"{stage}_{k}"])
-                          and checks[f"{stage}_{k}"]["seconds"] < checks[f"{stage}_fp32"]["seconds"]),
-                         key=lambda k, s=stage: checks[f"{s}_{k}"]["seconds"], default="fp32")
-              for stage in ("llm", "flow")}
-    logger.info("precision self-check (%.1f s): %s", time.perf_counter() - started, checks)
-    return ((chosen["llm"], tried[f"llm_{chosen['llm']}"]), (chosen["flow"], tried[f"flow_{chosen['flow']}"]),
-            checks)
+    chosen = fastest("flow", paths, checks)
+    logger.info("precision self-check of the flow (%.1f s): %s", time.perf_counter() - started, checks)
+    return chosen, tried[chosen], checks
 
 
 __all__ = ["BOUNDS", "CHOICES", "Bf16Linear", "PrecisionPlan", "apply_flow", "apply_llm", "bf16_dit", "candidates",
-           "cpu_features", "dit_projections", "holds", "llm_kl", "mel_error", "native_bf16", "plan_and_apply",
-           "quantize_dit", "resolve", "self_check", "shadow"]
+           "check_flow", "check_llm", "cpu_features", "dit_projections", "fastest", "holds", "llm_kl", "mel_error",
+           "native_bf16", "plan_and_apply", "quantize_dit", "resolve", "shadow"]
