@@ -122,6 +122,35 @@ def test_a_batch_on_a_full_disk_fails_with_the_error_shown(serve, tmp_path: Path
         assert files(takes) == []  # no half-written take, no temporary file
 
 
+def test_a_batch_whose_model_crashes_on_a_row_shows_a_model_error_and_goes_on(
+        serve, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """An error that is not ours (here the token-to-wave worker raising on the second row, as a driver or kernel
+    fault would) fails that row with a message a user understands, its traceback in the server's log; the other
+    rows are made, and the batch ends with no ETA left, so the page polling it stops."""
+    from cosyvoice.engine.t2w import Token2Wav
+
+    calls, chunks = [], Token2Wav.chunks
+
+    def crashing(worker, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("illegal memory access (injected)")
+        return chunks(worker, *args, **kwargs)
+
+    monkeypatch.setattr(Token2Wav, "chunks", crashing)
+    url = serve(tmp_path / "data")
+    with httpx.Client(base_url=url, timeout=60) as client:
+        started = client.post("/workbench/api/batches", json={"rows": batch_rows(3)})
+        assert started.status_code == 202, started.text
+        batch = finished_batch(client, started.json()["id"], 60)
+        takes = client.get("/workbench/api/takes", params={"batch": started.json()["id"]}).json()["takes"]
+    assert batch["done"] == 2 and batch["failed"] == 1 and batch["eta_seconds"] == 0, batch
+    assert [(e["row"], e["message"]) for e in batch["errors"]] == [(2, "model error, see server log")], batch
+    assert sorted(t["row"] for t in takes) == [1, 3]
+    assert any("illegal memory access (injected)" in r.getMessage() or (r.exc_info and "injected" in str(r.exc_info[1]))
+               for r in caplog.records), "the traceback is in the server's log"
+
+
 # ----------------------------------------------------------------------------- defect 3: long-form on a full disk
 
 
