@@ -406,3 +406,43 @@ def test_a_thousand_takes_are_paged_and_filtered_and_the_forms_come_first(setup,
     assert width <= 1100, width  # nothing overflows the page
     page.screenshot(path=str(ARTIFACTS / "workbench-owner-paged.png"), full_page=True)
     device.close()
+
+
+def test_a_batch_on_a_full_disk_shows_its_error_and_the_page_stops_polling(tiny_bundle_dir: Path, browser,
+                                                                          short_prompt_wav: Path,
+                                                                          tmp_path: Path) -> None:
+    """Defect 2 where the owner looks: the batch's error is on the page (status line and error banner), the Stop
+    button goes away and the page asks for the batch no more."""
+    from test_jobs import fill, tmpfs
+
+    with tmpfs(tmp_path / "data" / "takes") as takes:
+        fill(takes)
+        app = App(tiny_bundle_dir, tmp_path)
+        try:
+            deadline = time.monotonic() + 120
+            while httpx.get(f"{app.url}/ready", timeout=10).status_code != 200:
+                assert time.monotonic() < deadline, "the model did not load"
+                time.sleep(0.2)
+            saved = httpx.post(f"{app.url}/v1/voices", data={"name": "Narrator", "transcript": "A short test prompt."},
+                               files={"audio": ("p.wav", short_prompt_wav.read_bytes(), "audio/wav")}, timeout=60)
+            assert saved.status_code == 201, saved.text
+            device = browser()
+            device.add_cookies([{"name": "cv-browser", "value": OWNER, "url": app.url}])
+            page = device.new_page()
+            polls: list[str] = []
+            page.on("request", lambda r: polls.append(r.url) if "/workbench/api/batches/" in r.url else None)
+            page.goto(f"{app.url}/workbench/")
+            page.wait_for_function("() => window.wb && window.wb.ready")
+            page.fill("#grid-texts", "Hello there.\nAnd again.")
+            page.fill("#grid-voices", "Narrator")
+            page.click("#grid-run")
+            expect = sync_api.expect
+            expect(page.locator("#error")).to_contain_text("disk full", timeout=60_000)
+            expect(page.locator("#batch-status")).to_contain_text("disk full")
+            expect(page.locator("#batch-cancel")).to_be_hidden()
+            asked = len(polls)
+            page.wait_for_timeout(3000)  # the page polled every second while the batch ran
+            assert len(polls) == asked, polls[asked:]
+            device.close()
+        finally:
+            app.stop()
