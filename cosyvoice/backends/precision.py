@@ -33,6 +33,7 @@ import torch
 
 from cosyvoice.backends.cpu import cpu_features, native_bf16
 from cosyvoice.errors import ConfigError
+from cosyvoice.utils.malloc import trim
 
 logger = logging.getLogger(__name__)
 
@@ -163,13 +164,16 @@ def plan_and_apply(requested: str, load_llm: Callable[[], torch.nn.Module], load
 
     Each stage is loaded and given its precision before the next is loaded: the fp32 weights int8 replaces, and
     the candidates ``auto`` rejects, are gone before the flow is read, so a load's peak memory holds one stage's
-    fp32 weights beside the other's final ones, not both stages in fp32 (3.3 GB at the released sizes)."""
+    fp32 weights beside the other's final ones, not both stages in fp32 (3.3 GB at the released sizes). The
+    freed weights are handed back to the system after each stage (:func:`trim`: glibc keeps them otherwise)."""
     features = cpu_features() if features is None else features
     cpu = tuple(sorted(features))
     if requested == "auto":
         paths = candidates(features)
         llm_kind, llm, llm_checks = check_llm(load_llm(), paths)
+        trim()
         flow_kind, flow, flow_checks = check_flow(load_flow(), paths)
+        trim()
         plan = PrecisionPlan("auto", llm_kind, flow_kind, cpu=cpu, checks={**llm_checks, **flow_checks})
         logger.info("precision: %s", plan.label)
         return plan, llm, flow
@@ -179,7 +183,10 @@ def plan_and_apply(requested: str, load_llm: Callable[[], torch.nn.Module], load
     plan = PrecisionPlan(requested, requested, requested, cpu=cpu)
     logger.info("precision: %s", plan.label)
     llm = apply_llm(load_llm(), plan.llm)
-    return plan, llm, apply_flow(load_flow(), plan.flow)
+    trim()
+    flow = apply_flow(load_flow(), plan.flow)
+    trim()
+    return plan, llm, flow
 
 
 # ---------------------------------------------------------------------------------------------- measuring

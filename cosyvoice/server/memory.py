@@ -13,43 +13,20 @@ states the bound and the measured figures (docs/servers.md, "Memory"). Elsewhere
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from cosyvoice.utils.malloc import limit_arenas, trim
 
 if TYPE_CHECKING:
     from cosyvoice.service import TTSService
 
 logger = logging.getLogger(__name__)
 
-M_ARENA_MAX = -8  # glibc's mallopt parameter
 DEFAULT_ARENAS = 2  # the load test ran no slower with 2 (2 cores); its settled RSS was ~70 MiB lower
 TRIM_EVERY_SECONDS = 2.0
-
-
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
-
-
-_LIBC = _libc()
-
-
-def limit_arenas(count: int = DEFAULT_ARENAS) -> bool:
-    """At most ``count`` malloc arenas from now on (threads already running keep theirs)."""
-    return bool(_LIBC is not None and _LIBC.mallopt(M_ARENA_MAX, count))
-
-
-def trim() -> bool:
-    """Return the free pages of every malloc arena to the system."""
-    return bool(_LIBC is not None and _LIBC.malloc_trim(0))
 
 
 class MemoryKeeper:
