@@ -150,8 +150,12 @@ def test_the_workbench_fits(app: tuple, context) -> None:
     page = context.new_page()
     page.goto(f"{url}workbench/")
     page.wait_for_function("() => window.wb && window.wb.ready")
-    sync_api.expect(page.locator("#takes tr")).to_have_count(len(TEXTS) * len(CONDITIONS))
     sync_api.expect(page.locator("#tests tr")).to_have_count(2)
+    page.wait_for_function(f"() => document.querySelectorAll('#takes tr').length > {len(TEXTS) * len(CONDITIONS)}")
+    labels = page.locator("#takes tr td:nth-child(2)").all_inner_texts()
+    # the batch's takes, and the long-form project's (one take store: they are workbench takes, labelled by project)
+    assert sorted(set(labels)) == sorted({*CONDITIONS, "A short book"}), labels
+    assert sum(label in CONDITIONS for label in labels) == len(TEXTS) * len(CONDITIONS), labels
     fits(page, "workbench")
     page.close()
 
