@@ -25,6 +25,18 @@ from cosyvoice.tools.parity.common import Golden
 # The fixtures were made with one intra-op thread; tiny models also run fastest that way on 2 cores.
 torch.set_num_threads(1)
 
+# The longest files (minutes each on two cores), handed out first: the suite runs a worker per core, each file on
+# one worker in collection order (scripts/test.sh: -n auto --dist loadfile), so a long file collected last would
+# run alone at the end while the other worker idles.
+LONGEST_FIRST = ("test_webui_browser.py", "test_webui_install.py", "test_service.py", "test_rest.py", "test_load.py",
+                 "test_api.py", "test_backends.py", "test_workbench_browser.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST
+               else len(LONGEST_FIRST))  # stable: every other file keeps its place
+
+
 _DEFAULT_GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"  # ../shared/golden beside the clone
 GOLDEN_DIR = Path(os.environ.get("COSYVOICE_GOLDEN_DIR", _DEFAULT_GOLDEN))
 
