@@ -376,19 +376,22 @@ def test_chinese_page(browser, app: tuple, short_prompt_wav: Path) -> None:
         ctx.close()
 
 
-def test_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path: Path, short_prompt_wav: Path) -> None:
-    """COSYVOICE_MAX_SESSIONS=1 and four tabs clicking Generate together: the waiting tabs show their place in
-    the queue with Generate locked and Stop enabled; they are served in click order; Stop and closing the tab
-    work while waiting, and no tab is left processing."""
+def one_session_studio(tts, tmp_path: Path):
+    """A studio whose service runs one session at a time, so a second take waits in the queue."""
     from dataclasses import replace
-
-    from test_webui import make_studio
 
     from app.ui import Studio
     from cosyvoice.service import TTSService
 
     library = make_studio(tts, tmp_path).service.voices
-    studio = Studio(TTSService(tts.model, library, limits=replace(tts.limits, max_sessions=1)), demo=True)
+    return Studio(TTSService(tts.model, library, limits=replace(tts.limits, max_sessions=1)), demo=True)
+
+
+def test_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path: Path, short_prompt_wav: Path) -> None:
+    """COSYVOICE_MAX_SESSIONS=1 and four tabs clicking Generate together: the waiting tabs show their place in
+    the queue with Generate locked and Stop enabled; they are served in click order; Stop and closing the tab
+    work while waiting, and no tab is left processing."""
+    studio = one_session_studio(tts, tmp_path)
     ctx = browser(locale="en-US")
     ctx.add_init_script(QUEUE_WATCH)
     try:
@@ -452,13 +455,7 @@ def test_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path: Path,
 def test_a_waiting_take_says_its_place_in_chinese(tts, browser, tmp_path: Path, short_prompt_wav: Path) -> None:
     """One session and two tabs of a Chinese browser: the second take's place is said in Chinese while it waits,
     then that it is starting; Gradio's raw "queue: 1/1" never shows."""
-    from dataclasses import replace
-
-    from app.ui import Studio
-    from cosyvoice.service import TTSService
-
-    library = make_studio(tts, tmp_path).service.voices
-    studio = Studio(TTSService(tts.model, library, limits=replace(tts.limits, max_sessions=1)), demo=True)
+    studio = one_session_studio(tts, tmp_path)
     ctx = browser(locale="zh-CN")
     ctx.add_init_script(QUEUE_WATCH)
     try:
