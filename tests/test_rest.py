@@ -405,7 +405,8 @@ def test_busy_is_503_with_retry_after_and_disconnect_cancels(tts, library: Voice
             # garbage collector gets to it, and closing it hangs up the connection (the server then cancels)
             audio = response.iter_raw()
             next(audio)
-            busy = httpx.post(f"{server.url}/v1/audio/speech", json=body)
+            # the refusal is at once, but a loaded machine may be slow to deliver it (httpx's 5 s default)
+            busy = httpx.post(f"{server.url}/v1/audio/speech", json=body, timeout=60)
             assert busy.status_code == 503 and busy.headers["Retry-After"] == "7", (busy.status_code, seen)
             assert busy.json()["error"]["type"] == "busy"
         # leaving the block closed the connection mid-stream: the session must end, not run to completion
