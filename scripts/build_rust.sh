@@ -6,7 +6,8 @@
 # The toolchain is Debian's /usr/bin/cargo (rustc 1.63, the compiler those crates are packaged for), even where
 # a rustup cargo comes first on PATH. PyO3 links the Python of the project's venv (COSYVOICE_VENV, default
 # .venv: run scripts/setup.sh first) and records its library folder as the binary's run path, so the binary
-# starts from any folder without a wrapper. Used by scripts/test.sh (and so .ci/run).
+# starts from any folder without a wrapper. Used by scripts/test.sh (and so .ci/run). `--packages` only installs
+# the missing apt packages (apt cannot run twice at once: scripts/test.sh installs them before its parallel builds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,6 +27,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+[ "${1:-}" = "--packages" ] && exit 0
 [ -x "$VENV/bin/python" ] || { log "ERROR: no virtual environment at $VENV (run scripts/setup.sh)"; exit 1; }
 
 log "building rust/target/release/cosyvoice-server with $(/usr/bin/cargo --version), Python $("$VENV/bin/python" -c 'import sys; print(sys.version.split()[0])')"

@@ -17,7 +17,8 @@
 # COSYVOICE_EXTRAS (default dev; scripts/webui.sh asks for ui), COSYVOICE_TORCH (cpu, cuda or configured:
 # overrides the choice above), COSYVOICE_TORCH_CPU_INDEX (a mirror of the CPU index). Used by scripts/test.sh,
 # scripts/webui.sh, .ci/run. `bash scripts/setup.sh --check` only reports what is missing (exit 1 when anything
-# is).
+# is); `--system` installs only the system packages and makes the venv, with no pip call (scripts/test.sh runs
+# the pip installs and the Rust build at once after it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,7 +26,9 @@ BASE_PY=${PYTHON:-python3}
 VENV=${COSYVOICE_VENV:-.venv}
 EXTRAS=${COSYVOICE_EXTRAS:-dev}
 CHECK_ONLY=0
+SYSTEM_ONLY=0
 [ "${1:-}" = "--check" ] && CHECK_ONLY=1
+[ "${1:-}" = "--system" ] && SYSTEM_ONLY=1
 export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1  # tests drive Debian's /usr/bin/chromium; never fetch browsers
 
 log() { echo "[setup] $*" >&2; }
@@ -102,6 +105,7 @@ if ! venv_usable; then
   fi
   "$BASE_PY" -m venv "${venv_args[@]}" "$VENV"
 fi
+[ "$SYSTEM_ONLY" = 1 ] && exit 0
 PY="$VENV/bin/python"
 
 # torch first and pinned, in the build torch-plan chose (line 1: what it downloads; then pip's arguments).

@@ -3,12 +3,43 @@
 # the whole test suite in the project's virtual environment: exactly the command CI runs and the README shows.
 # Arguments go to pytest (e.g. -x -k voices). Where the Rust build fails the suite still runs and its Rust
 # tests skip, saying why; CI sets COSYVOICE_REQUIRE_RUST=1, which makes a failed build (and a skip) fatal.
+#
+# On a fresh machine three builds are needed, each mostly one core's work: the project's venv (pip), the Rust
+# server (cargo) and `.venv-webui`, the web UI's own install that tests/test_webui_install.py serves from (pip,
+# made again from nothing whenever setup.sh would reinstall it). After the system packages (apt runs one at a
+# time) they run at once; each one's output follows when it ends.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+VENV=${COSYVOICE_VENV:-.venv}
+bash scripts/setup.sh --system
+bash scripts/build_rust.sh --packages
+logs=$(mktemp -d)
+trap 'kill $(jobs -p) 2> /dev/null || true; rm -rf "$logs"' EXIT  # a failed install stops the other builds
+
+bash scripts/build_rust.sh > "$logs/rust.log" 2>&1 &
+rust=$!
+ui=""
+ui_env=(env -u VIRTUAL_ENV -u PYTHONPATH COSYVOICE_VENV=.venv-webui COSYVOICE_EXTRAS=ui)
+if ! "${ui_env[@]}" bash scripts/setup.sh --check > /dev/null 2>&1; then
+  rm -rf .venv-webui  # not upgraded in place: what `ui` no longer declares must be gone
+  "${ui_env[@]}" bash scripts/setup.sh > "$logs/webui.log" 2>&1 &
+  ui=$!
+fi
 bash scripts/setup.sh
-if ! bash scripts/build_rust.sh; then
+
+if ! wait "$rust"; then
+  cat "$logs/rust.log"
   [ "${COSYVOICE_REQUIRE_RUST:-0}" = 1 ] && { echo "[test] the Rust server did not build" >&2; exit 1; }
   echo "[test] WARNING: the Rust server did not build; its contract tests will be skipped" >&2
+else
+  cat "$logs/rust.log"
 fi
+if [ -n "$ui" ]; then
+  # a failure here is not fatal: tests/test_webui_install.py builds it again and shows why it fails
+  wait "$ui" || echo "[test] WARNING: the web UI's own venv (.venv-webui) did not install" >&2
+  cat "$logs/webui.log"
+fi
+trap - EXIT
+rm -rf "$logs"
 # a worker per core, each test file on one worker (its module's server and browser are started once)
-exec "${COSYVOICE_VENV:-.venv}/bin/python" -m pytest -q -n auto --dist loadfile "$@"
+exec "$VENV/bin/python" -m pytest -q -n auto --dist loadfile "$@"
