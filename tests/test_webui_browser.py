@@ -431,6 +431,10 @@ def test_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path: Path,
             sync_api.expect(pages[2].locator("#queue-place")).to_be_hidden()
             sync_api.expect(pages[2].locator("#generate")).to_be_enabled(timeout=5000)
             sync_api.expect(pages[2].locator("#stop")).to_be_disabled()
+            # the first take, heard, is stopped: the slot passes to the next in line (its take is kept)
+            pages[0].wait_for_function("() => document.getElementById('live-player').dataset.state === 'playing'",
+                                       timeout=60000)
+            pages[0].click("#stop")
             for page, number in ((pages[0], 1), (pages[1], 2)):  # one browser's tabs: one history
                 sync_api.expect(page.locator("#status")).to_contain_text(f"Take {number}:", timeout=120000)
                 sync_api.expect(page.locator("#generate")).to_be_enabled()
