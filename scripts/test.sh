@@ -5,9 +5,9 @@
 # tests skip, saying why; CI sets COSYVOICE_REQUIRE_RUST=1, which makes a failed build (and a skip) fatal.
 #
 # On a fresh machine three builds are needed, each mostly one core's work: the project's venv (pip), the Rust
-# server (cargo) and `.venv-webui`, the web UI's own install that tests/test_webui_install.py serves from (pip,
-# made again from nothing whenever setup.sh would reinstall it). After the system packages (apt runs one at a
-# time) they run at once; each one's output follows when it ends.
+# server (cargo) and `.venv-webui`, the web UI's own install that tests/test_webui_install.py serves from
+# (`scripts/webui.sh --install`, made again from nothing whenever setup.sh would reinstall it). After the
+# system packages (apt runs one at a time) they run at once; each one's output follows when it ends.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${COSYVOICE_VENV:-.venv}
@@ -19,10 +19,10 @@ trap 'kill $(jobs -p) 2> /dev/null || true; rm -rf "$logs"' EXIT  # a failed ins
 bash scripts/build_rust.sh > "$logs/rust.log" 2>&1 &
 rust=$!
 ui=""
-ui_env=(env -u VIRTUAL_ENV -u PYTHONPATH COSYVOICE_VENV=.venv-webui COSYVOICE_EXTRAS=ui)
-if ! "${ui_env[@]}" bash scripts/setup.sh --check > /dev/null 2>&1; then
+ui_env=(env -u VIRTUAL_ENV -u PYTHONPATH -u COSYVOICE_EXTRAS COSYVOICE_VENV=.venv-webui)
+if ! "${ui_env[@]}" COSYVOICE_EXTRAS=ui bash scripts/setup.sh --check > /dev/null 2>&1; then
   rm -rf .venv-webui  # not upgraded in place: what `ui` no longer declares must be gone
-  "${ui_env[@]}" bash scripts/setup.sh > "$logs/webui.log" 2>&1 &
+  "${ui_env[@]}" bash scripts/webui.sh --install > "$logs/webui.log" 2>&1 &
   ui=$!
 fi
 bash scripts/setup.sh

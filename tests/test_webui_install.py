@@ -6,8 +6,8 @@ only `ui` users lack (websockets once: the live audio's WebSocket answered 404 a
 server runs from its own venv, `.venv-webui` in the repository, made by webui.sh (scripts/setup.sh with the ui
 extra) and made again from nothing whenever setup.sh would reinstall (pyproject.toml or setup.sh changed), so
 that a package dropped from `ui` is gone from it too; Playwright drives chromium from the test's venv.
-scripts/test.sh makes it the same way before the tests, beside the other builds; where it did not, the build
-happens here and its time goes to ``test-artifacts/webui-install.json``.
+scripts/test.sh makes it with `scripts/webui.sh --install` before the tests, beside the other builds; where it
+did not, the build happens here and its time goes to ``test-artifacts/webui-install.json``.
 """
 
 from __future__ import annotations
