@@ -33,7 +33,7 @@ from cosyvoice.workbench.store import WorkbenchStore  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts"
 FLAGS = [*CHROMIUM_FLAGS, "--autoplay-policy=no-user-gesture-required"]
-SECONDS = 1.0  # each stimulus: long enough that answering before its end is refused
+SECONDS = 0.5  # each stimulus: played to its end before each answer, as a rater must
 OWNER = "c" * 32  # the experimenter's browser (its cv-browser id): the takes and tests are its own
 
 
