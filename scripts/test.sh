@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${COSYVOICE_VENV:-.venv}
 bash scripts/setup.sh --system
-bash scripts/build_rust.sh --packages
+bash scripts/build_rust.sh --packages || true  # where apt cannot, the build below fails and says why
 logs=$(mktemp -d)
 trap 'kill $(jobs -p) 2> /dev/null || true; rm -rf "$logs"' EXIT  # a failed install stops the other builds
 
