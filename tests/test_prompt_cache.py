@@ -112,9 +112,13 @@ def test_memory_and_disk_stay_within_their_bounds(flow: CausalMaskedDiffWithDiT,
     assert cache.memory_bytes == prefix_bytes
     assert len(list(tmp_path.glob("*.safetensors"))) == 2  # the oldest file went
     cache.stream(flow, voices[0]["prompt_token"], voices[0]["prompt_feat"], voices[0]["embedding"])
+    cache.flush()
     assert cache.misses == 4  # evicted from memory and disk: computed again
+    # its file pushed out the least recently used one (the second voice's); the third's is still on disk
+    cache.stream(flow, voices[2]["prompt_token"], voices[2]["prompt_feat"], voices[2]["embedding"])
+    assert (cache.disk_hits, cache.misses) == (1, 4)
     cache.stream(flow, voices[1]["prompt_token"], voices[1]["prompt_feat"], voices[1]["embedding"])
-    assert cache.disk_hits == 1  # still on disk
+    assert (cache.disk_hits, cache.misses) == (1, 5)
 
 
 def test_disk_entries_survive_and_follow_the_model(flow: CausalMaskedDiffWithDiT, tmp_path: Path) -> None:
