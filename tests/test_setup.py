@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 import venv
 from pathlib import Path
 
@@ -231,121 +226,3 @@ def test_setup_on_a_fresh_machine_without_gpu_asks_the_cpu_index(tmp_path: Path)
     assert f"Looking in indexes: {index}" in done.stdout  # pip's own progress is shown, not silenced
     assert ("/whl/cpu/torch/", asked[0][1]) == asked[0] and asked[0][1].startswith("Python-urllib")  # the probe
     assert any(path.startswith("/whl/cpu/torch") and agent.startswith("pip/") for path, agent in asked), asked
-
-
-# ----------------------------------------------------------------------------- what the web UI needs at run time
-
-# Runs webui.py and, on SIGUSR1, writes the file of every module it has loaded (imports made while serving too,
-# such as the WebSocket library uvicorn picks when a WebSocket arrives).
-_LOADED_FILES = """
-import json, runpy, signal, sys
-out = sys.argv.pop(1)
-def dump(*_):
-    files = [getattr(m, "__file__", None) for m in list(sys.modules.values())]
-    with open(out + ".part", "w") as f:
-        json.dump([p for p in files if p], f)
-    __import__("os").replace(out + ".part", out)
-signal.signal(signal.SIGUSR1, dump)
-sys.argv[0] = "webui.py"
-runpy.run_path("webui.py", run_name="__main__")
-"""
-
-
-# uvicorn's speed-ups: used where installed (another extra brings them), done without otherwise
-# and what a package imports only where it is installed: Pillow reads XMP with defusedxml if present (it is, in
-# the dev venv, through fpdf2); the web UI's own install runs without it (tests/test_webui_install.py)
-OPTIONAL_SPEEDUPS = {"uvloop", "httptools", "watchfiles", "defusedxml"}
-
-
-def _dist_name(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def _requirement_closure(requirements: list[str]) -> set[str]:
-    """The distributions ``requirements`` bring, following the installed packages' own requirements (with the
-    extras asked for and this machine's markers)."""
-    from importlib import metadata
-
-    from packaging.requirements import Requirement
-
-    seen: set[tuple[str, frozenset[str]]] = set()
-    todo = [Requirement(r) for r in requirements]
-    while todo:
-        req = todo.pop()
-        key = (_dist_name(req.name), frozenset(req.extras))
-        if key in seen:
-            continue
-        seen.add(key)
-        try:
-            needs = metadata.distribution(req.name).requires or []
-        except metadata.PackageNotFoundError:
-            continue
-        for need in map(Requirement, needs):
-            if need.marker is None or any(need.marker.evaluate({"extra": e}) for e in req.extras or {""}):
-                todo.append(need)
-    return {name for name, _ in seen}
-
-
-def _owners(files: list[str]) -> set[str]:
-    """The installed distributions whose files these are (the standard library and the project have none)."""
-    from importlib import metadata
-
-    owner = {}
-    for dist in metadata.distributions():
-        for f in dist.files or []:
-            if f.suffix in (".py", ".so", ".pyd"):
-                owner[str(Path(dist.locate_file(f)).resolve())] = _dist_name(dist.metadata["Name"])
-    return {owner[p] for p in (str(Path(f).resolve()) for f in files) if p in owner}
-
-
-def _answer(port: int, path: str, headers: str = "") -> str:
-    """The status line of a raw HTTP/1.1 GET (a WebSocket handshake with ``headers``)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        s.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{headers}Connection: close\r\n\r\n".encode()
-                  if not headers else
-                  f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{headers}\r\n".encode())
-        return s.recv(4096).decode("latin-1").split("\r\n", 1)[0]
-
-
-def test_the_web_ui_loads_only_packages_its_extra_declares(tiny_bundle_dir: Path, tmp_path: Path) -> None:
-    """webui.py serving its page, the workbench, the long-form page and a live-audio WebSocket loads only
-    distributions that the core dependencies and the `ui` extra bring: what it needs beyond them (websockets,
-    which uvicorn needs to accept the live audio's WebSocket) would be missing after `scripts/webui.sh`."""
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra")
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    extras = project["optional-dependencies"]
-    declared = _requirement_closure(sorted(_names(project["dependencies"] + extras["ui"], extras)))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    loaded = tmp_path / "loaded.json"
-    env = {**os.environ, "COSYVOICE_DATA_DIR": str(tmp_path / "data")}
-    log = (tmp_path / "webui.log").open("w")
-    server = subprocess.Popen([sys.executable, "-c", _LOADED_FILES, str(loaded), "--port", str(port),
-                               "--model-dir", str(tiny_bundle_dir), "--voice-dir", str(tmp_path / "voices")],
-                              cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None, (tmp_path / "webui.log").read_text()[-3000:]
-            with contextlib.suppress(OSError):
-                if " 200 " in _answer(port, "/workbench/"):  # the routers mounted after the page's
-                    break
-            assert time.monotonic() < deadline, "the web UI did not start"
-            time.sleep(0.5)
-        assert " 200 " in _answer(port, "/") and " 200 " in _answer(port, "/studio/longform")
-        handshake = _answer(port, "/studio/live/" + "ab" * 16, "Upgrade: websocket\r\nConnection: Upgrade\r\n"
-                            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n")
-        server.send_signal(signal.SIGUSR1)
-        while not loaded.exists():
-            assert time.monotonic() < deadline and server.poll() is None
-            time.sleep(0.1)
-    finally:
-        server.terminate()
-        server.wait(30)
-        log.close()
-    assert " 101 " in handshake, handshake  # the live audio's WebSocket is accepted
-    undeclared = _owners(json.loads(loaded.read_text())) - declared - OPTIONAL_SPEEDUPS - {project["name"]}
-    assert not undeclared, f"the web UI loads {sorted(undeclared)}, which neither the core dependencies nor " \
-                           "the ui extra of pyproject.toml bring"

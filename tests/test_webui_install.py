@@ -1,5 +1,5 @@
-"""The README's `bash scripts/webui.sh` on a venv that it alone installed: a take's sound reaches the page over
-the live-audio WebSocket, in chromium.
+"""The README's `bash scripts/webui.sh` on a venv that it alone installed: the workbench and long-form pages
+answer, and a take's sound reaches the page over the live-audio WebSocket, in chromium.
 
 The dev extra brings more than the web UI's own (`ui`), so the other web UI tests cannot see a package that
 only `ui` users lack (websockets once: the live audio's WebSocket answered 404 and nothing played). Here the
@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,6 +89,9 @@ def webui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def test_a_take_plays_over_the_live_channel_on_the_ui_venv(webui: str, tmp_path: Path) -> None:
+    for page in ("workbench/", "studio/longform"):  # the other pages' routers import what they need too
+        with urllib.request.urlopen(webui + page, timeout=30) as answer:
+            assert answer.status == 200, page
     with sync_api.sync_playwright() as playwright:
         context = playwright.chromium.launch_persistent_context(
             str(tmp_path / "profile"), executable_path=str(CHROMIUM), headless=True, args=FLAGS, locale="en-US",
