@@ -41,5 +41,6 @@ if [ -n "$ui" ]; then
 fi
 trap - EXIT
 rm -rf "$logs"
-# a worker per core, each test file on one worker (its module's server and browser are started once)
-exec "$VENV/bin/python" -m pytest -q -n auto --dist loadfile "$@"
+# a worker per core, each test file on one worker (its module's server and browser are started once); the
+# slowest tests are listed at the end, so that a slow run says where its time went
+exec "$VENV/bin/python" -m pytest -q -n auto --dist loadfile --durations=25 "$@"
