@@ -41,14 +41,23 @@ CJK_GLYPHS_DRAWN = """() => {
   return a !== b && a !== missing && b !== missing && /[1-9]/.test(a);
 }"""
 # Before any page script: every text the queue line (#queue-place) shows, in order, and any raw Gradio queue
-# progress ("queue: 2/2 | 0.6s") that is ever rendered (checked at most every 50 ms: it used to stay for seconds).
+# progress ("queue: 2/2 | 0.6s") that a person could see (checked at most every 50 ms: it used to stay for seconds).
 QUEUE_WATCH = """(() => {
   window.cvSeen = { place: [""], raw: [] };
+  const QUEUE = /queue:\\s*\\d+/;
+  // what a person can see: Gradio's hidden progress keeps its text, at opacity 0
+  const VISIBLE = { checkOpacity: true, checkVisibilityCSS: true, opacityProperty: true, visibilityProperty: true };
   let pending = false;
-  const rawCheck = () => {
+  const rawCheck = () => {  // Gradio's own progress text wherever it can be seen, with the element that shows it
     pending = false;
-    const raw = document.body && document.body.innerText.match(/queue:\\s*\\d+/);
-    if (raw) window.cvSeen.raw.push(raw[0]);
+    if (!document.body || !QUEUE.test(document.body.innerText)) return;
+    for (const el of document.body.querySelectorAll("*")) {
+      if (QUEUE.test(el.innerText) && ![...el.children].some((child) => QUEUE.test(child.innerText))
+          && el.checkVisibility(VISIBLE)) {
+        const owner = el.closest("[id]");
+        window.cvSeen.raw.push(`${el.innerText.trim()} (in ${owner ? "#" + owner.id : "?"})`);
+      }
+    }
   };
   new MutationObserver(() => {
     const line = document.getElementById("queue-place");
