@@ -405,15 +405,15 @@ def test_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path: Path,
     ctx.add_init_script(QUEUE_WATCH)
     try:
         with serving(studio) as url:
+            # the first take runs while the others queue, and is stopped once they have been checked: its whole
+            # text, so that a loaded machine's slower page cannot outlast it; the second runs after it, short
+            texts = (LONG_TEXT, "Next in line, a short take.", LONG_TEXT[:160], LONG_TEXT[:180])
             pages = []
-            for n in range(4):
+            for n, text in enumerate(texts):
                 page = open_page(ctx, url, new_visitor=n == 0)
                 page.get_by_role("tab", name=TABS["cross_lingual"]).click()
                 upload_prompt(page, short_prompt_wav)
-                # the first take runs while the others queue, and is stopped once they have been checked: its whole
-                # text, so that a loaded machine's slower page cannot outlast it; the second runs after it, short
-                texts = (LONG_TEXT, "Next in line, a short take.", LONG_TEXT[:160], LONG_TEXT[:180])
-                page.fill("#text textarea", texts[n])
+                page.fill("#text textarea", text)
                 # a seed whose take runs to the length limit: with a random one, about one take in four of the
                 # random model ends within seconds, and the first could finish before the others queue
                 page.fill("#seed input", "4")
