@@ -226,6 +226,11 @@ class Studio:
         choices = self.voice_choices(owner_of(request), is_zh(request))
         return gr.update(choices=choices, value=selected if selected in {v for _, v in choices} else None)
 
+    def visitor_voices(self, request: gr.Request | None = None) -> dict:
+        """The page load's list for this visitor, leaving the selection alone: a voice picked from the page's
+        first list while this answer was on its way (a slow server) stays picked."""
+        return gr.update(choices=self.voice_choices(owner_of(request), is_zh(request)))
+
     @staticmethod
     def _upload(path: str | None, zh: bool = False) -> str | None:
         """A recording Gradio stored for this page; a vanished file gets a message without its server path."""
@@ -872,7 +877,7 @@ def build_ui(studio: Studio) -> gr.Blocks:
         delete.click(studio.ask_delete, voice, [confirm_row, confirm_text], show_progress="hidden", **private)
         confirm.click(studio.delete_voice, voice, [voice, confirm_row, preview], show_progress="hidden", **private)
         cancel.click(lambda: gr.update(visible=False), None, confirm_row, queue=False, **private)
-        page.load(studio.voice_dropdown, voice, voice, queue=False, show_progress="hidden", **private)
+        page.load(studio.visitor_voices, None, voice, queue=False, show_progress="hidden", **private)
     return page
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,8 +17,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra")
-from browser import FLAGS, require_browser
+gr = pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra")
+from browser import FLAGS, require_browser  # noqa: E402
 
 sync_api, CHROMIUM = require_browser()
 
@@ -291,6 +292,36 @@ def test_each_invalid_input_shows_its_message_and_blocks_nothing(context, app: t
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "webui-after-errors.png"), full_page=True)
     page.close()
+
+
+def test_a_voice_picked_while_the_page_loads_stays_picked(context, tts, tmp_path: Path, short_prompt_wav: Path) -> None:
+    """The page load's own voice list (this visitor's uploads too) answers late on a busy server; a voice picked
+    from the first list meanwhile is kept, not reset to none (the take then had no voice: "upload or record a
+    prompt voice", and an empty status)."""
+    studio = make_studio(tts, tmp_path, builtin_prompt=short_prompt_wav)
+    release, answered = threading.Event(), threading.Event()
+    visitor_voices = studio.visitor_voices
+
+    def late(request: gr.Request | None = None) -> dict:
+        release.wait(30)
+        try:
+            return visitor_voices(request)
+        finally:
+            answered.set()
+
+    studio.visitor_voices = late
+    with serving(studio) as url:
+        page = open_page(context, url)
+        page.click("#voice input")
+        page.get_by_role("option", name="Narrator").click()
+        sync_api.expect(page.locator("#preview audio, #preview [data-testid='waveform-Voice preview']").first
+                        ).to_be_attached(timeout=15000)
+        with page.expect_response(lambda r: r.request.method == "POST" and answered.is_set()):
+            release.set()
+            assert answered.wait(30)
+        page.evaluate("() => new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(done)))")
+        sync_api.expect(page.locator("#voice input")).to_have_value("Narrator (built-in)")
+        page.close()
 
 
 def test_a_saved_voice_survives_a_restart(tts, browser, tmp_path: Path, short_prompt_wav: Path) -> None:
