@@ -433,3 +433,16 @@ def test_a_cancel_token_ends_asynthesize_and_vocode_from_another_thread(tts, sho
     assert 1 <= len(chunks) < len(whole) and not chunks[-1].final
     assert torch.equal(chunks[0].pcm, whole[0].pcm) and engine.active_sessions == 0
     engine.close()
+
+
+def test_a_ticket_cancelled_before_it_is_submitted_never_runs(lm: CosyVoice3LM) -> None:
+    scheduler = LLMScheduler(lm, rows=1, max_positions=128)
+    early, busy = _Collector(), _Collector()
+    ticket = _ticket(lm, 0, 3, early)
+    scheduler.cancel(ticket)
+    scheduler.submit(ticket)
+    scheduler.submit(_ticket(lm, 1, 4, busy))  # the only row: it runs once the cancelled ticket is gone
+    assert early.done.wait(30) and busy.done.wait(30)
+    assert early.error is None and early.tokens == [] and ticket.status is Status.FINISHED_ABORTED
+    assert busy.error is None and busy.tokens and scheduler.active == 0
+    scheduler.close()
