@@ -56,7 +56,7 @@ from cosyvoice.backends import precision as fast
 from cosyvoice.bundle import validate_model_dir
 from cosyvoice.cli.cosyvoice import CosyVoice3
 from cosyvoice.engine.engine import stage_threads
-from cosyvoice.engine.scheduler import LLMScheduler
+from cosyvoice.engine.runner import LLMRunner
 from cosyvoice.engine.t2w import Token2Wav
 from cosyvoice.flow import FlowStream
 from cosyvoice.frontend.prompts import zero_shot_prompt_text
@@ -112,7 +112,7 @@ class StageTimer:
     """Sums the wall time of the scheduler's steps (LLM), the worker's chunk computations (flow + vocoder) and
     its vocoder calls (methods wrapped for this benchmark only); flow = chunks - vocoder."""
 
-    TARGETS = ((LLMScheduler, "_step", "llm"), (Token2Wav, "chunks", "t2w"), (Token2Wav, "vocode", "vocoder"))
+    TARGETS = ((LLMRunner, "execute", "llm"), (Token2Wav, "chunks", "t2w"), (Token2Wav, "vocode", "vocoder"))
 
     def __init__(self) -> None:
         self.seconds = {stage: 0.0 for _, _, stage in self.TARGETS}

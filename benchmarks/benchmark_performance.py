@@ -376,12 +376,12 @@ def main(argv: list[str] | None = None) -> dict:
     hift = bundle.load_hift(device)
     for dtype_name in dtypes:
         dtype = parse_precision(dtype_name)
-        llm, flow = bundle.load_llm(device, dtype), bundle.load_flow(device, dtype)
+        llm = bundle.load_llm(device, dtype, frontend.tokenizer.end_of_prompt_id)
+        flow = bundle.load_flow(device, dtype)
         for name in engines:
             cls, options = ENGINES[name]
             options = {k: v for k, v in options.items() if k != "cuda_graphs" or device.type == "cuda"}
-            engine = cls(bundle.config, llm, flow, hift, device, limits,
-                         endofprompt_id=frontend.tokenizer.end_of_prompt_id, fixed_tokens=fixed, **options)
+            engine = cls(bundle.config, llm, flow, hift, device, limits, fixed_tokens=fixed, **options)
             for stream in (True, False):
                 mode = "stream" if stream else "nonstream"
                 if mode not in args.modes:

@@ -123,7 +123,7 @@ class Suite:
             for _ in range(8):
                 done.acquire()
             runs[graphs] = (tokens, torch.cuda.memory_allocated(self.device) - before,
-                            scheduler._graphed is not None)
+                            scheduler.runner.graphed is not None)
             scheduler.close()
         equal = runs[False][0] == runs[True][0]
         return {"ok": equal and runs[True][2], "tokens_equal": equal, "graphs_captured": runs[True][2],
@@ -247,16 +247,16 @@ class Suite:
     def memory_64(self) -> dict:
         streams = 4 if self.tiny else 64
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        llm, flow, hift = (self.bundle.load_llm(self.device, dtype), self.bundle.load_flow(self.device, dtype),
-                           self.bundle.load_hift(self.device))
         limits = Limits(max_sessions=streams)
         frontend = CosyVoiceFrontend(self.bundle, limits)
+        llm = self.bundle.load_llm(self.device, dtype, frontend.tokenizer.end_of_prompt_id)
+        flow, hift = self.bundle.load_flow(self.device, dtype), self.bundle.load_hift(self.device)
         with tempfile.TemporaryDirectory() as tmp:
             voice = frontend.voice(zero_shot_prompt_text("A prompt recording of three seconds."),
                                    bench._prompt(Path(tmp) / "p.wav"))
         inp = frontend.model_input(bench.TEXT, voice)
         engine = Engine(self.bundle.config, llm, flow, hift, self.device, limits, t2w_batch=8,
-                        endofprompt_id=frontend.tokenizer.end_of_prompt_id, fixed_tokens=30 if self.tiny else 250)
+                        fixed_tokens=30 if self.tiny else 250)
         held = [0]
 
         def watch(stop: threading.Event) -> None:

@@ -23,27 +23,25 @@ from cosyvoice.frontend.frontend import ModelInput
 from cosyvoice.hifigan import CausalHiFTGenerator
 from cosyvoice.llm import CosyVoice3LM
 from cosyvoice.llm.job import run_eager
-from cosyvoice.llm.model import ENDOFPROMPT_ID
 from cosyvoice.llm.sampling import SeededSampler
 from cosyvoice.settings import Limits
 
 
-def run_ticket_eager(lm: CosyVoice3LM, ticket: Ticket, positions: int,
-                     wait: Callable[[], None] | None = None) -> None:
+def run_ticket_eager(lm: CosyVoice3LM, ticket: Ticket, positions: int, wait: Callable[[], None] | None = None,
+                     should_stop: Callable[[], bool] | None = None) -> None:
     """Run one ticket alone on the calling thread with a KV cache of ``positions`` of its own (the reference's
-    strategy). Same job, same sampler at B = 1, so it gives the scheduler's tokens for a seed; ``cancelled`` is
+    strategy). Same job, same sampler at B = 1, so it gives the scheduler's tokens for a seed; ``should_stop`` is
     polled before every step."""
     error: BaseException | None = None
     try:
         cache = lm.llm.new_cache(1, positions)
         with torch.inference_mode():
             for token in run_eager(lm, ticket.job, cache, SeededSampler(ticket.seed, lm.cfg.sampling), wait=wait,
-                                   should_stop=lambda: ticket.cancelled):
+                                   should_stop=should_stop):
                 ticket.on_tokens((token,))
     except BaseException as exc:  # handed to the listener, which re-raises it in the consumer's thread
         error = exc
     finally:
-        ticket.done = True
         ticket.on_done(error)
 
 
@@ -52,10 +50,9 @@ class ReferenceEngine:
 
     def __init__(self, config: CosyVoice3Config, llm: CosyVoice3LM, flow: CausalMaskedDiffWithDiT,
                  hift: CausalHiFTGenerator, device: torch.device, limits: Limits | None = None,
-                 endofprompt_id: int = ENDOFPROMPT_ID, fixed_tokens: int | None = None,
+                 fixed_tokens: int | None = None,
                  incremental_flow: bool = False, incremental_vocoder: bool = False) -> None:
-        self.llm, self.limits, self.endofprompt_id, self.fixed_tokens = llm.eval(), limits or Limits(), \
-            endofprompt_id, fixed_tokens
+        self.llm, self.limits, self.fixed_tokens = llm.eval(), limits or Limits(), fixed_tokens
         self.sample_rate = config.sample_rate
         self.t2w = Token2Wav(config, flow.eval(), hift.eval(), device, incremental_flow, incremental_vocoder)
         self._ids = itertools.count()
@@ -74,7 +71,7 @@ class ReferenceEngine:
                    sample_offset: int = 0, first_index: int = 0, *, fixed_tokens: int | None = None,
                    cancel: CancelToken | None = None) -> Iterator[AudioChunk]:
         fixed = self.fixed_tokens if fixed_tokens is None else CosyVoice3LM.check_fixed_tokens(fixed_tokens)
-        job, positions = llm_job(self.llm, inp, self.limits, self.endofprompt_id, None, fixed)
+        job, positions = llm_job(self.llm, inp, self.limits, None, fixed)
         session = Session(id=next(self._ids), seed=seed, inp=inp, stream=stream, speed=float(speed),
                           sample_offset=sample_offset, first_index=first_index)
         return self._run(session, job, positions, cancel)
@@ -91,8 +88,9 @@ class ReferenceEngine:
         ticket = Ticket(job, session.seed, on_tokens, on_done)
         session.cancel.subscribe(session.wake_reader)
         unlink = cancel.subscribe(session.cancel.cancel) if cancel is not None else (lambda: None)
-        thread = threading.Thread(target=run_ticket_eager, args=(self.llm, ticket, positions), daemon=True,
-                                  name=f"reference-llm-{session.id}")
+        stopped = threading.Event()
+        thread = threading.Thread(target=run_ticket_eager, args=(self.llm, ticket, positions, None, stopped.is_set),
+                                  daemon=True, name=f"reference-llm-{session.id}")
         state = self.t2w.open(session)
         with self._lock:
             self._running += 1
@@ -112,7 +110,7 @@ class ReferenceEngine:
                     return
         finally:
             unlink()
-            ticket.cancelled = True
+            stopped.set()
             thread.join()
             with self._lock:
                 self._running -= 1

@@ -27,7 +27,7 @@ from cosyvoice.config import CosyVoice3Config, load_config
 from cosyvoice.errors import ConfigError, ModelBundleError, WeightsError
 from cosyvoice.flow import CausalMaskedDiffWithDiT
 from cosyvoice.hifigan import CausalHiFTGenerator, rename_hift_key
-from cosyvoice.llm import CosyVoice3LM
+from cosyvoice.llm import ENDOFPROMPT_ID, CosyVoice3LM
 from cosyvoice.rng import SineGenRecipe, cfm_noise
 from cosyvoice.weights import load_module, load_weights
 
@@ -311,9 +311,11 @@ class ModelBundle:
     def tokenizer_dir(self) -> Path:
         return self.root / TOKENIZER_DIR
 
-    def load_llm(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> CosyVoice3LM:
-        """``CosyVoice3LM`` built from the yaml with llm.pt loaded strictly, in eval mode."""
-        module = load_module(lambda: CosyVoice3LM(self.config.llm), self.llm_path)
+    def load_llm(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 endofprompt_id: int = ENDOFPROMPT_ID) -> CosyVoice3LM:
+        """``CosyVoice3LM`` built from the yaml with llm.pt loaded strictly, in eval mode; ``endofprompt_id``: the
+        id of ``<|endofprompt|>`` in this bundle's tokenizer (the released one's by default)."""
+        module = load_module(lambda: CosyVoice3LM(self.config.llm, endofprompt_id), self.llm_path)
         return module.to(device=device, dtype=dtype).eval()
 
     def load_flow(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32

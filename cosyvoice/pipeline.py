@@ -94,11 +94,12 @@ class Model:
         frontend = CosyVoiceFrontend(bundle, limits, providers=providers)
         backend = resolve_backend(backend, device)
         wanted = fast.resolve(wanted, device, backend)
+        marker = frontend.tokenizer.end_of_prompt_id
         if device.type == "cpu":  # each stage loaded and given its precision in turn (a lower peak of memory)
-            plan, llm, flow = fast.plan_and_apply(wanted, lambda: bundle.load_llm(device, precision),
+            plan, llm, flow = fast.plan_and_apply(wanted, lambda: bundle.load_llm(device, precision, marker),
                                                   lambda: bundle.load_flow(device, precision))
         else:
-            llm, flow = bundle.load_llm(device, precision), bundle.load_flow(device, precision)
+            llm, flow = bundle.load_llm(device, precision, marker), bundle.load_flow(device, precision)
             name = next(k for k, v in PRECISIONS.items() if v == precision)
             plan = fast.PrecisionPlan(wanted, name, name)
         flow = attach_flow(flow, bundle.root, backend, device)
@@ -110,7 +111,6 @@ class Model:
             # the cache's key needs the model digest (seconds for a real bundle): hashed now, not in the first request
             threading.Thread(target=bundle_digest, args=(root,), name="cosyvoice-model-digest", daemon=True).start()
         engine = Engine(bundle.config, llm, flow, hift, device, limits,
-                        endofprompt_id=frontend.tokenizer.end_of_prompt_id,
                         trim_leading_silence_ms=limits.trim_leading_silence_ms or None, prompt_cache=cache or False)
         return cls(str(bundle.root), device, precision, limits, frontend, engine, plan)
 

@@ -77,10 +77,8 @@ def test_reference_strategy_gives_the_engines_audio(tts, short_prompt_wav: Path)
     spec.loader.exec_module(reference)
     # the engine without the voice's flow prefix (cosyvoice/flow/prompt_cache.py, on in Model.load): the prefix
     # gives the same mel up to float rounding, and this compares bit for bit
-    e = Engine(tts.engine.config, tts.engine.llm, tts.engine.flow, tts.engine.hift, tts.engine.device,
-               endofprompt_id=tts.engine.endofprompt_id)
-    baseline = reference.ReferenceEngine(e.config, e.llm, e.flow, e.hift, e.device,
-                                         endofprompt_id=e.endofprompt_id, incremental_flow=True,
+    e = Engine(tts.engine.config, tts.engine.llm, tts.engine.flow, tts.engine.hift, tts.engine.device)
+    baseline = reference.ReferenceEngine(e.config, e.llm, e.flow, e.hift, e.device, incremental_flow=True,
                                          incremental_vocoder=True)
     voice = tts.frontend.voice("You are a helpful assistant.<|endofprompt|>Hello, this is a short prompt.",
                                short_prompt_wav)
@@ -91,7 +89,7 @@ def test_reference_strategy_gives_the_engines_audio(tts, short_prompt_wav: Path)
         assert len(a) == len(b) >= (2 if stream else 1)
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     # the reference's recompute path: the same boundaries, the same audio up to rounding
-    recompute = reference.ReferenceEngine(e.config, e.llm, e.flow, e.hift, e.device, endofprompt_id=e.endofprompt_id)
+    recompute = reference.ReferenceEngine(e.config, e.llm, e.flow, e.hift, e.device)
     c = [x.pcm for x in recompute.synthesize(inp, stream=True, seed=3)]
     a = [x.pcm for x in e.synthesize(inp, stream=True, seed=3)]
     assert [x.numel() for x in a] == [x.numel() for x in c]

@@ -26,7 +26,8 @@ def lm() -> CosyVoice3LM:
     torch.manual_seed(0)
     qwen = QwenConfig(vocab_size=300, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, rope_theta=10_000.0)
-    return CosyVoice3LM(LLMConfig(llm_input_size=8, llm_output_size=8, speech_token_size=SPEECH, qwen=qwen)).eval()
+    return CosyVoice3LM(LLMConfig(llm_input_size=8, llm_output_size=8, speech_token_size=SPEECH, qwen=qwen),
+                        endofprompt_id=EOP).eval()
 
 
 def drive(job, pieces: Sequence[Sequence[int]], decide: Callable[[int, Step], int],
@@ -101,7 +102,7 @@ def test_first_fill_index_follows_the_reference_formula() -> None:
 def test_hand_derived_schedule_with_prompt_speech(lm: CosyVoice3LM) -> None:
     # prompt text [5, 6, EOP, 7, 8]: prefix = sos + 3 ids; 2 ids head the text queue; 20 prompt speech tokens
     stream = TokenStream()
-    job = bistream_job(lm, [5, 6, EOP, 7, 8], list(range(20)), stream, max_len=512, endofprompt_id=EOP,
+    job = bistream_job(lm, [5, 6, EOP, 7, 8], list(range(20)), stream, max_len=512,
                        silent_tokens=frozenset())
     text = list(range(100, 112))
     steps, sent, emitted = drive(job, [[t] for t in text], speech_then_eos(12), stream)
@@ -124,7 +125,7 @@ def test_hand_derived_schedule_with_prompt_speech(lm: CosyVoice3LM) -> None:
 def test_hand_derived_schedule_without_prompt_speech(lm: CosyVoice3LM) -> None:
     # instruct2: no prompt speech; the reference starts decoding before any streamed text is fed (quirk)
     stream = TokenStream()
-    job = bistream_job(lm, [5, 6, EOP], [], stream, max_len=512, endofprompt_id=EOP, silent_tokens=frozenset())
+    job = bistream_job(lm, [5, 6, EOP], [], stream, max_len=512, silent_tokens=frozenset())
     steps, _, _ = drive(job, [[t] for t in range(100, 107)], speech_then_eos(32), stream)
     lens = [s.embeds.shape[0] for s in steps]
     # 15 sampled from the prefix (4), fill forced at 15; token 5 completes a block: 5 text alone, 15 sampled,
@@ -137,7 +138,7 @@ def test_hand_derived_schedule_without_prompt_speech(lm: CosyVoice3LM) -> None:
 
 def test_multi_token_pieces_resume_at_most_once_per_piece(lm: CosyVoice3LM) -> None:
     stream = TokenStream()
-    job = bistream_job(lm, [EOP], [], stream, max_len=512, endofprompt_id=EOP, silent_tokens=frozenset(),
+    job = bistream_job(lm, [EOP], [], stream, max_len=512, silent_tokens=frozenset(),
                        per_token=False)
     steps, _, _ = drive(job, [[100], list(range(101, 113)), [113]], speech_then_eos(45), stream)
     lens = [s.embeds.shape[0] for s in steps]
@@ -155,7 +156,7 @@ def test_schedule_equals_the_reference_on_random_streams(lm: CosyVoice3LM, seed:
     n_speech = rng.randrange(0, 120)
     prompt_text = [5] + [EOP] + [9] * n_rest
     stream = TokenStream()
-    job = bistream_job(lm, prompt_text, [3] * n_prompt, stream, max_len=4096, endofprompt_id=EOP,
+    job = bistream_job(lm, prompt_text, [3] * n_prompt, stream, max_len=4096,
                        silent_tokens=frozenset(), per_token=per_token)
     ids = iter(range(100, 300))
     pieces = [[next(ids) for _ in range(s)] for s in sizes]
@@ -166,7 +167,7 @@ def test_schedule_equals_the_reference_on_random_streams(lm: CosyVoice3LM, seed:
 
 def test_model_chosen_fill_restarts_the_fill_count(lm: CosyVoice3LM) -> None:
     stream = TokenStream()
-    job = bistream_job(lm, [EOP], [], stream, max_len=512, endofprompt_id=EOP, silent_tokens=frozenset())
+    job = bistream_job(lm, [EOP], [], stream, max_len=512, silent_tokens=frozenset())
     decide = lambda i, step: FILL if i == 3 else (7 if i < 25 or step.ban_sos else EOS)  # noqa: E731
     steps, _, _ = drive(job, [[t] for t in range(100, 110)], decide, stream)
     forced = [k for k, s in enumerate(steps) if not s.sample]  # each call decides output number k
@@ -175,14 +176,14 @@ def test_model_chosen_fill_restarts_the_fill_count(lm: CosyVoice3LM) -> None:
 
 def test_silent_runs_are_fed_but_not_emitted(lm: CosyVoice3LM) -> None:
     stream = TokenStream()
-    job = bistream_job(lm, [EOP], [], stream, max_len=512, endofprompt_id=EOP, silent_tokens=frozenset({7}))
+    job = bistream_job(lm, [EOP], [], stream, max_len=512, silent_tokens=frozenset({7}))
     _, sent, emitted = drive(job, [], speech_then_eos(12), stream)
     assert sent == [7] * 12 + [EOS] and emitted == [7] * MAX_SILENT_RUN
 
 
 def test_the_job_waits_instead_of_blocking(lm: CosyVoice3LM) -> None:
     stream = TokenStream()
-    job = bistream_job(lm, [EOP], [1] * 15, stream, max_len=512, endofprompt_id=EOP)
+    job = bistream_job(lm, [EOP], [1] * 15, stream, max_len=512)
     assert isinstance(next(job), Wait)
     stream.put([100, 101])
     assert isinstance(job.send(None), Wait)  # 2 of the 5 text tokens a prompt block needs
@@ -193,29 +194,29 @@ def test_the_job_waits_instead_of_blocking(lm: CosyVoice3LM) -> None:
 
 def test_errors_are_clear(lm: CosyVoice3LM) -> None:
     with pytest.raises(RuntimeError, match="endofprompt"):
-        bistream_job(lm, [5, 6], [], TokenStream(), max_len=64, endofprompt_id=EOP)
+        bistream_job(lm, [5, 6], [], TokenStream(), max_len=64)
     with pytest.raises(RuntimeError, match="outside"):
-        bistream_job(lm, [EOP], [SPEECH], TokenStream(), max_len=64, endofprompt_id=EOP)
+        bistream_job(lm, [EOP], [SPEECH], TokenStream(), max_len=64)
     with pytest.raises(ResourceLimitError, match="prompt alone"):
-        bistream_job(lm, [1] * 10 + [EOP], [], TokenStream(), max_len=8, endofprompt_id=EOP)
+        bistream_job(lm, [1] * 10 + [EOP], [], TokenStream(), max_len=8)
     # eos while text streams in: the reference raises ValueError; we name the cause
     stream = TokenStream()
-    job = bistream_job(lm, [EOP], [], stream, max_len=512, endofprompt_id=EOP)
+    job = bistream_job(lm, [EOP], [], stream, max_len=512)
     with pytest.raises(BistreamError, match="token 41"):
         drive(job, [[100]], lambda i, step: EOS, stream)
     # a fill in the final phase
     stream = TokenStream()
-    job = bistream_job(lm, [EOP], [], stream, max_len=512, endofprompt_id=EOP)
+    job = bistream_job(lm, [EOP], [], stream, max_len=512)
     with pytest.raises(BistreamError, match="token 43"):
         drive(job, [], lambda i, step: 7 if i < 15 else FILL, stream)
     # never-ending speech is bounded by the cache
     stream = TokenStream()
-    job = bistream_job(lm, [EOP], [], stream, max_len=40, endofprompt_id=EOP)
+    job = bistream_job(lm, [EOP], [], stream, max_len=40)
     with pytest.raises(ResourceLimitError, match="40 LLM positions"):
         drive(job, [], lambda i, step: 7, stream)
     # the writer's failure reaches the runner
     stream = TokenStream()
-    job = bistream_job(lm, [EOP], [], stream, max_len=512, endofprompt_id=EOP)
+    job = bistream_job(lm, [EOP], [], stream, max_len=512)
     next(job)
     stream.close(RuntimeError("chat model disconnected"))
     with pytest.raises(RuntimeError, match="disconnected"):
@@ -233,7 +234,7 @@ def test_run_eager_drives_the_job_with_a_real_model(lm: CosyVoice3LM) -> None:
         assert scores[SOS] == -float("inf") or len(history) >= 0
         return int(torch.multinomial(scores[:SPEECH].softmax(0), 1, generator=gen)) if len(history) < 60 else EOS
 
-    job = bistream_job(lm, [5, EOP], [1, 2, 3], stream, max_len=256, endofprompt_id=EOP, silent_tokens=frozenset())
+    job = bistream_job(lm, [5, EOP], [1, 2, 3], stream, max_len=256, silent_tokens=frozenset())
     tokens = list(run_eager(lm, job, lm.llm.new_cache(1, 256), sample, wait=stream.wait))
     assert len(tokens) == 60 - 3 and all(0 <= t < SPEECH for t in tokens)  # 3 forced fills are not emitted
 
@@ -246,18 +247,18 @@ def test_golden_bistream_parity(golden) -> None:
 def test_engine_mode_ends_at_any_stop_id_and_bounds_the_speech(lm: CosyVoice3LM) -> None:
     # strict=False (the engine): where the reference raises, a stop id ends the utterance, as inference() does
     stream = TokenStream()
-    job = bistream_job(lm, [EOP], [], stream, max_len=512, endofprompt_id=EOP, silent_tokens=frozenset(),
+    job = bistream_job(lm, [EOP], [], stream, max_len=512, silent_tokens=frozenset(),
                        strict=False)
     _, sent, emitted = drive(job, [[100], [101]], lambda i, step: 7 if i < 20 else SPEECH + 50, stream)
     assert sent[-1] == SPEECH + 50 and emitted == [7] * 20
     # and at most max_token_text_ratio x the streamed text tokens are spoken (2 text tokens -> 4 at ratio 2)
     stream = TokenStream()
-    job = bistream_job(lm, [EOP], [], stream, max_len=512, endofprompt_id=EOP, silent_tokens=frozenset(),
+    job = bistream_job(lm, [EOP], [], stream, max_len=512, silent_tokens=frozenset(),
                        strict=False, max_token_text_ratio=2.0)
     _, _, emitted = drive(job, [[100], [101]], lambda i, step: 7, stream)
     assert len(emitted) == 15  # the decoding before the text ended already spoke more: nothing is added
     stream = TokenStream()
-    job = bistream_job(lm, [EOP], [], stream, max_len=512, endofprompt_id=EOP, silent_tokens=frozenset(),
+    job = bistream_job(lm, [EOP], [], stream, max_len=512, silent_tokens=frozenset(),
                        strict=False, max_token_text_ratio=5.0)
     _, _, emitted = drive(job, [[t] for t in range(100, 112)], lambda i, step: 7, stream)
     assert len(emitted) == 5 * 12  # 3 x 15 while the text streamed in, 15 more in the final phase

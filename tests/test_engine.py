@@ -76,7 +76,7 @@ def test_concurrent_requests_equal_sequential_ones(tts, short_prompt_wav: Path) 
 
 def _engine_like(tts, **limits) -> Engine:
     e = tts.engine
-    return Engine(e.config, e.llm, e.flow, e.hift, e.device, Limits(**limits), endofprompt_id=e.endofprompt_id)
+    return Engine(e.config, e.llm, e.flow, e.hift, e.device, Limits(**limits))
 
 
 def _model_input(tts, prompt_wav: Path, text: str = "Hello there, my friend, how are you today?"):

@@ -39,6 +39,35 @@ def test_parity_with_official_fixtures(golden) -> None:
     assert not failed, "\n".join(failed)
 
 
+def test_scheduler_runner_gives_the_eager_bits_on_the_golden_bundle(golden) -> None:
+    """The scheduler's plan → runner → update path and the eager runner (the golden parity's path) compute the same
+    logits bit for bit and draw the same tokens for a seed: one row, so every call has the eager shapes."""
+    import threading
+
+    from cosyvoice.config import load_config
+    from cosyvoice.engine import LLMScheduler, Status, Ticket
+    from cosyvoice.weights import load_weights
+
+    model = CosyVoice3LM(load_config(golden.bundle_dir).llm).eval()
+    load_weights(model, golden.bundle_dir / "llm.pt")
+    logits: list[torch.Tensor] = []
+    model.llm_decoder.register_forward_hook(lambda _m, _i, out: logits.append(out.clone()))
+    request = list(range(100, 106)), [50, 60, model.endofprompt_id], [3, 1, 4, 1, 5]
+    eager = list(model.generate(*request, 7, silent_tokens=frozenset()))
+    eager_logits, logits[:] = list(logits), []
+    tokens: list[int] = []
+    done = threading.Event()
+    lm_input, min_len, max_len = model.prepare(*request)
+    ticket = Ticket(model.generate_job(lm_input, min_len, max_len, frozenset()), 7, tokens.extend,
+                    lambda _e: done.set())
+    scheduler = LLMScheduler(model, rows=1, max_positions=lm_input.shape[0] + max_len)
+    scheduler.submit(ticket)
+    assert done.wait(60)
+    scheduler.close()
+    assert ticket.status is Status.FINISHED_STOPPED and tokens == eager and len(logits) == len(eager_logits)
+    assert all(torch.equal(a, b) for a, b in zip(logits, eager_logits, strict=True))
+
+
 def test_keys_equal_official_checkpoint_and_lm_head_wins(golden) -> None:
     from cosyvoice.config import load_config
 
@@ -63,18 +92,17 @@ def test_kv_cache_decode_equals_full_forward(lm: CosyVoice3LM) -> None:
         # row 0 prefills 9 positions but only 7 are real; slots 7-8 are stale until overwritten
         other = torch.randn(1, 12, 16)
         full_other = lm.llm(other)
-        batch = KVCache(lm.cfg.qwen, batch=2, max_len=16)
-        lm.llm.forward_cached(torch.cat([seq[:, :9], other[:, :9]]), torch.arange(9).expand(2, 9), batch)
+        batch = KVCache.allocate(lm.cfg.qwen, batch=2, max_len=16)
+        lm.llm(torch.cat([seq[:, :9], other[:, :9]]), torch.arange(9).expand(2, 9), batch)
         for a, b in ((7, 9), (8, 10)):
-            out = lm.llm.forward_cached(torch.cat([seq[:, a:a + 1], other[:, b:b + 1]]),
-                                        torch.tensor([[a], [b]]), batch)
+            out = lm.llm(torch.cat([seq[:, a:a + 1], other[:, b:b + 1]]), torch.tensor([[a], [b]]), batch)
             torch.testing.assert_close(out[0, 0], full[0, a], atol=1e-5, rtol=0)
             torch.testing.assert_close(out[1, 0], full_other[0, b], atol=1e-5, rtol=0)
 
 
 def test_generation_reproducible_per_seed(lm: CosyVoice3LM) -> None:
     def run(seed: int) -> list[int]:
-        return list(lm.generate(*_request(), seed, endofprompt_id=EOP))
+        return list(lm.generate(*_request(), seed))
 
     torch.manual_seed(123)
     first = run(7)
@@ -88,17 +116,17 @@ def test_generation_reproducible_per_seed(lm: CosyVoice3LM) -> None:
 
 def test_stops_on_any_stop_id_and_min_len_quirk(lm: CosyVoice3LM) -> None:
     seen: list[torch.Tensor] = []
-    out = list(lm.generate(*_request(), 0, endofprompt_id=EOP, sampler=_replay([7, 8, lm.eos], seen)))
+    out = list(lm.generate(*_request(), 0, sampler=_replay([7, 8, lm.eos], seen)))
     assert out == [7, 8]
     assert len(seen) == 3
     # before min_len only index speech_token_size (sos) is banned; eos and the other stop ids are not
     assert all(s[lm.sos] == -float("inf") and torch.isfinite(s[lm.eos:]).all() for s in seen)
-    late = list(lm.generate(*_request(), 0, endofprompt_id=EOP,
+    late = list(lm.generate(*_request(), 0,
                             sampler=_replay([9] * 6 + [SPEECH + 150])))
     assert late == [9] * 6
     _, max_len = lm.length_limits(3)
     seen.clear()
-    list(lm.generate(*_request(), 0, endofprompt_id=EOP, sampler=_replay([9] * max_len, seen)))
+    list(lm.generate(*_request(), 0, sampler=_replay([9] * max_len, seen)))
     min_len, _ = lm.length_limits(3)
     assert torch.isinf(seen[min_len - 1][lm.sos]) and torch.isfinite(seen[min_len][lm.sos])
 
@@ -111,14 +139,14 @@ def test_max_len_respected(lm: CosyVoice3LM) -> None:
     def never_stop(scores: torch.Tensor, decoded: Sequence[int]) -> int:
         return seeded(scores.index_fill(0, stops, -float("inf")), decoded)
 
-    out = list(lm.generate(*_request(2), 0, endofprompt_id=EOP,
+    out = list(lm.generate(*_request(2), 0,
                            silent_tokens=frozenset(), sampler=never_stop))
     assert len(out) == lm.length_limits(2)[1] == 40
 
 
 def test_closing_the_iterator_stops_work(lm: CosyVoice3LM) -> None:
     seen: list[torch.Tensor] = []
-    tokens = lm.generate(*_request(), 0, endofprompt_id=EOP, sampler=_replay([7] * 60, seen))
+    tokens = lm.generate(*_request(), 0, sampler=_replay([7] * 60, seen))
     assert seen == []  # nothing runs before the first next()
     assert [next(tokens), next(tokens)] == [7, 7]
     tokens.close()
@@ -129,9 +157,9 @@ def test_closing_the_iterator_stops_work(lm: CosyVoice3LM) -> None:
 
 def test_long_silence_is_dropped_but_fed_back(lm: CosyVoice3LM) -> None:
     script = [1] * 8 + [7] + [2] * 3 + [lm.eos]
-    out = list(lm.generate(*_request(), 0, endofprompt_id=EOP, sampler=_replay(script)))
+    out = list(lm.generate(*_request(), 0, sampler=_replay(script)))
     assert out == [1] * MAX_SILENT_RUN + [7] + [2] * 3
-    everything = list(lm.generate(*_request(), 0, endofprompt_id=EOP,
+    everything = list(lm.generate(*_request(), 0,
                                   silent_tokens=frozenset(), sampler=_replay(script)))
     assert everything == script[:-1]
 
@@ -139,28 +167,28 @@ def test_long_silence_is_dropped_but_fed_back(lm: CosyVoice3LM) -> None:
 def test_invalid_requests_raise_at_call_time(lm: CosyVoice3LM) -> None:
     text, prompt, speech = _request()
     with pytest.raises(RuntimeError, match="endofprompt"):
-        lm.generate(text, [5, 6], speech, 0, endofprompt_id=EOP)
-    lm.generate([*text, EOP], [], [], 0, endofprompt_id=EOP)  # cross-lingual: fine
+        lm.generate(text, [5, 6], speech, 0)
+    lm.generate([*text, EOP], [], [], 0)  # cross-lingual: fine
     with pytest.raises(RuntimeError, match="prompt_speech_token"):
-        lm.generate(text, prompt, [SPEECH], 0, endofprompt_id=EOP)
+        lm.generate(text, prompt, [SPEECH], 0)
     with pytest.raises(RuntimeError, match="1-D"):
-        lm.generate(torch.zeros(2, 3, dtype=torch.long), prompt, speech, 0, endofprompt_id=EOP)
+        lm.generate(torch.zeros(2, 3, dtype=torch.long), prompt, speech, 0)
     with pytest.raises(RuntimeError, match="KV cache"):
-        lm.generate(text, prompt, speech, 0, endofprompt_id=EOP, cache=lm.llm.new_cache(1, 8))
+        lm.generate(text, prompt, speech, 0, cache=lm.llm.new_cache(1, 8))
 
 
 def test_reusing_a_session_cache_gives_the_same_tokens(lm: CosyVoice3LM) -> None:
     cache = lm.llm.new_cache(1, 200)
-    runs = [list(lm.generate(*_request(), 3, endofprompt_id=EOP, cache=cache))
+    runs = [list(lm.generate(*_request(), 3, cache=cache))
             for _ in range(2)]
-    assert runs[0] == runs[1] == list(lm.generate(*_request(), 3, endofprompt_id=EOP))
+    assert runs[0] == runs[1] == list(lm.generate(*_request(), 3))
 
 
 def test_bf16_generation_runs(lm: CosyVoice3LM) -> None:
-    half = CosyVoice3LM(lm.cfg).eval()
+    half = CosyVoice3LM(lm.cfg, lm.endofprompt_id).eval()
     half.load_state_dict(lm.state_dict())
     half.to(torch.bfloat16)
-    out = list(half.generate(*_request(), 0, endofprompt_id=EOP))
+    out = list(half.generate(*_request(), 0))
     assert all(0 <= t < SPEECH for t in out)
 
 

@@ -15,7 +15,7 @@ import torch
 from memory_probe import live_tensors, rss_bytes
 from toy_lm import EOP, toy_lm
 
-from cosyvoice.engine import CancelToken, Engine, LLMScheduler, Session, T2WState, Ticket, Token2Wav
+from cosyvoice.engine import CancelToken, Engine, LLMScheduler, Session, Status, T2WState, Ticket, Token2Wav
 from cosyvoice.flow import FlowStream
 from cosyvoice.llm import CosyVoice3LM, KVCache
 from cosyvoice.llm.job import Step, TokenStream, Wait, run_eager
@@ -54,7 +54,7 @@ class _Collector:
 
 
 def _ticket(lm: CosyVoice3LM, i: int, seed: int, collector: _Collector) -> Ticket:
-    lm_input, min_len, max_len = lm.prepare(*_request(i), endofprompt_id=EOP)
+    lm_input, min_len, max_len = lm.prepare(*_request(i))
     return Ticket(lm.generate_job(lm_input, min_len, max_len), seed, collector.on_tokens, collector.on_done)
 
 
@@ -88,10 +88,12 @@ def test_batched_tokens_equal_one_at_a_time_with_sessions_joining_and_leaving(lm
     for c in list(collectors.values()):
         assert c.done.wait(30) and c.error is None
     assert set(collectors) == {0, 1, 2, 3, 4, 6, 7} and cancelled == {2, 3}
+    assert {i: t.status for i, t in tickets.items()} == {
+        i: Status.FINISHED_ABORTED if i in cancelled else Status.FINISHED_STOPPED for i in tickets}
     assert scheduler.active == 0
     assert scheduler.steps < sum(len(c.tokens) for c in collectors.values()) // 2  # rows really shared steps
     for i, c in collectors.items():
-        alone = list(lm.generate(*_request(i), seeds[i], endofprompt_id=EOP))
+        alone = list(lm.generate(*_request(i), seeds[i]))
         if i in cancelled:
             assert c.tokens == alone[:len(c.tokens)] and len(c.tokens) < len(alone), f"request {i}"
         else:
@@ -117,7 +119,7 @@ def _waiting_job(lm: CosyVoice3LM, lm_input: torch.Tensor, text: TokenStream):
 
 
 def test_waiting_jobs_are_parked_and_woken(lm: CosyVoice3LM) -> None:
-    lm_input, _, _ = lm.prepare(*_request(0), endofprompt_id=EOP)
+    lm_input, _, _ = lm.prepare(*_request(0))
     script = [[3, 4], [], [5], [6, 7, 8]]
 
     def feed(stream: TokenStream, pause: float) -> None:
@@ -147,6 +149,7 @@ def test_waiting_jobs_are_parked_and_woken(lm: CosyVoice3LM) -> None:
     parked_steps = scheduler.steps
     time.sleep(0.3)
     assert scheduler.steps == parked_steps and not waiting.done.is_set()  # parked: no work, no polling steps
+    assert ticket.status is Status.PARKED
     feed(stream, 0.05)
     assert waiting.done.wait(30) and waiting.error is None
     assert waiting.tokens == oracle and len(waiting.tokens) == 1 + sum(map(len, script))
@@ -154,11 +157,12 @@ def test_waiting_jobs_are_parked_and_woken(lm: CosyVoice3LM) -> None:
     scheduler.close()
 
 
-def test_kv_cache_rows_share_storage(lm: CosyVoice3LM) -> None:
-    pool = KVCache(lm.cfg.qwen, batch=4, max_len=8)
-    view = pool.rows(1, 3)
+def test_kv_cache_views_share_storage(lm: CosyVoice3LM) -> None:
+    pool = KVCache.allocate(lm.cfg.qwen, batch=4, max_len=8)
+    view = pool.view(1, 3, slots=5)
     view.k[:, 0] = 1.0
-    assert view.batch == 2 and bool((pool.k[:, 1] == 1).all()) and not bool(pool.k[:, 0].any())
+    assert (view.batch, view.max_len) == (2, 5) and bool((pool.k[:, 1, :, :5] == 1).all())
+    assert not bool(pool.k[:, 0].any()) and not bool(pool.k[:, 1, :, 5:].any())
 
 
 # ----------------------------------------------------------------------------- the engine on the tiny bundle
@@ -172,8 +176,7 @@ def _inp(tts, wav: Path, text: str = "Hi there, friend."):
 
 def _engine(tts, **kw) -> Engine:
     e = tts.engine
-    return Engine(e.config, e.llm, e.flow, e.hift, e.device, Limits(max_sessions=16, queue_timeout_seconds=60),
-                  endofprompt_id=e.endofprompt_id, **kw)
+    return Engine(e.config, e.llm, e.flow, e.hift, e.device, Limits(max_sessions=16, queue_timeout_seconds=60), **kw)
 
 
 def test_sixteen_sessions_half_cancelled_leave_nothing_behind(tts, short_prompt_wav: Path) -> None:
@@ -276,7 +279,7 @@ def test_flow_cache_budget_falls_back_to_recompute(tts, prompt_wav: Path) -> Non
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_decode_gives_the_eager_tokens(lm: CosyVoice3LM) -> None:
     """The graphed decode step (per batch bucket, static cache length) against one-at-a-time eager decoding."""
-    model = CosyVoice3LM(lm.cfg).eval()
+    model = CosyVoice3LM(lm.cfg, lm.endofprompt_id).eval()
     model.load_state_dict(lm.state_dict())
     model.cuda()
     scheduler = LLMScheduler(model, rows=8, max_positions=128, cuda_graphs=True)
@@ -285,9 +288,9 @@ def test_cuda_graph_decode_gives_the_eager_tokens(lm: CosyVoice3LM) -> None:
         scheduler.submit(_ticket(model, i, 100 + i, c))
     for c in collectors.values():
         assert c.done.wait(60) and c.error is None
-    assert scheduler._graphed is not None  # captured, not fallen back to eager
+    assert scheduler.runner.graphed is not None  # captured, not fallen back to eager
     for i, c in collectors.items():
-        assert c.tokens == list(model.generate(*_request(i), 100 + i, endofprompt_id=EOP)), f"request {i}"
+        assert c.tokens == list(model.generate(*_request(i), 100 + i)), f"request {i}"
     scheduler.close()
 
 
@@ -328,16 +331,19 @@ def test_engine_runs_a_text_stream_job_woken_by_its_stream(tts, short_prompt_wav
 def test_a_session_outgrowing_its_row_fails_alone(lm: CosyVoice3LM) -> None:
     from cosyvoice.errors import ResourceLimitError
 
-    lm_input, _, _ = lm.prepare(*_request(0), endofprompt_id=EOP)
+    lm_input, _, _ = lm.prepare(*_request(0))
     limit = lm_input.shape[0] + 6
     scheduler = LLMScheduler(lm, rows=2, max_positions=limit)
     long, short = _Collector(), _Collector()
-    scheduler.submit(Ticket(lm.generate_job(lm_input, 50, 50), 1, long.on_tokens, long.on_done))
-    scheduler.submit(Ticket(lm.generate_job(lm_input, 3, 3), 2, short.on_tokens, short.on_done))
+    tickets = [Ticket(lm.generate_job(lm_input, 50, 50), 1, long.on_tokens, long.on_done),
+               Ticket(lm.generate_job(lm_input, 3, 3), 2, short.on_tokens, short.on_done)]
+    for t in tickets:
+        scheduler.submit(t)
     assert long.done.wait(30) and short.done.wait(30)
     assert isinstance(long.error, ResourceLimitError) and "COSYVOICE_MAX_LLM_POSITIONS" in str(long.error)
+    assert (tickets[0].status, tickets[1].status) == (Status.FINISHED_LENGTH, Status.FINISHED_STOPPED)
     assert len(long.tokens) == limit - lm_input.shape[0] + 1  # every position of its row was used
-    assert short.error is None and short.tokens == list(lm.generate(*_request(0), 2, endofprompt_id=EOP))[:3]
+    assert short.error is None and short.tokens == list(lm.generate(*_request(0), 2))[:3]
     assert scheduler.active == 0
     scheduler.close()
 
@@ -383,7 +389,7 @@ def test_a_row_admitted_below_a_decoding_row_keeps_its_prompt(lm: CosyVoice3LM) 
     submit("b", 1, 12)
     for c in collectors.values():
         assert c.done.wait(30) and c.error is None
-    assert collectors["c"].tokens == list(lm.generate(*_request(2), 7, endofprompt_id=EOP))
+    assert collectors["c"].tokens == list(lm.generate(*_request(2), 7))
     scheduler.close()
 
 
@@ -427,3 +433,16 @@ def test_a_cancel_token_ends_asynthesize_and_vocode_from_another_thread(tts, sho
     assert 1 <= len(chunks) < len(whole) and not chunks[-1].final
     assert torch.equal(chunks[0].pcm, whole[0].pcm) and engine.active_sessions == 0
     engine.close()
+
+
+def test_a_ticket_cancelled_before_it_is_submitted_never_runs(lm: CosyVoice3LM) -> None:
+    scheduler = LLMScheduler(lm, rows=1, max_positions=128)
+    early, busy = _Collector(), _Collector()
+    ticket = _ticket(lm, 0, 3, early)
+    scheduler.cancel(ticket)
+    scheduler.submit(ticket)
+    scheduler.submit(_ticket(lm, 1, 4, busy))  # the only row: it runs once the cancelled ticket is gone
+    assert early.done.wait(30) and busy.done.wait(30)
+    assert early.error is None and early.tokens == [] and ticket.status is Status.FINISHED_ABORTED
+    assert busy.error is None and busy.tokens and scheduler.active == 0
+    scheduler.close()

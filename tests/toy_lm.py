@@ -15,7 +15,8 @@ def toy_lm() -> CosyVoice3LM:
     torch.manual_seed(0)
     qwen = QwenConfig(vocab_size=300, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, rope_theta=10_000.0)
-    model = CosyVoice3LM(LLMConfig(llm_input_size=16, llm_output_size=16, speech_token_size=SPEECH, qwen=qwen))
+    model = CosyVoice3LM(LLMConfig(llm_input_size=16, llm_output_size=16, speech_token_size=SPEECH, qwen=qwen),
+                         endofprompt_id=EOP)
     with torch.no_grad():  # like the golden bundle: speech tokens likelier than the 200 stop ids, so utterances run
         model.llm_decoder.weight[:SPEECH] *= 10.0
         model.llm_decoder.weight[SPEECH:] = 0.0

@@ -1,9 +1,11 @@
-"""The engine: LLM scheduler, token-to-wave worker and sessions on one device (docs/architecture.md)."""
+"""The engine: LLM scheduler and runner, token-to-wave worker and sessions on one device (docs/architecture.md)."""
 
 from cosyvoice.engine.engine import Engine
-from cosyvoice.engine.scheduler import LLMScheduler, Ticket
+from cosyvoice.engine.plan import SchedulePlan, Status, Ticket
+from cosyvoice.engine.runner import LLMRunner
+from cosyvoice.engine.scheduler import LLMScheduler
 from cosyvoice.engine.session import AudioChunk, CancelToken, ChunkPolicy, Session
 from cosyvoice.engine.t2w import T2WState, Token2Wav
 
-__all__ = ["AudioChunk", "CancelToken", "ChunkPolicy", "Engine", "LLMScheduler", "Session", "T2WState", "Ticket",
-           "Token2Wav"]
+__all__ = ["AudioChunk", "CancelToken", "ChunkPolicy", "Engine", "LLMRunner", "LLMScheduler", "SchedulePlan",
+           "Session", "Status", "T2WState", "Ticket", "Token2Wav"]

@@ -39,8 +39,8 @@ class GraphedDecoder:
         return next((b for b in BUCKETS if b >= rows and b <= self.cache.batch), self.cache.batch)
 
     def _step(self, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        rows = self.cache.rows(0, embeds.shape[0])
-        hidden = self.lm.llm.forward_cached(embeds, positions, rows)  # kv_len = all slots: a fixed shape
+        rows = self.cache.view(0, embeds.shape[0])  # every slot: a fixed shape
+        hidden = self.lm.llm(embeds, positions, rows)
         return self.lm.log_probs(hidden[:, 0])
 
     def decode(self, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ Shape (docs/architecture.md, "Engine"):
     caller ──synthesize()──▶ Session(tokens, output queue, cancel) ◀── chunks ── Token2WavWorker
                                 │ tokens                                 (owns each session's T2WState:
                                 ▲                                         chunk policy, flow/vocoder state)
-                          LLMScheduler (one thread: schedule → run → update, KV slot pool)
+                          LLMScheduler (one thread: schedule → LLMRunner.execute → update)
 
 No thread per session and none per call: the scheduler runs every session's LLM job, the worker every chunk,
 and opening a session only queues it (sessions beyond the scheduler's rows wait there for a row; the service
@@ -29,7 +29,8 @@ import torch
 
 from cosyvoice.config import CosyVoice3Config
 from cosyvoice.engine.graphs import CompiledDiT
-from cosyvoice.engine.scheduler import LLMScheduler, Ticket
+from cosyvoice.engine.plan import Ticket
+from cosyvoice.engine.scheduler import LLMScheduler
 from cosyvoice.engine.session import AudioChunk, CancelToken, Session
 from cosyvoice.engine.t2w import Token2Wav, Token2WavWorker, as_cosyvoice_error
 from cosyvoice.errors import CosyVoiceError, ResourceLimitError
@@ -39,22 +40,20 @@ from cosyvoice.frontend.frontend import ModelInput
 from cosyvoice.hifigan import CausalHiFTGenerator
 from cosyvoice.llm import CosyVoice3LM
 from cosyvoice.llm.job import Job, TokenStream
-from cosyvoice.llm.model import ENDOFPROMPT_ID
 from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, Limits
 
 
-def llm_job(llm: CosyVoice3LM, inp: ModelInput, limits: Limits, endofprompt_id: int,
-            text_stream: TokenStream | None, fixed_tokens: int | None) -> tuple[Job, int]:
+def llm_job(llm: CosyVoice3LM, inp: ModelInput, limits: Limits, text_stream: TokenStream | None,
+            fixed_tokens: int | None) -> tuple[Job, int]:
     """(the request's LLM job, KV positions it may need). ``fixed_tokens``: decode exactly that many tokens."""
     if text_stream is not None:
         from cosyvoice.llm.bistream import bistream_job  # the text-stream algorithm (issue 7)
 
         # strict=False: a stop id other than eos ends the utterance instead of failing it (docs/differences.md)
         job = bistream_job(llm, inp.prompt_text, inp.llm_prompt_speech_token, text_stream,
-                           max_len=limits.max_llm_positions, endofprompt_id=endofprompt_id, strict=False)
+                           max_len=limits.max_llm_positions, strict=False)
         return job, limits.max_llm_positions  # its length is unknown: bounded by the row
-    lm_input, min_len, max_len = llm.prepare(inp.text, inp.prompt_text, inp.llm_prompt_speech_token,
-                                             endofprompt_id=endofprompt_id)
+    lm_input, min_len, max_len = llm.prepare(inp.text, inp.prompt_text, inp.llm_prompt_speech_token)
     if fixed_tokens is not None:
         min_len = max_len = fixed_tokens
     # max_len (20 x text tokens) is a bound that speech rarely nears (~7 x), so a request is refused here only
@@ -103,7 +102,7 @@ class Engine:
 
     def __init__(self, config: CosyVoice3Config, llm: CosyVoice3LM, flow: CausalMaskedDiffWithDiT,
                  hift: CausalHiFTGenerator, device: torch.device, limits: Limits | None = None,
-                 endofprompt_id: int = ENDOFPROMPT_ID, incremental_flow: bool = True,
+                 incremental_flow: bool = True,
                  incremental_vocoder: bool = True, fixed_tokens: int | None = None, cuda_graphs: bool = False,
                  t2w_batch: int | None = None, trim_leading_silence_ms: float | None = None,
                  compile_dit: bool | str = False, threads: tuple[int, int] | None = None,
@@ -116,7 +115,6 @@ class Engine:
             torch.backends.cudnn.allow_tf32 = False
         self.limits = limits or Limits.from_env()
         self.sample_rate = config.sample_rate
-        self.endofprompt_id = endofprompt_id  # the tokenizer's id of <|endofprompt|>, which the LLM requires
         self.fixed_tokens = None if fixed_tokens is None else CosyVoice3LM.check_fixed_tokens(fixed_tokens)
         self._ids = itertools.count()
         compiled = CompiledDiT(device, compile_dit if isinstance(compile_dit, str) else "inductor") \
@@ -221,7 +219,7 @@ class Engine:
 
     def _job(self, inp: ModelInput, text_stream: TokenStream | None, fixed_tokens: int | None) -> Job:
         fixed = self.fixed_tokens if fixed_tokens is None else CosyVoice3LM.check_fixed_tokens(fixed_tokens)
-        return llm_job(self.llm, inp, self.limits, self.endofprompt_id, text_stream, fixed)[0]
+        return llm_job(self.llm, inp, self.limits, text_stream, fixed)[0]
 
     def _open(self, inp: ModelInput, stream: bool, speed: float, seed: int | None, sample_offset: int,
               first_index: int, cancel: CancelToken | None, job: Job | None, text_stream: TokenStream | None,

@@ -35,7 +35,7 @@ import torch
 
 from cosyvoice.errors import CosyVoiceError, ResourceLimitError
 from cosyvoice.llm.job import Job, Step, TokenStream, Wait
-from cosyvoice.llm.model import ENDOFPROMPT_ID, MAX_SILENT_RUN, SILENT_TOKENS, CosyVoice3LM, TokenIds
+from cosyvoice.llm.model import MAX_SILENT_RUN, SILENT_TOKENS, CosyVoice3LM, TokenIds
 
 #: text tokens : speech tokens per interleaved block (``mix_ratio`` of the released cosyvoice3.yaml)
 MIX_RATIO = (5, 15)
@@ -52,13 +52,13 @@ def first_fill_index(n_prompt_speech: int, mix_ratio: tuple[int, int] = MIX_RATI
 
 
 def bistream_job(lm: CosyVoice3LM, prompt_text: TokenIds, prompt_speech_token: TokenIds, stream: TokenStream, *,
-                 max_len: int, endofprompt_id: int = ENDOFPROMPT_ID, mix_ratio: tuple[int, int] = MIX_RATIO,
+                 max_len: int, mix_ratio: tuple[int, int] = MIX_RATIO,
                  silent_tokens: frozenset[int] = SILENT_TOKENS, per_token: bool = True, strict: bool = True,
                  max_token_text_ratio: float = 20.0) -> Job:
     """The bi-streaming decoding of one request, reading text ids from ``stream`` without blocking.
 
-    ``prompt_text`` must hold ``<|endofprompt|>`` (zero-shot transcript or instruct2 instruction);
-    ``prompt_speech_token`` may be empty (instruct2). ``max_len`` bounds the positions the job feeds
+    ``prompt_text`` must hold ``<|endofprompt|>`` (``lm.endofprompt_id``; zero-shot transcript or instruct2
+    instruction); ``prompt_speech_token`` may be empty (instruct2). ``max_len`` bounds the positions the job feeds
     (the KV cache it will run on): beyond it the job raises :class:`ResourceLimitError`. Emitted tokens
     follow the official engine's silent-run rule (see ``CosyVoice3LM.generate``); ``strict`` and
     ``max_token_text_ratio``: see the module docstring. Validation happens
@@ -68,6 +68,7 @@ def bistream_job(lm: CosyVoice3LM, prompt_text: TokenIds, prompt_speech_token: T
     device = lm.speech_embedding.weight.device
     prompt_ids = lm._ids(prompt_text, "prompt_text", lm.cfg.qwen.vocab_size, device)
     speech_ids = lm._ids(prompt_speech_token, "prompt_speech_token", lm.speech_token_size, device)
+    endofprompt_id = lm.endofprompt_id
     hits = (prompt_ids == endofprompt_id).nonzero().flatten().tolist()
     if not hits:
         raise RuntimeError(

@@ -30,8 +30,8 @@ from cosyvoice.llm.sampling import SeededSampler, to_device
 
 TokenIds = Sequence[int] | torch.Tensor
 
-#: Id of ``<|endofprompt|>`` in the released tokenizer; the official model hard-codes it. Callers
-#: with a tokenizer should pass the id it resolves instead.
+#: Id of ``<|endofprompt|>`` in the released tokenizer; the official model hard-codes it. A bundle's loader
+#: gives the model the id its own tokenizer resolves instead (:meth:`ModelBundle.load_llm`).
 ENDOFPROMPT_ID = 151646
 #: Speech tokens that are silence or breath in the released FSQ codebook (official ``llm_job``).
 SILENT_TOKENS = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
@@ -44,9 +44,11 @@ N_EXTRA_TOKENS = 200
 class CosyVoice3LM(nn.Module):
     """Qwen2 backbone + speech-token embedding and head; keys equal the official ``llm.pt``."""
 
-    def __init__(self, cfg: LLMConfig) -> None:
+    def __init__(self, cfg: LLMConfig, endofprompt_id: int = ENDOFPROMPT_ID) -> None:
         super().__init__()
         self.cfg = cfg
+        #: the tokenizer's id of ``<|endofprompt|>``, which every prompt must carry (see :meth:`prepare`)
+        self.endofprompt_id = endofprompt_id
         n = cfg.speech_token_size
         self.speech_token_size = n
         self.sos, self.eos, self.task_id, self.fill = n, n + 1, n + 2, n + 3
@@ -84,7 +86,7 @@ class CosyVoice3LM(nn.Module):
         """Feed ``embeds`` [1, T, H] at positions ``start``.. ; return the last (hidden [1, H], log-probs [1, V])."""
         t = embeds.shape[1]
         positions = torch.arange(start, start + t, device=embeds.device)[None]
-        hidden = self.llm.forward_cached(embeds, positions, cache, kv_len=start + t)[:, -1]
+        hidden = self.llm(embeds, positions, cache.view(slots=start + t))[:, -1]
         return hidden, self.log_probs(hidden)
 
     # ------------------------------------------------------------------ generation
@@ -106,8 +108,8 @@ class CosyVoice3LM(nn.Module):
         return logp
 
     def prepare(self, text: TokenIds, prompt_text: TokenIds, prompt_speech_token: TokenIds, *,
-                endofprompt_id: int = ENDOFPROMPT_ID, min_token_text_ratio: float = 2.0,
-                max_token_text_ratio: float = 20.0) -> tuple[torch.Tensor, int, int]:
+                min_token_text_ratio: float = 2.0, max_token_text_ratio: float = 20.0
+                ) -> tuple[torch.Tensor, int, int]:
         """Validate one request and build its prompt: (lm_input [L, H], min_len, max_len).
 
         Inputs are 1-D token ids (or [1, T]); see the module docstring for what each mode passes.
@@ -117,6 +119,7 @@ class CosyVoice3LM(nn.Module):
         text_ids = self._ids(text, "text", self.cfg.qwen.vocab_size, device)
         prompt_ids = self._ids(prompt_text, "prompt_text", self.cfg.qwen.vocab_size, device)
         speech_ids = self._ids(prompt_speech_token, "prompt_speech_token", self.speech_token_size, device)
+        endofprompt_id = self.endofprompt_id
         if not bool((text_ids == endofprompt_id).any() or (prompt_ids == endofprompt_id).any()):
             raise RuntimeError(
                 f"CosyVoice3 needs the <|endofprompt|> token (id {endofprompt_id}) in the prompt text or the text: "
@@ -128,8 +131,7 @@ class CosyVoice3LM(nn.Module):
         return lm_input[0], min_len, max_len
 
     def generate(self, text: TokenIds, prompt_text: TokenIds, prompt_speech_token: TokenIds,
-                 seed: int, *, endofprompt_id: int = ENDOFPROMPT_ID,
-                 min_token_text_ratio: float = 2.0, max_token_text_ratio: float = 20.0,
+                 seed: int, *, min_token_text_ratio: float = 2.0, max_token_text_ratio: float = 20.0,
                  silent_tokens: frozenset[int] = SILENT_TOKENS, cache: KVCache | None = None,
                  sampler: Sampler | None = None, should_stop: Callable[[], bool] | None = None,
                  fixed_tokens: int | None = None) -> Iterator[int]:
@@ -147,8 +149,8 @@ class CosyVoice3LM(nn.Module):
         Raises RuntimeError at call time on input the service would never pass, before any model work.
         """
         lm_input, min_len, max_len = self.prepare(
-            text, prompt_text, prompt_speech_token, endofprompt_id=endofprompt_id,
-            min_token_text_ratio=min_token_text_ratio, max_token_text_ratio=max_token_text_ratio)
+            text, prompt_text, prompt_speech_token, min_token_text_ratio=min_token_text_ratio,
+            max_token_text_ratio=max_token_text_ratio)
         if fixed_tokens is not None:
             min_len = max_len = self.check_fixed_tokens(fixed_tokens)
         needed = lm_input.shape[0] + max(max_len - 1, 0)

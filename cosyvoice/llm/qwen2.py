@@ -15,6 +15,8 @@ hidden states are taken after the final norm (HF ``hidden_states[-1]``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -67,30 +69,58 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + _rotate_half(x) * sin
 
 
+@dataclass(frozen=True, eq=False)
 class KVCache:
-    """Static keys/values for ``batch`` sequences of up to ``max_len`` positions, every layer.
+    """Keys/values of ``batch`` sequences, every layer, in slots allocated once (gpt-fast's static cache).
 
-    Tensors are [layers, batch, kv_heads, max_len, head_dim], allocated once. Slot ``p`` of a row
-    holds position ``p``; attention lets a query at position ``q`` see slots ``0..q``, so a row
-    needs no separate length and stale slots beyond it are never read. The owner (a request or a
-    session) keeps the object alive across decode steps and may reuse it for its next request.
+    Tensors are [layers, batch, kv_heads, slots, head_dim]. Slot ``p`` of a row holds position ``p``;
+    attention lets a query at position ``q`` see slots ``0..q``, so a row needs no separate length and
+    stale slots beyond it are never read. The owner (a session, the scheduler's slot pool) keeps the
+    object alive across steps; :meth:`view` hands a forward call the rows and slots it may touch.
     """
 
-    def __init__(self, cfg: QwenConfig, batch: int, max_len: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def allocate(cls, cfg: QwenConfig, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> KVCache:
+        """A zeroed cache of ``batch`` rows of ``max_len`` slots."""
         if batch <= 0 or max_len <= 0:
             raise RuntimeError(f"KV cache needs batch > 0 and max_len > 0, got batch={batch} max_len={max_len}")
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
-    def rows(self, start: int, stop: int) -> KVCache:
-        """Rows ``start .. stop-1`` as a cache of their own that shares this one's storage (a slot pool's view)."""
+    def view(self, start: int = 0, stop: int | None = None, slots: int | None = None) -> KVCache:
+        """Rows ``start .. stop-1`` and their first ``slots`` slots, sharing this cache's storage.
+
+        A forward call attends over every slot of the cache it is given, so the slots of a view bound
+        what it reads: a prefix just past the last position written (eager decoding), or all of them
+        (a fixed shape for graph capture).
+        """
+        stop = self.batch if stop is None else stop
+        slots = self.max_len if slots is None else slots
         if not 0 <= start < stop <= self.batch:
             raise RuntimeError(f"rows {start}..{stop} outside a cache of batch {self.batch}")
-        view = object.__new__(KVCache)
-        view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
-        return view
+        if slots > self.max_len:
+            raise ResourceLimitError(f"sequence needs {slots} KV-cache slots but the cache holds {self.max_len}")
+        return KVCache(self.k[:, start:stop, :, :slots], self.v[:, start:stop, :, :slots])
+
+    def update(self, layer: int, positions: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``layer``'s keys/values [B, kv_heads, T, D] of ``positions`` [B, T] to their slots; return
+        that layer's whole cache [B, kv_heads, slots, D] to attend over."""
+        rows = torch.arange(self.batch, device=positions.device)[:, None]
+        k_cache, v_cache = self.k[layer], self.v[layer]
+        # advanced indices (rows, positions) around a slice put [B, T] first: [B, T, kv_heads, D]
+        k_cache[rows, :, positions] = k.transpose(1, 2)
+        v_cache[rows, :, positions] = v.transpose(1, 2)
+        return k_cache, v_cache
+
+    def mask(self, positions: torch.Tensor) -> torch.Tensor:
+        """[B, 1, T, slots]: a query at position ``q`` sees slots ``0..q``."""
+        slots = torch.arange(self.max_len, device=positions.device)
+        return (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)
 
     @property
     def batch(self) -> int:
@@ -112,8 +142,9 @@ class KVCache:
 class Attention(nn.Module):
     """Grouped-query self-attention: biased q/k/v projections, unbiased output projection."""
 
-    def __init__(self, cfg: QwenConfig) -> None:
+    def __init__(self, cfg: QwenConfig, layer: int) -> None:
         super().__init__()
+        self.layer = layer  # this block's index in a KVCache
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -122,30 +153,20 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Attend causally over ``x`` alone (``kv`` None) or over a layer's cache slots.
-
-        ``kv`` = (k_cache, v_cache [B, kv_heads, S, D], positions [B, T], kv_len): this step's keys
-        and values are written to their position slots, then the first ``kv_len`` slots are read
-        under ``mask`` [B, 1, T, kv_len].
-        """
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Attend causally over ``x`` alone (``cache`` None) or over the cache's slots under ``mask``, after
+        this step's keys and values went to their ``positions`` [B, T]."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if kv is not None:
-            k_cache, v_cache, positions, kv_len = kv
-            rows = torch.arange(b, device=x.device)[:, None]
-            # advanced indices (rows, positions) around a slice put [B, T] first: [B, T, kv_heads, D]
-            k_cache[rows, :, positions] = k.transpose(1, 2)
-            v_cache[rows, :, positions] = v.transpose(1, 2)
-            k, v = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+        if cache is not None:
+            k, v = cache.update(self.layer, positions, k, v)
         groups = self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=kv is None)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cache is None)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
@@ -165,17 +186,16 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: QwenConfig) -> None:
+    def __init__(self, cfg: QwenConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, mask)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -186,42 +206,31 @@ class Qwen2Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, embeds: torch.Tensor) -> torch.Tensor:
-        """Causal pass over whole sequences ``embeds`` [B, T, H] at positions 0..T-1, no cache."""
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """Hidden states [B, T, H] (after the final norm) of ``embeds`` [B, T, H] at ``positions`` [B, T].
+
+        Without ``cache``: one causal pass over whole sequences (positions default to 0..T-1). With it, the
+        step's keys/values go to their slots and every query attends over the cache's slots up to its own
+        position: a prefill is T = prompt length at 0..T-1, a decode step T = 1, and rows may sit at
+        different positions (batched sessions). The cache (a :meth:`KVCache.view`) bounds the slots read.
+        """
         b, t, _ = embeds.shape
-        positions = torch.arange(t, device=embeds.device).expand(b, t)
+        if positions is None:
+            positions = torch.arange(t, device=embeds.device).expand(b, t)
+        if positions.shape != (b, t) or (cache is not None and cache.batch != b):
+            rows = "no cache" if cache is None else f"cache batch {cache.batch}"
+            raise RuntimeError(f"positions {tuple(positions.shape)} / {rows} do not fit inputs of shape "
+                               f"{tuple(embeds.shape)}")
+        mask = None if cache is None else cache.mask(positions)
         cos, sin = rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, embeds.dtype)
         x = embeds
         with sdpa_kernel(_ATTENTION_BACKENDS):
             for layer in self.layers:
-                x = layer(x, cos, sin)
-        return self.norm(x)
-
-    def forward_cached(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                       kv_len: int | None = None) -> torch.Tensor:
-        """Run ``embeds`` [B, T, H] at ``positions`` [B, T], reading and extending ``cache``.
-
-        A prefill is T = prompt length at positions 0..T-1; a decode step is T = 1. Rows may sit at
-        different positions (batched sessions). ``kv_len`` bounds the slots read (must exceed every
-        position); the default reads all ``cache.max_len`` slots, a fixed shape for graph capture.
-        """
-        b, t, _ = embeds.shape
-        kv_len = cache.max_len if kv_len is None else kv_len
-        if cache.batch != b or positions.shape != (b, t):
-            raise RuntimeError(f"positions {tuple(positions.shape)} / cache batch {cache.batch} do not fit "
-                                    f"inputs of shape {tuple(embeds.shape)}")
-        if kv_len > cache.max_len:
-            raise ResourceLimitError(f"sequence needs {kv_len} KV-cache slots but the cache holds {cache.max_len}")
-        slots = torch.arange(kv_len, device=embeds.device)
-        mask = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)
-        cos, sin = rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, embeds.dtype)
-        x = embeds
-        with sdpa_kernel(_ATTENTION_BACKENDS):
-            for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, (cache.k[i], cache.v[i], positions, kv_len), mask)
+                x = layer(x, cos, sin, positions, cache, mask)
         return self.norm(x)
 
 
@@ -254,16 +263,12 @@ class Qwen2Backbone(nn.Module):
     def embed_tokens(self) -> nn.Embedding:
         return self.model.model.embed_tokens
 
-    def forward(self, embeds: torch.Tensor) -> torch.Tensor:
-        """Last hidden states (after the final norm) of a causal pass without cache, [B, T, H]."""
-        return self.model.model(embeds)
-
-    def forward_cached(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                       kv_len: int | None = None) -> torch.Tensor:
-        """Last hidden states [B, T, H] of an incremental pass; see :meth:`Qwen2Model.forward_cached`."""
-        return self.model.model.forward_cached(embeds, positions, cache, kv_len)
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """Last hidden states [B, T, H]; see :meth:`Qwen2Model.forward`."""
+        return self.model.model(embeds, positions, cache)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """A zeroed cache on this module's device and dtype."""
         weight = self.embed_tokens.weight
-        return KVCache(self.cfg, batch, max_len, dtype=weight.dtype, device=weight.device)
+        return KVCache.allocate(self.cfg, batch, max_len, dtype=weight.dtype, device=weight.device)
