@@ -49,11 +49,11 @@ from cosyvoice.server.longform import longform_router
 from cosyvoice.server.workbench import rater_route, workbench_router
 from cosyvoice.service import SEED_DRAWS, PreparedRequest, SynthesisRequest, SynthesisSession, TTSService, draw_seed
 from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, default_data_dir, default_voice_dir
+from cosyvoice.takes.provenance import provenance
+from cosyvoice.takes.store import Take as StoredTake
+from cosyvoice.takes.store import TakeStore
 from cosyvoice.tools.make_tiny_bundle import model_dir_or_demo
 from cosyvoice.voices import BUILTIN_VOICE_DIR, EXPORT_SUFFIX
-from cosyvoice.workbench.batch import provenance
-from cosyvoice.workbench.store import Take as StoredTake
-from cosyvoice.workbench.store import WorkbenchStore
 
 logger = logging.getLogger(__name__)
 
@@ -193,18 +193,18 @@ class Studio:
     _stopped_early: set[str] = field(default_factory=set)  # Stop clicked while the take was still queued
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _files: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cosyvoice-takes-")))
-    _store: WorkbenchStore | None = None
+    _store: TakeStore | None = None
     owners: Owners = field(default_factory=Owners)  # who visitors are and what they see (launch() sets the server's)
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir or default_data_dir(self.service.voices.dir.parent))
 
     @property
-    def store(self) -> WorkbenchStore:
+    def store(self) -> TakeStore:
         """The takes' store, opened on first use (the workbench pages open the same folder)."""
         with self._lock:
             if self._store is None:
-                self._store = WorkbenchStore(self.data_dir)
+                self._store = TakeStore(self.data_dir)
             return self._store
 
     def _folder(self) -> Path:

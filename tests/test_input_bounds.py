@@ -22,9 +22,9 @@ from cosyvoice.owners import ANONYMOUS
 from cosyvoice.server.rest import create_app
 from cosyvoice.service import TTSService
 from cosyvoice.settings import CSV_FIELD_LIMIT, Limits, ServerSettings, default_data_dir
+from cosyvoice.takes.export import write_csv
+from cosyvoice.takes.store import TakeStore
 from cosyvoice.voices import VoiceLibrary
-from cosyvoice.workbench.batch import write_csv
-from cosyvoice.workbench.store import WorkbenchStore
 
 LIMITS = Limits(max_sessions=2, queue_timeout_seconds=60, max_batch_rows=3, max_batch_field_chars=1000,
                 max_test_title_chars=40, max_test_instructions_chars=300)
@@ -101,7 +101,7 @@ def test_malformed_bodies_are_400s_naming_the_problem(served: tuple, caplog: pyt
 
 def test_a_tests_title_and_instructions_are_bounded(served: tuple) -> None:
     url, data_dir, _ = served
-    store = WorkbenchStore(data_dir)
+    store = TakeStore(data_dir)
     a, b = (store.add_take(np.zeros(2400, np.float32), 24000, {"text": "one"}, label=label, owner=ANONYMOUS)
             for label in "AB")  # the keyless client's own takes (a private server: cosyvoice.owners)
     spec = {"kind": "ab", "items": [{"takes": [a.id, b.id]}]}
@@ -119,7 +119,7 @@ def test_a_tests_title_and_instructions_are_bounded(served: tuple) -> None:
 
 def test_every_csv_export_neutralises_formulas(served: tuple) -> None:
     url, data_dir, _ = served
-    store = WorkbenchStore(data_dir)
+    store = TakeStore(data_dir)
     tone = (0.2 * np.sin(np.arange(2400) / 5)).astype(np.float32)  # 0.1 s: listen-gating passes at once
     takes = [store.add_take(tone, 24000, {"text": formula, "seed": -7}, label=formula, owner=ANONYMOUS)
              for formula in FORMULAS[:2]]

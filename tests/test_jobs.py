@@ -24,9 +24,9 @@ from test_rest import Server
 from cosyvoice.server.rest import create_app
 from cosyvoice.service import TTSService
 from cosyvoice.settings import Limits, ServerSettings
+from cosyvoice.takes.store import TakeStore
 from cosyvoice.voices import VoiceLibrary
 from cosyvoice.workbench.batch import Progress, Row, run_batch
-from cosyvoice.workbench.store import WorkbenchStore
 
 ROOT = Path(__file__).resolve().parents[1]
 TRANSCRIPT = "A short test prompt."
@@ -225,7 +225,7 @@ def test_a_batch_does_the_same_bookkeeping_for_its_last_row_as_for_its_first(ser
                                                                              tmp_path: Path) -> None:
     """100,000 rows slowed to a quarter of their first speed when every failed row rewrote the whole error
     list; now each row writes the same few bytes, however many failed before it."""
-    store = WorkbenchStore(tmp_path / "data")
+    store = TakeStore(tmp_path / "data")
     rows = [Row(i, {"text": "Hi.", "voice": "Narrator", "seed": "not a number"}) for i in range(1, 1501)]
     written: list[int] = []
     ending: list[Progress] = []
@@ -325,7 +325,7 @@ def test_deleting_a_project_on_one_server_ends_its_render_on_the_other_cleanly(t
     until(lambda: httpx.get(f"{a.url}/v1/longform/projects/{pid}/progress").status_code == 404, 30, "the delete")
     until(lambda: httpx.get(f"{a.url}/ready").json()["active_sessions"] == 0, 60, "the end of A's last take")
     time.sleep(0.5)
-    store = WorkbenchStore(tmp_path / "data")
+    store = TakeStore(tmp_path / "data")
     assert [t.id for t in store.takes() if t.longform["project"] == pid] == []  # the project's takes went with it
     assert files(store.audio_dir) == sorted(t.audio for t in store.takes())  # and no orphan take file
     for server in (a, b):

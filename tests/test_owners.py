@@ -20,8 +20,8 @@ from cosyvoice.owners import ANONYMOUS, Owners, key_owner
 from cosyvoice.server.rest import create_app
 from cosyvoice.service import TTSService
 from cosyvoice.settings import Limits, ServerSettings, default_data_dir
+from cosyvoice.takes.store import TakeStore
 from cosyvoice.voices import VoiceLibrary
-from cosyvoice.workbench.store import WorkbenchStore
 
 ALICE, BOB, ADMIN = "alice-key", "bob-key", "admin-key"
 ANN, BEN = "a" * 32, "b" * 32  # two browsers' cv-browser ids
@@ -51,8 +51,8 @@ def served(service: TTSService, tmp_path: Path) -> Iterator:
         server.stop()
 
 
-def store_of(tmp_path: Path) -> WorkbenchStore:
-    return WorkbenchStore(default_data_dir(tmp_path / "voices"))
+def store_of(tmp_path: Path) -> TakeStore:
+    return TakeStore(default_data_dir(tmp_path / "voices"))
 
 
 def client(url: str, key: str | None = None, browser: str | None = None) -> httpx.Client:
@@ -217,7 +217,7 @@ def test_a_database_from_before_owners_opens_and_its_rows_are_the_local_owners(t
                      "title TEXT NOT NULL, instructions TEXT NOT NULL, spec TEXT NOT NULL);"
                      "INSERT INTO tests VALUES ('test-old', 1.0, 'ab', 'Old', '', '{\"items\": []}');")
     db.close()
-    store = WorkbenchStore(tmp_path)
+    store = TakeStore(tmp_path)
     assert store.test("test-old")["owner"] is None  # the local owner's: the CLIs and admins see it
     visitor = Owners().identify(cookies={"cv-browser": ANN})
     assert store.tests(visitor) == [] and store.tests(Owners(sharing="team").identify()) != []

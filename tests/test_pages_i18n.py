@@ -19,8 +19,8 @@ sync_api, CHROMIUM = require_browser()
 from test_webui import make_studio, serving  # noqa: E402
 
 from cosyvoice.settings import default_data_dir  # noqa: E402
+from cosyvoice.takes.store import TakeStore  # noqa: E402
 from cosyvoice.workbench import listening  # noqa: E402
-from cosyvoice.workbench.store import WorkbenchStore  # noqa: E402
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 # what stays as it is in any language: names, units, formats, file names, the test's data
@@ -38,7 +38,7 @@ OWNER = "d" * 32  # the browser (cv-browser id) whose test it is
 def app(tts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     root = tmp_path_factory.mktemp("i18n")
     studio = make_studio(tts, root)
-    store = WorkbenchStore(default_data_dir(studio.service.voices.dir.parent))
+    store = TakeStore(default_data_dir(studio.service.voices.dir.parent))
     t = np.arange(7200) / 24000
     a, b = (store.add_take((0.2 * np.sin(2 * np.pi * f * t)).astype(np.float32), 24000, {"text": "one"}, label=label)
             for f, label in ((220, "sysA"), (330, "sysB")))

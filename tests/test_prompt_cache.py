@@ -244,13 +244,14 @@ def test_steps_are_validated_once_and_reach_the_engine(tts, short_prompt_wav: Pa
 
 def test_a_batch_steps_column_reaches_the_take_and_its_provenance(tts, tmp_path: Path) -> None:
     """The listening test's A/B of 10 against 6 steps: a CSV with a steps column, its takes recorded with them."""
-    from cosyvoice.workbench.batch import parse_rows, run_batch, takes_csv_rows
-    from cosyvoice.workbench.store import WorkbenchStore
+    from cosyvoice.takes.export import takes_csv_rows
+    from cosyvoice.takes.store import TakeStore
+    from cosyvoice.workbench.batch import parse_rows, run_batch
 
     library = VoiceLibrary(tmp_path / "voices", tts.frontend, model_dir=tts.model_dir,
                            builtin_dir=Path(__file__).resolve().parents[1] / "assets" / "voices")
     service = TTSService(tts.model, library, Limits(max_sessions=2))
-    store = WorkbenchStore(tmp_path / "data")
+    store = TakeStore(tmp_path / "data")
     rows = parse_rows("text,voice,seed,steps,label\nHello there.,en-allison,11,,ten\nHello there.,en-allison,11,6,six\n"
                       "Hello there.,en-allison,11,six,bad\n")
     result = run_batch(service, store, rows)

@@ -19,8 +19,8 @@ from cosyvoice.owners import ANONYMOUS
 from cosyvoice.server.rest import create_app
 from cosyvoice.service import TTSService
 from cosyvoice.settings import Limits, ServerSettings, default_data_dir
+from cosyvoice.takes.store import TakeStore
 from cosyvoice.voices import VoiceLibrary
-from cosyvoice.workbench.store import WorkbenchStore
 
 TRANSCRIPT = "Hello, this is a short prompt for testing."
 
@@ -41,7 +41,7 @@ def test_read_only_folders_are_served_read_only(tts, tmp_path: Path, short_promp
 
     made = service()  # made while writable: a saved voice, a take, a long-form project
     made.create_voice("Narrator", short_prompt_wav.read_bytes(), TRANSCRIPT)
-    store = WorkbenchStore(data)
+    store = TakeStore(data)
     take = store.add_take(np.zeros(2400, np.float32), 24000, {"text": "kept"}, label="sysA", owner=ANONYMOUS)
     store.close()
     studio = LongformStudio(made, data)

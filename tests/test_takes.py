@@ -22,8 +22,8 @@ from cosyvoice.longform.store import ProjectStore
 from cosyvoice.server.rest import create_app
 from cosyvoice.service import TTSService
 from cosyvoice.settings import Limits, ServerSettings, default_data_dir
+from cosyvoice.takes.store import TakeStore
 from cosyvoice.voices import VoiceLibrary
-from cosyvoice.workbench.store import WorkbenchStore
 
 ANN, BEN = "a" * 32, "b" * 32  # two browsers' cv-browser ids
 SR = 24000
@@ -53,7 +53,7 @@ def old_data_folder(root: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
     project of Ann's with three takes (float32 WAVs in longform/<project>/). Returns the long-form takes' samples
     by id and the workbench take's."""
     rng = np.random.default_rng(3)
-    workbench = WorkbenchStore(root)  # the workbench's schema; its take written as it was then
+    workbench = TakeStore(root)  # the workbench's schema; its take written as it was then
     workbench.close()
     old_pcm = (0.1 * rng.standard_normal(2400)).astype(np.float32)
     sf.write(root / "takes" / "take-old.wav", old_pcm, SR, subtype="PCM_16")

@@ -23,8 +23,8 @@ from cosyvoice.server.rest import create_app
 from cosyvoice.server.workbench import rater_route, workbench_router
 from cosyvoice.service import TTSService
 from cosyvoice.settings import Limits, ServerSettings, default_data_dir
+from cosyvoice.takes.store import TakeStore
 from cosyvoice.voices import VoiceLibrary
-from cosyvoice.workbench.store import WorkbenchStore
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_batch_over_http_reports_progress_and_bad_rows(app_url: tuple[str, Path]
                            json={"position": 0, "slot": "C", "event": "play"}).status_code == 400
 
         # the scorecard of a test over one short take of the Narrator (kept short: DNSMOS and Resemblyzer are slow)
-        short = WorkbenchStore(data_dir).add_take(
+        short = TakeStore(data_dir).add_take(
             (0.2 * np.sin(np.arange(12000) / 9)).astype(np.float32), 24000,
             {"voice_id": takes[0]["provenance"]["voice_id"]},
             label="tone", owner=ANONYMOUS)  # this client's: without keys or a browser cookie, "anonymous"
@@ -134,7 +134,7 @@ def test_the_web_ui_serves_the_same_workbench(tts, tmp_path: Path) -> None:
     from test_webui import make_studio, serving
 
     studio = make_studio(tts, tmp_path)
-    store = WorkbenchStore(tmp_path / ".studio")  # beside the studio's voice folder
+    store = TakeStore(tmp_path / ".studio")  # beside the studio's voice folder
     take = store.add_take(np.zeros(2400, np.float32), 24000, {"text": "hi"}, label="sysA", owner=f"browser:{'a' * 32}")
     with (serving(studio) as url, httpx.Client(base_url=url, timeout=30, cookies={"cv-browser": "a" * 32}) as client,
           httpx.Client(base_url=url, timeout=30, cookies={"cv-browser": "b" * 32}) as other):
@@ -211,7 +211,7 @@ def keyed(request: pytest.FixtureRequest, tts, tmp_path_factory: pytest.TempPath
 
 def test_a_rater_needs_only_the_link_and_everything_else_needs_the_key(keyed: tuple) -> None:
     url, data_dir, webui = keyed
-    store = WorkbenchStore(data_dir)
+    store = TakeStore(data_dir)
     tone = (0.2 * np.sin(np.arange(2400) / 5)).astype(np.float32)  # 0.1 s: listen-gating passes at once
     a, b = (store.add_take(tone, 24000, {"text": "one"}, label=label, owner=key_owner(KEY))
             for label in ("sysA", "sysB"))

@@ -17,8 +17,8 @@ import soundfile as sf
 from cosyvoice.bundle import bundle_digest
 from cosyvoice.service import TTSService
 from cosyvoice.settings import Limits
+from cosyvoice.takes.store import TakeStore
 from cosyvoice.voices import BUILTIN_VOICE_DIR, VoiceLibrary
-from cosyvoice.workbench.store import WorkbenchStore
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = """text,voice,prompt_audio,prompt_text,mode,instruction,seed,speed,label
@@ -68,7 +68,7 @@ def test_batch_cli_writes_takes_with_provenance_and_reports_bad_rows(tmp_path: P
     assert (by_row[5]["instruction"], by_row[5]["mode"]) == ("Speak calmly.", "instruct")
     assert by_row[8]["normalised_text"] == "The end."
     # the same takes are in the store, for the page and the listening tests
-    stored = WorkbenchStore(tmp_path / "data").takes()
+    stored = TakeStore(tmp_path / "data").takes()
     assert [s.id for s in stored] == [t["take_id"] for t in takes]
     assert stored[0].provenance["segments"] == ["Hello there."] and stored[0].label == "sysA"
 
@@ -142,7 +142,7 @@ def test_batch_cli_runs_each_precision_on_a_model_of_its_own(tmp_path: Path, tin
         assert takes[fp32]["seed"] == takes[int8]["seed"]
         assert (out / takes[fp32]["file"]).read_bytes() != (out / takes[int8]["file"]).read_bytes()
 
-    stored = WorkbenchStore(tmp_path / "data").takes()
+    stored = TakeStore(tmp_path / "data").takes()
     assert [(t.row, t.label, t.provenance["precision"].split()[0]) for t in stored] == [
         (1, "fp32", "fp32"), (3, "fp32", "fp32"), (2, "int8", "int8"), (4, "int8", "int8")]
     items = design("ab", stored, ["fp32", "int8"])  # what the workbench's A/B test of the two labels pairs
@@ -170,7 +170,7 @@ def test_a_served_batch_makes_no_take_at_another_precision(tts, tmp_path: Path) 
     service = TTSService(tts.model, library, Limits(max_sessions=2))
     plan = service.model.plan
     assert (plan.llm, plan.flow) == ("fp32", "fp32")
-    store = WorkbenchStore(tmp_path / "data")
+    store = TakeStore(tmp_path / "data")
     rows = parse_rows("text,voice,seed,precision\nHello there.,en-allison,11,fp32\nHello there.,en-allison,11,int8\n"
                       "Hello there.,en-allison,11,\n")
     result = run_batch(service, store, rows)

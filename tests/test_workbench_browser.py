@@ -27,8 +27,8 @@ from browser import require_browser
 
 sync_api, CHROMIUM = require_browser()
 
+from cosyvoice.takes.store import TakeStore  # noqa: E402
 from cosyvoice.workbench import listening  # noqa: E402
-from cosyvoice.workbench.store import WorkbenchStore  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts"
@@ -76,7 +76,7 @@ class App:
 @pytest.fixture(scope="module")
 def setup(tiny_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[App, str, str]]:
     root = tmp_path_factory.mktemp("workbench-browser")
-    store = WorkbenchStore(root / "data")
+    store = TakeStore(root / "data")
     for k, text in enumerate(["one", "two", "three", "four"]):
         for j, label in enumerate(["sysA", "sysB"]):
             t = np.arange(int(24000 * SECONDS)) / 24000
@@ -232,7 +232,7 @@ def test_two_raters_finish_ab_and_mos_one_resuming_after_a_restart(setup, browse
     phone.close()
     bob_device.close()
 
-    store = WorkbenchStore(app.env["COSYVOICE_DATA_DIR"])
+    store = TakeStore(app.env["COSYVOICE_DATA_DIR"])
     for test_id, answers in ((ab, {"Ann": "A", "Bob": "B"}), (mos, {"Ann": "4", "Bob": "3"})):
         text = httpx.get(f"{app.url}/workbench/api/tests/{test_id}/answers.csv", cookies={"cv-browser": OWNER}).text
         rows = list(csv.DictReader(io.StringIO(text)))
@@ -261,7 +261,7 @@ def test_a_rater_without_a_key_finishes_a_test_on_the_web_ui_behind_keys(tts, br
     from cosyvoice.settings import default_data_dir
 
     studio = make_studio(tts, tmp_path)
-    store = WorkbenchStore(default_data_dir(studio.service.voices.dir.parent))
+    store = TakeStore(default_data_dir(studio.service.voices.dir.parent))
     t = np.arange(7200) / 24000  # 0.3 s
     a, b = (store.add_take((0.2 * np.sin(2 * np.pi * f * t)).astype(np.float32), 24000, {"text": "one"}, label=label)
             for f, label in ((220, "sysA"), (330, "sysB")))
@@ -285,7 +285,7 @@ def test_a_rater_without_a_key_finishes_a_test_on_the_web_ui_behind_keys(tts, br
 def abx_and_mushra(setup) -> tuple[str, str]:
     """An ABX test and a MUSHRA test (hidden reference) over the same takes, added beside the running server."""
     app, _, _ = setup
-    store = WorkbenchStore(app.env["COSYVOICE_DATA_DIR"])
+    store = TakeStore(app.env["COSYVOICE_DATA_DIR"])
     abx = listening.create_test(store, "abx", listening.design("abx", store.takes(), ["sysA", "sysB"])[:2],
                                 title="ABX", owner=f"browser:{OWNER}")
     mushra = listening.create_test(store, "mushra", listening.design("mushra", store.takes(), ["sysA", "sysB"],
@@ -371,7 +371,7 @@ def test_abx_and_mushra_items_and_an_answer_sent_while_the_server_restarts(setup
 
 def test_a_thousand_takes_are_paged_and_filtered_and_the_forms_come_first(setup, browser) -> None:
     app, _, _ = setup
-    store = WorkbenchStore(app.env["COSYVOICE_DATA_DIR"])
+    store = TakeStore(app.env["COSYVOICE_DATA_DIR"])
     pcm = np.zeros(2400, np.float32)
     for k in range(1000):
         text = f"bulk line {k}"

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from cosyvoice.errors import AlreadyExistsError, InvalidInputError
+from cosyvoice.takes.store import Take, TakeStore
 from cosyvoice.workbench import listening
-from cosyvoice.workbench.store import Take, WorkbenchStore
 
 SECONDS = 0.8  # take length: long enough that an immediate 'ended' is refused (tolerance 0.3 s)
 
 
-def make_takes(store: WorkbenchStore, labels: list[str], texts: list[str]) -> dict[tuple[str, str], Take]:
+def make_takes(store: TakeStore, labels: list[str], texts: list[str]) -> dict[tuple[str, str], Take]:
     out = {}
     for text in texts:
         for k, label in enumerate(labels):
@@ -25,7 +25,7 @@ def make_takes(store: WorkbenchStore, labels: list[str], texts: list[str]) -> di
     return out
 
 
-def listen(store: WorkbenchStore, rater, position: int) -> None:
+def listen(store: TakeStore, rater, position: int) -> None:
     """Every slot of the item played through (plays overlap, so one wait covers them all)."""
     slots = [s["slot"] for s in rater.plan[position]["slots"]]
     for slot in slots:
@@ -36,8 +36,8 @@ def listen(store: WorkbenchStore, rater, position: int) -> None:
 
 
 @pytest.fixture()
-def store(tmp_path: Path) -> WorkbenchStore:
-    return WorkbenchStore(tmp_path)
+def store(tmp_path: Path) -> TakeStore:
+    return TakeStore(tmp_path)
 
 
 def test_played_through_needs_the_takes_length_on_the_servers_clock() -> None:
@@ -49,7 +49,7 @@ def test_played_through_needs_the_takes_length_on_the_servers_clock() -> None:
                                      ("A", "ended", 6.0)], "A", 1.2)  # a replay counts
 
 
-def test_ab_design_plans_and_gated_answers(store: WorkbenchStore) -> None:
+def test_ab_design_plans_and_gated_answers(store: TakeStore) -> None:
     takes = make_takes(store, ["sysA", "sysB", "bad"], ["one", "two"])
     items = listening.design("ab", store.takes(), ["sysA", "sysB"], anchor="bad")
     assert [it["takes"] for it in items[:1]] == [[takes[("sysA", "one")].id, takes[("sysB", "one")].id]]
@@ -83,7 +83,7 @@ def test_ab_design_plans_and_gated_answers(store: WorkbenchStore) -> None:
     assert listening.next_item(store, ann)["position"] == 1
 
 
-def test_answers_export_and_summary(store: WorkbenchStore) -> None:
+def test_answers_export_and_summary(store: TakeStore) -> None:
     takes = make_takes(store, ["sysA", "sysB", "bad"], ["one", "two"])
     items = listening.design("mos", store.takes(), ["sysA", "sysB"], anchor="bad")
     assert len(items) == 6 and [it["check"] for it in items if "check" in it] == [{"max": 2}, {"max": 2}]
@@ -116,7 +116,7 @@ def test_answers_export_and_summary(store: WorkbenchStore) -> None:
     assert 0 < summary["agreement"]["value"] < 1
 
 
-def test_cmos_is_stored_as_stimulus_against_reference_whatever_the_side(store: WorkbenchStore) -> None:
+def test_cmos_is_stored_as_stimulus_against_reference_whatever_the_side(store: TakeStore) -> None:
     make_takes(store, ["ref", "new"], ["one", "two", "three", "four"])
     items = listening.design("cmos", store.takes(), ["new"], reference="ref")
     test_id = listening.create_test(store, "cmos", items)
@@ -130,7 +130,7 @@ def test_cmos_is_stored_as_stimulus_against_reference_whatever_the_side(store: W
         listening._score(4, "cmos")
 
 
-def test_mushra_hidden_reference_and_anchor(store: WorkbenchStore) -> None:
+def test_mushra_hidden_reference_and_anchor(store: TakeStore) -> None:
     make_takes(store, ["ref", "sysA", "sysB", "anchor"], ["one"])
     items = listening.design("mushra", store.takes(), ["sysA", "sysB"], reference="ref", anchor="anchor")
     assert len(items) == 1 and len(items[0]["takes"]) == 2
@@ -154,7 +154,7 @@ def test_mushra_hidden_reference_and_anchor(store: WorkbenchStore) -> None:
     assert all(s["role"] != "reference" for s in rater2.plan[0]["slots"])
 
 
-def test_bad_designs_and_names_are_refused(store: WorkbenchStore) -> None:
+def test_bad_designs_and_names_are_refused(store: TakeStore) -> None:
     make_takes(store, ["sysA"], ["one"])
     with pytest.raises(InvalidInputError, match="unknown test kind"):
         listening.design("abcx", store.takes(), ["sysA"])
@@ -172,7 +172,7 @@ def test_bad_designs_and_names_are_refused(store: WorkbenchStore) -> None:
         store.add_rater(test_id, "Zoe", 2, [])
 
 
-def test_abx_draws_x_per_rater_scores_it_and_tests_against_guessing(store: WorkbenchStore) -> None:
+def test_abx_draws_x_per_rater_scores_it_and_tests_against_guessing(store: TakeStore) -> None:
     takes = make_takes(store, ["sysA", "sysB"], ["one", "two", "three"])
     items = listening.design("abx", store.takes(), ["sysA", "sysB"])
     assert [it["takes"] for it in items] == [[takes[("sysA", t)].id, takes[("sysB", t)].id]
@@ -202,7 +202,7 @@ def test_abx_draws_x_per_rater_scores_it_and_tests_against_guessing(store: Workb
     assert {r["score"] for r in rows} == {0, 1} and all(r["kind"] == "abx" for r in rows)
 
 
-def test_raters_see_the_public_title_never_the_owners_name(store: WorkbenchStore) -> None:
+def test_raters_see_the_public_title_never_the_owners_name(store: TakeStore) -> None:
     make_takes(store, ["sysA", "sysB"], ["one"])
     items = listening.design("ab", store.takes(), ["sysA", "sysB"])
     named = store.test(listening.create_test(store, "ab", items, name="AB sysA vs sysB"))

@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 
 from cosyvoice.service import TTSService
+from cosyvoice.takes.store import Answer, TakeStore
 from cosyvoice.voices import VoiceLibrary
 from cosyvoice.workbench import listening
 from cosyvoice.workbench.scorecard import Scorer, available_encoders, scorecard
-from cosyvoice.workbench.store import Answer, WorkbenchStore
 
 
 def test_scorecard_per_take_and_condition(tts, tmp_path: Path, short_prompt_wav: Path) -> None:
     service = TTSService(tts.model, VoiceLibrary(tmp_path / "voices", tts.frontend, model_dir=tts.model_dir))
     voice = service.create_voice("Narrator", short_prompt_wav.read_bytes(), "A short test prompt.")
-    store = WorkbenchStore(tmp_path / "data")
+    store = TakeStore(tmp_path / "data")
     t = np.arange(24000 * 2) / 24000
     made = [store.add_take((0.3 * np.sin(2 * np.pi * f * t) * (1 + np.sin(2 * np.pi * 3 * t)) / 2).astype(np.float32),
                            24000, {"voice_id": voice.id}, label=label) for f, label in ((150, "sysA"), (220, "sysB"))]

@@ -14,7 +14,7 @@ import numpy as np
 import soundfile as sf
 
 from cosyvoice.settings import default_data_dir
-from cosyvoice.workbench.store import DB_NAME, Answer, WorkbenchStore
+from cosyvoice.takes.store import DB_NAME, Answer, TakeStore
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,7 @@ def test_default_data_dir_sits_beside_the_voice_folder(tmp_path: Path) -> None:
 
 
 def test_takes_tests_raters_and_answers_survive_reopening(tmp_path: Path) -> None:
-    store = WorkbenchStore(tmp_path)
+    store = TakeStore(tmp_path)
     pcm = (0.3 * np.sin(np.arange(2400) / 5)).astype(np.float32)
     take = store.add_take(pcm, 24000, {"text": "hi"}, label="sysA", owner="browser:abc")
     test_id = store.add_test("mos", "t", "listen", {"items": [{"takes": [take.id]}]})
@@ -35,7 +35,7 @@ def test_takes_tests_raters_and_answers_survive_reopening(tmp_path: Path) -> Non
     store.add_answer(Answer(test_id, rater.id, 0, 0, {"score": 4}, 3.5, 1, None, 1.0))
     store.close()
 
-    again = WorkbenchStore(tmp_path)
+    again = TakeStore(tmp_path)
     assert again.take(take.id) == take
     samples, rate = sf.read(again.audio_path(take), dtype="float32")
     assert rate == 24000 and np.array_equal(samples, pcm)  # float32 WAV: the samples exactly as made
@@ -50,8 +50,8 @@ def test_takes_tests_raters_and_answers_survive_reopening(tmp_path: Path) -> Non
 
 WRITER = textwrap.dedent("""
     import sys, time
-    from cosyvoice.workbench.store import Answer, WorkbenchStore
-    store = WorkbenchStore(sys.argv[1])
+    from cosyvoice.takes.store import Answer, TakeStore
+    store = TakeStore(sys.argv[1])
     test_id = store.add_test("mos", "t", "", {"items": []})
     rater = store.add_rater(test_id, "Ann", 1, [])
     for i in range(100000):
@@ -77,7 +77,7 @@ def test_kill_9_mid_answer_loses_at_most_that_answer(tmp_path: Path) -> None:
     con = sqlite3.connect(tmp_path / DB_NAME)
     assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     con.close()
-    answers = WorkbenchStore(tmp_path).answers()
+    answers = TakeStore(tmp_path).answers()
     positions = [a.position for a in answers]
     assert positions == list(range(len(positions)))  # no hole, no torn row
     assert acknowledged + 1 <= len(positions) <= acknowledged + 2  # every acknowledged one, at most one more

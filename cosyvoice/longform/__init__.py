@@ -2,7 +2,7 @@
 
 ``script`` turns documents and dialogue scripts into segment rows (with the frontend's own splitter),
 ``store`` keeps projects, segments and which takes each segment has (the takes themselves are the studio's one
-take store's, :mod:`cosyvoice.workbench.store`), ``finishing`` trims, levels, mixes and writes
+take store's, :mod:`cosyvoice.takes.store`), ``finishing`` trims, levels, mixes and writes
 subtitles, and ``projects.LongformStudio`` ties them to the service. Adapters: ``cosyvoice.server.longform``
 (REST + page) and ``cosyvoice.tools.longform`` (CLI).
 """

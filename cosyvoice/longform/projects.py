@@ -31,8 +31,8 @@ from cosyvoice.longform import finishing, script
 from cosyvoice.longform.store import Project, ProjectStore, Segment, Take
 from cosyvoice.service import SynthesisRequest, TTSService, check_text
 from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, default_data_dir
+from cosyvoice.takes.provenance import provenance
 from cosyvoice.utils.sqlite import require_writable
-from cosyvoice.workbench.batch import provenance
 
 SUSPECT_RETRIES = 0  # a project's default: suspect takes are flagged; a project may ask for new takes (new seeds)
 MAX_RETRIES = 5

@@ -1,5 +1,5 @@
 """The project store: projects, their segment tables and each segment's takes, in SQLite; the takes themselves
-(audio, owner, label, provenance) are the studio's one take store's (:class:`WorkbenchStore`).
+(audio, owner, label, provenance) are the studio's one take store's (:class:`TakeStore`).
 
 One database file (``longform.sqlite3`` in the data folder, WAL journal, every change one transaction). Its
 ``takes`` table links a take of the take store to the segment it was made for and records what that segment said
@@ -36,9 +36,9 @@ import numpy as np
 import soundfile as sf
 
 from cosyvoice.errors import NotFoundError
+from cosyvoice.takes.store import Take as StoredTake
+from cosyvoice.takes.store import TakeStore
 from cosyvoice.utils.sqlite import add_columns, open_store, write_transaction
-from cosyvoice.workbench.store import Take as StoredTake
-from cosyvoice.workbench.store import WorkbenchStore
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class ProjectStore:
         self.audio_root = self.root / "longform"
         self._lock = threading.RLock()
         self._db, self.read_only = open_store(self.root, DB_NAME, SCHEMA)
-        self.take_store = WorkbenchStore(self.root)
+        self.take_store = TakeStore(self.root)
         if not self.read_only:
             with self.transaction() as db:
                 db.execute("UPDATE segments SET state = 'idle' WHERE state = 'running'")  # a job the last run left

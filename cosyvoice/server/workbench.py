@@ -44,20 +44,18 @@ from cosyvoice.server.errors import error_route
 from cosyvoice.server.routes import RouteTable
 from cosyvoice.service import TTSService
 from cosyvoice.settings import Limits
+from cosyvoice.takes.export import TAKES_CSV_COLUMNS, takes_csv_rows, write_csv
+from cosyvoice.takes.store import SCORE_METRICS, Take, TakeStore, test_take_ids
 from cosyvoice.workbench import listening
 from cosyvoice.workbench.batch import KIND as BATCH_KIND
 from cosyvoice.workbench.batch import (
-    TAKES_CSV_COLUMNS,
     batch_kind,
     batch_status,
     body_rows,
     check_precisions,
     submit_batch,
-    takes_csv_rows,
-    write_csv,
 )
 from cosyvoice.workbench.scorecard import Scorer, scorecard
-from cosyvoice.workbench.store import SCORE_METRICS, Take, WorkbenchStore, test_take_ids
 
 STATIC = Path(__file__).resolve().parents[1] / "workbench" / "static"
 PAGES = {"owner": "owner.html", "results": "results.html", "rate": "rate.html"}
@@ -87,14 +85,14 @@ class Workbench:
                  owners: Owners) -> None:
         self.data_dir, self.service, self.limits, self.owners = data_dir, service, limits, owners
         self._lock = threading.RLock()  # scorer() opens the store while holding it
-        self._store: WorkbenchStore | None = None
+        self._store: TakeStore | None = None
         self._scorer: Scorer | None = None
         self._jobs: JobRunner | None = None
 
-    def store(self) -> WorkbenchStore:
+    def store(self) -> TakeStore:
         with self._lock:
             if self._store is None:
-                self._store = WorkbenchStore(self.data_dir)
+                self._store = TakeStore(self.data_dir)
             return self._store
 
     def jobs(self) -> JobRunner:

@@ -26,19 +26,17 @@ from cosyvoice.bundle import MODEL_IN_REPO
 from cosyvoice.errors import CosyVoiceError, InvalidInputError, command_line_errors
 from cosyvoice.service import TTSService
 from cosyvoice.settings import default_data_dir, default_voice_dir, precision_from_env
+from cosyvoice.takes.export import TAKES_CSV_COLUMNS, takes_csv_rows, write_csv
+from cosyvoice.takes.store import TakeStore
 from cosyvoice.tools.make_tiny_bundle import model_dir_or_demo
 from cosyvoice.voices import BUILTIN_VOICE_DIR
 from cosyvoice.workbench.batch import (
-    TAKES_CSV_COLUMNS,
     Progress,
     Row,
     by_precision,
     parse_rows,
     run_batch,
-    takes_csv_rows,
-    write_csv,
 )
-from cosyvoice.workbench.store import WorkbenchStore
 
 
 class OneModel:
@@ -118,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, rows: list[Row], models: OneModel, voice_dir: Path) -> int:
-    store = WorkbenchStore(args.data_dir or default_data_dir(voice_dir))
+    store = TakeStore(args.data_dir or default_data_dir(voice_dir))
     args.out.mkdir(parents=True, exist_ok=True)
     base = args.input.resolve().parent
 

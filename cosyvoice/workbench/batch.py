@@ -21,9 +21,8 @@ import functools
 import io
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +31,13 @@ from cosyvoice.bundle import bundle_digest
 from cosyvoice.engine import CancelToken
 from cosyvoice.errors import InvalidInputError
 from cosyvoice.jobs import Job, JobRunner, JobState, Kind, Task, release, runner, synthesize
-from cosyvoice.service import PreparedRequest, SynthesisRequest, TTSService
+from cosyvoice.service import SynthesisRequest, TTSService
 from cosyvoice.settings import Limits, env_name
-from cosyvoice.workbench.store import Take, WorkbenchStore
+from cosyvoice.takes.provenance import provenance, software_version
+from cosyvoice.takes.store import Take, TakeStore
 
 COLUMNS = ("text", "voice", "prompt_audio", "prompt_text", "mode", "instruction", "seed", "speed", "steps", "precision",
            "label")
-TAKES_CSV_COLUMNS = ("take_id", "row", "label", "file", "text", "normalised_text", "mode", "voice", "voice_id",
-                     "prompt_text", "instruction", "seed", "speed", "steps", "precision", "model_id", "software",
-                     "sample_rate", "audio_seconds", "synthesis_seconds", "first_chunk_seconds", "created")
 KIND = "batch"  # the job kind of batches
 Services = Callable[[str], TTSService]  # a row's precision ("": what runs) -> the service that makes the row
 
@@ -86,13 +83,6 @@ class BatchResult:
     error: str | None  # why the batch stopped (e.g. a full disk), beside the rows' own errors
     takes: list[Take] = field(default_factory=list)
     errors: list[RowError] = field(default_factory=list)
-
-
-def software_version() -> str:
-    try:
-        return f"cosyvoice3-studio {metadata.version('cosyvoice3-studio')}"
-    except metadata.PackageNotFoundError:
-        return "cosyvoice3-studio (not installed)"
 
 
 def parse_rows(data: str | bytes, name: str = "", limits: Limits | None = None) -> list[Row]:
@@ -253,7 +243,7 @@ def row_request(row: Row, resolve_audio: Callable[[str], Path] | None) -> Synthe
                             seed=seed, steps=steps, stream=False, format="wav")
 
 
-def submit_batch(jobs: JobRunner, store: WorkbenchStore, rows: list[Row], *, source: str = "",
+def submit_batch(jobs: JobRunner, store: TakeStore, rows: list[Row], *, source: str = "",
                  owner: str | None = None, listener: Callable[[Job, str, str | None], None] | None = None) -> str:
     """Queue ``rows`` (from :func:`parse_rows`, which bounds their number) as one job of the runner (its id is
     the batch's)."""
@@ -263,7 +253,7 @@ def submit_batch(jobs: JobRunner, store: WorkbenchStore, rows: list[Row], *, sou
     return batch_id
 
 
-def batch_kind(service: TTSService | Services, store: WorkbenchStore,
+def batch_kind(service: TTSService | Services, store: TakeStore,
                resolve_audio: Callable[[str], Path] | None = None) -> Kind:
     """How a batch job's rows become tasks, for :meth:`JobRunner.register`, each made by the service of its
     precision (one service: :func:`serving`). A row whose take is in the store already (made just before a
@@ -282,7 +272,7 @@ def batch_kind(service: TTSService | Services, store: WorkbenchStore,
     return tasks
 
 
-def batch_status(jobs: JobRunner, store: WorkbenchStore, batch_id: str) -> dict[str, Any]:
+def batch_status(jobs: JobRunner, store: TakeStore, batch_id: str) -> dict[str, Any]:
     """A batch as its page polls it: its record, its job's state, counts and ETA, and each failed row."""
     job = jobs.job(batch_id)
     errors = [RowError(int(e["item"]), e["field"], e["message"]).json() for e in jobs.errors(batch_id)]
@@ -290,7 +280,7 @@ def batch_status(jobs: JobRunner, store: WorkbenchStore, batch_id: str) -> dict[
             "eta_seconds": job.eta_seconds, "error": job.error, "finished": job.finished, "errors": errors}
 
 
-def run_batch(service: TTSService | Services, store: WorkbenchStore, rows: list[Row], *, source: str = "",
+def run_batch(service: TTSService | Services, store: TakeStore, rows: list[Row], *, source: str = "",
               owner: str | None = None, resolve_audio: Callable[[str], Path] | None = None,
               on_progress: Callable[[Progress], None] | None = None) -> BatchResult:
     """Run a batch in this process to its end (the CLI): the job runner of the store's folder makes each row,
@@ -319,7 +309,7 @@ def _kept(token: CancelToken) -> None:
     """A row whose take exists already: nothing to make."""
 
 
-def _run_row(services: Services, store: WorkbenchStore, row: Row, batch_id: str, owner: str | None,
+def _run_row(services: Services, store: TakeStore, row: Row, batch_id: str, owner: str | None,
              resolve_audio: Callable[[str], Path] | None, software: str, token: CancelToken) -> Take:
     request = row_request(row, resolve_audio)
     service = services(row.values.get("precision", ""))
@@ -331,63 +321,3 @@ def _run_row(services: Services, store: WorkbenchStore, row: Row, batch_id: str,
                           label=row.values.get("label", ""), owner=owner, batch=batch_id, row=row.number)
 
 
-def provenance(service: TTSService, request: SynthesisRequest, prepared: PreparedRequest, samples: int,
-               timings: dict[str, float | None], *, model_id: str | None = None,
-               software: str | None = None) -> dict[str, Any]:
-    """How a take was made, for :meth:`WorkbenchStore.add_take`: any adapter that synthesised ``request``
-    (the web UI, long-form too) stores its takes with this. ``prepared`` is the session's: it holds the seed used."""
-    info = service.get_voice(prepared.voice_id)
-    return {  # segments: the normalised text pieces (the pipeline keeps CosyVoice3's prompt prefix apart)
-        "text": request.text, "segments": list(prepared.segments),
-        "mode": prepared.mode,
-        "engine_mode": prepared.engine_mode, "voice": info.name or "", "voice_id": prepared.voice_id,
-        "prompt_text": info.transcript, "instruction": request.instruction if prepared.mode == "instruct" else "",
-        "seed": prepared.seed, "speed": prepared.speed, "steps": prepared.steps,
-        "settings": {"stream": prepared.stream},
-        "model_id": model_id or bundle_digest(service.status().model_dir), "software": software or software_version(),
-        "precision": service.model.plan.label,  # what the LLM and the DiT computed in (a fast path or fp32)
-        "sample_rate": service.sample_rate,
-        "timings": {**{k: None if v is None else round(v, 4) for k, v in timings.items()},
-                    "audio_seconds": round(samples / service.sample_rate, 4)},
-    }
-
-
-def takes_csv_rows(takes: Iterable[Take], files: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """One flat row per take (``TAKES_CSV_COLUMNS``): its id and provenance."""
-    out = []
-    for t in takes:
-        p = t.provenance
-        timings = p.get("timings", {})
-        out.append({
-            "take_id": t.id, "row": t.row, "label": t.label, "file": (files or {}).get(t.id, t.audio),
-            "normalised_text": " | ".join(p.get("segments", [])), "sample_rate": t.sample_rate,
-            "audio_seconds": timings.get("audio_seconds", round(t.seconds, 4)), "created": round(t.created, 3),
-            **{k: p.get(k, "") for k in ("text", "mode", "voice", "voice_id", "prompt_text", "instruction", "seed",
-                                         "speed", "steps", "precision", "model_id", "software")},
-            **{k: timings.get(k, "") for k in ("synthesis_seconds", "first_chunk_seconds")}})
-    return out
-
-
-FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")  # what makes a spreadsheet read a cell as a formula
-
-
-def spreadsheet_safe(value: object) -> object:
-    """A cell a spreadsheet shows as text: text starting like a formula (``=HYPERLINK(...)``, ``+cmd|...``) gets
-    a leading quote, so a label, text or rater name someone typed is never run by whoever opens the export.
-    Numbers stay numbers (a negative score is not a formula)."""
-    return "'" + value if isinstance(value, str) and value.startswith(FORMULA_STARTS) else value
-
-
-def write_csv(path: Path | io.StringIO, rows: list[dict[str, Any]], columns: Iterable[str]) -> None:
-    """A CSV with a header (a StringIO for HTTP answers, a path for the CLI); every CSV the studio writes goes
-    through here, its cells made :func:`spreadsheet_safe`."""
-    def write(f: Any) -> None:
-        writer = csv.DictWriter(f, fieldnames=list(columns))
-        writer.writeheader()
-        writer.writerows({k: spreadsheet_safe(v) for k, v in row.items()} for row in rows)
-
-    if isinstance(path, io.StringIO):
-        write(path)
-    else:
-        with open(path, "w", newline="", encoding="utf-8") as f:
-            write(f)

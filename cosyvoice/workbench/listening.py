@@ -26,8 +26,8 @@ from typing import Any
 from cosyvoice.errors import AlreadyExistsError, InvalidInputError, NotFoundError
 from cosyvoice.owners import LOCAL, Caller
 from cosyvoice.settings import Limits, env_name
+from cosyvoice.takes.store import SCORE_METRICS, Answer, Rater, Take, TakeStore
 from cosyvoice.workbench import stats
-from cosyvoice.workbench.store import SCORE_METRICS, Answer, Rater, Take, WorkbenchStore
 
 KINDS = ("ab", "abx", "mos", "cmos", "mushra", "mushra_noref")
 PAIRED = ("ab", "abx")  # kinds whose items are two takes compared with each other
@@ -107,7 +107,7 @@ def design(kind: str, takes: Sequence[Take], conditions: Sequence[str], *, refer
     return items
 
 
-def check_items(kind: str, items: object, store: WorkbenchStore, caller: Caller = LOCAL) -> list[dict[str, Any]]:
+def check_items(kind: str, items: object, store: TakeStore, caller: Caller = LOCAL) -> list[dict[str, Any]]:
     """Explicit items (REST), validated: the right number of takes per kind, every take stored and visible to
     ``caller`` (nobody builds a test from another's takes)."""
     _check_kind(kind)
@@ -180,7 +180,7 @@ def make_plan(kind: str, items: list[dict[str, Any]], seed: int) -> list[dict[st
     return plan
 
 
-def join(store: WorkbenchStore, test_id: str, name: object) -> Rater:
+def join(store: TakeStore, test_id: str, name: object) -> Rater:
     """A new rater with its own seed. A name another rater of the test has is refused: a name is no secret, and
     only the rater's own id (kept in the browser it started in, and in its personal link) resumes it."""
     test = store.test(test_id)
@@ -202,7 +202,7 @@ def entry_at(rater: Rater, position: object) -> dict[str, Any]:
     return rater.plan[position]
 
 
-def next_item(store: WorkbenchStore, rater: Rater) -> dict[str, Any]:
+def next_item(store: TakeStore, rater: Rater) -> dict[str, Any]:
     """What the page shows next: the first unanswered item (its view is recorded: time spent starts), or done."""
     test = store.test(rater.test)
     answered = {a.position for a in store.answers(rater_id=rater.id)}
@@ -219,7 +219,7 @@ def next_item(store: WorkbenchStore, rater: Rater) -> dict[str, Any]:
     return {**state, "done": True}
 
 
-def slot_take(store: WorkbenchStore, rater: Rater, position: object, slot: object) -> Take:
+def slot_take(store: TakeStore, rater: Rater, position: object, slot: object) -> Take:
     """The take a rater's slot plays (the server's secret: the rater's page knows only the slot's name)."""
     take_id = next((x["take"] for x in entry_at(rater, position)["slots"] if x["slot"] == slot), None)
     if take_id is None:
@@ -227,7 +227,7 @@ def slot_take(store: WorkbenchStore, rater: Rater, position: object, slot: objec
     return store.take(take_id)
 
 
-def record_play(store: WorkbenchStore, rater: Rater, position: object, slot: object, kind: object) -> None:
+def record_play(store: TakeStore, rater: Rater, position: object, slot: object, kind: object) -> None:
     """A play or ended event of one slot, on the server's clock."""
     entry = entry_at(rater, position)
     if kind not in ("play", "ended"):
@@ -253,7 +253,7 @@ def played_through(events: list[tuple[str, str, float]], slot: str, seconds: flo
     return False
 
 
-def submit(store: WorkbenchStore, rater: Rater, position: object, payload: object) -> Answer:
+def submit(store: TakeStore, rater: Rater, position: object, payload: object) -> Answer:
     """Check listen-gating and the answer's range, convert it to canonical form, store it (one transaction)."""
     entry = entry_at(rater, position)
     test = store.test(rater.test)
@@ -327,7 +327,7 @@ def _canonical(kind: str, entry: dict[str, Any], item: dict[str, Any], payload: 
 # ----------------------------------------------------------------------------- results
 
 
-def export_rows(store: WorkbenchStore, test_id: str) -> list[dict[str, Any]]:
+def export_rows(store: TakeStore, test_id: str) -> list[dict[str, Any]]:
     """One row per answer (MUSHRA: per rated sample) with take ids and condition labels (``EXPORT_COLUMNS``)."""
     test = store.test(test_id)
     raters = {r.id: r for r in store.raters(test_id)}
@@ -381,7 +381,7 @@ def _check_text(check: dict[str, Any]) -> str:
     return ";".join(f"{k}={v}" for k, v in check.items())
 
 
-def progress(store: WorkbenchStore, test_id: str) -> list[dict[str, Any]]:
+def progress(store: TakeStore, test_id: str) -> list[dict[str, Any]]:
     """Per rater: answered of total, attention checks failed, last answer time."""
     answers = store.answers(test_id=test_id)
     out = []
@@ -393,7 +393,7 @@ def progress(store: WorkbenchStore, test_id: str) -> list[dict[str, Any]]:
     return out
 
 
-def summary(store: WorkbenchStore, test_id: str) -> dict[str, Any]:
+def summary(store: TakeStore, test_id: str) -> dict[str, Any]:
     """Per-condition statistics, per-rater tables and agreement, from the export rows (attention-check items are
     left out of the condition statistics; their failures are counted in ``progress``)."""
     test = store.test(test_id)
@@ -477,7 +477,7 @@ def _num(x: float) -> float | None:
     return None if math.isnan(x) else x
 
 
-def create_test(store: WorkbenchStore, kind: str, items: list[dict[str, Any]], *, title: str = "",
+def create_test(store: TakeStore, kind: str, items: list[dict[str, Any]], *, title: str = "",
                 instructions: str = "", allow_none: bool = False, name: str = "",
                 limits: Limits | None = None, owner: str | None = None) -> str:
     """Store ``owner``'s test over ``items`` (from :func:`design` or :func:`check_items`). ``title`` and

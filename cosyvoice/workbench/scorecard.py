@@ -28,10 +28,10 @@ import soxr
 import torch
 
 from cosyvoice.frontend.onnx_models import CampPlus
+from cosyvoice.takes.store import SCORE_METRICS as METRICS
+from cosyvoice.takes.store import Take, TakeStore
 from cosyvoice.workbench import stats
 from cosyvoice.workbench.listening import condition
-from cosyvoice.workbench.store import SCORE_METRICS as METRICS
-from cosyvoice.workbench.store import Take, WorkbenchStore
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def _resemblyzer() -> Any:
 class Scorer:
     """Holds the models once; ``score(take)`` measures one take."""
 
-    def __init__(self, store: WorkbenchStore, model_dir: str | Path, recording: Recording) -> None:
+    def __init__(self, store: TakeStore, model_dir: str | Path, recording: Recording) -> None:
         self.store, self.recording = store, recording
         self.campplus = CampPlus.from_model_dir(model_dir)
         module = _resemblyzer()

@@ -188,7 +188,7 @@ class Answer:
     created: float
 
 
-class WorkbenchStore:
+class TakeStore:
     """The database and audio folder under ``root`` (created if missing; reopened as it was). A folder this
     process cannot write is served read-only: :attr:`read_only` says why, and every write raises it."""
 

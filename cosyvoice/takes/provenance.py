@@ -1,0 +1,39 @@
+"""How a take was made, stored with it: one record every adapter that synthesises a take (the web UI, batches,
+long-form) writes through :func:`provenance`, so a take of any of them can be compared, re-made and exported alike."""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Any
+
+from cosyvoice.bundle import bundle_digest
+from cosyvoice.service import PreparedRequest, SynthesisRequest, TTSService
+
+
+def software_version() -> str:
+    try:
+        return f"cosyvoice3-studio {metadata.version('cosyvoice3-studio')}"
+    except metadata.PackageNotFoundError:
+        return "cosyvoice3-studio (not installed)"
+
+
+def provenance(service: TTSService, request: SynthesisRequest, prepared: PreparedRequest, samples: int,
+               timings: dict[str, float | None], *, model_id: str | None = None,
+               software: str | None = None) -> dict[str, Any]:
+    """How a take was made, for :meth:`~cosyvoice.takes.store.TakeStore.add_take`: any adapter that synthesised
+    ``request`` (the web UI, batches, long-form) stores its takes with this. ``prepared`` is the session's: it
+    holds the seed used."""
+    info = service.get_voice(prepared.voice_id)
+    return {  # segments: the normalised text pieces (the pipeline keeps CosyVoice3's prompt prefix apart)
+        "text": request.text, "segments": list(prepared.segments),
+        "mode": prepared.mode,
+        "engine_mode": prepared.engine_mode, "voice": info.name or "", "voice_id": prepared.voice_id,
+        "prompt_text": info.transcript, "instruction": request.instruction if prepared.mode == "instruct" else "",
+        "seed": prepared.seed, "speed": prepared.speed, "steps": prepared.steps,
+        "settings": {"stream": prepared.stream},
+        "model_id": model_id or bundle_digest(service.status().model_dir), "software": software or software_version(),
+        "precision": service.model.plan.label,  # what the LLM and the DiT computed in (a fast path or fp32)
+        "sample_rate": service.sample_rate,
+        "timings": {**{k: None if v is None else round(v, 4) for k, v in timings.items()},
+                    "audio_seconds": round(samples / service.sample_rate, 4)},
+    }
