@@ -201,6 +201,13 @@ class ServerSettings:
     stream_idle_seconds: float = 60.0  # a WebSocket text stream without new text (not white space) this long is ended
     stream_start_seconds: float = 10.0  # a WebSocket that sends no start message within this is closed
     shutdown_grace_seconds: float = 30.0  # on SIGTERM: running requests may finish this long, then are cancelled
+    # what a slow or hostile client may hold (cosyvoice/server/http_limits.py, rust/http-front; docs/servers.md)
+    header_timeout_seconds: float = 10.0  # a request's head must be complete this long after the connection opens
+    body_timeout_seconds: float = 10.0  # a request body silent this long is cut (408)
+    body_min_bytes_per_second: int = 1024  # ... and so is one averaging less once read that long (0: no minimum)
+    keep_alive_timeout_seconds: float = 5.0  # an idle keep-alive connection is closed after this
+    max_connections: int = 512  # connections served at once; beyond, 503
+    max_json_depth: int = 64  # a JSON body nesting arrays/objects deeper is refused (400) before it is parsed
     default_voice: str = "en-allison"  # Ray Serve's voice when a body names none (or "qwen", the contract's alias)
     voice_editors: str = ""  # who may rename/export/delete saved voices (anyone|creator|admin; "": VoicePolicy's)
     admin_keys: tuple[str, ...] = ()  # keys whose holders see and edit everything (also accepted as API keys)
@@ -213,6 +220,10 @@ class ServerSettings:
                 or self.stream_start_seconds <= 0 or self.shutdown_grace_seconds < 0):
             raise ConfigError("max_body_bytes, stream_idle_seconds and stream_start_seconds must be positive, "
                               "retry_after_seconds and shutdown_grace_seconds not negative")
+        if (min(self.header_timeout_seconds, self.body_timeout_seconds, self.keep_alive_timeout_seconds) <= 0
+                or self.max_connections <= 0 or self.max_json_depth <= 0 or self.body_min_bytes_per_second < 0):
+            raise ConfigError("the HTTP timeouts, max_connections and max_json_depth must be positive, "
+                              "body_min_bytes_per_second not negative")
         if self.voice_editors and self.voice_editors not in VOICE_EDITORS:
             raise ConfigError(f"voice_editors must be one of {', '.join(VOICE_EDITORS)}, got {self.voice_editors!r}")
         if self.sharing not in SHARING:

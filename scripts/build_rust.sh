@@ -1,36 +1,57 @@
 #!/usr/bin/env bash
-# Builds the Rust bridge server, rust/target/release/cosyvoice-server, offline from Debian's packaged crates
-# (rust/.cargo/config.toml replaces crates.io with /usr/share/cargo/registry), installing the apt packages
-# that are missing (as root or through sudo).
+# Builds the Rust workspace (rust/): the bridge server rust/target/release/cosyvoice-server and the HTTP front
+# its servers share (rust/http-front), then runs the crates' unit tests.
 #
-# The toolchain is Debian's /usr/bin/cargo (rustc 1.63, the compiler those crates are packaged for), even where
-# a rustup cargo comes first on PATH. PyO3 links the Python of the project's venv (COSYVOICE_VENV, default
-# .venv: run scripts/setup.sh first) and records its library folder as the binary's run path, so the binary
-# starts from any folder without a wrapper. Used by scripts/test.sh (and so .ci/run). `--packages` only installs
-# the missing apt packages (apt cannot run twice at once: scripts/test.sh installs them before its parallel builds).
+# The toolchain is rustup's cargo (1.75 or newer: hyper 1 and tokio need it; Debian's /usr/bin/cargo 1.63 is
+# too old). Crates come from crates.io at the versions rust/Cargo.lock pins: `cargo fetch` downloads what the
+# local cache (~/.cargo/registry) lacks, once; the build itself runs offline, so a machine that fetched once
+# builds without a network. PyO3 links the Python of the project's venv (COSYVOICE_VENV, default .venv: run
+# scripts/setup.sh first) and records its library folder as the binary's run path, so the binary starts from
+# any folder without a wrapper. Used by scripts/test.sh (and so .ci/run). `--packages` only installs the
+# missing apt packages (a C linker, and the venv Python's shared library where its base lacks it; apt cannot
+# run twice at once: scripts/test.sh installs them before its parallel builds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${COSYVOICE_VENV:-.venv}
-PACKAGES=(cargo rustc librust-hyper-dev librust-tokio-dev librust-pyo3-dev librust-pyo3-build-config-dev
-          librust-serde-json-dev librust-prometheus-dev librust-tracing-dev librust-tracing-subscriber-dev)
+MIN_RUST=1.75
 log() { echo "[build_rust] $*" >&2; }
 
-missing=()
-for package in "${PACKAGES[@]}"; do
-  dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'ok installed' || missing+=("$package")
-done
-if [ ${#missing[@]} -gt 0 ]; then
+# the venv's base Python: its shared library is what PyO3 links
+PY=""
+[ -x "$VENV/bin/python" ] && PY="$(cd "$VENV" && pwd)/bin/python"
+packages=()
+command -v cc >/dev/null 2>&1 || packages+=(gcc libc6-dev)
+if [ -n "$PY" ]; then
+  libpython=$("$PY" -c 'import sysconfig as s, os; print(os.path.join(s.get_config_var("LIBDIR") or "", s.get_config_var("LDLIBRARY") or ""))')
+  if [ ! -e "$libpython" ] && command -v dpkg-query >/dev/null 2>&1; then
+    packages+=("lib$("$PY" -c 'import sys; print(f"python{sys.version_info[0]}.{sys.version_info[1]}")')-dev")
+  fi
+fi
+if [ ${#packages[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
   SUDO=""
   if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1; then SUDO=sudo; fi
-  log "installing (apt): ${missing[*]}"
+  log "installing (apt): ${packages[*]}"
   $SUDO apt-get update -qq
-  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null
 fi
 [ "${1:-}" = "--packages" ] && exit 0
-[ -x "$VENV/bin/python" ] || { log "ERROR: no virtual environment at $VENV (run scripts/setup.sh)"; exit 1; }
+[ -n "$PY" ] || { log "ERROR: no virtual environment at $VENV (run scripts/setup.sh)"; exit 1; }
 
-log "building rust/target/release/cosyvoice-server with $(/usr/bin/cargo --version), Python $("$VENV/bin/python" -c 'import sys; print(sys.version.split()[0])')"
-PY="$(cd "$VENV" && pwd)/bin/python"
-cd rust  # cargo reads .cargo/config.toml (the offline Debian source) from the folder it runs in
-PYO3_PYTHON="$PY" /usr/bin/cargo build --release --offline
+# rustup's cargo: on PATH, else where rustup installs it
+CARGO=$(command -v cargo || true)
+[ -x "$HOME/.cargo/bin/cargo" ] && CARGO="$HOME/.cargo/bin/cargo"
+version=$([ -n "$CARGO" ] && "$CARGO" --version 2>/dev/null | awk '{print $2}' || true)
+if [ -z "$version" ] || [ "$(printf '%s\n%s\n' "$MIN_RUST" "$version" | sort -V | head -1)" != "$MIN_RUST" ]; then
+  log "ERROR: cargo ${version:-not found} (${CARGO:-no cargo on PATH}); the Rust servers need $MIN_RUST or newer:" \
+      "install rustup (https://rustup.rs) and run 'rustup default stable'"
+  exit 1
+fi
+
+log "building rust/ with $("$CARGO" --version), Python $("$PY" -c 'import sys; print(sys.version.split()[0])')"
+cd rust
+# downloads only what the cache lacks; without a network the offline build below says what is missing
+"$CARGO" fetch --locked || log "WARNING: cargo fetch failed (no network?): building from the local crate cache"
+export PYO3_PYTHON="$PY"
+"$CARGO" build --release --offline --locked
+"$CARGO" test --release --offline --locked --quiet

@@ -43,6 +43,8 @@ LIMITS = {"max_sessions": 4, "max_queued_requests": 4, "queue_timeout_seconds": 
 TEXT = "Hello there, my friend."
 LONG_TEXT = "Hello there, my friend. " * 20  # ~100 s of generation on the tiny bundle: it never ends in a test
 TRANSCRIPT = "Hello, this is a short prompt for testing."
+DEEP_ARRAYS = b"[" * 100_000 + b"]" * 100_000  # 100,000 levels: a recursive parser's stack overflows
+DEEP_OBJECTS = b'{"a":' * 39_000  # as deep as MAX_BODY allows
 
 
 @dataclass
@@ -247,6 +249,9 @@ def test_bad_requests_get_the_same_answer_from_both(python_server: Served, rust_
         ("POST", "/synthesize", lambda: {"json": {"text": "", "prompt_audio": encoded}, "headers": AUTH}),
         ("POST", "/synthesize", lambda: {"json": {"text": TEXT, "prompt_audio": encoded}}),  # no key
         ("POST", "/synthesize", lambda: {"json": {"text": TEXT}, "headers": {"Authorization": "Bearer wrong"}}),
+        ("POST", "/synthesize", lambda: {"content": DEEP_ARRAYS, "headers": as_json}),
+        ("POST", "/synthesize", lambda: {"content": DEEP_OBJECTS, "headers": as_json}),
+        ("POST", "/synthesize", lambda: {"content": DEEP_ARRAYS, "headers": {**AUTH, "content-type": "text/plain"}}),
         ("POST", "/synthesize", lambda: {"content": b"x" * (MAX_BODY + 1), "headers": as_json}),
         ("POST", "/synthesize", lambda: {"content": _chunked(MAX_BODY + 1000), "headers": as_json}),
         ("GET", "/synthesize", lambda: {"headers": AUTH}),
@@ -268,6 +273,14 @@ def test_bad_requests_get_the_same_answer_from_both(python_server: Served, rust_
                    for server in (python_server, rust_server)]
         assert answers[0] == answers[1], (method, path, request().get("json"), answers)
         assert answers[0][0] in (200, 400, 401, 404, 405, 413), answers[0]
+
+
+def test_json_nested_100000_deep_is_a_400_naming_the_nesting(served: Served) -> None:
+    for body in (DEEP_ARRAYS, DEEP_OBJECTS):
+        answer = httpx.post(f"{served.url}/synthesize", content=body, timeout=60,
+                            headers={**AUTH, "content-type": "application/json"})
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["message"] == "the body nests JSON deeper than 64 levels"
 
 
 def test_sigterm_drains_the_rust_server_then_cancels_within_the_grace(tiny_bundle_dir: Path, tmp_path: Path,

@@ -32,11 +32,12 @@ SR = 24000
 class Server:
     """A uvicorn server on a free loopback port, in a thread."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, **options: object) -> None:
+        """``options``: more ``uvicorn.Config`` arguments (the HTTP bounds of ``uvicorn_options``)."""
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", **options))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -92,7 +92,7 @@ def install_error_handlers(app: FastAPI) -> None:
         invalid = invalid_request(exc)
         if exc.status_code == 413 or invalid is not None:
             return respond(request, invalid or exc)
-        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "error")
+        kind = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout"}.get(exc.status_code, "error")
         return HttpError(exc.status_code, kind, str(exc.detail), headers=getattr(exc, "headers", None)).response()
 
     @app.exception_handler(ClientGone)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import email.message
 import json
 import logging
 import os
@@ -36,6 +35,7 @@ from cosyvoice.server.common import (
     wire_fields,
 )
 from cosyvoice.server.errors import HttpError, http_error, invalid_body, log_error, undecodable_body
+from cosyvoice.server.http_limits import check_json_depth, json_content, slow_body, too_deep
 from cosyvoice.server.memory import MemoryKeeper
 from cosyvoice.server.operations import readiness
 from cosyvoice.server.voices_api import voice_json
@@ -46,6 +46,11 @@ logger = logging.getLogger(__name__)
 
 # the bridge contract's address, where neither a flag nor COSYVOICE_HOST/COSYVOICE_PORT says otherwise
 CONTRACT_ADDRESS = {"COSYVOICE_HOST": "0.0.0.0", "COSYVOICE_PORT": "3000"}
+
+
+# the HTTP front's bounds (rust/http-front), as the settings name them
+HTTP_FIELDS = ("header_timeout_seconds", "body_timeout_seconds", "body_min_bytes_per_second",
+               "keep_alive_timeout_seconds", "max_connections", "max_json_depth")
 
 
 class Answer(NamedTuple):
@@ -71,23 +76,14 @@ def _error_answer(error: HttpError) -> Answer:
     return Answer(error.status, headers, bytes(response.body))
 
 
-def _json_content(content_type: str | None) -> bool:
-    """Whether a body of ``content_type`` is parsed as JSON (as FastAPI decides: ``application/json`` or
-    ``application/*+json``; none given: not JSON)."""
-    if not content_type:
-        return False
-    message = email.message.Message()
-    message["content-type"] = content_type
-    subtype = message.get_content_subtype()
-    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
-
-
-def parse_body(raw: bytes, content_type: str | None) -> BridgeSynthesis:
-    """A ``POST /synthesize`` body, refused as the REST server refuses it (:func:`invalid_body`)."""
+def parse_body(raw: bytes, content_type: str | None, max_json_depth: int) -> BridgeSynthesis:
+    """A ``POST /synthesize`` body, refused as the REST server refuses it (:func:`invalid_body`, and
+    :func:`~cosyvoice.server.http_limits.too_deep` before ``json.loads`` recurses into a deep one)."""
     if not raw:
         raise invalid_body([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
     body: object = raw
-    if _json_content(content_type):
+    if json_content(content_type):
+        check_json_depth(raw, max_json_depth)
         try:
             body = json.loads(raw)
         except json.JSONDecodeError as exc:
@@ -131,11 +127,16 @@ class EmbeddedBridge:
             "payload_too_large": http_error(too_large(s.max_body_bytes), s),
             "not_found": HttpError(404, "not_found", "Not Found"),
             "method_not_allowed": HttpError(405, "method_not_allowed", "Method Not Allowed"),
+            "request_timeout": slow_body(s),
+            "json_too_deep": http_error(too_deep(s.max_json_depth), s),
+            "over_capacity": HttpError(503, "busy", "the server has too many connections open; retry shortly",
+                                       headers={"Retry-After": str(s.retry_after_seconds)}),
         }
         return json.dumps({
             "host": s.host, "port": s.port, "api_keys": [*s.api_keys, *s.admin_keys],
             "max_body_bytes": s.max_body_bytes,
             "shutdown_grace_seconds": s.shutdown_grace_seconds, "model_dir": s.model_dir, "cors": _cors(s),
+            "http": {name: getattr(s, name) for name in HTTP_FIELDS},
             "refusals": {name: _answer_json(_error_answer(error)) for name, error in refusals.items()},
         })
 
@@ -158,7 +159,7 @@ class EmbeddedBridge:
         the server drains) stops the engine within one LLM step and frees the slot."""
         started, mode = time.perf_counter(), "unknown"
         try:
-            body = parse_body(raw, content_type)
+            body = parse_body(raw, content_type, self.settings.max_json_depth)
             with wire_fields(BRIDGE_FIELDS):
                 request = contract_request(body, self.settings)
                 mode = mode_label(request.mode)

@@ -36,6 +36,7 @@ from cosyvoice.server.common import (
     add_cors,
     install_error_handlers,
 )
+from cosyvoice.server.http_limits import BodyGuard, uvicorn_options
 from cosyvoice.server.longform import longform_router
 from cosyvoice.server.memory import MemoryKeeper
 from cosyvoice.server.workbench import rater_route, workbench_router
@@ -83,6 +84,7 @@ def create_app(settings: ServerSettings | None = None, service: TTSService | Non
     app.include_router(longform_router(state.service, state.data_dir, settings=state.settings,
                                        owners=state.owners))  # /v1/longform
     # middleware, outermost last
+    app.add_middleware(BodyGuard, settings=state.settings)  # body timeouts, JSON nesting: inside the body bound
     app.add_middleware(BodyLimit, max_bytes=state.settings.max_body_bytes)
     if state.owners.keyed:  # a rater's pages pass with the test's link alone
         app.add_middleware(ApiKeys, owners=state.owners, public=rater_route)
@@ -113,7 +115,7 @@ def serve(app: FastAPI, settings: ServerSettings, log_level: str = "info") -> No
     grace = settings.shutdown_grace_seconds
     # uvicorn's own bound is a backstop a little past the drain (which cancels every session at ``grace``)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
-                            timeout_graceful_shutdown=max(1, round(grace + 5)))
+                            timeout_graceful_shutdown=max(1, round(grace + 5)), **uvicorn_options(settings))
     with MemoryKeeper(lambda: app.state.server.loaded):
         DrainingServer(config, app.state.server, grace).run()
 

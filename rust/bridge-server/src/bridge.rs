@@ -4,6 +4,7 @@
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::sync::Mutex;
+use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
@@ -85,12 +86,18 @@ pub struct Config {
     pub api_keys: Vec<String>,
     pub max_body_bytes: u64,
     pub grace_seconds: f64,
+    /// the HTTP front's bounds (timeouts, connection cap, the grace)
+    pub front: http_front::Settings,
+    pub max_json_depth: usize,
     pub model_dir: String,
     pub cors: Option<Cors>,
     pub unauthorized: Canned,
     pub payload_too_large: Canned,
     pub not_found: Canned,
     pub method_not_allowed: Canned,
+    pub request_timeout: Canned,
+    pub json_too_deep: Canned,
+    pub over_capacity: Canned,
 }
 
 /// One answer of the Python side, with the labels the metrics count it under.
@@ -254,17 +261,35 @@ fn parse_config(text: &str) -> Result<Config, String> {
             preflight_headers: pairs(&c["preflight_headers"]),
         }),
     };
+    let http = &v["http"];
+    let seconds = |name: &str, default: f64| Duration::from_secs_f64(http[name].as_f64().unwrap_or(default).max(0.0));
+    let grace_seconds = v["shutdown_grace_seconds"].as_f64().unwrap_or(30.0).max(0.0);
+    let defaults = http_front::Settings::default();
+    let front = http_front::Settings {
+        header_timeout: seconds("header_timeout_seconds", defaults.header_timeout.as_secs_f64()),
+        body_timeout: seconds("body_timeout_seconds", defaults.body_timeout.as_secs_f64()),
+        body_min_rate: http["body_min_bytes_per_second"].as_u64().unwrap_or(defaults.body_min_rate),
+        keep_alive_timeout: seconds("keep_alive_timeout_seconds", defaults.keep_alive_timeout.as_secs_f64()),
+        max_connections: http["max_connections"].as_u64().map_or(defaults.max_connections, |n| n as usize),
+        grace: Duration::from_secs_f64(grace_seconds),
+        close_delay: defaults.close_delay,
+    };
     Ok(Config {
         host: v["host"].as_str().unwrap_or("0.0.0.0").to_string(),
         port: v["port"].as_u64().unwrap_or(3000) as u16,
         api_keys: strings(&v["api_keys"]),
         max_body_bytes: v["max_body_bytes"].as_u64().unwrap_or(0),
-        grace_seconds: v["shutdown_grace_seconds"].as_f64().unwrap_or(30.0),
+        grace_seconds,
+        front,
+        max_json_depth: http["max_json_depth"].as_u64().unwrap_or(64) as usize,
         model_dir: v["model_dir"].as_str().unwrap_or("").to_string(),
         cors,
         unauthorized: canned("unauthorized"),
         payload_too_large: canned("payload_too_large"),
         not_found: canned("not_found"),
         method_not_allowed: canned("method_not_allowed"),
+        request_timeout: canned("request_timeout"),
+        json_too_deep: canned("json_too_deep"),
+        over_capacity: canned("over_capacity"),
     })
 }

@@ -1,13 +1,12 @@
 //! The routes, in the order the Python REST server's middleware applies them: CORS (outermost), API keys
 //! (the probes stay open), the body bound, then the route.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
 
-use hyper::body::HttpBody;
+use http_front::{full, json, read_body, Body, BodyError, ResponseBody};
 use hyper::header::{HeaderName, HeaderValue};
-use hyper::{Body, HeaderMap, Method, Request, Response, StatusCode};
+use hyper::{HeaderMap, Method, Request, Response, StatusCode};
 use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry, TextEncoder};
 use pyo3::PyObject;
 use tracing::info;
@@ -101,7 +100,7 @@ impl App {
 }
 
 /// One request: its answer, with CORS headers, logged.
-pub async fn handle(app: Arc<App>, request: Request<Body>) -> Result<Response<Body>, Infallible> {
+pub async fn handle(app: Arc<App>, request: Request<Body>) -> Response<ResponseBody> {
     let started = Instant::now();
     let (method, path) = (request.method().clone(), request.uri().path().to_string());
     let headers = request.headers().clone();
@@ -124,10 +123,10 @@ pub async fn handle(app: Arc<App>, request: Request<Body>) -> Result<Response<Bo
         response.status().as_u16(),
         started.elapsed().as_secs_f64() * 1000.0
     );
-    Ok(response)
+    response
 }
 
-async fn route(app: &Arc<App>, request: Request<Body>) -> Response<Body> {
+async fn route(app: &Arc<App>, request: Request<Body>) -> Response<ResponseBody> {
     let config = &app.bridge.config;
     let path = request.uri().path().to_string();
     let authorization = header(request.headers(), "authorization").unwrap_or_default();
@@ -154,7 +153,7 @@ async fn route(app: &Arc<App>, request: Request<Body>) -> Response<Body> {
             "/health" => health(app, !config.api_keys.is_empty() && holder),
             "/metrics" => {
                 let (body, content_type) = app.metrics.exposition();
-                let mut response = Response::new(Body::from(body));
+                let mut response = Response::new(full(body));
                 set(response.headers_mut(), "content-type", &content_type);
                 response
             }
@@ -167,7 +166,7 @@ async fn route(app: &Arc<App>, request: Request<Body>) -> Response<Body> {
 
 /// `/health`: the process serves; 503 only when the model failed to load. Answered here, never waiting
 /// for the interpreter, so it answers at once however busy synthesis is.
-fn health(app: &Arc<App>, holder: bool) -> Response<Body> {
+fn health(app: &Arc<App>, holder: bool) -> Response<ResponseBody> {
     let failure = app.bridge.load_error.lock().unwrap().clone();
     let (status, body) = match failure {
         None => (200, r#"{"status":"ok"}"#.to_string()),
@@ -182,22 +181,26 @@ fn health(app: &Arc<App>, holder: bool) -> Response<Body> {
 /// `/synthesize`: the body (bounded while read), then the service on a blocking thread. If the client
 /// goes away first, hyper drops this future: the guard then cancels the request's token, and the engine
 /// stops within one LLM step and frees its slot.
-async fn synthesize(app: &Arc<App>, request: Request<Body>, authorization: String) -> Response<Body> {
+async fn synthesize(app: &Arc<App>, request: Request<Body>, authorization: String) -> Response<ResponseBody> {
     let started = Instant::now();
     let content_type = header(request.headers(), "content-type");
     let limit = app.bridge.config.max_body_bytes;
-    let mut body = request.into_body();
-    let mut raw = Vec::new();
-    while let Some(chunk) = body.data().await {
-        match chunk {
-            Ok(chunk) if (raw.len() + chunk.len()) as u64 <= limit => raw.extend_from_slice(&chunk),
-            Ok(_) => {
-                app.metrics.observe("unknown", Some("invalid_input"), 0.0, 0.0);
-                return canned(&app.bridge.config.payload_too_large);
-            }
-            Err(_) => return Response::builder().status(400).body(Body::empty()).unwrap(), // the client left
+    let config = &app.bridge.config;
+    let raw = match read_body(request.into_body(), limit).await {
+        Ok(raw) => raw,
+        Err(BodyError::TooLarge) => return refused(app, &config.payload_too_large),
+        Err(BodyError::TimedOut) => {
+            let mut response = refused(app, &config.request_timeout);
+            response.headers_mut().insert("connection", HeaderValue::from_static("close"));
+            return response;
         }
+        Err(BodyError::Broken(_)) => return Response::builder().status(400).body(full("")).unwrap(), // the client left
+    };
+    // a JSON body nested too deep is refused before Python parses it (its parser recurses per level)
+    if content_type.as_deref().map_or(false, is_json) && json::depth_exceeds(&raw, config.max_json_depth) {
+        return refused(app, &config.json_too_deep);
     }
+    let raw = raw.to_vec();
     let token = blocking_call(app, |app| app.bridge.cancel_token()).await;
     let mut guard = CancelOnDrop { app: app.clone(), token: Some(token.clone()), started };
     let answer = blocking(app, move |app| app.bridge.synthesize(&raw, content_type, authorization, &token)).await;
@@ -227,14 +230,14 @@ async fn blocking_call<T: Send + 'static>(app: &Arc<App>, call: impl FnOnce(&App
 }
 
 /// A Python answer, computed on a blocking thread (`/synthesize`'s are counted in the metrics).
-async fn blocking(app: &Arc<App>, call: impl FnOnce(&App) -> Answer + Send + 'static) -> Response<Body> {
+async fn blocking(app: &Arc<App>, call: impl FnOnce(&App) -> Answer + Send + 'static) -> Response<ResponseBody> {
     let started = Instant::now();
     let answer = blocking_call(app, call).await;
     if answer.mode != "unknown" || answer.reason.is_some() || answer.audio_seconds > 0.0 {
         let seconds = started.elapsed().as_secs_f64();
         app.metrics.observe(&answer.mode, answer.reason.as_deref(), seconds, answer.audio_seconds);
     }
-    let mut response = Response::new(Body::from(answer.body));
+    let mut response = Response::new(full(answer.body));
     *response.status_mut() = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     for (name, value) in &answer.headers {
         set(response.headers_mut(), name, value);
@@ -242,8 +245,23 @@ async fn blocking(app: &Arc<App>, call: impl FnOnce(&App) -> Answer + Send + 'st
     response
 }
 
-fn canned(answer: &Canned) -> Response<Body> {
-    let mut response = Response::new(Body::from(answer.body.clone()));
+/// A `/synthesize` body refused before Python sees it, counted as the invalid input it is.
+fn refused(app: &Arc<App>, answer: &Canned) -> Response<ResponseBody> {
+    app.metrics.observe("unknown", Some("invalid_input"), 0.0, 0.0);
+    canned(answer)
+}
+
+/// Whether a body of `content_type` is JSON, as FastAPI decides (`application/json`, `application/*+json`).
+fn is_json(content_type: &str) -> bool {
+    let essence = content_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    match essence.split_once('/') {
+        Some(("application", subtype)) => subtype == "json" || subtype.ends_with("+json"),
+        _ => false,
+    }
+}
+
+pub fn canned(answer: &Canned) -> Response<ResponseBody> {
+    let mut response = Response::new(full(answer.body.clone()));
     *response.status_mut() = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     for (name, value) in &answer.headers {
         set(response.headers_mut(), name, value);
@@ -251,8 +269,8 @@ fn canned(answer: &Canned) -> Response<Body> {
     response
 }
 
-fn json_response(status: u16, body: Vec<u8>) -> Response<Body> {
-    let mut response = Response::new(Body::from(body));
+fn json_response(status: u16, body: Vec<u8>) -> Response<ResponseBody> {
+    let mut response = Response::new(full(body));
     *response.status_mut() = StatusCode::from_u16(status).unwrap();
     set(response.headers_mut(), "content-type", "application/json");
     response
@@ -288,7 +306,7 @@ fn key_is_valid(token: &str, keys: &[String]) -> bool {
 
 // ----------------------------------------------------------------------------- CORS, as starlette answers it
 
-fn preflight(cors: &Cors, request: &HeaderMap) -> Response<Body> {
+fn preflight(cors: &Cors, request: &HeaderMap) -> Response<ResponseBody> {
     let origin = header(request, "origin").unwrap_or_default();
     let method = header(request, "access-control-request-method").unwrap_or_default();
     let requested_headers = header(request, "access-control-request-headers");
@@ -323,7 +341,7 @@ fn preflight(cors: &Cors, request: &HeaderMap) -> Response<Body> {
     }
     let (status, text) =
         if failures.is_empty() { (200, "OK".to_string()) } else { (400, format!("Disallowed CORS {}", failures.join(", "))) };
-    let mut response = Response::new(Body::from(text));
+    let mut response = Response::new(full(text));
     *response.status_mut() = StatusCode::from_u16(status).unwrap();
     *response.headers_mut() = headers;
     set(response.headers_mut(), "content-type", "text/plain; charset=utf-8");
@@ -354,7 +372,13 @@ fn simple_cors(cors: &Cors, origin: Option<&str>, headers: &mut HeaderMap) {
 
 #[cfg(test)]
 mod tests {
-    use super::{key_is_valid, presented_key};
+    use super::{is_json, key_is_valid, presented_key};
+
+    #[test]
+    fn json_content_types() {
+        assert!(is_json("application/json") && is_json("Application/JSON; charset=utf-8"));
+        assert!(is_json("application/problem+json") && !is_json("text/plain") && !is_json("json"));
+    }
 
     #[test]
     fn keys() {

@@ -1,5 +1,6 @@
 //! `cosyvoice-server`: the bridge contract (`POST /synthesize`, `GET /health`, `GET /ready`, `GET /speakers`,
-//! `GET /metrics`) over hyper + tokio, with the CosyVoice3 Studio service embedded through PyO3.
+//! `GET /metrics`) over the HTTP front (rust/http-front: hyper 1 + tokio), with the CosyVoice3 Studio service
+//! embedded through PyO3.
 //!
 //! Rust serves HTTP, `/health`, the Prometheus metrics, API keys, CORS and the body bound; every answer that
 //! needs the model comes from one Python entry point, `cosyvoice.server.embedded.EmbeddedBridge`, which takes
@@ -10,14 +11,14 @@ mod bridge;
 mod environment;
 mod http;
 
-use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use hyper::service::{make_service_fn, service_fn};
-use hyper::Server;
+use http_front::{Body, Handler, ResponseBody};
+use hyper::{Request, Response};
+use tokio::net::TcpListener;
 use tracing::{error, info};
-
 
 use crate::bridge::Bridge;
 use crate::http::App;
@@ -67,29 +68,41 @@ fn bracket(host: &str) -> String {
     }
 }
 
+/// The routes, as the HTTP front calls them.
+struct Routes(Arc<App>);
+
+impl Handler for Routes {
+    fn handle(&self, request: Request<Body>) -> impl Future<Output = Response<ResponseBody>> + Send {
+        http::handle(self.0.clone(), request)
+    }
+
+    fn over_capacity(&self) -> Response<ResponseBody> {
+        http::canned(&self.0.bridge.config.over_capacity)
+    }
+}
+
 async fn serve(app: App, addr: SocketAddr) -> Result<(), String> {
     let app = Arc::new(app);
-    let builder = Server::try_bind(&addr).map_err(|e| format!("cannot listen on {}: {}", addr, e))?;
+    let listener = TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {}: {}", addr, e))?;
     info!(%addr, model_dir = %app.bridge.config.model_dir, "serving the bridge contract; loading the model");
     let loader = app.clone();
     tokio::task::spawn_blocking(move || loader.load());
 
+    // SIGTERM/SIGINT: the front stops accepting and closes idle and half-sent connections; running requests
+    // may finish within the grace (new ones get 503 from the service), then the service cancels what still
+    // runs, their answers go out, and the front closes every connection
     let drainer = app.clone();
-    let make = make_service_fn(move |_conn| {
-        let app = app.clone();
-        async move { Ok::<_, Infallible>(service_fn(move |request| http::handle(app.clone(), request))) }
-    });
-    // SIGTERM/SIGINT: stop accepting, let running requests finish within the grace (new ones get 503),
-    // then the service cancels what still runs; the server returns once every connection has ended
     let (drain_started, drain_handle) = tokio::sync::oneshot::channel();
-    let server = builder.serve(make).with_graceful_shutdown(async move {
+    let shutdown = async move {
         shutdown_signal().await;
         info!("shutting down: running requests may finish within {} s", drainer.bridge.config.grace_seconds);
         let _ = drain_started.send(tokio::task::spawn_blocking(move || drainer.bridge.drain()));
-    });
-    server.await.map_err(|e| format!("server failed: {}", e))?;
+    };
+    let settings = app.bridge.config.front.clone();
+    http_front::serve(listener, settings.clone(), Arc::new(Routes(app)), shutdown).await;
     if let Ok(drain) = drain_handle.await {
-        let _ = drain.await;
+        // the service's drain ends at the grace too; a hung one does not keep the process
+        let _ = tokio::time::timeout(settings.close_delay, drain).await;
     }
     info!("stopped");
     Ok(())
