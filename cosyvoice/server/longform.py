@@ -35,6 +35,8 @@ test uses (in the workbench) and says which.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import tempfile
@@ -48,10 +50,13 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ConfigDict
 
 from cosyvoice.encoding import encode_audio, file_format
+from cosyvoice.engine import CancelToken
 from cosyvoice.errors import InvalidInputError, NotFoundError, PermissionDeniedError
-from cosyvoice.longform import LongformStudio, script
+from cosyvoice.jobs import Cancelled
+from cosyvoice.longform import LongformStudio, documents
 from cosyvoice.longform.store import Segment, Take
 from cosyvoice.owners import Caller, Owners
+from cosyvoice.server.common import CLIENT_GONE
 from cosyvoice.server.errors import error_route
 from cosyvoice.server.routes import RouteTable
 from cosyvoice.service import TTSService
@@ -61,7 +66,6 @@ from cosyvoice.utils.fs import disk_full
 logger = logging.getLogger(__name__)
 
 PAGE = Path(__file__).with_name("longform_page.html")
-MAX_UPLOAD_BYTES = 50 * 1024 * 1024
 
 
 class _Body(BaseModel):
@@ -181,31 +185,66 @@ def projects(s: Studio, who: Who) -> JSONResponse:
 
 
 @routes.post("/v1/longform/projects", status_code=201)
-def create(s: Studio, who: Who, body: NewProject) -> JSONResponse:
+async def create(s: Studio, who: Who, body: NewProject, request: Request) -> Response:
+    """A project from pasted text: split in a worker that stops if the client goes away."""
     options = {k: v for k, v in (("pauses", body.pauses), ("margin", body.margin), ("retries", body.retries),
                                  ("steps", body.steps))
                if v is not None}
-    project = s.create(body.name, body.text, voice=body.voice, kind=body.kind, speakers=body.speakers,
-                       preset=body.preset, owner=who.owner, **options)
-    return JSONResponse(detail(s, project.id), 201)
+
+    def make(cancel: CancelToken) -> dict[str, Any]:
+        project = s.create(body.name, body.text, voice=body.voice, kind=body.kind, speakers=body.speakers,
+                           preset=body.preset, owner=who.owner, cancel=cancel, **options)
+        return detail(s, project.id)
+
+    return await _while_connected(request, make)
 
 
 @routes.post("/v1/longform/projects/upload", status_code=201)
-def upload(s: Studio, who: Who, file: Annotated[UploadFile, File()], name: Annotated[str, Form()] = "",
-           voice: Annotated[str | None, Form()] = None, kind: Annotated[str, Form()] = "document",
-           speakers: Annotated[str, Form()] = "", preset: Annotated[str, Form()] = "podcast") -> JSONResponse:
-    """A project from a .txt, .md, .epub, .pdf or .docx file (``speakers``: JSON object for dialogue scripts)."""
-    data = file.file.read(MAX_UPLOAD_BYTES + 1)
-    if len(data) > MAX_UPLOAD_BYTES:
-        raise InvalidInputError(f"the file is larger than {MAX_UPLOAD_BYTES // 2**20} MB", "file")
-    text, chapters = script.read_document(file.filename or "upload.txt", data)
+async def upload(s: Studio, who: Who, request: Request, file: Annotated[UploadFile, File()],
+                 name: Annotated[str, Form()] = "", voice: Annotated[str | None, Form()] = None,
+                 kind: Annotated[str, Form()] = "document", speakers: Annotated[str, Form()] = "",
+                 preset: Annotated[str, Form()] = "podcast") -> Response:
+    """A project from a .txt, .md, .epub, .pdf or .docx file (``speakers``: JSON object for dialogue scripts),
+    read and split within the service's import limits in a worker that stops if the client goes away."""
+    limits = s.service.limits
+    data = await file.read(limits.max_import_bytes + 1)  # one byte over: read_document names the limit
+    filename = file.filename or "upload.txt"
     try:
         mapping = json.loads(speakers) if speakers.strip() else None
     except ValueError as exc:
         raise InvalidInputError("speakers must be a JSON object of label -> voice", "speakers") from exc
-    project = s.create(name or Path(file.filename or "").stem, text, voice=voice, kind=kind, speakers=mapping,
-                       chapters=chapters, preset=preset, owner=who.owner)
-    return JSONResponse(detail(s, project.id), 201)
+
+    def make(cancel: CancelToken) -> dict[str, Any]:
+        text, chapters = documents.read_document(filename, data, limits, cancel)
+        project = s.create(name or Path(filename).stem, text, voice=voice, kind=kind, speakers=mapping,
+                           chapters=chapters, preset=preset, owner=who.owner, cancel=cancel)
+        return detail(s, project.id)
+
+    return await _while_connected(request, make)
+
+
+async def _while_connected(request: Request, make: Callable[[CancelToken], dict[str, Any]]) -> Response:
+    """``make`` a project in a worker thread (a book takes seconds to split), cancelled the moment the client
+    disconnects: the worker stops at its next page, chapter or paragraph and stores nothing."""
+    cancel = CancelToken()
+    work = asyncio.ensure_future(asyncio.to_thread(make, cancel))
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not work.done():
+        cancel.cancel()
+        with contextlib.suppress(Cancelled):
+            await work
+        logger.info("%s: the client went away; the import stopped", request.url.path)
+        return Response(status_code=CLIENT_GONE)
+    return JSONResponse(work.result(), 201)
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @routes.get("/v1/longform/projects/{project_id}")
@@ -232,11 +271,11 @@ def delete_project(s: Studio, who: Who, project_id: str) -> JSONResponse:
 
 
 @routes.patch("/v1/longform/projects/{project_id}/segments/{segment_id}")
-def change_segment(s: Studio, project_id: str, segment_id: str, body: SegmentChanges) -> JSONResponse:
+def change_segment(s: Studio, who: Who, project_id: str, segment_id: str, body: SegmentChanges) -> JSONResponse:
     changes = body.model_dump(exclude_unset=True)
     if changes.pop("default_pause", False):
         changes["pause"] = None
-    s.edit_segment(project_id, segment_id, **changes)
+    s.edit_segment(project_id, segment_id, owner=who.owner, **changes)
     return JSONResponse(detail(s, project_id))
 
 
