@@ -368,6 +368,9 @@ class LongformStudio:
         segments = self.segments(project_id)
         known = {s.id for s in segments}
         if segment_ids is not None:
+            if len(segment_ids) > len(known):  # a body may list each segment once at most
+                raise InvalidInputError(f"segments lists {len(segment_ids):,} ids; the project has {len(known):,} "
+                                        "segments", "segments")
             unknown = [sid for sid in segment_ids if sid not in known]
             if unknown:
                 raise NotFoundError(f"no segment {unknown[0]!r} in this project", "segments")
