@@ -14,7 +14,7 @@ import contextlib
 import functools
 import io
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -110,14 +110,15 @@ class LongformStudio:
 
     def create(self, name: str, text: str, *, voice: str | None = None, kind: str = "document",
                speakers: dict[str, str] | None = None, chapters: list[tuple[str | None, str]] | None = None,
-               owner: str | None = None, cancel: CancelToken | None = None, **settings: object) -> Project:
+               owner: str | None = None, cancel: CancelToken | None = None,
+               progress: Callable[[int, int], None] | None = None, **settings: object) -> Project:
         """A project from a document (``voice`` reads it all) or a dialogue script (``speakers`` maps each
         label to a voice), belonging to ``owner`` (:mod:`cosyvoice.owners`), whose voices (an unsaved upload is
         its uploader's alone) are the only ones it may name. ``chapters`` (title, text) come from an EPUB, DOCX or
         PDF; ``settings`` override the defaults (``pauses``, ``preset``, ``margin``, ``retries``, ``steps``: the
         flow's Euler steps of every take, None: the model's). Bounded by the service's ``Limits``
         (``max_import_*``, ``max_project_segments``, ``max_dialogue_*``); ``cancel`` stops it (:class:`Cancelled`)
-        before anything is stored."""
+        before anything is stored; ``progress(blocks split, blocks)`` hears how far the splitting is."""
         limits = self.service.limits
         if kind not in ("document", "dialogue"):
             raise InvalidInputError(f"kind must be 'document' or 'dialogue', got {kind!r}", "kind")
@@ -145,7 +146,7 @@ class LongformStudio:
             blocks = script.document_blocks(text, chapters)
             settings["voice"] = self._voice_id(voice, "voice", owner)
         rows = []
-        for d in script.segment_drafts(blocks, self.split, limits, cancel):
+        for d in script.segment_drafts(blocks, self.split, limits, cancel, progress):
             rows.append({"text": d.text, "voice": settings["speakers"][d.speaker] if d.speaker else
                          settings["voice"], "instruction": d.instruction, "brk": d.brk, "pause": d.pause,
                          "chapter": d.chapter, "speaker": d.speaker})

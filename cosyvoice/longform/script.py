@@ -151,17 +151,20 @@ def _rebreak(block: Block, brk: str) -> Block:
 
 
 def segment_drafts(blocks: list[Block], split: Callable[[str], list[str]], limits: Limits | None = None,
-                   cancel: CancelToken | None = None) -> list[SegmentDraft]:
+                   cancel: CancelToken | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> list[SegmentDraft]:
     """The segment table of ``blocks``, each split by ``split`` (the frontend's splitter). A block with nothing
     to speak hands its break to the segment before it (a pause tag's seconds win over a plain break; two tags
     add up) and its chapter to the next segment. At most ``limits.max_project_segments`` rows; ``cancel`` stops
-    the splitting (:class:`Cancelled`)."""
+    the splitting (:class:`Cancelled`); ``progress(blocks split, blocks)`` hears how far it is, every 64 blocks."""
     limits = limits or Limits.from_env()
     drafts: list[SegmentDraft] = []
     carry_chapter: str | None = None
-    for block in blocks:
+    for number, block in enumerate(blocks):
         if cancel is not None and cancel.cancelled:
             raise Cancelled
+        if progress is not None and number % 64 == 0:
+            progress(number, len(blocks))
         pieces = split(block.text) if block.text.strip() else []
         chapter = block.chapter or carry_chapter
         if not pieces:
