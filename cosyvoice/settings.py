@@ -168,7 +168,8 @@ class Limits:
     max_import_pages: int = 5000
     max_import_chars: int = 5_000_000  # War and Peace is 3.2 million
     max_import_run_chars: int = 1000
-    # a project's segment table, and a dialogue script's turns and distinct speakers
+    # a project's name, its segment table, and a dialogue script's turns and distinct speakers
+    max_project_name_chars: int = 200
     max_project_segments: int = 50000
     max_dialogue_turns: int = 10000
     max_dialogue_speakers: int = 100

@@ -71,6 +71,8 @@ def test_hostile_numbers_are_400s_naming_the_field(url: str, prompt_wav, caplog:
                                 ({"pauses": {"sentence": INF}}, "pauses"),
                                 ({"pauses": {"evil": 1}}, "pauses"), ({"preset": "loud"}, "preset")):
             _refused(_post(client, projects, {"text": "Hi.", "voice": "Narrator", **settings}), field)
+        _refused(_post(client, projects, {"text": "Hi.", "voice": "Narrator", "name": "n" * 1_000_000}),
+                 "COSYVOICE_MAX_PROJECT_NAME_CHARS")
         made = client.post(projects, json={"text": "Hi there. Good day to you.", "voice": "Narrator"})
         assert made.status_code == 201, made.text
         project, segment = made.json()["id"], made.json()["segments"][0]
@@ -87,6 +89,7 @@ def test_hostile_numbers_are_400s_naming_the_field(url: str, prompt_wav, caplog:
             _refused(client.patch(f"{projects}/{project}", content=_body({"steps": steps}),
                                   headers={"content-type": "application/json"}), "steps")
         _refused(_post(client, f"{projects}/{project}/generate", {"segments": [segment["id"]] * 3}), "segments")
+        _refused(client.patch(f"{projects}/{project}", json={"name": "n" * 201}), "name")
         assert client.get(f"{projects}/{project}").json()["segments"][0]["text"] == segment["text"]  # unchanged
         spoken = client.post("/v1/audio/speech", json={**speech, "steps": 2, "seed": 1})
         assert spoken.status_code == 200 and spoken.content[:4] == b"RIFF"

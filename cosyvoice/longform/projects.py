@@ -125,7 +125,7 @@ class LongformStudio:
         if not isinstance(text, str) or not text.strip():
             raise InvalidInputError("the project has no text; paste some or upload a file", "text")
         documents.check_text(text, limits)
-        name = " ".join(str(name or "").split()) or "Untitled"
+        name = self._name(name) or "Untitled"
         settings = self._settings(default_settings(), settings)
         if kind == "dialogue":
             blocks = script.dialogue_blocks(text, limits)
@@ -151,6 +151,15 @@ class LongformStudio:
                          settings["voice"], "instruction": d.instruction, "brk": d.brk, "pause": d.pause,
                          "chapter": d.chapter, "speaker": d.speaker})
         return self.store.add_project(name, kind, text, settings, rows, owner)
+
+    def _name(self, name: object) -> str:
+        """A project's name on one line, within ``Limits.max_project_name_chars``."""
+        name = " ".join(str(name or "").split())
+        bound = self.service.limits.max_project_name_chars
+        if len(name) > bound:
+            raise InvalidInputError(f"the name has {len(name):,} characters; at most {bound} "
+                                    f"({env_name('max_project_name_chars')})", "name")
+        return name
 
     def _voice_id(self, voice: object, field_name: str, owner: str | None) -> str:
         """The id of the voice ``voice`` names, if ``owner`` may use it (another's unsaved upload: not found)."""
@@ -344,7 +353,7 @@ class LongformStudio:
         project = self.store.project(project_id)
         changes: dict[str, object] = {"settings": self._settings(project.settings, settings)}
         if name is not None:
-            changes["name"] = " ".join(str(name).split()) or project.name
+            changes["name"] = self._name(name) or project.name
         return self.store.update_project(project_id, **changes)
 
     def delete(self, project_id: str) -> tuple[Project, dict[str, list[str]]]:
