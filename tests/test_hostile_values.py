@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -109,3 +110,24 @@ def test_a_websocket_start_with_hostile_numbers_is_an_error_naming_the_field(url
                 with pytest.raises(ConnectionClosed) as closed:
                     ws.recv(timeout=10)
                 assert closed.value.rcvd.code == 1008
+
+
+def test_a_batch_row_with_hostile_numbers_fails_naming_its_field(url: str) -> None:
+    """A batch's rows are checked as they run (a bad row never stops the others): each hostile value fails its
+    row with the field named, and nothing is made."""
+    rows = [{"text": "Hi.", "voice": "Narrator", field: value}
+            for field, values in (("steps", STEPS), ("speed", SPEEDS), ("seed", SEEDS)) for value in values]
+    with httpx.Client(base_url=url, timeout=60) as client:
+        started = _post(client, "/workbench/api/batches", {"rows": rows})
+        assert started.status_code == 202, started.text
+        where = f"/workbench/api/batches/{started.json()['id']}"
+        deadline = time.monotonic() + 120
+        while (status := client.get(where).json())["state"] in ("queued", "running"):
+            assert time.monotonic() < deadline, status
+            time.sleep(0.05)
+    assert (status["done"], status["failed"]) == (0, len(rows)), status
+    assert [e["field"] for e in sorted(status["errors"], key=lambda e: e["row"])] == [row_field(r) for r in rows]
+
+
+def row_field(row: dict) -> str:
+    return next(k for k in ("steps", "speed", "seed") if k in row)
