@@ -167,8 +167,9 @@ class Made:
         return {"synthesis_seconds": self.seconds, "first_chunk_seconds": self.first_chunk_seconds}
 
 
-def synthesize(service: TTSService, request: SynthesisRequest, token: CancelToken) -> Made:
-    """``request``'s audio for a job: waits for its slot in the service's admission, in order. Raises
+def synthesize(service: TTSService, request: SynthesisRequest, token: CancelToken, owner: str | None = None) -> Made:
+    """``request``'s audio for a job, as ``owner`` asks it (the voices it may use: another's unsaved upload is
+    not found); waits for its slot in the service's admission, in order. Raises
     :class:`Cancelled` if ``token`` was cancelled meanwhile, :class:`Interrupted` if the service stopped the
     request (shutting down): a cut-short take is never kept."""
     started = time.perf_counter()
@@ -179,7 +180,7 @@ def synthesize(service: TTSService, request: SynthesisRequest, token: CancelToke
     unsubscribe = token.subscribe(own.cancel)
     try:
         try:
-            session = service.synthesize(request, cancel=own, wait=True)
+            session = service.synthesize(request, cancel=own, wait=True, owner=owner)
         except ResourceLimitError:  # a waiting request is refused when cancelled or shutting down, or too long
             if token.cancelled:
                 raise Cancelled from None

@@ -156,6 +156,23 @@ class Limits:
     max_test_title_chars: int = 200
     max_test_instructions_chars: int = 5000
     job_workers: int = 1  # long jobs (batches, long-form renders) running at once per process (cosyvoice.jobs)
+    # a long-form project's book (cosyvoice/longform/documents.py): the file as uploaded; an archive's (EPUB,
+    # DOCX) members, of which only text is inflated (images never), each and all together, and each XML member's
+    # nesting; a PDF's pages (and any one of its streams, inflated: max_import_member_bytes); then the text read
+    # from any source (a paste too): its characters and its longest run without a space or punctuation
+    max_import_bytes: int = 50 * 1024 * 1024
+    max_import_members: int = 10000
+    max_import_member_bytes: int = 32 * 1024 * 1024
+    max_import_inflated_bytes: int = 96 * 1024 * 1024
+    max_import_xml_depth: int = 200  # below libxml2's own 256, so the error names this limit
+    max_import_pages: int = 5000
+    max_import_chars: int = 5_000_000  # War and Peace is 3.2 million
+    max_import_run_chars: int = 1000
+    # a project's name, its segment table, and a dialogue script's turns and distinct speakers
+    max_project_name_chars: int = 200
+    max_project_segments: int = 50000
+    max_dialogue_turns: int = 10000
+    max_dialogue_speakers: int = 100
 
     def __post_init__(self) -> None:
         for f in fields(self):

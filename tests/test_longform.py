@@ -21,7 +21,7 @@ import soundfile as sf
 
 from cosyvoice.encoding import encode_audio, to_pcm16
 from cosyvoice.errors import InvalidInputError, NotFoundError
-from cosyvoice.longform import LongformStudio, finishing, script
+from cosyvoice.longform import LongformStudio, documents, finishing, script
 from cosyvoice.service import TTSService
 from cosyvoice.settings import Limits, default_data_dir
 from cosyvoice.voices import VoiceLibrary
@@ -459,7 +459,7 @@ def test_an_epub_becomes_chapters(tmp_path: Path) -> None:
     book.spine = items
     path = tmp_path / "book.epub"
     epub.write_epub(str(path), book)
-    text, chapters = script.read_document("book.epub", path.read_bytes())
+    text, chapters = documents.read_document("book.epub", path.read_bytes())
     assert [title for title, _ in chapters] == ["First light", "Second wind"]
     blocks = script.document_blocks(text, chapters)
     assert [(b.text, b.chapter, b.brk) for b in blocks] == [
@@ -467,7 +467,7 @@ def test_an_epub_becomes_chapters(tmp_path: Path) -> None:
         ("Paragraph two.", None, "chapter"), ("Second wind", "Second wind", "paragraph"),
         ("Paragraph one of 2.", None, "paragraph"), ("Paragraph two.", None, "end")]
     with pytest.raises(InvalidInputError) as err:
-        script.read_document("book.pdf", b"%PDF")
+        documents.read_document("book.pdf", b"%PDF")
     assert err.value.field == "file"
 
 

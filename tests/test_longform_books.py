@@ -11,7 +11,7 @@ import pytest
 import soundfile as sf
 
 from cosyvoice.errors import InvalidInputError
-from cosyvoice.longform import finishing, script
+from cosyvoice.longform import documents, finishing, script
 
 SR = 24000
 BODY = "It was a won-\nderful day, and the words went on and on across the page. " * 3
@@ -41,7 +41,7 @@ def pdf_book(outline: bool, body: str = BODY, paragraphs: int = 2) -> bytes:
 
 @pytest.mark.parametrize("outline", [True, False], ids=["outline", "type-size"])
 def test_a_pdf_becomes_chapters_of_paragraphs(outline: bool) -> None:
-    text, chapters = script.read_document("book.pdf", pdf_book(outline))
+    text, chapters = documents.read_document("book.pdf", pdf_book(outline))
     assert [title for title, _ in chapters] == ["The Beginning", "The Middle"]
     paragraphs = chapters[1][1].split("\n\n")
     assert paragraphs[0] == "A section"  # a lower heading stays as a paragraph of its own
@@ -65,7 +65,7 @@ def test_a_docx_becomes_chapters_at_its_top_headings() -> None:
         document.add_paragraph(f"{name} goes on.")
     buffer = io.BytesIO()
     document.save(buffer)
-    _, chapters = script.read_document("book.docx", buffer.getvalue())
+    _, chapters = documents.read_document("book.docx", buffer.getvalue())
     assert chapters == [("My Book", "Front matter."),
                         ("Part A", "Part A opens.\n\nDetails\n\nPart A goes on."),
                         ("Part B", "Part B opens.\n\nDetails\n\nPart B goes on.")]
@@ -79,7 +79,7 @@ def test_a_document_without_headings_is_plain_text() -> None:
     document.add_paragraph("Two.")
     buffer = io.BytesIO()
     document.save(buffer)
-    assert script.read_document("notes.docx", buffer.getvalue()) == ("One.\n\nTwo.", None)
+    assert documents.read_document("notes.docx", buffer.getvalue()) == ("One.\n\nTwo.", None)
 
 
 @pytest.mark.parametrize(("name", "data", "message"), [
@@ -89,7 +89,7 @@ def test_a_document_without_headings_is_plain_text() -> None:
 ])
 def test_unreadable_books_are_named_errors(name: str, data: bytes, message: str) -> None:
     with pytest.raises(InvalidInputError, match=message) as err:
-        script.read_document(name, data)
+        documents.read_document(name, data)
     assert err.value.field == "file"
 
 
@@ -100,7 +100,7 @@ def test_a_pdf_without_text_asks_for_text_recognition() -> None:
     pdf.add_page()
     pdf.rect(10, 10, 50, 50)  # a scanned page: drawing, no text
     with pytest.raises(InvalidInputError, match="no text layer"):
-        script.read_document("scan.pdf", bytes(pdf.output()))
+        documents.read_document("scan.pdf", bytes(pdf.output()))
 
 
 # ----------------------------------------------------------------------------- ACX
@@ -221,7 +221,7 @@ def test_a_generated_book_is_checked_per_chapter_and_mastered_to_acx(studio) -> 
 
 
 def test_a_short_pdf_tells_its_headings_from_its_body() -> None:
-    _, chapters = script.read_document("short.pdf", pdf_book(outline=False, body="Hi.", paragraphs=1))
+    _, chapters = documents.read_document("short.pdf", pdf_book(outline=False, body="Hi.", paragraphs=1))
     assert chapters == [("The Beginning", "A section\n\nParagraph 0 of chapter 0. Hi."),
                         ("The Middle", "A section\n\nParagraph 0 of chapter 1. Hi.")]
 

@@ -14,7 +14,7 @@ import contextlib
 import functools
 import io
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -27,10 +27,10 @@ from cosyvoice.errors import InvalidInputError, NotFoundError
 from cosyvoice.frontend.frontend import CosyVoiceFrontend
 from cosyvoice.jobs import Job, JobGone, JobState, Made, Task, release, runner, synthesize
 from cosyvoice.llm.model import CosyVoice3LM
-from cosyvoice.longform import finishing, script
+from cosyvoice.longform import documents, finishing, script
 from cosyvoice.longform.store import Project, ProjectStore, Segment, Take
 from cosyvoice.service import SynthesisRequest, TTSService, check_text
-from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, default_data_dir
+from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, default_data_dir, env_name
 from cosyvoice.takes.provenance import provenance
 from cosyvoice.utils.sqlite import require_writable
 
@@ -110,42 +110,63 @@ class LongformStudio:
 
     def create(self, name: str, text: str, *, voice: str | None = None, kind: str = "document",
                speakers: dict[str, str] | None = None, chapters: list[tuple[str | None, str]] | None = None,
-               owner: str | None = None, **settings: object) -> Project:
+               owner: str | None = None, cancel: CancelToken | None = None,
+               progress: Callable[[int, int], None] | None = None, **settings: object) -> Project:
         """A project from a document (``voice`` reads it all) or a dialogue script (``speakers`` maps each
-        label to a voice), belonging to ``owner`` (:mod:`cosyvoice.owners`). ``chapters`` (title, text) come from
-        an EPUB, DOCX or PDF; ``settings`` override the defaults (``pauses``, ``preset``, ``margin``, ``retries``,
-        ``steps``: the flow's Euler steps of every take, None: the model's)."""
+        label to a voice), belonging to ``owner`` (:mod:`cosyvoice.owners`), whose voices (an unsaved upload is
+        its uploader's alone) are the only ones it may name. ``chapters`` (title, text) come from an EPUB, DOCX or
+        PDF; ``settings`` override the defaults (``pauses``, ``preset``, ``margin``, ``retries``, ``steps``: the
+        flow's Euler steps of every take, None: the model's). Bounded by the service's ``Limits``
+        (``max_import_*``, ``max_project_segments``, ``max_dialogue_*``); ``cancel`` stops it (:class:`Cancelled`)
+        before anything is stored; ``progress(blocks split, blocks)`` hears how far the splitting is."""
+        limits = self.service.limits
         if kind not in ("document", "dialogue"):
             raise InvalidInputError(f"kind must be 'document' or 'dialogue', got {kind!r}", "kind")
         if not isinstance(text, str) or not text.strip():
             raise InvalidInputError("the project has no text; paste some or upload a file", "text")
-        name = " ".join(str(name or "").split()) or "Untitled"
+        documents.check_text(text, limits)
+        name = self._name(name) or "Untitled"
         settings = self._settings(default_settings(), settings)
         if kind == "dialogue":
-            blocks = script.dialogue_blocks(text)
-            mapping = {k.strip(): self._voice_id(v, "speakers") for k, v in (speakers or {}).items()}
+            blocks = script.dialogue_blocks(text, limits)
+            if speakers is not None and not isinstance(speakers, dict):
+                raise InvalidInputError("speakers must map each label to a voice", "speakers")
+            if len(speakers or {}) > limits.max_dialogue_speakers:
+                raise InvalidInputError(f"speakers maps more than {limits.max_dialogue_speakers:,} labels "
+                                        f"({env_name('max_dialogue_speakers')})", "speakers")
+            mapping = {k.strip(): self._voice_id(v, "speakers", owner) for k, v in (speakers or {}).items()}
             missing = sorted({b.speaker for b in blocks} - set(mapping))
             if missing and voice is None:
                 raise InvalidInputError(f"map every speaker to a voice; no voice for {', '.join(missing)}",
                                         "speakers")
-            fallback = self._voice_id(voice, "voice") if missing else None
+            fallback = self._voice_id(voice, "voice", owner) if missing else None
             mapping |= dict.fromkeys(missing, fallback)
             settings["speakers"] = mapping
         else:
             blocks = script.document_blocks(text, chapters)
-            settings["voice"] = self._voice_id(voice, "voice")
+            settings["voice"] = self._voice_id(voice, "voice", owner)
         rows = []
-        for d in script.segment_drafts(blocks, self.split):
+        for d in script.segment_drafts(blocks, self.split, limits, cancel, progress):
             rows.append({"text": d.text, "voice": settings["speakers"][d.speaker] if d.speaker else
                          settings["voice"], "instruction": d.instruction, "brk": d.brk, "pause": d.pause,
                          "chapter": d.chapter, "speaker": d.speaker})
         return self.store.add_project(name, kind, text, settings, rows, owner)
 
-    def _voice_id(self, voice: object, field_name: str) -> str:
+    def _name(self, name: object) -> str:
+        """A project's name on one line, within ``Limits.max_project_name_chars``."""
+        name = " ".join(str(name or "").split())
+        bound = self.service.limits.max_project_name_chars
+        if len(name) > bound:
+            raise InvalidInputError(f"the name has {len(name):,} characters; at most {bound} "
+                                    f"({env_name('max_project_name_chars')})", "name")
+        return name
+
+    def _voice_id(self, voice: object, field_name: str, owner: str | None) -> str:
+        """The id of the voice ``voice`` names, if ``owner`` may use it (another's unsaved upload: not found)."""
         if not isinstance(voice, str) or not voice.strip():
             raise InvalidInputError("choose a voice (a saved or built-in voice's name or id)", field_name)
         try:
-            return self.service.get_voice(voice.strip()).id
+            return self.service.get_voice(voice.strip(), owner=owner).id
         except NotFoundError as exc:
             raise NotFoundError(f"no voice {voice.strip()!r}; save it first or choose another", field_name) from exc
 
@@ -247,15 +268,17 @@ class LongformStudio:
 
     # ------------------------------------------------------------------ editing
 
-    def edit_segment(self, project_id: str, segment_id: str, **changes: object) -> Segment:
-        """Change a segment's text (normalised and checked here), voice, instruction, speed or pause."""
+    def edit_segment(self, project_id: str, segment_id: str, *, owner: str | None = None,
+                     **changes: object) -> Segment:
+        """Change a segment's text (normalised and checked here), voice (one ``owner`` may use), instruction,
+        speed or pause."""
         segment = self.store.segment(project_id, segment_id)
         updates: dict[str, object] = {}
         for key, value in changes.items():
             if key == "text":
                 updates["text"] = self._one_segment(value)
             elif key == "voice":
-                updates["voice"] = self._voice_id(value, "voice")
+                updates["voice"] = self._voice_id(value, "voice", owner)
             elif key == "instruction":
                 if not isinstance(value, str):
                     raise InvalidInputError("instruction must be text", "instruction")
@@ -330,7 +353,7 @@ class LongformStudio:
         project = self.store.project(project_id)
         changes: dict[str, object] = {"settings": self._settings(project.settings, settings)}
         if name is not None:
-            changes["name"] = " ".join(str(name).split()) or project.name
+            changes["name"] = self._name(name) or project.name
         return self.store.update_project(project_id, **changes)
 
     def delete(self, project_id: str) -> tuple[Project, dict[str, list[str]]]:
@@ -355,6 +378,9 @@ class LongformStudio:
         segments = self.segments(project_id)
         known = {s.id for s in segments}
         if segment_ids is not None:
+            if len(segment_ids) > len(known):  # a body may list each segment once at most
+                raise InvalidInputError(f"segments lists {len(segment_ids):,} ids; the project has {len(known):,} "
+                                        "segments", "segments")
             unknown = [sid for sid in segment_ids if sid not in known]
             if unknown:
                 raise NotFoundError(f"no segment {unknown[0]!r} in this project", "segments")

@@ -11,20 +11,18 @@ each piece (sentence, paragraph, chapter, turn or a tag's seconds) becomes the p
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
-
+from cosyvoice.engine import CancelToken
 from cosyvoice.errors import InvalidInputError
+from cosyvoice.jobs import Cancelled
+from cosyvoice.settings import Limits, env_name
 
 BREAKS = ("sentence", "paragraph", "chapter", "turn", "tag", "end")  # what follows a segment
 DEFAULT_PAUSES = {"sentence": 0.25, "paragraph": 0.8, "chapter": 2.0, "turn": 0.5, "end": 0.0}
 MAX_PAUSE_SECONDS = 30.0
-TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".epub", ".pdf", ".docx")
 
 PAUSE_TAG = re.compile(r"\[pause:\s*(\d+(?:\.\d+)?)\s*(ms|s)?\s*\]", re.I)
 _HEADING = re.compile(r"^\s{0,3}#{1,6}\s+(.+?)\s*#*\s*$")
@@ -105,10 +103,13 @@ def document_blocks(text: str, chapters: Iterable[tuple[str | None, str]] | None
     return blocks
 
 
-def dialogue_blocks(script: str) -> list[Block]:
+def dialogue_blocks(script: str, limits: Limits | None = None) -> list[Block]:
     """Blocks of a dialogue script: ``Name: line`` or ``Name (instruction): line`` per turn; a line without a
-    label continues the turn before it; Markdown headings open chapters (scenes)."""
+    label continues the turn before it; Markdown headings open chapters (scenes). At most
+    ``limits.max_dialogue_turns`` turns by ``max_dialogue_speakers`` speakers (default: the environment's)."""
+    limits = limits or Limits.from_env()
     turns: list[tuple[str, str, str, str | None]] = []  # speaker, instruction, text, chapter
+    speakers: set[str] = set()
     chapter = None
     for number, line in enumerate(script.replace("\r\n", "\n").split("\n"), 1):
         if not line.strip():
@@ -120,7 +121,14 @@ def dialogue_blocks(script: str) -> list[Block]:
         label = _SPEAKER.match(line)
         if label:
             turns.append((label.group(1).strip(), (label.group(2) or "").strip(), label.group(3).strip(), chapter))
+            speakers.add(turns[-1][0])
             chapter = None
+            if len(turns) > limits.max_dialogue_turns:
+                raise InvalidInputError(f"line {number}: the script has more than {limits.max_dialogue_turns:,} turns "
+                                        f"({env_name('max_dialogue_turns')}); split it into several projects", "script")
+            if len(speakers) > limits.max_dialogue_speakers:
+                raise InvalidInputError(f"line {number}: the script has more than {limits.max_dialogue_speakers:,} "
+                                        f"speakers ({env_name('max_dialogue_speakers')})", "script")
         elif turns:
             speaker, instruction, text, opened = turns[-1]
             turns[-1] = (speaker, instruction, f"{text} {line.strip()}", opened)
@@ -142,13 +150,21 @@ def _rebreak(block: Block, brk: str) -> Block:
     return Block(block.text, brk, block.pause, block.chapter, block.speaker, block.instruction)
 
 
-def segment_drafts(blocks: list[Block], split: Callable[[str], list[str]]) -> list[SegmentDraft]:
+def segment_drafts(blocks: list[Block], split: Callable[[str], list[str]], limits: Limits | None = None,
+                   cancel: CancelToken | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> list[SegmentDraft]:
     """The segment table of ``blocks``, each split by ``split`` (the frontend's splitter). A block with nothing
     to speak hands its break to the segment before it (a pause tag's seconds win over a plain break; two tags
-    add up) and its chapter to the next segment."""
+    add up) and its chapter to the next segment. At most ``limits.max_project_segments`` rows; ``cancel`` stops
+    the splitting (:class:`Cancelled`); ``progress(blocks split, blocks)`` hears how far it is, every 64 blocks."""
+    limits = limits or Limits.from_env()
     drafts: list[SegmentDraft] = []
     carry_chapter: str | None = None
-    for block in blocks:
+    for number, block in enumerate(blocks):
+        if cancel is not None and cancel.cancelled:
+            raise Cancelled
+        if progress is not None and number % 64 == 0:
+            progress(number, len(blocks))
         pieces = split(block.text) if block.text.strip() else []
         chapter = block.chapter or carry_chapter
         if not pieces:
@@ -161,6 +177,9 @@ def segment_drafts(blocks: list[Block], split: Callable[[str], list[str]]) -> li
             final = i == len(pieces) - 1
             drafts.append(SegmentDraft(piece, block.brk if final else "sentence", block.pause if final else None,
                                        chapter if i == 0 else None, block.speaker, block.instruction))
+        if len(drafts) > limits.max_project_segments:
+            raise InvalidInputError(f"the text makes more than {limits.max_project_segments:,} segments "
+                                    f"({env_name('max_project_segments')}); split it into several projects", "text")
     if not drafts:
         raise InvalidInputError("the text has nothing to speak", "text")
     return drafts
@@ -171,283 +190,3 @@ def _merge_break(draft: SegmentDraft, block: Block) -> SegmentDraft:
     if draft.brk == "tag":
         brk, pause = "tag", draft.pause + (block.pause if block.brk == "tag" else 0.0)
     return SegmentDraft(draft.text, brk, pause, draft.chapter, draft.speaker, draft.instruction)
-
-
-# ----------------------------------------------------------------------------- files
-
-
-def read_document(name: str, data: bytes) -> tuple[str, list[tuple[str | None, str]] | None]:
-    """(text, chapters) of an uploaded file: .txt/.md as text (headings found later); .epub, .docx and .pdf as
-    their chapters in reading order, each (title, plain text), or None where a PDF or DOCX has no headings."""
-    suffix = Path(name).suffix.lower()
-    if suffix not in TEXT_SUFFIXES:
-        raise InvalidInputError(f"unsupported file type {suffix or name!r}; use {', '.join(TEXT_SUFFIXES)}", "file")
-    readers = {".epub": epub_chapters, ".docx": docx_chapters, ".pdf": pdf_chapters}
-    if suffix not in readers:
-        try:
-            return data.decode("utf-8-sig"), None
-        except UnicodeDecodeError as exc:
-            raise InvalidInputError(f"{name} is not UTF-8 text", "file") from exc
-    chapters = readers[suffix](data)
-    text = "\n\n".join(body for _, body in chapters)
-    if not text.strip():
-        raise InvalidInputError(f"the {suffix[1:].upper()} has no readable text", "file")
-    return text, chapters if any(title for title, _ in chapters) else None
-
-
-def _chapters_at(paragraphs: list[tuple[int | None, str]]) -> list[tuple[str | None, str]]:
-    """Chapters from (heading level or None for body text, text) in reading order: a chapter opens at each
-    heading of the highest level used more than once (a book's one title above them opens its front matter);
-    lower headings stay in the text as paragraphs of their own."""
-    levels = [level for level, _ in paragraphs if level is not None]
-    repeated = [level for level in set(levels) if levels.count(level) > 1]
-    top = min(repeated or levels, default=None)
-    chapters: list[tuple[str | None, list[str]]] = []
-    for level, text in paragraphs:
-        if level is not None and top is not None and level <= top:
-            chapters.append((text, []))
-        else:
-            if not chapters:
-                chapters.append((None, []))
-            chapters[-1][1].append(text)
-    return [(title, "\n\n".join(body)) for title, body in chapters if title or body]
-
-
-def docx_chapters(data: bytes) -> list[tuple[str | None, str]]:
-    """A Word document's paragraphs, in chapters at its top-level headings (the "Title" and "Heading N"
-    styles, or a paragraph's own outline level)."""
-    import io
-    import zipfile
-
-    import docx
-    from docx.opc.exceptions import PackageNotFoundError
-
-    try:
-        document = docx.Document(io.BytesIO(data))
-    except (zipfile.BadZipFile, KeyError, ValueError, PackageNotFoundError) as exc:
-        raise InvalidInputError(f"the DOCX could not be read: {exc}", "file") from exc
-    paragraphs: list[tuple[int | None, str]] = []
-    for paragraph in document.paragraphs:
-        text = " ".join(paragraph.text.split())
-        if text:
-            paragraphs.append((_docx_level(paragraph), text))
-    return _chapters_at(paragraphs)
-
-
-def _docx_level(paragraph: object) -> int | None:
-    """0 for a title, N for "Heading N" (or a paragraph's own outline level N-1), None for body text."""
-    from docx.oxml.ns import qn
-
-    style = getattr(paragraph.style, "name", "") or ""  # type: ignore[attr-defined]
-    if style == "Title":
-        return 0
-    match = re.fullmatch(r"Heading (\d)", style)
-    if match:
-        return int(match.group(1))
-    ppr = paragraph._p.pPr  # type: ignore[attr-defined]
-    outline = ppr.find(qn("w:outlineLvl")) if ppr is not None else None
-    return int(outline.get(qn("w:val"))) + 1 if outline is not None else None
-
-
-@dataclass
-class _PdfLine:
-    page: int
-    y: float
-    size: float
-    text: str
-
-
-def pdf_chapters(data: bytes) -> list[tuple[str | None, str]]:
-    """A PDF's text in reading order, paragraphs found from the gaps between lines, in chapters at its outline's
-    top-level entries or, without an outline, at its largest headings (lines in larger type than the body)."""
-    import io
-
-    import pypdf
-    from pypdf.errors import PdfReadError
-
-    try:
-        reader = pypdf.PdfReader(io.BytesIO(data))
-        if reader.is_encrypted and not reader.decrypt(""):
-            raise InvalidInputError("the PDF is encrypted; save an unprotected copy first", "file")
-        lines = [line for number, page in enumerate(reader.pages) for line in _pdf_lines(number, page)]
-        outline = _pdf_outline(reader)
-    except (PdfReadError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise InvalidInputError(f"the PDF could not be read: {exc}", "file") from exc
-    if not lines:
-        raise InvalidInputError("the PDF has no text layer (a scanned book needs text recognition first)", "file")
-    body = _body_size(lines)
-    if outline:
-        return _outline_chapters(lines, outline, body)
-    paragraphs = _pdf_paragraphs(lines, body)
-    sizes = sorted({size for size, _ in paragraphs if size is not None}, reverse=True)
-    return _chapters_at([(None if size is None else sizes.index(size), text) for size, text in paragraphs])
-
-
-def _body_size(lines: list[_PdfLine]) -> float:
-    """The type size that sets the most characters: the body's, however few lines a short document has."""
-    chars: dict[float, int] = {}
-    for line in lines:
-        chars[round(line.size, 1)] = chars.get(round(line.size, 1), 0) + len(line.text)
-    return max(chars, key=lambda size: chars[size])
-
-
-def _pdf_lines(number: int, page: object) -> list[_PdfLine]:
-    """The page's text lines top to bottom, each with its baseline and type size (text at the same baseline
-    joined); bare page numbers dropped."""
-    pieces: list[tuple[float, float, str]] = []
-
-    def visit(text: str, cm: list[float], tm: list[float], font: object, size: float) -> None:
-        if text.strip():
-            scale = abs(tm[3] * cm[3]) or 1.0
-            pieces.append((tm[5] * cm[3] + cm[5], size * scale, text))
-
-    page.extract_text(visitor_text=visit)  # type: ignore[attr-defined]
-    lines: list[_PdfLine] = []
-    for y, size, text in pieces:
-        if lines and abs(lines[-1].y - y) < 0.5 * max(size, 1.0):
-            last = lines[-1]
-            joiner = "" if last.text.endswith(" ") or text.startswith(" ") else " "
-            lines[-1] = _PdfLine(number, last.y, max(last.size, size), last.text + joiner + text)
-        else:
-            lines.append(_PdfLine(number, y, size, text))
-    return [line for line in lines if not line.text.strip().isdigit()]
-
-
-def _pdf_paragraphs(lines: list[_PdfLine], body: float) -> list[tuple[int | None, str]]:
-    """(heading size rounded, or None for body text; text): lines joined into paragraphs where the gap to the
-    next line is no wider than the body's usual line spacing; a word hyphenated at a line end is joined."""
-    gaps = [a.y - b.y for a, b in itertools.pairwise(lines) if a.page == b.page and a.y > b.y]
-    spacing = float(np.median(gaps)) if gaps else 1.2 * body
-    paragraphs: list[tuple[int | None, str]] = []
-    current: list[str] = []
-    heading = False
-    for i, line in enumerate(lines):
-        is_heading = line.size > 1.15 * body
-        if current and (is_heading != heading or is_heading or not _same_paragraph(lines[i - 1], line, spacing)):
-            paragraphs.append((round(lines[i - 1].size) if heading else None, _join_lines(current)))
-            current = []
-        current.append(line.text.strip())
-        heading = is_heading
-    if current:
-        paragraphs.append((round(lines[-1].size) if heading else None, _join_lines(current)))
-    return paragraphs
-
-
-def _same_paragraph(a: _PdfLine, b: _PdfLine, spacing: float) -> bool:
-    if a.page != b.page:
-        return not re.search(r"[.!?。！？\"”]$", a.text.strip())  # a sentence running on to the next page
-    return 0 < a.y - b.y <= 1.3 * spacing
-
-
-def _join_lines(lines: list[str]) -> str:
-    text = ""
-    for line in lines:
-        joined = text.endswith("-") and line[:1].islower()  # a word hyphenated at the line's end
-        text = text[:-1] + line if joined else f"{text} {line}" if text else line
-    return " ".join(text.split())
-
-
-def _pdf_outline(reader: object) -> list[tuple[str, int]]:
-    """(title, page index) of the outline's top-level entries, in page order."""
-    entries = []
-    for item in reader.outline:  # type: ignore[attr-defined]
-        if isinstance(item, list):
-            continue  # the children of the entry before
-        page = reader.get_destination_page_number(item)  # type: ignore[attr-defined]
-        if page is not None and page >= 0:
-            entries.append((" ".join(str(item.title).split()), page))
-    return sorted(entries, key=lambda entry: entry[1])
-
-
-def _outline_chapters(lines: list[_PdfLine], outline: list[tuple[str, int]], body: float
-                      ) -> list[tuple[str | None, str]]:
-    """Chapters at the outline's entries: each opens on its page, at the line that reads as its title if there is
-    one (that line is then the title, not text), else at the top of the page."""
-    starts: list[int] = []
-    for title, page in outline:
-        on_page = [i for i, line in enumerate(lines) if line.page == page and (not starts or i >= starts[-1])]
-        if not on_page:
-            on_page = [next((i for i, line in enumerate(lines) if line.page > page), len(lines))]
-        match = next((i for i in on_page if _norm(lines[i].text) == _norm(title)), None)
-        starts.append(match if match is not None else on_page[0])
-    chapters: list[tuple[str | None, str]] = []
-    if starts and starts[0] > 0:
-        chapters.append((None, "\n\n".join(text for _, text in _pdf_paragraphs(lines[: starts[0]], body))))
-    for k, ((title, _), start) in enumerate(zip(outline, starts, strict=True)):
-        end = starts[k + 1] if k + 1 < len(starts) else len(lines)
-        part = lines[start:end]
-        if part and _norm(part[0].text) == _norm(title):
-            part = part[1:]
-        chapters.append((title, "\n\n".join(text for _, text in _pdf_paragraphs(part, body))))
-    return [(title, text) for title, text in chapters if title or text.strip()]
-
-
-def _norm(text: str) -> str:
-    return " ".join(text.lower().split())
-
-
-def epub_chapters(data: bytes) -> list[tuple[str | None, str]]:
-    """The chapters of an EPUB in spine order: (first heading or None, paragraphs separated by blank lines)."""
-    import io
-    import tempfile
-    import zipfile
-    from html.parser import HTMLParser
-
-    import ebooklib
-    from ebooklib import epub
-
-    class _Text(HTMLParser):
-        BLOCKS = frozenset({"p", "div", "br", "li", "h1", "h2", "h3", "h4", "h5", "h6", "blockquote", "section", "tr"})
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.parts: list[str] = []
-            self.title: str | None = None
-            self._heading: list[str] | None = None
-            self._skip = 0
-
-        def handle_starttag(self, tag: str, attrs: object) -> None:
-            if tag in ("script", "style", "head"):
-                self._skip += 1
-            if tag in self.BLOCKS:
-                self.parts.append("\n\n")
-            if tag in ("h1", "h2", "h3") and self.title is None:
-                self._heading = []
-
-        def handle_endtag(self, tag: str) -> None:
-            if tag in ("script", "style", "head"):
-                self._skip = max(0, self._skip - 1)
-            if tag in self.BLOCKS:
-                self.parts.append("\n\n")
-            if tag in ("h1", "h2", "h3") and self._heading is not None:
-                self.title = " ".join("".join(self._heading).split()) or None
-                self._heading = None
-
-        def handle_data(self, text: str) -> None:
-            if self._skip:
-                return
-            if self._heading is not None:
-                self._heading.append(text)
-            else:
-                self.parts.append(text)
-
-    try:
-        with tempfile.NamedTemporaryFile(suffix=".epub") as tmp:  # ebooklib reads a path
-            tmp.write(data)
-            tmp.flush()
-            book = epub.read_epub(tmp.name, options={"ignore_ncx": True})
-    except (zipfile.BadZipFile, KeyError, ValueError, epub.EpubException, io.UnsupportedOperation) as exc:
-        raise InvalidInputError(f"the EPUB could not be read: {exc}", "file") from exc
-    chapters = []
-    for item_id, _ in book.spine:
-        item = book.get_item_with_id(item_id)
-        if item is None or item.get_type() != ebooklib.ITEM_DOCUMENT:
-            continue
-        parser = _Text()
-        parser.feed(item.get_content().decode("utf-8", "replace"))
-        body = "".join(parser.parts)
-        if body.strip() or parser.title:
-            chapters.append((parser.title, body))
-    if not chapters:
-        raise InvalidInputError("the EPUB has no readable text", "file")
-    return chapters

@@ -16,6 +16,7 @@ test uses (in the workbench) and says which.
     GET    /v1/longform/projects                                 the projects, last changed first
     POST   /v1/longform/projects                                 {text, name, kind, voice, speakers, preset, ...}
     POST   /v1/longform/projects/upload                          multipart: file (.txt .md .epub .pdf .docx), ...
+    GET    /v1/longform/imports/{i}                              how far the caller's import named import_id=i is
     GET    /v1/longform/projects/{p}                             settings, segment table (status, takes), progress
     PATCH  /v1/longform/projects/{p}                             {name, pauses, preset, margin, retries}
     DELETE /v1/longform/projects/{p}                             the project and its takes (a test's stay)
@@ -35,8 +36,11 @@ test uses (in the workbench) and says which.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+import re
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -48,10 +52,13 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ConfigDict
 
 from cosyvoice.encoding import encode_audio, file_format
-from cosyvoice.errors import InvalidInputError, NotFoundError, PermissionDeniedError
-from cosyvoice.longform import LongformStudio, script
+from cosyvoice.engine import CancelToken
+from cosyvoice.errors import ConflictError, InvalidInputError, NotFoundError, PermissionDeniedError
+from cosyvoice.jobs import Cancelled
+from cosyvoice.longform import LongformStudio, documents
 from cosyvoice.longform.store import Segment, Take
 from cosyvoice.owners import Caller, Owners
+from cosyvoice.server.common import CLIENT_GONE
 from cosyvoice.server.errors import error_route
 from cosyvoice.server.routes import RouteTable
 from cosyvoice.service import TTSService
@@ -61,7 +68,6 @@ from cosyvoice.utils.fs import disk_full
 logger = logging.getLogger(__name__)
 
 PAGE = Path(__file__).with_name("longform_page.html")
-MAX_UPLOAD_BYTES = 50 * 1024 * 1024
 
 
 class _Body(BaseModel):
@@ -70,6 +76,7 @@ class _Body(BaseModel):
 
 class NewProject(_Body):
     text: str
+    import_id: str | None = None  # the client's name for this import, to ask how far it is
     name: str = ""
     kind: str = "document"
     voice: str | None = None
@@ -107,11 +114,56 @@ class GenerateBody(_Body):
     segments: list[str] | None = None
 
 
+IMPORT_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")  # a client's name for its import, to ask how far it is
+
+
+class Imports:
+    """The imports under way, by (owner, the client's import id): how far each is (reading the file, then
+    splitting its blocks), so a page can show a large book's progress; an entry lives while its import runs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._under_way: dict[tuple[str | None, str], dict[str, Any]] = {}
+
+    @contextlib.contextmanager
+    def tracking(self, owner: str | None, import_id: str | None) -> Iterator[Callable[[str, int, int], None]]:
+        """A ``report(stage, done, total)`` for one import, readable by :meth:`progress` until the block ends."""
+        if import_id is None:
+            yield lambda stage, done, total: None
+            return
+        if not IMPORT_ID.fullmatch(import_id):
+            raise InvalidInputError("import_id must be 8 to 64 letters, digits, '-' or '_'", "import_id")
+        key = (owner, import_id)
+
+        def report(stage: str, done: int, total: int) -> None:
+            with self._lock:
+                self._under_way[key] = {"id": import_id, "stage": stage, "done": done, "total": total}
+
+        with self._lock:
+            if key in self._under_way:
+                raise ConflictError(f"an import {import_id!r} is under way already", "import_id")
+        report("reading", 0, 0)
+        try:
+            yield report
+        finally:
+            with self._lock:
+                self._under_way.pop(key, None)
+
+    def progress(self, owner: str | None, import_id: str) -> dict[str, Any]:
+        with self._lock:
+            state = self._under_way.get((owner, import_id))
+        if state is None:
+            raise NotFoundError(f"no import {import_id!r} under way (it has ended, or never began)", "import_id")
+        return dict(state)
+
+
 class Mount:
-    """One mount's studio (made on its first request: the model may load after start) and who its callers are."""
+    """One mount's studio (made on its first request: the model may load after start), who its callers are,
+    and the imports under way."""
 
     def __init__(self, studio: Callable[[], LongformStudio], owners: Owners) -> None:
         self.studio, self.owners = studio, owners
+        self.imports = Imports()
 
 
 def longform_router(get_service: Callable[[], TTSService], data_dir: str | Path | None = None,
@@ -181,31 +233,79 @@ def projects(s: Studio, who: Who) -> JSONResponse:
 
 
 @routes.post("/v1/longform/projects", status_code=201)
-def create(s: Studio, who: Who, body: NewProject) -> JSONResponse:
+async def create(mount: This, s: Studio, who: Who, body: NewProject, request: Request) -> Response:
+    """A project from pasted text: split in a worker that stops if the client goes away (``import_id``: a name
+    for it, to ask ``GET /v1/longform/imports/{import_id}`` how far it is)."""
     options = {k: v for k, v in (("pauses", body.pauses), ("margin", body.margin), ("retries", body.retries),
                                  ("steps", body.steps))
                if v is not None}
-    project = s.create(body.name, body.text, voice=body.voice, kind=body.kind, speakers=body.speakers,
-                       preset=body.preset, owner=who.owner, **options)
-    return JSONResponse(detail(s, project.id), 201)
+
+    def make(cancel: CancelToken, report: Callable[[str, int, int], None]) -> dict[str, Any]:
+        project = s.create(body.name, body.text, voice=body.voice, kind=body.kind, speakers=body.speakers,
+                           preset=body.preset, owner=who.owner, cancel=cancel,
+                           progress=lambda done, total: report("splitting", done, total), **options)
+        return detail(s, project.id)
+
+    with mount.imports.tracking(who.owner, body.import_id) as report:
+        return await _while_connected(request, lambda cancel: make(cancel, report))
 
 
 @routes.post("/v1/longform/projects/upload", status_code=201)
-def upload(s: Studio, who: Who, file: Annotated[UploadFile, File()], name: Annotated[str, Form()] = "",
-           voice: Annotated[str | None, Form()] = None, kind: Annotated[str, Form()] = "document",
-           speakers: Annotated[str, Form()] = "", preset: Annotated[str, Form()] = "podcast") -> JSONResponse:
-    """A project from a .txt, .md, .epub, .pdf or .docx file (``speakers``: JSON object for dialogue scripts)."""
-    data = file.file.read(MAX_UPLOAD_BYTES + 1)
-    if len(data) > MAX_UPLOAD_BYTES:
-        raise InvalidInputError(f"the file is larger than {MAX_UPLOAD_BYTES // 2**20} MB", "file")
-    text, chapters = script.read_document(file.filename or "upload.txt", data)
+async def upload(mount: This, s: Studio, who: Who, request: Request, file: Annotated[UploadFile, File()],
+                 name: Annotated[str, Form()] = "", voice: Annotated[str | None, Form()] = None,
+                 kind: Annotated[str, Form()] = "document", speakers: Annotated[str, Form()] = "",
+                 preset: Annotated[str, Form()] = "podcast",
+                 import_id: Annotated[str | None, Form()] = None) -> Response:
+    """A project from a .txt, .md, .epub, .pdf or .docx file (``speakers``: JSON object for dialogue scripts),
+    read and split within the service's import limits in a worker that stops if the client goes away
+    (``import_id``: as for a pasted text)."""
+    limits = s.service.limits
+    data = await file.read(limits.max_import_bytes + 1)  # one byte over: read_document names the limit
+    filename = file.filename or "upload.txt"
     try:
         mapping = json.loads(speakers) if speakers.strip() else None
     except ValueError as exc:
         raise InvalidInputError("speakers must be a JSON object of label -> voice", "speakers") from exc
-    project = s.create(name or Path(file.filename or "").stem, text, voice=voice, kind=kind, speakers=mapping,
-                       chapters=chapters, preset=preset, owner=who.owner)
-    return JSONResponse(detail(s, project.id), 201)
+
+    def make(cancel: CancelToken, report: Callable[[str, int, int], None]) -> dict[str, Any]:
+        text, chapters = documents.read_document(filename, data, limits, cancel)
+        project = s.create(name or Path(filename).stem, text, voice=voice, kind=kind, speakers=mapping,
+                           chapters=chapters, preset=preset, owner=who.owner, cancel=cancel,
+                           progress=lambda done, total: report("splitting", done, total))
+        return detail(s, project.id)
+
+    with mount.imports.tracking(who.owner, import_id) as report:
+        return await _while_connected(request, lambda cancel: make(cancel, report))
+
+
+@routes.get("/v1/longform/imports/{import_id}")
+def import_progress(mount: This, who: Who, import_id: str) -> JSONResponse:
+    """How far the caller's import ``import_id`` is: ``{id, stage: reading|splitting, done, total}`` (blocks)."""
+    return JSONResponse(mount.imports.progress(who.owner, import_id))
+
+
+async def _while_connected(request: Request, make: Callable[[CancelToken], dict[str, Any]]) -> Response:
+    """``make`` a project in a worker thread (a book takes seconds to split), cancelled the moment the client
+    disconnects: the worker stops at its next page, chapter or paragraph and stores nothing."""
+    cancel = CancelToken()
+    work = asyncio.ensure_future(asyncio.to_thread(make, cancel))
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not work.done():
+        cancel.cancel()
+        with contextlib.suppress(Cancelled):
+            await work
+        logger.info("%s: the client went away; the import stopped", request.url.path)
+        return Response(status_code=CLIENT_GONE)
+    return JSONResponse(work.result(), 201)
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @routes.get("/v1/longform/projects/{project_id}")
@@ -232,11 +332,11 @@ def delete_project(s: Studio, who: Who, project_id: str) -> JSONResponse:
 
 
 @routes.patch("/v1/longform/projects/{project_id}/segments/{segment_id}")
-def change_segment(s: Studio, project_id: str, segment_id: str, body: SegmentChanges) -> JSONResponse:
+def change_segment(s: Studio, who: Who, project_id: str, segment_id: str, body: SegmentChanges) -> JSONResponse:
     changes = body.model_dump(exclude_unset=True)
     if changes.pop("default_pause", False):
         changes["pause"] = None
-    s.edit_segment(project_id, segment_id, **changes)
+    s.edit_segment(project_id, segment_id, owner=who.owner, **changes)
     return JSONResponse(detail(s, project_id))
 
 

@@ -23,8 +23,8 @@ from cosyvoice.bundle import MODEL_IN_REPO
 from cosyvoice.encoding import file_format
 from cosyvoice.errors import InvalidInputError, command_line_errors
 from cosyvoice.longform import LongformStudio
+from cosyvoice.longform.documents import read_document
 from cosyvoice.longform.finishing import PRESETS, srt, vtt
-from cosyvoice.longform.script import read_document
 from cosyvoice.service import TTSService
 from cosyvoice.settings import DEFAULT_VOICE_DIR, default_data_dir, default_voice_dir
 from cosyvoice.tools.make_tiny_bundle import model_dir_or_demo

@@ -314,7 +314,7 @@ def _run_row(services: Services, store: TakeStore, row: Row, batch_id: str, owne
     request = row_request(row, resolve_audio)
     service = services(row.values.get("precision", ""))
     model_id = bundle_digest(service.model_dir)
-    made = synthesize(service, request, token)
+    made = synthesize(service, request, token, owner)  # the batch's owner's voices
     return store.add_take(made.pcm, service.sample_rate,
                           provenance(service, request, made.prepared, made.pcm.size, made.timings, model_id=model_id,
                                      software=software),

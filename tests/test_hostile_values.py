@@ -1,0 +1,133 @@
+"""Hostile numbers on every API that takes them (issue 31): ``steps``, ``speed``, ``seed`` and the long-form
+project's settings given as negative, huge, fractional, NaN, infinite, strings or booleans are each a 400 (a
+WebSocket's error message and close 1008) naming the field, never a 500 and never a synthesis; the server answers
+a normal request afterwards. A real REST server on loopback over the tiny bundle."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from test_rest import Server, _ws_url
+
+from cosyvoice.server.rest import create_app
+from cosyvoice.service import TTSService
+from cosyvoice.settings import ServerSettings
+from cosyvoice.voices import VoiceLibrary
+
+NAN, INF = float("nan"), float("inf")
+STEPS = [-1, 0, 33, 10**12, "ten", 1.5, NAN, INF, [10]]  # (pydantic's bodies read JSON true as 1, as Python does)
+SPEEDS = [-1, 0, 100, 1e308, "fast", NAN, INF, -INF, [1.0]]
+SEEDS = [2**64, "x", 1.5, NAN, [1]]
+
+
+@pytest.fixture(scope="module")
+def url(tts, prompt_wav, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("hostile-values")
+    service = TTSService(tts.model, VoiceLibrary(root / "voices", tts.frontend, model_dir=tts.model_dir))
+    service.create_voice("Narrator", prompt_wav.read_bytes(), "Hello there.")
+    server = Server(create_app(ServerSettings(voice_dir=str(root / "voices")), service))
+    yield server.url
+    server.stop()
+
+
+def _body(value: object) -> bytes:
+    """JSON as Python writes it: NaN and Infinity as the bare words many clients send."""
+    return json.dumps(value).encode()
+
+
+def _refused(answer: httpx.Response, field: str) -> None:
+    assert answer.status_code == 400, (answer.status_code, answer.text[:300])
+    error = answer.json()["error"]
+    assert error["field"] == field or field in error["message"], error
+
+
+def _post(client: httpx.Client, path: str, body: dict) -> httpx.Response:
+    return client.post(path, content=_body(body), headers={"content-type": "application/json"})
+
+
+def test_hostile_numbers_are_400s_naming_the_field(url: str, prompt_wav, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR)
+    speech = {"input": "Hi there.", "voice": "Narrator", "response_format": "wav"}
+    bridge = {"text": "Hi there.", "prompt_text": "Hello there.",
+              "prompt_audio": base64.b64encode(prompt_wav.read_bytes()).decode()}
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for steps in STEPS:
+            _refused(_post(client, "/v1/audio/speech", {**speech, "steps": steps}), "steps")
+            _refused(_post(client, "/synthesize", {**bridge, "steps": steps}), "steps")
+            _refused(_post(client, "/v1/longform/projects", {"text": "Hi.", "voice": "Narrator", "steps": steps}),
+                     "steps")
+        for speed in SPEEDS:
+            _refused(_post(client, "/v1/audio/speech", {**speech, "speed": speed}), "speed")
+        for seed in SEEDS:
+            _refused(_post(client, "/v1/audio/speech", {**speech, "seed": seed}), "seed")
+        projects = "/v1/longform/projects"
+        for settings, field in (({"margin": NAN}, "margin"), ({"margin": -1}, "margin"), ({"retries": -1}, "retries"),
+                                ({"retries": 10**9}, "retries"), ({"pauses": {"sentence": NAN}}, "pauses"),
+                                ({"pauses": {"sentence": INF}}, "pauses"),
+                                ({"pauses": {"evil": 1}}, "pauses"), ({"preset": "loud"}, "preset")):
+            _refused(_post(client, projects, {"text": "Hi.", "voice": "Narrator", **settings}), field)
+        _refused(_post(client, projects, {"text": "Hi.", "voice": "Narrator", "name": "n" * 1_000_000}),
+                 "COSYVOICE_MAX_PROJECT_NAME_CHARS")
+        made = client.post(projects, json={"text": "Hi there. Good day to you.", "voice": "Narrator"})
+        assert made.status_code == 201, made.text
+        project, segment = made.json()["id"], made.json()["segments"][0]
+        where = f"{projects}/{project}/segments/{segment['id']}"
+        for speed in SPEEDS:
+            _refused(client.patch(where, content=_body({"speed": speed}),
+                                  headers={"content-type": "application/json"}), "speed")
+        for pause in (NAN, -1, INF, 10**9, "long"):
+            _refused(client.patch(where, content=_body({"pause": pause}),
+                                  headers={"content-type": "application/json"}), "pause")
+        for at in (-1, 0, 10**12, NAN, 1.5, "three"):
+            _refused(_post(client, f"{where}/split", {"at": at}), "at")
+        for steps in STEPS:
+            _refused(client.patch(f"{projects}/{project}", content=_body({"steps": steps}),
+                                  headers={"content-type": "application/json"}), "steps")
+        _refused(_post(client, f"{projects}/{project}/generate", {"segments": [segment["id"]] * 3}), "segments")
+        _refused(client.patch(f"{projects}/{project}", json={"name": "n" * 201}), "name")
+        assert client.get(f"{projects}/{project}").json()["segments"][0]["text"] == segment["text"]  # unchanged
+        spoken = client.post("/v1/audio/speech", json={**speech, "steps": 2, "seed": 1})
+        assert spoken.status_code == 200 and spoken.content[:4] == b"RIFF"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+def test_a_websocket_start_with_hostile_numbers_is_an_error_naming_the_field(url: str) -> None:
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    for field, values in (("steps", [*STEPS, True]), ("speed", [*SPEEDS, False]), ("seed", [*SEEDS, True])):
+        for value in values:
+            with connect(_ws_url(url)) as ws:
+                ws.send(json.dumps({"type": "start", "voice": "Narrator", field: value}))
+                error = json.loads(ws.recv(timeout=60))
+                assert error["type"] == "error" and error["error"]["field"] == field, (value, error)
+                with pytest.raises(ConnectionClosed) as closed:
+                    ws.recv(timeout=10)
+                assert closed.value.rcvd.code == 1008
+
+
+def test_a_batch_row_with_hostile_numbers_fails_naming_its_field(url: str) -> None:
+    """A batch's rows are checked as they run (a bad row never stops the others): each hostile value fails its
+    row with the field named, and nothing is made."""
+    rows = [{"text": "Hi.", "voice": "Narrator", field: value}
+            for field, values in (("steps", STEPS), ("speed", SPEEDS), ("seed", SEEDS)) for value in values]
+    with httpx.Client(base_url=url, timeout=60) as client:
+        started = _post(client, "/workbench/api/batches", {"rows": rows})
+        assert started.status_code == 202, started.text
+        where = f"/workbench/api/batches/{started.json()['id']}"
+        deadline = time.monotonic() + 120
+        while (status := client.get(where).json())["state"] in ("queued", "running"):
+            assert time.monotonic() < deadline, status
+            time.sleep(0.05)
+    assert (status["done"], status["failed"]) == (0, len(rows)), status
+    assert [e["field"] for e in sorted(status["errors"], key=lambda e: e["row"])] == [row_field(r) for r in rows]
+
+
+def row_field(row: dict) -> str:
+    return next(k for k in ("steps", "speed", "seed") if k in row)
