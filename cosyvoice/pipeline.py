@@ -96,7 +96,9 @@ class Model:
         wanted = fast.resolve(wanted, device, backend)
         if device.type == "cpu":  # each stage loaded and given its precision in turn (a lower peak of memory)
             plan, llm, flow = fast.plan_and_apply(wanted, lambda: bundle.load_llm(device, precision),
-                                                  lambda: bundle.load_flow(device, precision))
+                                                  lambda: bundle.load_flow(device, precision),
+                                                  model_root=bundle.root, store=fast.AutoStore.beside(bundle.root),
+                                                  model_digest=lambda: bundle_digest(bundle.root))
         else:
             llm, flow = bundle.load_llm(device, precision), bundle.load_flow(device, precision)
             name = next(k for k, v in PRECISIONS.items() if v == precision)
