@@ -105,6 +105,7 @@ class Model:
             plan = fast.PrecisionPlan(wanted, name, name)
         flow = attach_flow(flow, bundle.root, backend, device)
         hift = attach_hift(bundle.load_hift(device), bundle.root, backend, device)
+        hift.fold_weight_norm()  # bit-equal output without recomputing g * v / ||v|| per call (after the export)
         cache = None
         if prompt_cache_from_env() if prompt_cache is None else prompt_cache:
             root = bundle.root
