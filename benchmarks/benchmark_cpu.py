@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_performance import TEXT, _git_commit, _prompt, bench_bundle
 
 from cosyvoice.backends import precision as fast
+from cosyvoice.backends.cpu import cpu_model
 from cosyvoice.bundle import validate_model_dir
 from cosyvoice.cli.cosyvoice import CosyVoice3
 from cosyvoice.engine.engine import stage_threads
@@ -94,13 +95,6 @@ ROWS: dict[str, Row] = {
     "all (auto), 6 steps": Row("auto", True, True, 6),
 }
 PROMPT_TEXT = "A prompt recording of three seconds."
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def load_average() -> str:

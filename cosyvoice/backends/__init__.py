@@ -12,7 +12,8 @@
   docs/perf.md) changes the audio beyond the golden tolerances (its int8 bound is stated there) and exports
   its graphs into the model folder on first use (minutes at the released size), so it is opt-in until it is
   judged on the real checkpoint; TensorRT stays opt-in until measured on a GPU. A backend asked for by name
-  that cannot run here is an error.
+  that cannot run here is an error. (``COSYVOICE_PRECISION=auto`` measures the DiT's onnxruntime graphs beside
+  its torch paths and may run it on one of them: :mod:`cosyvoice.backends.precision`.)
 
 Attaching a backend sets ``DiT.runner`` / ``CausalHiFTGenerator.runner``; everything around them (the
 ODE solver, CFG, F0 and the sine source, :class:`FlowStream` and :class:`HiFTStream` state) stays in torch.

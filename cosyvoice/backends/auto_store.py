@@ -15,25 +15,16 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import threading
 from pathlib import Path
 
 import torch
 
+from cosyvoice.backends.cpu import cpu_model
+
 logger = logging.getLogger(__name__)
 
 KEEP = 8  # keys kept in one file (CPUs x models x library versions)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _ort_version() -> str:
@@ -47,7 +38,7 @@ def _ort_version() -> str:
 
 def machine_key(features: frozenset[str], model_digest: str) -> dict[str, object]:
     """What ``auto``'s choice depends on: the CPU's flags, model and cores, the kernels' libraries, the weights."""
-    return {"cpu_flags": sorted(features), "cpu_model": _cpu_model(), "cores": torch.get_num_threads(),
+    return {"cpu_flags": sorted(features), "cpu_model": cpu_model(), "cores": torch.get_num_threads(),
             "torch": torch.__version__, "onnxruntime": _ort_version(), "model": model_digest}
 
 
