@@ -752,6 +752,7 @@ def build_ui(studio: Studio) -> gr.Blocks:
         gr.Markdown(t("intro"))
         gr.Markdown(t("more_tools"), elem_id="more-tools")  # the studio's other pages, served on this app
         gr.Textbox(studio.service.model.plan.label, label=t("precision"), interactive=False, max_lines=1,
+                   info=studio.service.model.plan.summary or None,  # auto's measurements behind its choice
                    elem_id="precision")  # auto's choice is the server's; people comparing takes need to know it
         # no gr.State: it would make every tab hold a heartbeat connection, and browsers allow only six per
         # server; three waiting tabs would then starve each other's clicks (the takes are kept by the Studio)

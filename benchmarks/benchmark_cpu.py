@@ -24,6 +24,13 @@ ones do), the same seed and text, one streamed request at a time, exactly ``--fi
 4. **Threads** (:func:`thread_layouts`): the two stages' intra-op thread counts, measured in isolation from
    the model (wall and CPU seconds of the same work per layout).
 
+5. **Floor** (``--floor``): this machine's own peaks in the same run, one thread, CPU time: fp32 GEMM at the
+   DiT's shapes (GFLOPS) and GEMV read bandwidth over a weight far larger than the caches (GB/s); then the DiT
+   per Euler step on each path (:data:`DIT_PATHS`: today's torch fp32 recomputing the AdaLN modulation, torch
+   with the modulation cache, onnxruntime fp32, onnxruntime int8) at the stream's shapes, beside the step's
+   floor (its FLOPs over the GEMM peak, plus its AdaLN weights over the bandwidth where it reads them), and each
+   path's mel error against torch fp32 whole, chunk-masked and streamed (the quality bounds at these sizes).
+
 The CPU flags and ``/proc/loadavg`` before and after are printed: other work sharing the cores shows there.
 """
 
@@ -53,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_performance import TEXT, _git_commit, _prompt, bench_bundle
 
 from cosyvoice.backends import precision as fast
+from cosyvoice.backends.cpu import cpu_model
 from cosyvoice.bundle import validate_model_dir
 from cosyvoice.cli.cosyvoice import CosyVoice3
 from cosyvoice.engine.engine import stage_threads
@@ -87,13 +95,6 @@ ROWS: dict[str, Row] = {
     "all (auto), 6 steps": Row("auto", True, True, 6),
 }
 PROMPT_TEXT = "A prompt recording of three seconds."
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def load_average() -> str:
@@ -311,18 +312,148 @@ def quality(golden_dir: Path, bundles: dict[str, Path], paths: tuple[str, ...]) 
 
 def flow_quality(ref: torch.nn.Module, got: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, float]:
     """The worst mel error of ``got`` against ``ref`` whole, chunk-masked and streamed (FlowStream, two calls)."""
+    return mel_errors(quality_mels(ref, inputs), quality_mels(got, inputs))
+
+
+def quality_mels(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """``model``'s mels of ``inputs`` whole, chunk-masked and streamed (FlowStream, two calls)."""
     tok, ptok, pfeat, emb = (inputs[k] for k in ("token", "prompt_token", "prompt_feat", "embedding"))
-    errors = []
-    for streaming in (False, True):
-        args = (tok, tok.shape[1], ptok, ptok.shape[1], pfeat, pfeat.shape[1], emb, streaming, True)
-        errors.append(fast.mel_error(ref.inference(*args), got.inference(*args)))
+    mels = [model.inference(tok, tok.shape[1], ptok, ptok.shape[1], pfeat, pfeat.shape[1], emb, streaming, True)
+            for streaming in (False, True)]
     half = tok.shape[1] // 2
-    streamed = []
-    for model in (ref, got):
-        stream = FlowStream(model, ptok, pfeat, emb)
-        streamed.append(torch.cat([stream.inference(tok[:, :half], False), stream.inference(tok[:, half:], True)], 2))
-    errors.append(fast.mel_error(*streamed))
+    stream = FlowStream(model, ptok, pfeat, emb)
+    return [*mels, torch.cat([stream.inference(tok[:, :half], False), stream.inference(tok[:, half:], True)], 2)]
+
+
+def mel_errors(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict[str, float]:
+    errors = [fast.mel_error(r, g) for r, g in zip(ref, got, strict=True)]
     return {k: max(e[k] for e in errors) for k in errors[0]}
+
+
+#: the DiT's paths the floor section measures (label -> torch, or an onnxruntime graph precision)
+DIT_PATHS = {"torch fp32, AdaLN recomputed (before)": "torch-recompute", "torch fp32 + AdaLN cache": "torch",
+             "onnxruntime fp32": "fp32", "onnxruntime int8": "int8"}
+
+
+def _cpu_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The best process CPU seconds of ``repeats`` calls (one thread: CPU time is its work, whatever the load)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = process_cpu_s()
+        fn()
+        best = min(best, process_cpu_s() - start)
+    return best
+
+
+def machine_floor() -> dict[str, float]:
+    """One thread's fp32 GEMM peak at the DiT's shapes (2 x 100 frames by the 1024 x 1024 and 1024 x 2048
+    projections, the best of them) and its GEMV read bandwidth over a 256 MB weight."""
+    torch.set_num_threads(1)
+    out: dict[str, float] = {}
+    for name, (m, k, n) in {"gemm_200x1024x1024": (200, 1024, 1024), "gemm_200x1024x2048": (200, 1024, 2048),
+                            "gemm_900x1024x1024": (900, 1024, 1024)}.items():
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        seconds = _cpu_seconds(lambda a=a, b=b: [a @ b for _ in range(10)], 3) / 10
+        out[f"{name}_gflops"] = 2 * m * k * n / seconds / 1e9
+    out["gemm_peak_gflops"] = max(v for k, v in out.items() if k.startswith("gemm_"))
+    w, x = torch.randn(8192, 8192), torch.randn(8192)
+    seconds = _cpu_seconds(lambda: [torch.mv(w, x) for _ in range(5)], 3) / 5
+    out["gemv_gb_per_s"] = w.numel() * 4 / seconds / 1e9
+    return out
+
+
+def dit_step_work(dit: torch.nn.Module, new: int, past: int, batch: int = 2) -> dict[str, float]:
+    """FLOPs of one DiT call over ``new`` frames after ``past`` cached ones (a CFG pair), and the bytes of AdaLN
+    weights it reads when it recomputes the modulation."""
+    block = dit.transformer_blocks[0]
+    dim, inner = dit.proj_out.in_features, block.attn.heads * block.attn.dim_head
+    ff = block.ff.ff[0][0].out_features
+    conv = dit.input_embed.conv_pos_embed.conv1[0]
+    per_block = 2 * new * (3 * dim * inner + inner * dim + 2 * dim * ff) + 4 * new * (past + new) * inner
+    convs = 2 * 2 * new * dim * (dim // conv.groups) * conv.kernel_size[0]
+    flops = batch * (len(dit.transformer_blocks) * per_block + convs)
+    adaln = sum(b.attn_norm.linear.weight.numel() for b in dit.transformer_blocks) * 4
+    return {"gflop": flops / 1e9, "adaln_gb": adaln / 1e9}
+
+
+@torch.inference_mode()
+def dit_paths(model_dir: Path, golden: Path | None) -> dict[str, dict[str, float]]:
+    """Each of :data:`DIT_PATHS` per Euler step, one thread, at a stream's shapes (see the module docstring)."""
+    from cosyvoice.backends import ensure_onnx
+    from cosyvoice.backends.export import graph_file
+    from cosyvoice.backends.ort import OrtGraph
+    from cosyvoice.backends.runners import GraphEstimator
+
+    torch.set_num_threads(1)
+    ensure_onnx(model_dir, "int8")  # both graphs exported (once per bundle and CPU) before the flow is loaded
+    flow = validate_model_dir(model_dir).load_flow()
+    dit = flow.decoder.estimator
+    cfg = flow.cfg.dit
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    t, spks = torch.full((2,), 0.3), randn(2, cfg.spk_dim)
+    shapes = {"first chunk from the voice prefix (2 x 100 new over 100)": (100, 100),
+              "final call, full attention (2 x 450)": (450, 0)}
+    inputs = {}
+    for label, (new, past) in shapes.items():
+        x, mu, cond = (randn(2, cfg.mel_dim, past + new) for _ in range(3))
+        cache = dit.forward_cached(x[..., :past], mu[..., :past], t, spks, cond[..., :past], None, past)[1] \
+            if past else None
+        inputs[label] = (x[..., past:], mu[..., past:], cond[..., past:], cache, new, past)
+    root = model_dir / "onnx"
+    golden_inputs = _golden_flow_inputs(golden) if golden is not None else None
+    reference = quality_mels(flow, golden_inputs) if golden_inputs is not None else None
+    results: dict[str, dict[str, float]] = {}
+    for name, path in DIT_PATHS.items():
+        dit.runner = None if path.startswith("torch") else GraphEstimator(
+            None, OrtGraph(root / graph_file("flow_estimator_cached", path), torch.device("cpu"), threads=1), dit)
+        dit.modulation_cache.max_bytes = 0 if path == "torch-recompute" else 64 << 20
+        dit.modulation_cache.clear()
+        row: dict[str, float] = {}
+        for label, (x, mu, cond, cache, new, _) in inputs.items():
+            def call(x=x, mu=mu, cond=cond, cache=cache) -> object:
+                return dit.forward_cached(x, mu, t, spks, cond, cache, 0)
+
+            call()  # warm-up: packing, the modulation of this t
+            row[f"{label} s"] = _cpu_seconds(call, 2 if new <= 100 else 1)
+        if reference is not None:
+            row.update(mel_errors(reference, quality_mels(flow, golden_inputs)))
+        results[name] = row
+        print(name, json.dumps({k: round(v, 5) for k, v in row.items()}), flush=True)
+    results["_work"] = {f"{label} {k}": v for label, (*_, new, past) in inputs.items()
+                        for k, v in dit_step_work(dit, new, past).items()}
+    return results
+
+
+def _golden_flow_inputs(golden: Path) -> dict[str, torch.Tensor]:
+    from safetensors.numpy import load_file
+
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in load_file(golden / "flow.safetensors").items()
+            if k in ("token", "prompt_token", "prompt_feat", "embedding")}
+
+
+def floor_table(floor: dict[str, float], paths: dict[str, dict[str, float]]) -> str:
+    """Per path and shape: seconds per step, the step's floor, the fraction of the floor reached."""
+    work = paths["_work"]
+    peak, bandwidth = floor["gemm_peak_gflops"], floor["gemv_gb_per_s"]
+    rows = ["| DiT path (1 thread, per Euler step) | shape | CPU s | floor s | floor / measured | mel rel. RMS "
+            "| mel max abs |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, row in paths.items():
+        if name == "_work":
+            continue
+        for key, seconds in row.items():
+            if not key.endswith(" s"):
+                continue
+            label = key[:-2]
+            reads = work[f"{label} adaln_gb"] / bandwidth if name.endswith("(before)") else 0.0
+            floor_s = work[f"{label} gflop"] / peak + reads
+            rms, mx = row.get("mel_rel_rms"), row.get("mel_max_abs")
+            rows.append(f"| {name} | {label} | {seconds:.3f} | {floor_s:.3f} | {floor_s / seconds:.2f} | "
+                        f"{'' if rms is None else f'{rms:.2e}'} | {'' if mx is None else f'{mx:.2e}'} |")
+    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -335,8 +466,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--golden", type=Path, help="golden fixtures: also measure the quality bounds")
     parser.add_argument("--skip-profile", action="store_true", help="only the rows (and --golden)")
     parser.add_argument("--quality-paths", nargs="*", choices=["int8", "bf16"],
-                        help="fast paths to hold to the bounds (default: this CPU's candidates for auto)")
+                        help="fast paths to hold to the bounds (default: this CPU's candidates for auto; given "
+                             "empty: none, e.g. with --floor, which measures the DiT's paths itself)")
     parser.add_argument("--json", type=Path, help="write settings and results here")
+    parser.add_argument("--floor", action="store_true", help="this machine's floor and the DiT's paths against it")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: run one row in this process, print JSON
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="cosyvoice-cpu-bench-"))
@@ -351,6 +484,15 @@ def main(argv: list[str] | None = None) -> dict:
                 "model": model, "fixed_tokens": args.fixed_tokens, "requests": args.requests,
                 "mode": "stream, 1 request at a time, batched engine, seed 0", "load_before": load_average()}
     print(" | ".join(f"{k} {v}" for k, v in settings.items()), flush=True)
+    report: dict[str, object] = {"settings": settings}
+    if args.floor:
+        floor = machine_floor()
+        print("floor (1 thread, CPU time)", json.dumps({k: round(v, 2) for k, v in floor.items()}), flush=True)
+        paths = dit_paths(Path(model_dir), args.golden)
+        print(floor_table(floor, paths), flush=True)
+        report.update(floor=floor, dit_paths=paths)
+        settings["load_after_floor"] = load_average()
+        print("load average after the floor section", settings["load_after_floor"], flush=True)
     prof: dict[str, float] = {}
     if not args.skip_profile:
         tts = CosyVoice3(model_dir, device="cpu", voice_dir=work / "voices", backend="torch", precision="fp32")
@@ -377,7 +519,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "failed": done.stderr.strip().splitlines()[-1:]}
         print(row, json.dumps(results[row]), flush=True)
     settings["load_after"] = load_average()
-    report: dict[str, object] = {"settings": settings, "profile": prof, "threads": layouts, "rows": results}
+    report.update(profile=prof, threads=layouts, rows=results)
     print(f"\nload average before {settings['load_before']}, after {settings['load_after']}")
     print("| row | precision | threads (LLM, t2w) | prefix | steps | first audio p50 / p90 s | RTF | LLM s/s "
           "| flow s/s | vocoder s/s | load s | warm-up first audio s | peak RSS MB | load average after |")
@@ -392,7 +534,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['flow_s_per_audio_s']:.2f} | {r['vocoder_s_per_audio_s']:.2f} | {r['load_s']:.1f} | "  # type: ignore[index]
               f"{r['warm_up_first_audio_s']:.2f} | "  # type: ignore[index]
               f"{r['peak_rss_mb']:.0f} | {r['load_average_after']} |")  # type: ignore[index]
-    if args.golden:
+    if args.golden and args.quality_paths != []:
         bundles = {"benchmark bundle": Path(model_dir), "golden tiny bundle": args.golden / "tiny_bundle"}
         report["quality"] = quality(args.golden, bundles, tuple(args.quality_paths or fast.candidates(features)))
         for label, q in report["quality"].items():  # type: ignore[union-attr]

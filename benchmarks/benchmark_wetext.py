@@ -30,6 +30,8 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
+from cosyvoice.backends.cpu import cpu_model
+
 ROOT = Path(__file__).resolve().parent.parent
 
 SENTENCES = {
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     frontend = TextFrontend(CosyVoice3Tokenizer.from_model_dir(tok_dir), WeTextNormalizer())
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": f"cpu: {_cpu_name()}, {os.cpu_count()} cores ({platform.machine()})",
+        "device": f"cpu: {cpu_model()}, {os.cpu_count()} cores ({platform.machine()})",
         # other processes inflate every number on a shared machine: the load says how much to trust them
         "load_average_1min": {"before": os.getloadavg()[0]},
         "python": platform.python_version(),
@@ -179,16 +181,6 @@ def main(argv: list[str] | None = None) -> None:
                   f"{1e3 * r['mean']:>7.3f}")
     if args.json:
         args.json.write_text(json.dumps({"env": env, **results}, indent=2, ensure_ascii=False) + "\n")
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 if __name__ == "__main__":

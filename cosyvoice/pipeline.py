@@ -97,13 +97,16 @@ class Model:
         marker = frontend.tokenizer.end_of_prompt_id
         if device.type == "cpu":  # each stage loaded and given its precision in turn (a lower peak of memory)
             plan, llm, flow = fast.plan_and_apply(wanted, lambda: bundle.load_llm(device, precision, marker),
-                                                  lambda: bundle.load_flow(device, precision))
+                                                  lambda: bundle.load_flow(device, precision),
+                                                  model_root=bundle.root, store=fast.AutoStore.beside(bundle.root),
+                                                  model_digest=lambda: bundle_digest(bundle.root))
         else:
             llm, flow = bundle.load_llm(device, precision, marker), bundle.load_flow(device, precision)
             name = next(k for k, v in PRECISIONS.items() if v == precision)
             plan = fast.PrecisionPlan(wanted, name, name)
         flow = attach_flow(flow, bundle.root, backend, device)
         hift = attach_hift(bundle.load_hift(device), bundle.root, backend, device)
+        hift.fold_weight_norm()  # bit-equal output without recomputing g * v / ||v|| per call (after the export)
         cache = None
         if prompt_cache_from_env() if prompt_cache is None else prompt_cache:
             root = bundle.root

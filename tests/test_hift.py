@@ -99,7 +99,15 @@ def test_fold_weight_norm_keeps_output(golden: Golden, vocoder: CausalHiFTGenera
     folded.fold_weight_norm()
     assert "conv_pre.weight" in folded.state_dict()
     assert "f0_predictor.condnet.0.parametrizations.weight.original0" in folded.state_dict()
-    torch.testing.assert_close(folded.inference(mel)[0], vocoder.inference(mel)[0], atol=1e-6, rtol=0)
+    # the same g * v / ||v||, computed once instead of per call: bit-equal, so the engine folds at load
+    assert torch.equal(folded.inference(mel)[0], vocoder.inference(mel)[0])
+
+
+def test_the_engine_runs_the_folded_vocoder(tts) -> None:
+    from torch.nn.utils import parametrize
+
+    folded = [n for n, m in tts.engine.hift.named_modules() if parametrize.is_parametrized(m, "weight")]
+    assert folded and all(n.startswith("f0_predictor") for n in folded)  # only the float64 F0 predictor keeps it
 
 
 def test_float64_and_global_rng(golden: Golden, vocoder: CausalHiFTGenerator, mel: torch.Tensor) -> None:

@@ -210,6 +210,10 @@ def test_auto_is_reported_by_ready_and_shown_on_the_page(tiny_bundle_dir: Path, 
         page = build_ui(Studio(service, data_dir=tmp_path / "data"))
         shown = [b for b in page.blocks.values() if getattr(b, "elem_id", None) == "precision"]
         assert len(shown) == 1 and shown[0].value == plan.label and "auto" in plan.label
+        # the measurements behind the choice, on the page and in /ready (kept per CPU and model: a restart reads them)
+        assert shown[0].info == plan.summary == ready["summary"] and "flow: " in plan.summary
+        assert all(f"{name.split('_', 1)[1]} " in plan.summary for name in plan.checks)
+        assert ready["measured_at"] and (tiny_bundle_dir / "auto-precision.json").is_file()
     finally:
         service.model.close()
 

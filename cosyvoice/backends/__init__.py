@@ -12,7 +12,8 @@
   docs/perf.md) changes the audio beyond the golden tolerances (its int8 bound is stated there) and exports
   its graphs into the model folder on first use (minutes at the released size), so it is opt-in until it is
   judged on the real checkpoint; TensorRT stays opt-in until measured on a GPU. A backend asked for by name
-  that cannot run here is an error.
+  that cannot run here is an error. (``COSYVOICE_PRECISION=auto`` measures the DiT's onnxruntime graphs beside
+  its torch paths and may run it on one of them: :mod:`cosyvoice.backends.precision`.)
 
 Attaching a backend sets ``DiT.runner`` / ``CausalHiFTGenerator.runner``; everything around them (the
 ODE solver, CFG, F0 and the sine source, :class:`FlowStream` and :class:`HiFTStream` state) stays in torch.
@@ -81,22 +82,27 @@ def ensure_onnx(model_root: Path, precision: str = "fp32") -> dict[str, object]:
     """The manifest of ``model_root/onnx`` with the DiT graphs in ``precision``, exporting first when they are
     missing or stale (the precisions exported before are kept)."""
     from cosyvoice.backends import export as ex
+    from cosyvoice.backends.cpu import cpu_features
+    from cosyvoice.backends.quant import int8_weights
 
     out = model_root / "onnx"
     manifest_path = out / ex.MANIFEST
     have: set[str] = set()
+    weights = int8_weights(cpu_features())
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         graphs = manifest.get("graphs", {})
         if (manifest.get("format") == ex.FORMAT and all((out / name).is_file() for name in graphs)
                 and ex.sources_match(model_root, manifest)):
-            have = {g["precision"] for g in graphs.values()}
+            # an int8 graph quantised for another CPU's kernels (u8 or s8 weights) is redone for this one
+            have = {g["precision"] for g in graphs.values()
+                    if g["precision"] != "int8" or g.get("int8_weights") == weights}
             if precision in have:
                 return manifest
     want = have | {precision}
     logger.info("exporting the flow estimator and vocoder to ONNX (%s) in %s (first use of this bundle)",
                 ", ".join(sorted(want)), out)
-    return ex.export_onnx(model_root, out, fp16="fp16" in want, int8="int8" in want)
+    return ex.export_onnx(model_root, out, fp16="fp16" in want, int8="int8" in want, int8_weights=weights)
 
 
 def _graph(name: str, backend: str, manifest: dict[str, object], root: Path, device: torch.device,
@@ -128,11 +134,9 @@ def _dims(flow: torch.nn.Module | None, hift: torch.nn.Module | None) -> dict[st
     return dims
 
 
-def attach_flow(flow: FlowT, model_root: Path, backend: str, device: torch.device | str) -> FlowT:
-    """``flow`` with its DiT run on ``backend`` (a resolved name); fp16 graphs when the flow is half precision on
-    CUDA. The bundle loads plain torch modules; the backend is attached here, so the bundle knows no backend."""
-    if backend == "torch":
-        return flow
+def flow_runner(flow: torch.nn.Module, model_root: Path, backend: str, device: torch.device | str) -> object:
+    """The :class:`~cosyvoice.backends.runners.GraphEstimator` that runs ``flow``'s DiT on ``backend`` (a resolved
+    name other than torch); fp16 graphs when the flow is half precision on CUDA. The module is left as it is."""
     from cosyvoice.backends.runners import GraphEstimator
 
     device = torch.device(device)
@@ -147,10 +151,23 @@ def attach_flow(flow: FlowT, model_root: Path, backend: str, device: torch.devic
     # the plain graph saves returning keys/values on a GPU; on the CPU one copy of the weights is worth more
     plain = _graph("flow_estimator", backend, manifest, model_root, device, precision, dims) \
         if device.type == "cuda" else None
-    dit.runner = GraphEstimator(plain, cached, dit)  # type: ignore[arg-type]
-    for param in dit.transformer_blocks.parameters():
-        # the runner replaces every use of the blocks' weights (FlowStream reads only shapes and dtypes)
+    return GraphEstimator(plain, cached, dit)  # type: ignore[arg-type]
+
+
+def release_blocks(flow: torch.nn.Module) -> None:
+    """Free the DiT blocks' weights once a runner replaces every use of them (FlowStream reads only shapes and
+    dtypes of the rest)."""
+    for param in flow.decoder.estimator.transformer_blocks.parameters():
         param.data = param.data.new_empty(0)
+
+
+def attach_flow(flow: FlowT, model_root: Path, backend: str, device: torch.device | str) -> FlowT:
+    """``flow`` with its DiT run on ``backend`` (a resolved name; :func:`flow_runner`). The bundle loads plain
+    torch modules; the backend is attached here, so the bundle knows no backend."""
+    if backend == "torch":
+        return flow
+    flow.decoder.estimator.runner = flow_runner(flow, model_root, backend, device)
+    release_blocks(flow)
     return flow
 
 
@@ -168,5 +185,5 @@ def attach_hift(hift: HiftT, model_root: Path, backend: str, device: torch.devic
     return hift
 
 
-__all__ = ["BACKENDS", "CHOICES", "attach_flow", "attach_hift", "ensure_onnx",
+__all__ = ["BACKENDS", "CHOICES", "attach_flow", "attach_hift", "ensure_onnx", "flow_runner", "release_blocks",
            "resolve_backend", "unavailable"]

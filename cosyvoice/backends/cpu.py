@@ -3,6 +3,7 @@ AMX): the precision plan and the int8 quantiser ask here, and never assume."""
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import torch
@@ -32,3 +33,14 @@ def native_int8_dot(features: frozenset[str]) -> bool:
 
 def native_bf16(features: frozenset[str]) -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & features)
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name (``/proc/cpuinfo``; else what the platform says)."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"

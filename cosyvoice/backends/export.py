@@ -194,8 +194,9 @@ def sources_match(model_root: Path, manifest: dict[str, object]) -> bool:
 
 
 def export_onnx(model_dir: str | Path, out_dir: str | Path | None = None, fp16: bool = False, int8: bool = False,
-                seed: int = 0) -> dict[str, object]:
-    """Export, check and compare every graph; write and return the manifest. Raises if a parity check fails."""
+                seed: int = 0, int8_weights: str | None = None) -> dict[str, object]:
+    """Export, check and compare every graph; write and return the manifest. Raises if a parity check fails.
+    ``int8_weights``: ``u8`` or ``s8`` (None: what this CPU needs, :func:`cosyvoice.backends.quant.int8_weights`)."""
     bundle = validate_model_dir(model_dir)
     out = Path(out_dir) if out_dir is not None else bundle.root / "onnx"
     out.mkdir(parents=True, exist_ok=True)
@@ -208,8 +209,9 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path | None = None, fp16: 
             path = out / graph_file(spec.name, precision)
             logger.info("exporting %s", path.name)
             start = time.perf_counter()
+            extra: dict[str, object] = {}
             if precision == "int8":
-                quantize_dit(out / graph_file(spec.name), path)
+                extra["int8_weights"] = quantize_dit(out / graph_file(spec.name), path, int8_weights)
             else:
                 _export(spec, path, precision == "fp16")
             seconds = time.perf_counter() - start
@@ -220,7 +222,7 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path | None = None, fp16: 
                 "graph": spec.name, "precision": precision, "sha256": sha256_file(path),
                 "bytes": path.stat().st_size, "export_seconds": round(seconds, 2),
                 "inputs": _value_info(list(model.graph.input)), "outputs": _value_info(list(model.graph.output)),
-                "example_shapes": {k: list(v.shape) for k, v in spec.inputs.items()}, "parity": parity}
+                "example_shapes": {k: list(v.shape) for k, v in spec.inputs.items()}, "parity": parity, **extra}
             if not parity["ok"]:
                 raise ModelBundleError(f"{path.name}: onnxruntime differs from PyTorch by {parity['max_abs_diff']:.3g} "
                                        f"on {parity['worst_output']} (bound {parity['bound']:.3g})")

@@ -11,10 +11,13 @@
   and the DiT blocks' attention and feed-forward projections, per output channel (:func:`quantize_dit`).
 - ``auto``: per stage, the fastest candidate that holds the quality bounds (:data:`BOUNDS`) on THIS model's
   weights and runs faster than fp32 on THIS CPU, both measured at load against fp32 on a fixed synthetic
-  input (:func:`check_llm`, :func:`check_flow`; seconds at the released sizes). The candidates come from the
-  CPU's flags: int8 everywhere, bf16 only where it is native. A stage whose candidates all miss a bound, or are
-  slower (int8 on tiny matrices), stays fp32. On CUDA ``auto`` is fp32 (the ``dtype`` argument chooses half
-  precision there).
+  input (:func:`check_llm`, :func:`check_flow`; a minute at the released sizes). The candidates come from the
+  CPU's flags: int8 everywhere, bf16 only where it is native; for the DiT also its onnxruntime graphs
+  (:data:`ORT_FLOW`, when the model folder is known): fp32 (within ~1e-6 of torch: the exact fast path) and int8
+  (8-bit weights, u8 or s8 as the CPU needs, :func:`cosyvoice.backends.quant.int8_weights`). A stage whose
+  candidates all miss a bound, or are slower (int8 on tiny matrices), stays fp32. The measurements are kept per
+  CPU and model (:mod:`cosyvoice.backends.auto_store`), so a restart applies them without measuring. On CUDA
+  ``auto`` is fp32 (the ``dtype`` argument chooses half precision there).
 
 The vocoder stays float32 on every path (half precision audibly moves its phases; bundle.load_hift).
 """
@@ -22,15 +25,18 @@ The vocoder stays float32 on every path (half precision audibly moves its phases
 from __future__ import annotations
 
 import copy
+import importlib.util
 import logging
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import torch
 
+from cosyvoice.backends.auto_store import AutoStore, machine_key
 from cosyvoice.backends.cpu import cpu_features, native_bf16
 from cosyvoice.errors import ConfigError
 from cosyvoice.utils.malloc import trim
@@ -41,10 +47,21 @@ CHOICES = ("auto", "fp32", "bf16", "int8")
 #: what a fast path must hold against fp32 (issue 21): the DiT's mel (relative RMS, max |diff|), the LLM's mean
 #: KL per teacher-forced step (nats)
 BOUNDS = {"mel_rel_rms": 0.01, "mel_max_abs": 0.05, "llm_kl_mean": 0.02}
+#: the DiT's onnxruntime paths (backend names): fp32 graphs, and int8 ones
+ORT_FLOW = ("onnxruntime", "onnxruntime-int8")
 T = TypeVar("T")
+
+
 def candidates(features: frozenset[str]) -> tuple[str, ...]:
-    """The fast paths ``auto`` tries on a CPU with ``features``, fastest first (fp32 is the fallback)."""
+    """The torch fast paths ``auto`` tries on a CPU with ``features``, fastest first (fp32 is the fallback)."""
     return ("int8", "bf16") if native_bf16(features) else ("int8",)
+
+
+def flow_candidates(features: frozenset[str], model_root: Path | None) -> tuple[str, ...]:
+    """The DiT's candidates: the torch ones, then its onnxruntime graphs where the package is installed and the
+    model folder is known (they are exported there on first use)."""
+    ort = ORT_FLOW if model_root is not None and importlib.util.find_spec("onnxruntime") is not None else ()
+    return candidates(features) + ort
 
 
 @dataclass(frozen=True)
@@ -57,6 +74,8 @@ class PrecisionPlan:
     vocoder: str = "fp32"
     cpu: tuple[str, ...] = ()
     checks: dict[str, dict[str, float]] = field(default_factory=dict)  # auto: candidate -> measured bounds
+    measured_at: str = ""  # auto: when the checks were measured (ISO time)
+    kept: bool = False  # auto: the checks were read from the store, not measured at this start
 
     @property
     def label(self) -> str:
@@ -71,9 +90,29 @@ class PrecisionPlan:
         when auto made the plan. A batch row naming anything else needs a model loaded at it."""
         return self.llm == self.flow == name or name == self.requested == "auto"
 
+    @property
+    def summary(self) -> str:
+        """auto's measurements in one line (empty for an explicit precision): each candidate's seconds on the
+        check and its error against fp32, the chosen marked, and whether they were measured at this start."""
+        if not self.checks:
+            return ""
+        parts = []
+        for stage, chosen in (("llm", self.llm), ("flow", self.flow)):
+            rows = []
+            for name, check in self.checks.items():
+                if name.startswith(f"{stage}_"):
+                    kind = name[len(stage) + 1:]
+                    errors = ", ".join(f"{k} {v:.3g}" for k, v in check.items() if k != "seconds")
+                    mark = "*" if kind == chosen else ""
+                    rows.append(f"{mark}{kind} {check['seconds']:.2f} s" + (f" ({errors})" if errors else ""))
+            parts.append(f"{stage.upper() if stage == 'llm' else stage}: " + "; ".join(rows))
+        when = f"kept from {self.measured_at}" if self.kept else f"measured {self.measured_at}"
+        return " | ".join(parts) + f" | {when}"
+
     def describe(self) -> dict[str, object]:
         return {"requested": self.requested, "llm": self.llm, "flow": self.flow, "vocoder": self.vocoder,
-                "cpu": list(self.cpu), "checks": self.checks, "label": self.label}
+                "cpu": list(self.cpu), "checks": self.checks, "label": self.label, "measured_at": self.measured_at,
+                "kept": self.kept, "summary": self.summary}
 
 
 def check_name(name: str) -> str:
@@ -133,9 +172,15 @@ def apply_llm(llm: torch.nn.Module, kind: str) -> torch.nn.Module:
     return quantize_llm(llm) if kind == "int8" else llm
 
 
-def apply_flow(flow: torch.nn.Module, kind: str) -> torch.nn.Module:
-    """``flow`` with its DiT's projections in ``kind``; the rest of the flow stays float32."""
+def apply_flow(flow: torch.nn.Module, kind: str, model_root: Path | None = None) -> torch.nn.Module:
+    """``flow`` with its DiT's projections in ``kind``; the rest of the flow stays float32. An onnxruntime kind
+    (:data:`ORT_FLOW`) runs the DiT in the graphs of ``model_root`` instead."""
     dit = flow.decoder.estimator
+    if kind in ORT_FLOW:
+        from cosyvoice.backends import attach_flow
+
+        assert model_root is not None, "the onnxruntime paths need the model folder"
+        return attach_flow(flow, model_root, kind, "cpu")
     if kind == "bf16":
         bf16_dit(dit)
     elif kind == "int8":
@@ -159,22 +204,39 @@ def resolve(requested: str, device: torch.device, backend: str) -> str:
 
 
 def plan_and_apply(requested: str, load_llm: Callable[[], torch.nn.Module], load_flow: Callable[[], torch.nn.Module],
-                   features: frozenset[str] | None = None) -> tuple[PrecisionPlan, torch.nn.Module, torch.nn.Module]:
+                   features: frozenset[str] | None = None, model_root: Path | None = None,
+                   store: AutoStore | None = None, model_digest: Callable[[], str] | None = None
+                   ) -> tuple[PrecisionPlan, torch.nn.Module, torch.nn.Module]:
     """(the plan, the LLM, the flow) for ``requested`` (a resolved name), from loaders of the fp32 modules on the CPU.
 
     Each stage is loaded and given its precision before the next is loaded: the fp32 weights int8 replaces, and
     the candidates ``auto`` rejects, are gone before the flow is read, so a load's peak memory holds one stage's
     fp32 weights beside the other's final ones, not both stages in fp32 (3.3 GB at the released sizes). The
-    freed weights are handed back to the system after each stage (:func:`trim`: glibc keeps them otherwise)."""
+    freed weights are handed back to the system after each stage (:func:`trim`: glibc keeps them otherwise).
+
+    ``model_root``: the model folder (the DiT's onnxruntime candidates are exported there). ``store`` with
+    ``model_digest``: where auto keeps its measurements per CPU and model; a kept one is applied unmeasured."""
     features = cpu_features() if features is None else features
     cpu = tuple(sorted(features))
     if requested == "auto":
-        paths = candidates(features)
-        llm_kind, llm, llm_checks = check_llm(load_llm(), paths)
+        key = machine_key(features, model_digest()) if store is not None and model_digest is not None else None
+        kept = store.get(key) if key is not None else None
+        if kept is not None:
+            llm = apply_llm(load_llm(), str(kept["llm"]))
+            trim()
+            flow = apply_flow(load_flow(), str(kept["flow"]), model_root)
+            trim()
+            plan = PrecisionPlan("auto", str(kept["llm"]), str(kept["flow"]), cpu=cpu,
+                                 checks=kept["checks"], measured_at=str(kept["measured_at"]), kept=True)
+            logger.info("precision: %s (auto's measurements kept from %s)", plan.label, plan.measured_at)
+            return plan, llm, flow
+        llm_kind, llm, llm_checks = check_llm(load_llm(), candidates(features))
         trim()
-        flow_kind, flow, flow_checks = check_flow(load_flow(), paths)
+        flow_kind, flow, flow_checks = check_flow(load_flow(), flow_candidates(features, model_root), model_root)
         trim()
-        plan = PrecisionPlan("auto", llm_kind, flow_kind, cpu=cpu, checks={**llm_checks, **flow_checks})
+        checks = {**llm_checks, **flow_checks}
+        when = store.put(key, llm_kind, flow_kind, checks) if key is not None else ""
+        plan = PrecisionPlan("auto", llm_kind, flow_kind, cpu=cpu, checks=checks, measured_at=when)
         logger.info("precision: %s", plan.label)
         return plan, llm, flow
     if requested == "bf16" and not native_bf16(features):
@@ -304,25 +366,36 @@ def check_llm(llm: torch.nn.Module, paths: tuple[str, ...]
     return chosen, tried[chosen], checks
 
 
-def check_flow(flow: torch.nn.Module, paths: tuple[str, ...]
+def check_flow(flow: torch.nn.Module, paths: tuple[str, ...], model_root: Path | None = None
                ) -> tuple[str, torch.nn.Module, dict[str, dict[str, float]]]:
     """(the DiT's path, the flow, every candidate's measurements against fp32 on its weights): :func:`fastest` of
-    ``paths`` (timed on the same check, the better of two runs), else fp32 (the module given)."""
+    ``paths`` (timed on the same check, the better of two runs), else fp32 (the module given). An onnxruntime
+    candidate (:data:`ORT_FLOW`) is a shadow with the graphs' runner; the blocks' torch weights are freed only
+    when it wins."""
+    from cosyvoice.backends import flow_runner, release_blocks
+
     started = time.perf_counter()
     ref_mels, seconds = _flow_mels(flow)
     checks = {"flow_fp32": {"seconds": min(seconds, _flow_mels(flow)[1])}}
     tried = {"fp32": flow}
     for kind in paths:
-        got = tried[kind] = apply_flow(shadow(flow), kind)
+        if kind in ORT_FLOW:
+            got = tried[kind] = shadow(flow)
+            got.decoder.estimator.runner = flow_runner(got, model_root, kind, "cpu")
+        else:
+            got = tried[kind] = apply_flow(shadow(flow), kind)
         _flow_mels(got)  # a warm-up: quantised and bf16 kernels pack their weights on first use
         mels, seconds = _flow_mels(got)
         errors = [mel_error(r, g) for r, g in zip(ref_mels, mels, strict=True)]
         checks[f"flow_{kind}"] = {**{k: max(e[k] for e in errors) for k in errors[0]}, "seconds": seconds}
     chosen = fastest("flow", paths, checks)
     logger.info("precision self-check of the flow (%.1f s): %s", time.perf_counter() - started, checks)
+    if chosen in ORT_FLOW:
+        release_blocks(tried[chosen])
     return chosen, tried[chosen], checks
 
 
-__all__ = ["BOUNDS", "CHOICES", "Bf16Linear", "PrecisionPlan", "apply_flow", "apply_llm", "bf16_dit", "candidates",
-           "check_flow", "check_llm", "cpu_features", "dit_projections", "fastest", "holds", "llm_kl", "mel_error",
-           "native_bf16", "plan_and_apply", "quantize_dit", "resolve", "shadow"]
+__all__ = ["BOUNDS", "CHOICES", "ORT_FLOW", "AutoStore", "Bf16Linear", "PrecisionPlan", "apply_flow", "apply_llm",
+           "bf16_dit", "candidates", "check_flow", "check_llm", "cpu_features", "dit_projections", "fastest",
+           "flow_candidates", "holds", "llm_kl", "mel_error", "native_bf16", "plan_and_apply", "quantize_dit",
+           "resolve", "shadow"]

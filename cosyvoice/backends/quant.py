@@ -1,7 +1,8 @@
 """int8 dynamic quantisation of the DiT graphs for the fast CPU path.
 
 Only the per-frame projections are quantised: each block's attention q/k/v/out and feed-forward matmuls
-(weights int8 per output channel, activations int8 per call), which hold nearly all of the DiT's FLOPs.
+(weights 8-bit per output channel, u8 or s8 as the CPU's kernels need: :func:`int8_weights`; activations
+u8 per call), which hold nearly all of the DiT's FLOPs.
 Everything else stays float32: the attention products themselves (both operands are activations), the
 AdaLN and time-MLP linears (two rows per call, so reading their weights is cheap and their scales steer
 every frame), the input and output projections. The quality bound against float32 is in docs/perf.md.
@@ -16,6 +17,8 @@ from pathlib import Path
 import onnx
 import torch
 
+from cosyvoice.backends.cpu import cpu_features, native_int8_dot
+
 
 def quantized_nodes(model: onnx.ModelProto) -> list[str]:
     """The MatMul nodes quantised: the blocks' attention projections and feed-forward layers."""
@@ -23,19 +26,27 @@ def quantized_nodes(model: onnx.ModelProto) -> list[str]:
             if n.op_type == "MatMul" and ("/attn/to_" in n.name or "/ff/" in n.name)]
 
 
-def quantize_dit(src: Path, dst: Path) -> None:
-    """Write the int8 variant of the DiT graph ``src`` to ``dst`` (atomically)."""
+def int8_weights(features: frozenset[str]) -> str:
+    """How the int8 DiT graph stores its weights on a CPU with ``features``: ``s8`` (u8 activations x s8 weights)
+    where the CPU multiplies int8 natively (VNNI, AMX), else ``u8`` (u8 x u8, all 8 bits). Without VNNI
+    onnxruntime's u8 x s8 kernel sums pairs in 16 bits, which saturates unless the weights keep to 7 bits
+    (``reduce_range``), and 7-bit weights miss the mel bound at the released sizes (1.23-1.29% RMS against 1%);
+    its u8 x u8 kernel widens to 16 bits before multiplying, so 8-bit weights hold it (0.72-0.74%)."""
+    return "s8" if native_int8_dot(features) else "u8"
+
+
+def quantize_dit(src: Path, dst: Path, weights: str | None = None) -> str:
+    """Write the int8 variant of the DiT graph ``src`` to ``dst`` (atomically); ``weights``: ``u8`` or ``s8``
+    (None: :func:`int8_weights` of this CPU). Returns the weight type written."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from cosyvoice.backends.cpu import cpu_features, native_int8_dot
-
+    weights = weights or int8_weights(cpu_features())
     nodes = quantized_nodes(onnx.load(str(src), load_external_data=False))
     tmp = dst.with_suffix(f".tmp{os.getpid()}.onnx")
-    # 7-bit weights where the CPU lacks VNNI: its 16-bit pairwise sums would otherwise saturate (measured on an
-    # AVX2-only EPYC: a cached-DiT key 1.04 off against a bound of 0.28)
-    quantize_dynamic(src, tmp, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"], per_channel=True,
-                     reduce_range=not native_int8_dot(cpu_features()), nodes_to_quantize=nodes)
+    quantize_dynamic(src, tmp, weight_type=QuantType.QInt8 if weights == "s8" else QuantType.QUInt8,
+                     op_types_to_quantize=["MatMul"], per_channel=True, reduce_range=False, nodes_to_quantize=nodes)
     os.replace(tmp, dst)
+    return weights
 
 
 def quantize_llm(llm: torch.nn.Module) -> torch.nn.Module:

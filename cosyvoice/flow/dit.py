@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cosyvoice.config import DiTConfig
+from cosyvoice.flow.modulation import Modulation, ModulationCache, cacheable
 
 _LN_EPS = 1e-6
 _TIME_FREQ_DIM = 256  # width of the sinusoidal time features fed to the time MLP
@@ -195,14 +196,20 @@ def _layer_norm(x: Tensor) -> Tensor:
 
 
 class AdaLayerNormZero(nn.Module):
-    """Time-conditioned shift/scale for attention and MLP inputs, plus their residual gates."""
+    """Time-conditioned shift/scale for attention and MLP inputs, plus their residual gates.
+
+    :meth:`modulation` depends on the time embedding only, so the DiT computes it once per ODE time
+    (:mod:`cosyvoice.flow.modulation`) and :meth:`forward` takes its result."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.linear = nn.Linear(dim, dim * 6)
 
-    def forward(self, x: Tensor, emb: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        shift, scale, gate, ff_shift, ff_scale, ff_gate = self.linear(F.silu(emb)).chunk(6, dim=1)
+    def modulation(self, emb: Tensor) -> Tensor:
+        return self.linear(F.silu(emb))
+
+    def forward(self, x: Tensor, mod: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        shift, scale, gate, ff_shift, ff_scale, ff_gate = mod.chunk(6, dim=1)
         return _layer_norm(x) * (1 + scale[:, None]) + shift[:, None], gate, ff_shift, ff_scale, ff_gate
 
 
@@ -211,8 +218,11 @@ class AdaLayerNormZeroFinal(nn.Module):
         super().__init__()
         self.linear = nn.Linear(dim, dim * 2)
 
-    def forward(self, x: Tensor, emb: Tensor) -> Tensor:
-        scale, shift = self.linear(F.silu(emb)).chunk(2, dim=1)  # scale first, unlike the per-block norm
+    def modulation(self, emb: Tensor) -> Tensor:
+        return self.linear(F.silu(emb))
+
+    def forward(self, x: Tensor, mod: Tensor) -> Tensor:
+        scale, shift = mod.chunk(2, dim=1)  # scale first, unlike the per-block norm
         return _layer_norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
 
 
@@ -223,9 +233,11 @@ class DiTBlock(nn.Module):
         self.attn = Attention(dim, heads, dim_head)
         self.ff = FeedForward(dim, ff_mult)
 
-    def forward(self, x: Tensor, t_emb: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
+    def forward(self, x: Tensor, mod: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
                 past: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        normed, gate, ff_shift, ff_scale, ff_gate = self.attn_norm(x, t_emb)
+        """``mod``: this block's AdaLN modulation [B, 6 dim] (:meth:`AdaLayerNormZero.modulation` of the time
+        embedding)."""
+        normed, gate, ff_shift, ff_scale, ff_gate = self.attn_norm(x, mod)
         attn, k, v = self.attn(normed, cos, sin, mask, past)
         x = x + gate.unsqueeze(1) * attn
         ff_in = _layer_norm(x) * (1 + ff_scale[:, None]) + ff_shift[:, None]
@@ -273,6 +285,23 @@ class DiT(nn.Module):
         self.proj_out = nn.Linear(cfg.dim, cfg.mel_dim)
         # an accelerated backend (cosyvoice.backends) that computes the trunk instead of these modules
         self.runner: EstimatorRunner | None = None
+        self.modulation_cache = ModulationCache()
+
+    def modulation(self, t: Tensor) -> Modulation:
+        """Every block's AdaLN modulation and the output norm's for the ODE times ``t`` [B]; kept per ``t`` on
+        the eager CPU path (:mod:`cosyvoice.flow.modulation`: the same values, computed once)."""
+        if not cacheable(t):
+            return self._modulation(t)
+        return self.modulation_cache.get(t, self._modulation_weights(), self._modulation)
+
+    def _modulation(self, t: Tensor) -> Modulation:
+        emb = self.time_embed(t)
+        return Modulation(tuple(b.attn_norm.modulation(emb) for b in self.transformer_blocks),
+                          self.norm_out.modulation(emb))
+
+    def _modulation_weights(self) -> list[Tensor]:
+        modules = [self.time_embed, self.norm_out, *(b.attn_norm for b in self.transformer_blocks)]
+        return [p for m in modules for p in m.parameters()]
 
     def attention_mask(self, n_frames: int, streaming: bool, device: torch.device) -> Tensor:
         """Chunk-causal when streaming, else all-True (an explicit mask, as the reference passes one)."""
@@ -333,15 +362,15 @@ class DiT(nn.Module):
         x, mu, cond = x.transpose(1, 2), mu.transpose(1, 2), cond.transpose(1, 2)
         if t.ndim == 0:
             t = t.expand(x.shape[0])
-        t_emb = self.time_embed(t)
+        mod = self.modulation(t)
         h, conv_inputs = self.input_embed(x, cond, mu, spks, None if past is None else past.conv_tails)
         cos, sin = self.rotary_embed(torch.arange(start, start + x.shape[1], device=x.device))
         cos, sin = cos.to(h.dtype), sin.to(h.dtype)
         kv = []
         for i, block in enumerate(self.transformer_blocks):
-            h, k, v = block(h, t_emb, cos, sin, mask, None if past is None else past.kv[i])
+            h, k, v = block(h, mod.blocks[i], cos, sin, mask, None if past is None else past.kv[i])
             kv.append((k, v))
-        out = self.proj_out(self.norm_out(h, t_emb)).transpose(1, 2)
+        out = self.proj_out(self.norm_out(h, mod.final)).transpose(1, 2)
         return out, conv_inputs, kv
 
 
@@ -384,7 +413,7 @@ def packed_trunk(dit: DiT, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond:
     [depth, B, H, W, dh] and the two position convs' padded inputs (to cut the next tails from)."""
     batch, _, width = x.shape
     x, mu, cond = x.transpose(1, 2), mu.transpose(1, 2), cond.transpose(1, 2)
-    t_emb = dit.time_embed(t)
+    mod = dit.modulation(t)
     emb = dit.input_embed
     h = emb.proj(torch.cat((x, cond, mu, spks.unsqueeze(1).expand(-1, width, -1)), dim=-1))
     pos_embed = emb.conv_pos_embed
@@ -398,10 +427,10 @@ def packed_trunk(dit: DiT, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond:
     past = past_k.shape[3]
     new_k, new_v = [], []
     for i, block in enumerate(dit.transformer_blocks):
-        h, k, v = block(h, t_emb, cos, sin, mask, (past_k[i], past_v[i]) if past else None)
+        h, k, v = block(h, mod.blocks[i], cos, sin, mask, (past_k[i], past_v[i]) if past else None)
         new_k.append(k[:, :, past:])
         new_v.append(v[:, :, past:])
-    out = dit.proj_out(dit.norm_out(h, t_emb)).transpose(1, 2)
+    out = dit.proj_out(dit.norm_out(h, mod.final)).transpose(1, 2)
     return out, torch.stack(new_k), torch.stack(new_v), first_in, second_in
 
 
