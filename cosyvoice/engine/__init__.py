@@ -2,8 +2,8 @@
 
 from cosyvoice.engine.engine import Engine
 from cosyvoice.engine.scheduler import LLMScheduler, Ticket
-from cosyvoice.engine.session import AudioChunk, CancelToken, ChunkPolicy, Session
+from cosyvoice.engine.session import AudioChunk, CancelToken, ChunkPolicy, ChunkSchedule, Session
 from cosyvoice.engine.t2w import T2WState, Token2Wav
 
-__all__ = ["AudioChunk", "CancelToken", "ChunkPolicy", "Engine", "LLMScheduler", "Session", "T2WState", "Ticket",
-           "Token2Wav"]
+__all__ = ["AudioChunk", "CancelToken", "ChunkPolicy", "ChunkSchedule", "Engine", "LLMScheduler", "Session",
+           "T2WState", "Ticket", "Token2Wav"]
