@@ -147,3 +147,26 @@ def test_the_service_validates_and_hands_the_schedule_over(tts, short_prompt_wav
     assert service.prepare(request).schedule == ChunkSchedule()
     prepared = service.prepare(SynthesisRequest(**{**request.__dict__, "final": "chunked", "first_hop": 12}))
     assert prepared.schedule == ChunkSchedule(12, "chunked")
+
+
+def test_batch_columns_reach_the_takes_and_their_provenance(tts, tmp_path: Path) -> None:
+    """A listening test's conditions: rows with ``final`` and ``first_hop`` columns, their takes recorded with
+    them (the reference's as ``full`` / empty); a bad cell is that row's error, naming the column."""
+    from cosyvoice.workbench.batch import parse_rows, run_batch, takes_csv_rows
+    from cosyvoice.workbench.store import WorkbenchStore
+
+    library = VoiceLibrary(tmp_path / "voices", tts.frontend, model_dir=tts.model_dir,
+                           builtin_dir=Path(__file__).resolve().parents[1] / "assets" / "voices")
+    service = TTSService(tts.model, library, Limits(max_sessions=2))
+    store = WorkbenchStore(tmp_path / "data")
+    rows = parse_rows("text,voice,seed,final,first_hop,label\n"
+                      "Hello there.,en-allison,11,,,reference\nHello there.,en-allison,11,chunked,6,early\n"
+                      "Hello there.,en-allison,11,,soon,bad\nHello there.,en-allison,11,half,,bad\n")
+    result = run_batch(service, store, rows)
+    assert [(e.row, e.field) for e in result.errors] == [(3, "first_hop"), (4, "final")]
+    reference, early = result.takes
+    assert [(t.provenance["final"], t.provenance["first_hop"]) for t in (reference, early)] == [
+        ("full", None), ("chunked", 6)]
+    assert [(r["final"], r["first_hop"]) for r in takes_csv_rows(store.takes())] == [("full", None), ("chunked", 6)]
+    assert store.take(early.id).provenance["first_hop"] == 6  # as stored
+    assert store.audio_path(reference).read_bytes() != store.audio_path(early).read_bytes()

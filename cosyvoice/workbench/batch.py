@@ -2,7 +2,8 @@
 
 A row has ``text``, a voice (``voice``: a saved voice's id or name, built-ins included; or ``prompt_audio`` +
 ``prompt_text``), and optionally ``mode``, ``instruction``, ``seed``, ``speed``, ``steps`` (the flow's Euler steps;
-empty: the model's), ``precision`` (what the LLM and the DiT compute in, one of
+empty: the model's), ``final`` and ``first_hop`` (the chunk schedule: ``full`` or ``chunked`` last flow call, speech
+tokens of the first chunk; empty: the reference's), ``precision`` (what the LLM and the DiT compute in, one of
 :data:`~cosyvoice.backends.precision.CHOICES`; empty: what runs) and ``label`` (the condition / system the take
 belongs to). Every row goes through :meth:`TTSService.synthesize`, like any other request; a row without a seed
 gets the one the service draws, stored, so re-running the row with its stored seed gives the same samples. A bad
@@ -36,10 +37,11 @@ from cosyvoice.service import PreparedRequest, SynthesisRequest, TTSService
 from cosyvoice.settings import Limits, env_name
 from cosyvoice.workbench.store import Take, WorkbenchStore
 
-COLUMNS = ("text", "voice", "prompt_audio", "prompt_text", "mode", "instruction", "seed", "speed", "steps", "precision",
-           "label")
+COLUMNS = ("text", "voice", "prompt_audio", "prompt_text", "mode", "instruction", "seed", "speed", "steps", "final",
+           "first_hop", "precision", "label")
 TAKES_CSV_COLUMNS = ("take_id", "row", "label", "file", "text", "normalised_text", "mode", "voice", "voice_id",
-                     "prompt_text", "instruction", "seed", "speed", "steps", "precision", "model_id", "software",
+                     "prompt_text", "instruction", "seed", "speed", "steps", "final", "first_hop", "precision",
+                     "model_id", "software",
                      "sample_rate", "audio_seconds", "synthesis_seconds", "first_chunk_seconds", "created")
 KIND = "batch"  # the job kind of batches
 Services = Callable[[str], TTSService]  # a row's precision ("": what runs) -> the service that makes the row
@@ -242,6 +244,11 @@ def row_request(row: Row, resolve_audio: Callable[[str], Path] | None) -> Synthe
         steps = int(v["steps"]) if v.get("steps") else None
     except ValueError as exc:
         raise InvalidInputError(f"steps must be a whole number, got {v['steps']!r}", "steps") from exc
+    try:
+        first_hop = int(v["first_hop"]) if v.get("first_hop") else None
+    except ValueError as exc:
+        raise InvalidInputError(f"first_hop must be a whole number of speech tokens, got {v['first_hop']!r}",
+                                "first_hop") from exc
     audio = None
     if v.get("prompt_audio"):
         if resolve_audio is None:
@@ -250,7 +257,8 @@ def row_request(row: Row, resolve_audio: Callable[[str], Path] | None) -> Synthe
         audio = resolve_audio(v["prompt_audio"])
     return SynthesisRequest(text=v.get("text", ""), mode=mode, voice=v.get("voice") or None, prompt_audio=audio,
                             transcript=v.get("prompt_text", ""), instruction=v.get("instruction", ""), speed=speed,
-                            seed=seed, steps=steps, stream=False, format="wav")
+                            seed=seed, steps=steps, final=v.get("final") or None, first_hop=first_hop, stream=False,
+                            format="wav")
 
 
 def submit_batch(jobs: JobRunner, store: WorkbenchStore, rows: list[Row], *, source: str = "",
@@ -343,6 +351,7 @@ def provenance(service: TTSService, request: SynthesisRequest, prepared: Prepare
         "engine_mode": prepared.engine_mode, "voice": info.name or "", "voice_id": prepared.voice_id,
         "prompt_text": info.transcript, "instruction": request.instruction if prepared.mode == "instruct" else "",
         "seed": prepared.seed, "speed": prepared.speed, "steps": prepared.steps,
+        "final": prepared.schedule.final, "first_hop": prepared.schedule.first_hop,  # None: the reference's
         "settings": {"stream": prepared.stream},
         "model_id": model_id or bundle_digest(service.status().model_dir), "software": software or software_version(),
         "precision": service.model.plan.label,  # what the LLM and the DiT computed in (a fast path or fp32)
@@ -363,7 +372,8 @@ def takes_csv_rows(takes: Iterable[Take], files: dict[str, str] | None = None) -
             "normalised_text": " | ".join(p.get("segments", [])), "sample_rate": t.sample_rate,
             "audio_seconds": timings.get("audio_seconds", round(t.seconds, 4)), "created": round(t.created, 3),
             **{k: p.get(k, "") for k in ("text", "mode", "voice", "voice_id", "prompt_text", "instruction", "seed",
-                                         "speed", "steps", "precision", "model_id", "software")},
+                                         "speed", "steps", "final", "first_hop", "precision", "model_id",
+                                         "software")},
             **{k: timings.get(k, "") for k in ("synthesis_seconds", "first_chunk_seconds")}})
     return out
 
