@@ -32,7 +32,7 @@ import torch
 from cosyvoice.backends import attach_flow, attach_hift, resolve_backend
 from cosyvoice.backends import precision as fast
 from cosyvoice.bundle import bundle_digest, open_model_dir
-from cosyvoice.engine import AudioChunk, CancelToken, Engine
+from cosyvoice.engine import AudioChunk, CancelToken, ChunkSchedule, Engine
 from cosyvoice.errors import CosyVoiceError, InvalidInputError
 from cosyvoice.flow.prompt_cache import PromptCache
 from cosyvoice.frontend import prompts
@@ -243,23 +243,24 @@ class _Cursor:
 
 def run_inputs(model: Model, inputs: Iterable[tuple[ModelInput, int]], *, stream: bool, speed: float,
                cancel: CancelToken, text_stream: TokenStream | None = None,
-               steps: int | None = None) -> Iterator[AudioChunk]:
+               steps: int | None = None, schedule: ChunkSchedule | None = None) -> Iterator[AudioChunk]:
     """Each model input's chunks in turn, with its seed; indices and sample offsets run across inputs.
     ``text_stream``: the text ids of a bi-streaming input (:meth:`TextFeed.inputs`), arriving as they come;
-    ``steps``: the flow's Euler steps (None: the model's)."""
+    ``steps``: the flow's Euler steps (None: the model's); ``schedule``: first hop and last flow call (None: the
+    reference's), for each input."""
     cursor = _Cursor()
     for inp, seed in inputs:
         if cancel.cancelled:
             return
         for chunk in model.engine.synthesize(inp, stream=stream, speed=speed, seed=seed, sample_offset=cursor.offset,
                                              first_index=cursor.index, text_stream=text_stream, cancel=cancel,
-                                             steps=steps):
+                                             steps=steps, schedule=schedule):
             yield cursor.passed(chunk)
 
 
 async def arun_inputs(model: Model, inputs: AsyncIterable[tuple[ModelInput, int]], *, stream: bool, speed: float,
                       cancel: CancelToken, text_stream: TokenStream | None = None,
-                      steps: int | None = None) -> AsyncIterator[AudioChunk]:
+                      steps: int | None = None, schedule: ChunkSchedule | None = None) -> AsyncIterator[AudioChunk]:
     """:func:`run_inputs` on the event loop: the engine hands chunks over without a thread per request."""
     cursor = _Cursor()
     async for inp, seed in inputs:
@@ -267,7 +268,7 @@ async def arun_inputs(model: Model, inputs: AsyncIterable[tuple[ModelInput, int]
             return
         chunks = model.engine.asynthesize(inp, stream=stream, speed=speed, seed=seed, sample_offset=cursor.offset,
                                           first_index=cursor.index, text_stream=text_stream, cancel=cancel,
-                                          steps=steps)
+                                          steps=steps, schedule=schedule)
         try:
             async for chunk in chunks:
                 yield cursor.passed(chunk)

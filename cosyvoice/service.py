@@ -43,7 +43,7 @@ import torch
 
 from cosyvoice import pipeline
 from cosyvoice.encoding import FORMATS, AudioFormat
-from cosyvoice.engine import AudioChunk, CancelToken
+from cosyvoice.engine import AudioChunk, CancelToken, ChunkSchedule
 from cosyvoice.errors import (
     CosyVoiceError,
     InvalidInputError,
@@ -99,7 +99,10 @@ class SynthesisRequest:
     bytes, a file-like object, an ``(array, sample_rate)`` pair, a float tensor/array at 16 kHz, or a path the
     adapter has vetted). ``stream`` asks the engine for chunks as they are ready; ``format`` is the output
     ``AudioFormat`` name for adapters that encode (``cosyvoice.encoding.FORMATS``). ``steps``: the flow's Euler
-    steps (``settings.FLOW_STEPS_RANGE``; None: the model's): fewer are faster and coarser.
+    steps (``settings.FLOW_STEPS_RANGE``; None: the model's): fewer are faster and coarser. ``final`` (``"full"``,
+    the reference's last flow call with full attention, or ``"chunked"``) and ``first_hop`` (speech tokens of the
+    first chunk) shape the chunk schedule (:class:`~cosyvoice.engine.ChunkSchedule`); a request naming a schedule
+    other than the reference's is computed chunk by chunk even when it is delivered whole.
     For the official API's semantics: ``text_frontend`` (normalise the text), ``split_prefixed`` (text carrying
     ``<|endofprompt|>`` is normalised and split like plain text; False keeps it one unnormalised piece, as the
     reference does) and ``prompt_conventions`` (False: transcript, instruction and cross-lingual text come in
@@ -115,6 +118,8 @@ class SynthesisRequest:
     speed: float = 1.0
     seed: int | None = None
     steps: int | None = None  # the flow's Euler steps (None: the model's, 10 for CosyVoice3)
+    final: str | None = None  # the last flow call: "full" (None: the reference's) or "chunked"
+    first_hop: int | None = None  # speech tokens of the first chunk (None: the reference's 25, padded)
     stream: bool = True
     format: str = "pcm"
     text_frontend: bool = True
@@ -132,6 +137,7 @@ class PreparedRequest:
     speed: float
     format: AudioFormat
     steps: int  # the model's default when the request named none
+    schedule: ChunkSchedule  # first hop and last flow call
 
     @property
     def engine_mode(self) -> pipeline.EngineMode:
@@ -165,6 +171,7 @@ class _Checked:
     format: AudioFormat
     instruction: str
     steps: int
+    schedule: ChunkSchedule
 
 
 @dataclass(frozen=True)
@@ -407,9 +414,9 @@ class _Ending:
 
     @property
     def engine_options(self) -> dict[str, object]:
-        """How the engine runs the request: its streaming, speed, token and flow steps."""
+        """How the engine runs the request: its streaming, speed, token, flow steps and chunk schedule."""
         p = self.prepared
-        return {"stream": p.stream, "speed": p.speed, "cancel": self.token, "steps": p.steps}
+        return {"stream": p.stream, "speed": p.speed, "cancel": self.token, "steps": p.steps, "schedule": p.schedule}
 
     def passed(self, chunk: AudioChunk) -> AudioChunk:
         """Count a chunk handed to the reader (the audio's length; when the first one with samples came)."""
@@ -855,7 +862,7 @@ class TTSService:
         stream, speed, seed = self._options(request)
         fmt = self._format(request.format)
         return _Checked(mode, stream, speed, seed, fmt, self._instruction(mode, request.instruction),
-                        self._steps(request.steps))
+                        self._steps(request.steps), ChunkSchedule.checked(request.final, request.first_hop))
 
     def _resolve(self, request: SynthesisRequest, checked: _Checked, owner: str | None = None,
                  text: bool = True) -> PreparedRequest:
@@ -868,7 +875,8 @@ class TTSService:
                              seed=checked.seed, transcript=uploaded, instruction=checked.instruction,
                              text_frontend=request.text_frontend, split_prefixed=request.split_prefixed,
                              model_form=not request.prompt_conventions)
-        return PreparedRequest(checked.mode, plan, checked.stream, checked.speed, checked.format, checked.steps)
+        return PreparedRequest(checked.mode, plan, checked.stream, checked.speed, checked.format, checked.steps,
+                               checked.schedule)
 
     @staticmethod
     def _mode(mode: object) -> str:

@@ -24,6 +24,13 @@ SPEED_RANGE = (0.5, 2.0)  # speed factors: the mel is stretched linearly before 
 # a request's flow Euler steps (``steps``; the model's default is its yaml's n_timesteps, 10 for CosyVoice3): fewer
 # are faster and coarser, F5-TTS's speed/quality knob; each step costs one DiT call per chunk and its flow cache
 FLOW_STEPS_RANGE = (1, 32)
+# how a stream's last flow call runs (``final``): "full" recomputes the whole utterance with full attention, as the
+# reference does; "chunked" keeps the chunk-causal mask and computes the new frames only (cost per second constant
+# in length; the last chunk sounds different from the reference's, so it is a choice, never a default)
+FINAL_CALLS = ("full", "chunked")
+# a stream's first chunk in speech tokens (``first_hop``): fewer tokens before the first flow call, so the first
+# sound comes sooner; the top is the reference's hop (25 tokens, one 50-frame flow chunk), the bottom one token
+FIRST_HOP_RANGE = (1, 25)
 TOKENIZER_MAX_SECONDS = 30.0  # speech_tokenizer_v3 refuses longer audio
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 VOICE_EDITORS = ("anyone", "creator", "admin")  # who may rename, export or delete a saved voice

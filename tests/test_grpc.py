@@ -107,14 +107,18 @@ def _requests(prompt_pcm16: bytes, voice) -> dict[str, pb.Request]:
                                          seed=3, stream=False),
         "cross_lingual_voice_name": pb.Request(cross_lingual_request=pb.crosslingualRequest(
             tts_text=TEXT, voice_id=voice.name), seed=3, speed=1.5),
+        "sft_chunk_schedule": pb.Request(sft_request=pb.sftRequest(spk_id=voice.name, tts_text=TEXT), seed=3,
+                                         final="chunked", first_hop=8),
     }
 
 
 @pytest.mark.parametrize("kind", ["sft", "zero_shot", "cross_lingual", "instruct", "instruct2_prompt_audio",
-                                  "zero_shot_voice_id", "cross_lingual_voice_name"])
+                                  "zero_shot_voice_id", "cross_lingual_voice_name", "sft_chunk_schedule"])
 def test_every_request_type_streams_the_service_audio(stub, service: TTSService, prompt_pcm16: bytes, saved_voice,
                                                       kind: str) -> None:
     request = _requests(prompt_pcm16, saved_voice)[kind]
+    if kind == "sft_chunk_schedule":
+        assert (synthesis_request(request).final, synthesis_request(request).first_hop) == ("chunked", 8)
     responses = list(stub.Inference(request, timeout=120))
     audio = _pcm(responses)
     # the same request through the service directly: the wire carries exactly the engine's samples
@@ -180,6 +184,10 @@ def test_bad_requests_get_status_codes_naming_the_field(stub, service: TTSServic
          grpc.StatusCode.NOT_FOUND, "sft_request.spk_id"),
         (pb.Request(sft_request=pb.sftRequest(spk_id=saved_voice.id, tts_text=TEXT), speed=9.0),
          grpc.StatusCode.INVALID_ARGUMENT, "speed"),
+        (pb.Request(sft_request=pb.sftRequest(spk_id=saved_voice.id, tts_text=TEXT), final="half"),
+         grpc.StatusCode.INVALID_ARGUMENT, "final"),
+        (pb.Request(sft_request=pb.sftRequest(spk_id=saved_voice.id, tts_text=TEXT), first_hop=26),
+         grpc.StatusCode.INVALID_ARGUMENT, "first_hop"),
         (pb.Request(), grpc.StatusCode.INVALID_ARGUMENT, "sft_request"),
     ]
     for request, code, field in cases:

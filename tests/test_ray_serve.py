@@ -123,6 +123,8 @@ def test_healthcheck_and_errors_name_the_field(app, reference_b64: str) -> None:
         ("tts", {"text": TEXT, "voice_type": "nobody"}, 404, "voice_type"),
         ("tts", {"text": TEXT, "voice": "x"}, 400, "voice"),
         ("tts", {"text": TEXT, "voice_type": "Ray Voice", "speed": "fast"}, 400, "speed"),
+        ("tts", {"text": TEXT, "voice_type": "Ray Voice", "final": "half"}, 400, "final"),
+        ("tts", {"text": TEXT, "voice_type": "Ray Voice", "first_hop": 0}, 400, "first_hop"),
     ]
     for route, body, status, field in cases:
         response = httpx.post(f"{url}/{route}", json=body, timeout=60)

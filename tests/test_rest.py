@@ -200,6 +200,8 @@ def test_bridge_contract_speaker_is_the_instruction_and_prompt_audio_is_required
         message = _error(httpx.post(f"{url}/synthesize", json=body), 400, "prompt_audio")
         assert message == "prompt_audio is required for CosyVoice3 synthesis"
     _error(httpx.post(f"{url}/synthesize", json={"text": TEXT, "prompt_audio": encoded, "steps": 0}), 400, "steps")
+    for field, bad in (("final", "half"), ("first_hop", 0), ("first_hop", "soon")):  # the chunk schedule
+        _error(httpx.post(f"{url}/synthesize", json={"text": TEXT, "prompt_audio": encoded, field: bad}), 400, field)
 
 
 def test_bridge_client_that_leaves_cancels_its_synthesis(url: str, service: TTSService, short_prompt_wav: Path,
@@ -255,6 +257,9 @@ def test_openai_instructions_sse_and_errors(url: str, saved_voice: dict, outcome
     _error(httpx.post(f"{url}/v1/audio/speech", json={**body, "input": ""}), 400, "input")
     _error(httpx.post(f"{url}/v1/audio/speech", json={**body, "voice": "nobody"}), 404, "voice")
     _error(httpx.post(f"{url}/v1/audio/speech", json={**body, "steps": 33}), 400, "steps")  # our extension
+    message = _error(httpx.post(f"{url}/v1/audio/speech", json={**body, "final": "partial"}), 400, "final")
+    assert "'full', 'chunked'" in message
+    assert "1 to 25" in _error(httpx.post(f"{url}/v1/audio/speech", json={**body, "first_hop": 26}), 400, "first_hop")
     _error(httpx.post(f"{url}/v1/audio/speech", json={"input": TEXT}), 400, "voice")
     _error(httpx.post(f"{url}/v1/audio/speech", content=b"{not json", headers={"content-type": "application/json"}),
            400, None)
@@ -519,7 +524,9 @@ def test_websocket_errors_and_disconnect(url: str, service: TTSService, saved_vo
     from websockets.sync.client import connect
 
     for start, field in (({"type": "start", "voice": "nobody"}, "voice"), ({"type": "hello"}, "type"),
-                         ({"type": "start", "voice": "Ada", "format": "ogg"}, "format")):
+                         ({"type": "start", "voice": "Ada", "format": "ogg"}, "format"),
+                         ({"type": "start", "voice": "Ada", "final": "half"}, "final"),
+                         ({"type": "start", "voice": "Ada", "first_hop": 99}, "first_hop")):
         with connect(_ws_url(url)) as ws:
             ws.send(json.dumps(start))
             error = json.loads(ws.recv(timeout=60))

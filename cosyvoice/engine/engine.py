@@ -31,7 +31,7 @@ from cosyvoice.config import CosyVoice3Config
 from cosyvoice.engine.graphs import CompiledDiT
 from cosyvoice.engine.plan import Ticket
 from cosyvoice.engine.scheduler import LLMScheduler
-from cosyvoice.engine.session import AudioChunk, CancelToken, Session
+from cosyvoice.engine.session import AudioChunk, CancelToken, ChunkSchedule, Session
 from cosyvoice.engine.t2w import Token2Wav, Token2WavWorker, as_cosyvoice_error
 from cosyvoice.errors import CosyVoiceError, ResourceLimitError
 from cosyvoice.flow import CausalMaskedDiffWithDiT
@@ -97,7 +97,8 @@ class Engine:
     (:mod:`cosyvoice.flow.prompt_cache`; True: in memory within ``limits.prompt_cache_mb``; a
     :class:`PromptCache` may also persist them). The same mel up to float rounding (<= 1e-5); off by default here
     (the parity tool compares the engine's streamed mel with the reference's), on in :meth:`Model.load`.
-    ``steps`` (per request; None: the yaml's ``n_timesteps``): the flow's Euler steps.
+    ``steps`` (per request; None: the yaml's ``n_timesteps``): the flow's Euler steps. ``schedule`` (per request;
+    None: the reference's): the first hop and the last flow call (:class:`~cosyvoice.engine.session.ChunkSchedule`).
     """
 
     def __init__(self, config: CosyVoice3Config, llm: CosyVoice3LM, flow: CausalMaskedDiffWithDiT,
@@ -141,7 +142,7 @@ class Engine:
     def synthesize(self, inp: ModelInput, stream: bool = False, speed: float = 1.0, seed: int | None = 0,
                    sample_offset: int = 0, first_index: int = 0, *, text_stream: TokenStream | None = None,
                    fixed_tokens: int | None = None, cancel: CancelToken | None = None,
-                   steps: int | None = None) -> Iterator[AudioChunk]:
+                   steps: int | None = None, schedule: ChunkSchedule | None = None) -> Iterator[AudioChunk]:
         """Speak one text segment. Streaming yields chunks as the policy allows; otherwise one chunk.
 
         ``text_stream``: the text arrives over time (bi-streaming); ``inp.text`` is then unused. Inputs arrive
@@ -151,19 +152,19 @@ class Engine:
         """
         job = self._job(inp, text_stream, fixed_tokens)
         return self._iterate(lambda: self._open(inp, stream, speed, seed, sample_offset, first_index, cancel,
-                                                job, text_stream, steps=steps), cancel)
+                                                job, text_stream, steps=steps, schedule=schedule), cancel)
 
     async def asynthesize(self, inp: ModelInput, stream: bool = False, speed: float = 1.0, seed: int | None = 0,
                           sample_offset: int = 0, first_index: int = 0, *, text_stream: TokenStream | None = None,
                           fixed_tokens: int | None = None, cancel: CancelToken | None = None,
-                          steps: int | None = None) -> AsyncIterator[AudioChunk]:
+                          steps: int | None = None, schedule: ChunkSchedule | None = None) -> AsyncIterator[AudioChunk]:
         """:meth:`synthesize` for asyncio: ``async for chunk in engine.asynthesize(...)``, no thread involved;
         leaving the loop (or cancelling the task) cancels the request, as does ``cancel``."""
         if cancel is not None and cancel.cancelled:
             return
         job = self._job(inp, text_stream, fixed_tokens)
         session = self._open(inp, stream, speed, seed, sample_offset, first_index, cancel, job, text_stream,
-                             steps=steps)
+                             steps=steps, schedule=schedule)
         try:
             while (item := await session.aget()) is not None:
                 chunk = _unwrap(item)
@@ -223,7 +224,8 @@ class Engine:
 
     def _open(self, inp: ModelInput, stream: bool, speed: float, seed: int | None, sample_offset: int,
               first_index: int, cancel: CancelToken | None, job: Job | None, text_stream: TokenStream | None,
-              tokens: list[int] | None = None, steps: int | None = None) -> Session:
+              tokens: list[int] | None = None, steps: int | None = None,
+              schedule: ChunkSchedule | None = None) -> Session:
         """Register a session and hand it to the scheduler (its LLM job) and the worker; returns at once."""
         lo, hi = SPEED_RANGE
         assert lo <= speed <= hi and (seed is None or 0 <= seed < 2**63), "options are validated by the service"
@@ -231,7 +233,7 @@ class Engine:
         assert FLOW_STEPS_RANGE[0] <= steps <= FLOW_STEPS_RANGE[1], "options are validated by the service"
         session = Session(id=next(self._ids), seed=secrets.randbits(63) if seed is None else int(seed), inp=inp,
                           stream=stream, speed=float(speed), steps=int(steps), sample_offset=sample_offset,
-                          first_index=first_index)
+                          first_index=first_index, schedule=schedule or ChunkSchedule())
         cleanups = self._open_sessions.add(session)
         if job is None:  # vocode(): the caller is the "LLM"; its tokens are all there
             session.add_tokens(tuple(tokens or ()))

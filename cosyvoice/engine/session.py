@@ -14,6 +14,7 @@ worker's :class:`~cosyvoice.engine.t2w.T2WState`, not here.
 from __future__ import annotations
 
 import asyncio
+import numbers
 import threading
 import time
 from collections import deque
@@ -23,7 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from cosyvoice.errors import InvalidInputError
 from cosyvoice.frontend.frontend import ModelInput
+from cosyvoice.settings import FINAL_CALLS, FIRST_HOP_RANGE
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,43 @@ class AudioChunk:
         return (self.pcm.clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16).numpy()
 
 
+@dataclass(frozen=True)
+class ChunkSchedule:
+    """A request's choices about how its speech is cut into flow calls (validated by the service).
+
+    ``first_hop``: speech tokens of the first chunk (None: the reference's first hop, padded so that prompt + hop
+    fill whole flow chunks); a smaller one is a partial first chunk, and the next chunk ends where the reference's
+    first one does, so the boundaries after it are the reference's. ``final``: the last flow call, ``"full"``
+    (full attention over the whole utterance, the reference) or ``"chunked"`` (the chunk-causal mask over the new
+    frames only). A schedule other than the reference's is computed chunk by chunk even for a request that is
+    delivered whole, so its takes differ from a stream's only where the options say.
+    """
+
+    first_hop: int | None = None
+    final: str = "full"
+
+    @property
+    def reference(self) -> bool:
+        return self.first_hop is None and self.final == "full"
+
+    @classmethod
+    def checked(cls, final: object = None, first_hop: object = None) -> ChunkSchedule:
+        """The schedule a request names (None: the reference's choice), or :class:`InvalidInputError` naming the
+        field: ``final`` one of :data:`~cosyvoice.settings.FINAL_CALLS`, ``first_hop`` whole speech tokens in
+        :data:`~cosyvoice.settings.FIRST_HOP_RANGE`."""
+        if final is not None and final not in FINAL_CALLS:
+            raise InvalidInputError(f"final must be one of {', '.join(map(repr, FINAL_CALLS))}, got {final!r}",
+                                    "final")
+        if isinstance(first_hop, numbers.Integral) and not isinstance(first_hop, bool):
+            first_hop = int(first_hop)  # numpy integers from adapters
+        lo, hi = FIRST_HOP_RANGE
+        if first_hop is not None and (not isinstance(first_hop, int) or isinstance(first_hop, bool)
+                                      or not lo <= first_hop <= hi):
+            raise InvalidInputError(f"first_hop must be a whole number of speech tokens from {lo} to {hi}, got "
+                                    f"{first_hop!r}", "first_hop")
+        return cls(first_hop, final or "full")
+
+
 @dataclass
 class ChunkPolicy:
     """CosyVoice3 streaming boundaries, owned by one session.
@@ -52,6 +92,7 @@ class ChunkPolicy:
     The first hop is padded so that prompt tokens + first hop fill whole flow chunks
     (the DiT's chunk mask is aligned to frame 0 of the prompt); afterwards the hop grows
     by ``scale`` up to ``max_hop``. A chunk needs ``hop + lookahead`` tokens beyond the offset.
+    ``first_hop`` splits that first hop: a first chunk of ``first_hop`` tokens, then the rest of it.
     """
 
     prompt_len: int
@@ -60,11 +101,16 @@ class ChunkPolicy:
     scale: int = 2
     lookahead: int = 3
     offset: int = 0
+    first_hop: int | None = None
+
+    def __post_init__(self) -> None:
+        self.first_end = self.hop + -self.prompt_len % self.hop  # the reference's first hop, padded to whole hops
 
     def current_hop(self) -> int:
-        if self.offset == 0:
-            pad = -self.prompt_len % self.hop  # ceil(prompt/hop)*hop - prompt
-            return self.hop + pad
+        if self.offset == 0 and self.first_hop is not None:
+            return min(self.first_hop, self.first_end)
+        if self.offset < self.first_end:
+            return self.first_end - self.offset
         return self.hop
 
     def ready(self, n_tokens: int) -> bool:
@@ -74,7 +120,8 @@ class ChunkPolicy:
         """Consume one hop; returns the (start, end) token range it finalised."""
         start, end = self.offset, self.offset + self.current_hop()
         self.offset = end
-        self.hop = min(self.max_hop, self.hop * self.scale)
+        if end >= self.first_end:  # a partial first chunk leaves the hop as it is until the first hop is done
+            self.hop = min(self.max_hop, self.hop * self.scale)
         return start, end
 
 
@@ -142,6 +189,7 @@ class Session:
     sample_offset: int = 0  # of the first chunk in the request's waveform
     first_index: int = 0  # of the first chunk in the request
     steps: int | None = None  # the flow's Euler steps (None: the model's; the engine always names them)
+    schedule: ChunkSchedule = field(default_factory=ChunkSchedule)  # first hop and last flow call
     started: float = field(default_factory=time.perf_counter)
     cancel: CancelToken = field(default_factory=CancelToken)  # the session's own; a caller's token cancels it
     cond: threading.Condition = field(default_factory=threading.Condition)
@@ -157,6 +205,11 @@ class Session:
     @property
     def cancelled(self) -> bool:
         return self.cancel.cancelled
+
+    @property
+    def chunked(self) -> bool:
+        """Whether the worker computes the speech chunk by chunk: a stream, or a schedule not the reference's."""
+        return self.stream or not self.schedule.reference
 
     # ------------------------------------------------------------------ the LLM scheduler
 

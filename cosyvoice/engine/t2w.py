@@ -56,7 +56,8 @@ class T2WState:
     @classmethod
     def open(cls, session: Session, lookahead: int, trim_ms: float | None = None,
              sample_rate: int = 0) -> T2WState:
-        policy = ChunkPolicy(prompt_len=session.inp.flow_prompt_speech_token.shape[1], lookahead=lookahead)
+        policy = ChunkPolicy(prompt_len=session.inp.flow_prompt_speech_token.shape[1], lookahead=lookahead,
+                             first_hop=session.schedule.first_hop)
         state = cls(policy, session.first_index, session.sample_offset, session.started)
         if trim_ms is not None and session.stream and session.first_index == 0:  # a request's first segment
             state.trim = LeadingSilenceTrim(sample_rate, trim_ms)
@@ -67,14 +68,14 @@ class T2WState:
         if self.finished:
             return False
         n, llm_done, error = session.llm_snapshot()
-        return error is not None or llm_done or (session.stream and self.policy.ready(n))
+        return error is not None or llm_done or (session.chunked and self.policy.ready(n))
 
     def take(self, session: Session) -> ChunkWork | BaseException:
         """The chunk that is due (advancing the policy), or the LLM's error. Only when :meth:`due`."""
         n, llm_done, error = session.llm_snapshot()
         if error is not None:
             return error
-        if session.stream and self.policy.ready(n):
+        if session.chunked and self.policy.ready(n):
             hop = self.policy.current_hop()
             start, stop = self.policy.advance()
             with session.cond:
@@ -89,7 +90,7 @@ class T2WState:
         """Whether the due chunk is a streaming chunk whose flow step can join a packed DiT call."""
         n, _, error = session.llm_snapshot()
         caching = self.flow_stream is None or self.flow_stream.caching
-        return session.stream and error is None and self.policy.ready(n) and t2w.incremental_flow and caching
+        return session.chunked and error is None and self.policy.ready(n) and t2w.incremental_flow and caching
 
     def deadline(self, session: Session) -> float:
         """When the client will have played everything sent so far: the next chunk is due by then."""
@@ -164,13 +165,14 @@ class Token2Wav:
         A streaming session's flow calls go through its :class:`FlowStream` (given only the new tokens; it reuses
         the finished chunk-causal chunks instead of recomputing the utterance, equal within float rounding, and
         falls back to recomputing when the flow-cache budget is spent). Otherwise, as the reference: the flow
-        over all tokens so far, keeping the frames after the previous chunk.
+        over all tokens so far, keeping the frames after the previous chunk. The last call has full attention (the
+        reference), or with the ``"chunked"`` final call the chunk-causal mask over the new frames only.
         """
         if not work.tokens:
             return None
         dev, inp = self.device, session.inp
         tokens = torch.tensor([work.tokens], dtype=torch.int64)
-        streaming, finalize = not work.final, work.final
+        streaming, finalize = not work.final or session.schedule.final == "chunked", work.final
         if self.incremental_flow and (streaming or state.flow_stream is not None):
             if state.flow_stream is None:
                 voice = (self.flow, inp.flow_prompt_speech_token.to(dev), inp.prompt_speech_feat.to(dev),
@@ -180,7 +182,7 @@ class Token2Wav:
                     inp.flow_prompt_speech_token.shape[1], tokens.shape[1], session.steps)
                 state.flow_stream = self.prompt_cache.stream(*voice) if cached else FlowStream(*voice)
             self._budget_flow_cache(state.flow_stream, tokens.shape[1])
-            step = state.flow_stream.begin(tokens[:, state.flow_fed:].to(dev), finalize=finalize)
+            step = state.flow_stream.begin(tokens[:, state.flow_fed:].to(dev), finalize=finalize, streaming=streaming)
             state.flow_fed = tokens.shape[1]
             return step
         prompt_token, prompt_feat = inp.flow_prompt_speech_token.to(dev), inp.prompt_speech_feat.to(dev)

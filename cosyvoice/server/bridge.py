@@ -44,6 +44,8 @@ class BridgeSynthesis(BaseModel):
     speed: float = 1.0
     seed: int | None = None  # negative: random
     steps: int | None = None  # our extension: the flow's Euler steps (None: the model's)
+    final: str | None = None  # our extension: the last flow call, "full" (None: the reference's) or "chunked"
+    first_hop: int | None = None  # our extension: speech tokens of the first chunk (None: the reference's)
 
 
 def bridge_request(body: BridgeSynthesis, audio: object) -> SynthesisRequest:
@@ -56,7 +58,7 @@ def bridge_request(body: BridgeSynthesis, audio: object) -> SynthesisRequest:
     seed = body.seed if body.seed is None or body.seed >= 0 else None
     return SynthesisRequest(body.text, mode, prompt_audio=audio, transcript=body.prompt_text or "",
                             instruction=instruction if mode == "instruct" else "", speed=body.speed, seed=seed,
-                            steps=body.steps, stream=False, format="wav")
+                            steps=body.steps, final=body.final, first_hop=body.first_hop, stream=False, format="wav")
 
 
 def contract_request(body: BridgeSynthesis, settings: ServerSettings) -> SynthesisRequest:

@@ -4,7 +4,7 @@
 ``cosyvoice-grpc``). The official ``runtime/python/grpc/client.py`` works unchanged: its four request
 types arrive with prompt audio as PCM16LE 16 kHz, and ``Response.tts_audio`` messages carry PCM16LE
 24 kHz chunks as the engine produces them. The proto's additions (saved voices, instruct2 prompt
-audio, seed, speed, stream) are documented in the .proto and docs/servers.md.
+audio, seed, speed, stream, final, first_hop) are documented in the .proto and docs/servers.md.
 
 This module only translates: proto messages into a :class:`~cosyvoice.service.SynthesisRequest`, and
 service errors into status codes (messages are one line, never a traceback):
@@ -105,7 +105,9 @@ def synthesis_request(request: pb.Request) -> SynthesisRequest:
         raise InvalidInputError(f"the request sets none of {', '.join(PAYLOADS)}", "RequestPayload")
     options = {"seed": request.seed if request.HasField("seed") else None,
                "speed": request.speed if request.HasField("speed") else 1.0,
-               "stream": request.stream if request.HasField("stream") else True}
+               "stream": request.stream if request.HasField("stream") else True,
+               "final": request.final if request.HasField("final") else None,
+               "first_hop": request.first_hop if request.HasField("first_hop") else None}
     p = getattr(request, kind)
     if kind == "sft_request":
         return SynthesisRequest(p.tts_text, "sft", voice=p.spk_id or None, **options)

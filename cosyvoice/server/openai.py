@@ -37,6 +37,8 @@ class OpenAISpeech(BaseModel):
     stream_format: str = "audio"  # "audio" or "sse"
     seed: int | None = None  # our extension
     steps: int | None = None  # our extension: the flow's Euler steps (None: the model's)
+    final: str | None = None  # our extension: the last flow call, "full" (None: the reference's) or "chunked"
+    first_hop: int | None = None  # our extension: speech tokens of the first chunk (None: the reference's)
 
 
 @router.post("/v1/audio/speech")
@@ -50,7 +52,8 @@ async def speech(http: Request, body: OpenAISpeech) -> SessionStream:
         instructed = bool(body.instructions and body.instructions.strip())
         request = SynthesisRequest(body.input, "instruct" if instructed else "sft", voice=voice,
                                    instruction=body.instructions or "", speed=body.speed, seed=body.seed,
-                                   steps=body.steps, stream=True, format=body.response_format)
+                                   steps=body.steps, final=body.final, first_hop=body.first_hop, stream=True,
+                                   format=body.response_format)
         session = await while_connected(http.receive, service_of(http).asynthesize(request, owner=request_owner(http)))
     return audio_stream(session, session.prepared.format, sse=body.stream_format == "sse")
 

@@ -17,7 +17,8 @@ Bodies are JSON, or forms (multipart/form-data with ``reference_audio`` as a fil
 (a saved or built-in voice, by id or name; optional: ``default_voice``, whose alias is ``"qwen"``, speaks when
 neither it nor ``reference_audio`` is given), ``reference_audio`` (base64 of an audio file, a path inside
 ``allowed_audio_dir``, or the uploaded file), ``reference_text``, ``instruction``, ``speed``, ``seed``,
-``steps`` (the flow's Euler steps), ``stream`` (true: MP3 frames are sent chunk by chunk as the model speaks).
+``steps`` (the flow's Euler steps), ``final`` and ``first_hop`` (the chunk schedule), ``stream`` (true: MP3 frames
+are sent chunk by chunk as the model speaks).
 
 Run it with ``serve run cosyvoice.server.ray_serve:app_builder model_dir=DIR`` or deploy
 ``cosyvoice/server/ray_serve.yaml`` (``serve deploy``); :class:`ServeArgs` lists the arguments.
@@ -59,7 +60,7 @@ logger = logging.getLogger(__name__)
 ROUTE_PREFIX = "/v1/model/cosyvoice"
 MP3 = audio_format("mp3")
 BODY_FIELDS = ("text", "voice_type", "reference_audio", "reference_text", "instruction", "speed", "seed", "steps",
-               "stream")
+               "final", "first_hop", "stream")
 DEFAULT_VOICE_ALIAS = "qwen"  # the Ray seed contract's name for its default voice
 # service field -> body field, so that errors name what the client sent
 RAY_FIELDS = {"voice": "voice_type", "prompt_audio": "reference_audio", "transcript": "reference_text"}
@@ -116,7 +117,8 @@ def synthesis_request(route: str, body: object, settings: ServerSettings) -> Syn
         mode = _ROUTE_MODES[route]
     return SynthesisRequest(text, mode, voice=voice, prompt_audio=audio, transcript=body.get("reference_text") or "",
                             instruction=instruction, speed=body.get("speed", 1.0), seed=body.get("seed"),
-                            steps=body.get("steps"), stream=body.get("stream", False), format=MP3.name)
+                            steps=body.get("steps"), final=body.get("final"), first_hop=body.get("first_hop"),
+                            stream=body.get("stream", False), format=MP3.name)
 
 
 async def read_body(http: Request) -> dict[str, Any]:
@@ -137,7 +139,7 @@ def _form_value(name: str, value: str) -> object:
     try:
         if name == "speed":
             return float(value)
-        if name in ("seed", "steps"):
+        if name in ("seed", "steps", "first_hop"):
             return int(value)
     except ValueError as exc:
         raise InvalidInputError(f"{name} must be a number, got {value!r}", name) from exc

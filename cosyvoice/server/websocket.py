@@ -40,7 +40,7 @@ def socket_request(start: Any) -> SynthesisRequest:
     """The start message as a request: ``voice`` (saved) or ``prompt_audio`` (base64) with ``transcript``;
     ``instructions``; ``mode`` (default: instruct with instructions, else sft for a saved voice, zero_shot with a
     transcript, cross_lingual without); ``format`` (default pcm); ``speed``; ``seed``; ``steps`` (the flow's Euler
-    steps)."""
+    steps); ``final`` and ``first_hop`` (the chunk schedule)."""
     if not isinstance(start, dict) or start.get("type") != "start":
         raise InvalidInputError(f"the first message must be {START}", "type")
     voice = start.get("voice")
@@ -54,7 +54,8 @@ def socket_request(start: Any) -> SynthesisRequest:
                     "sft" if voice is not None else "zero_shot" if transcript else "cross_lingual")
     return SynthesisRequest("", start.get("mode", default_mode), voice=voice, prompt_audio=audio,
                             transcript=transcript, instruction=instructions, speed=start.get("speed", 1.0),
-                            seed=start.get("seed"), steps=start.get("steps"), stream=start.get("stream", True),
+                            seed=start.get("seed"), steps=start.get("steps"), final=start.get("final"),
+                            first_hop=start.get("first_hop"), stream=start.get("stream", True),
                             format=start.get("format", "pcm"))
 
 

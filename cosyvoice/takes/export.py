@@ -12,7 +12,8 @@ from typing import Any
 from cosyvoice.takes.store import Take
 
 TAKES_CSV_COLUMNS = ("take_id", "row", "label", "file", "text", "normalised_text", "mode", "voice", "voice_id",
-                     "prompt_text", "instruction", "seed", "speed", "steps", "precision", "model_id", "software",
+                     "prompt_text", "instruction", "seed", "speed", "steps", "final", "first_hop",
+                     "precision", "model_id", "software",
                      "sample_rate", "audio_seconds", "synthesis_seconds", "first_chunk_seconds", "created")
 
 
@@ -27,7 +28,8 @@ def takes_csv_rows(takes: Iterable[Take], files: dict[str, str] | None = None) -
             "normalised_text": " | ".join(p.get("segments", [])), "sample_rate": t.sample_rate,
             "audio_seconds": timings.get("audio_seconds", round(t.seconds, 4)), "created": round(t.created, 3),
             **{k: p.get(k, "") for k in ("text", "mode", "voice", "voice_id", "prompt_text", "instruction", "seed",
-                                         "speed", "steps", "precision", "model_id", "software")},
+                                         "speed", "steps", "final", "first_hop", "precision", "model_id",
+                                         "software")},
             **{k: timings.get(k, "") for k in ("synthesis_seconds", "first_chunk_seconds")}})
     return out
 

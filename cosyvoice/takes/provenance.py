@@ -30,6 +30,7 @@ def provenance(service: TTSService, request: SynthesisRequest, prepared: Prepare
         "engine_mode": prepared.engine_mode, "voice": info.name or "", "voice_id": prepared.voice_id,
         "prompt_text": info.transcript, "instruction": request.instruction if prepared.mode == "instruct" else "",
         "seed": prepared.seed, "speed": prepared.speed, "steps": prepared.steps,
+        "final": prepared.schedule.final, "first_hop": prepared.schedule.first_hop,  # None: the reference's
         "settings": {"stream": prepared.stream},
         "model_id": model_id or bundle_digest(service.status().model_dir), "software": software or software_version(),
         "precision": service.model.plan.label,  # what the LLM and the DiT computed in (a fast path or fp32)

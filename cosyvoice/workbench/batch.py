@@ -2,7 +2,8 @@
 
 A row has ``text``, a voice (``voice``: a saved voice's id or name, built-ins included; or ``prompt_audio`` +
 ``prompt_text``), and optionally ``mode``, ``instruction``, ``seed``, ``speed``, ``steps`` (the flow's Euler steps;
-empty: the model's), ``precision`` (what the LLM and the DiT compute in, one of
+empty: the model's), ``final`` and ``first_hop`` (the chunk schedule: ``full`` or ``chunked`` last flow call, speech
+tokens of the first chunk; empty: the reference's), ``precision`` (what the LLM and the DiT compute in, one of
 :data:`~cosyvoice.backends.precision.CHOICES`; empty: what runs) and ``label`` (the condition / system the take
 belongs to). Every row goes through :meth:`TTSService.synthesize`, like any other request; a row without a seed
 gets the one the service draws, stored, so re-running the row with its stored seed gives the same samples. A bad
@@ -36,8 +37,8 @@ from cosyvoice.settings import Limits, env_name
 from cosyvoice.takes.provenance import provenance, software_version
 from cosyvoice.takes.store import Take, TakeStore
 
-COLUMNS = ("text", "voice", "prompt_audio", "prompt_text", "mode", "instruction", "seed", "speed", "steps", "precision",
-           "label")
+COLUMNS = ("text", "voice", "prompt_audio", "prompt_text", "mode", "instruction", "seed", "speed", "steps", "final",
+           "first_hop", "precision", "label")
 KIND = "batch"  # the job kind of batches
 Services = Callable[[str], TTSService]  # a row's precision ("": what runs) -> the service that makes the row
 
@@ -232,6 +233,11 @@ def row_request(row: Row, resolve_audio: Callable[[str], Path] | None) -> Synthe
         steps = int(v["steps"]) if v.get("steps") else None
     except ValueError as exc:
         raise InvalidInputError(f"steps must be a whole number, got {v['steps']!r}", "steps") from exc
+    try:
+        first_hop = int(v["first_hop"]) if v.get("first_hop") else None
+    except ValueError as exc:
+        raise InvalidInputError(f"first_hop must be a whole number of speech tokens, got {v['first_hop']!r}",
+                                "first_hop") from exc
     audio = None
     if v.get("prompt_audio"):
         if resolve_audio is None:
@@ -240,7 +246,8 @@ def row_request(row: Row, resolve_audio: Callable[[str], Path] | None) -> Synthe
         audio = resolve_audio(v["prompt_audio"])
     return SynthesisRequest(text=v.get("text", ""), mode=mode, voice=v.get("voice") or None, prompt_audio=audio,
                             transcript=v.get("prompt_text", ""), instruction=v.get("instruction", ""), speed=speed,
-                            seed=seed, steps=steps, stream=False, format="wav")
+                            seed=seed, steps=steps, final=v.get("final") or None, first_hop=first_hop, stream=False,
+                            format="wav")
 
 
 def submit_batch(jobs: JobRunner, store: TakeStore, rows: list[Row], *, source: str = "",
