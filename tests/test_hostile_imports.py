@@ -14,6 +14,7 @@ import json
 import os
 import re
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -172,11 +173,13 @@ def _rezip(data: bytes, replace: dict[str, bytes], zeros: dict[str, int] | None 
 
 
 def _png() -> bytes:
-    from PIL import Image
+    """A 1x1 black PNG: a picture a word processor and an e-book would carry."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
-    buffer = io.BytesIO()
-    Image.new("RGB", (1, 1)).save(buffer, "PNG")
-    return buffer.getvalue()
+    header = struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0)  # 1x1, 8-bit RGB
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0\0\0\0"))
+            + chunk(b"IEND", b""))
 
 
 def docx_book(picture: bool = False) -> bytes:
