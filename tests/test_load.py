@@ -41,12 +41,14 @@ TEXT = "Hi."  # short: the tiny LLM speaks at most 60 tokens, still two streamed
 TRANSCRIPT = "Hello, this is a short prompt for testing."
 BUSY_RETRIES, BUSY_BACKOFF_S = 100, 0.5
 # The stated bounds (docs/servers.md, "Memory"), for the server process on the tiny bundle: resident memory may
-# grow by at most RSS_GROWTH_LIMIT over the requests after the warm-up and never pass RSS_PEAK_LIMIT.
+# grow by at most RSS_GROWTH_LIMIT over the requests after the warm-up, and its peak (VmHWM) stays within
+# RSS_PEAK_OVER_START of its resident memory after the warm-up: the start itself depends on the torch build (PyPI's
+# CUDA build maps ~400 MiB more than the CPU build before any request, 854 against 450 MiB).
 # Measured on 2 busy cores (AMD EPYC), 120 requests after 30: 450 -> 454 MiB (+4), peak 562 MiB with the server's
 # malloc arena limit and idle trim (cosyvoice/server/memory.py); 521 -> 545 MiB (+24), peak 547 MiB without them.
 # The decode bomb, were it decoded, would add 0.55 GB per copy: the peak bound catches that.
 RSS_GROWTH_LIMIT = 120 * 2**20
-RSS_PEAK_LIMIT = 900 * 2**20
+RSS_PEAK_OVER_START = 400 * 2**20
 COMPLETE = ("official_sft", "openai_mp3", "bridge_wav", "openai_flac", "websocket", "openai_opus_instruct")
 HANG_UPS = ("hang_up_openai", "hang_up_official", "hang_up_bridge")
 HOSTILE = ("garbage_audio", "huge_text", "broken_json", "unknown_voice", "garbage_base64", "decode_bomb",
@@ -333,4 +335,5 @@ def test_bounded_load_leaves_nothing_behind(server: tuple[str, subprocess.Popen]
           f"{rss_peak / 2**20:.0f} MiB; threads {threads_before} -> at most {most[0]} -> {threads_after}; "
           f"{dict(statuses)}")
     assert growth < RSS_GROWTH_LIMIT, f"resident memory grew by {growth / 2**20:.0f} MiB"
-    assert rss_peak < RSS_PEAK_LIMIT, f"resident memory peaked at {rss_peak / 2**20:.0f} MiB"
+    over = rss_peak - rss_before
+    assert over < RSS_PEAK_OVER_START, f"resident memory peaked {over / 2**20:.0f} MiB over its start"

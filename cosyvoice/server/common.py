@@ -33,7 +33,7 @@ from cosyvoice.errors import (
     InvalidInputError,
 )
 from cosyvoice.owners import Caller, Owners, PublicRoute, no_public_route
-from cosyvoice.server.errors import HttpError, ModelNotReady, http_error, invalid_request, log_error
+from cosyvoice.server.errors import CLIENT_GONE, HttpError, ModelNotReady, http_error, invalid_request, log_error
 from cosyvoice.server.metrics import ServiceMetrics
 from cosyvoice.service import AsyncSynthesisSession, TTSService, allowed_path
 from cosyvoice.settings import ServerSettings, env_name
@@ -46,7 +46,6 @@ OPEN_PATHS = ("/health", "/ready")  # probes answer without an API key (their de
 SYNTHESIS_ROUTES = {"/inference_sft": "sft", "/inference_zero_shot": "zero_shot",
                     "/inference_cross_lingual": "cross_lingual", "/inference_instruct": "instruct",
                     "/inference_instruct2": "instruct", "/synthesize": "unknown", "/v1/audio/speech": "unknown"}
-CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by the client
 
 
 # ----------------------------------------------------------------------------- errors: logged and answered once

@@ -27,6 +27,8 @@ from cosyvoice.errors import (
 )
 from cosyvoice.settings import ServerSettings
 
+CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by the client
+
 logger = logging.getLogger(__name__)
 
 

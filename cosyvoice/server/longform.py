@@ -58,8 +58,7 @@ from cosyvoice.jobs import Cancelled
 from cosyvoice.longform import LongformStudio, documents
 from cosyvoice.longform.store import Segment, Take
 from cosyvoice.owners import Caller, Owners
-from cosyvoice.server.common import CLIENT_GONE
-from cosyvoice.server.errors import error_route
+from cosyvoice.server.errors import CLIENT_GONE, error_route
 from cosyvoice.server.routes import RouteTable
 from cosyvoice.service import TTSService
 from cosyvoice.settings import ServerSettings
