@@ -576,3 +576,21 @@ def test_cli_writes_audio_segments_json_and_subtitles(service: TTSService, tiny_
                           str(service.voices.dir.parent), "--device", "cpu"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "no voice 'Nobody'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_chunk_schedule_is_a_project_setting_every_take_records(studio: LongformStudio) -> None:
+    """``final`` and ``first_hop`` are checked as a request's are, reach each segment's render and are in each
+    take's provenance (so a listening test of a chapter can use them as conditions)."""
+    for field, bad in (("final", "half"), ("first_hop", 0), ("first_hop", "6")):
+        with pytest.raises(InvalidInputError) as caught:
+            studio.create("Bad", "Hi there.", voice="Alice", **{field: bad})
+        assert caught.value.field == field
+    project = studio.create("Chunked", "Hi there.", voice="Alice", final="chunked", first_hop=6)
+    assert (project.settings["final"], project.settings["first_hop"]) == ("chunked", 6)
+    studio.generate(project.id)
+    assert studio.wait(project.id, 300)["done"] == 1
+    [takes] = studio.store.takes(project.id).values()
+    made = studio.store.take_store.take(takes[0].id).provenance
+    assert (made["final"], made["first_hop"]) == ("chunked", 6)
+    changed = studio.update_settings(project.id, final="full", first_hop=None)
+    assert (changed.settings["final"], changed.settings["first_hop"]) == ("full", None)

@@ -22,7 +22,7 @@ from typing import BinaryIO
 import numpy as np
 
 from cosyvoice.encoding import Chapter, file_format, write_file
-from cosyvoice.engine import CancelToken
+from cosyvoice.engine import CancelToken, ChunkSchedule
 from cosyvoice.errors import InvalidInputError, NotFoundError
 from cosyvoice.frontend.frontend import CosyVoiceFrontend
 from cosyvoice.jobs import Job, JobGone, JobState, Made, Task, release, runner, synthesize
@@ -116,7 +116,8 @@ class LongformStudio:
         label to a voice), belonging to ``owner`` (:mod:`cosyvoice.owners`), whose voices (an unsaved upload is
         its uploader's alone) are the only ones it may name. ``chapters`` (title, text) come from an EPUB, DOCX or
         PDF; ``settings`` override the defaults (``pauses``, ``preset``, ``margin``, ``retries``, ``steps``: the
-        flow's Euler steps of every take, None: the model's). Bounded by the service's ``Limits``
+        flow's Euler steps of every take, None: the model's; ``final`` and ``first_hop``: the chunk schedule of
+        every take, None: the reference's). Bounded by the service's ``Limits``
         (``max_import_*``, ``max_project_segments``, ``max_dialogue_*``); ``cancel`` stops it (:class:`Cancelled`)
         before anything is stored; ``progress(blocks split, blocks)`` hears how far the splitting is."""
         limits = self.service.limits
@@ -203,6 +204,9 @@ class LongformStudio:
                                           or not lo <= value <= hi):
                     raise InvalidInputError(f"steps must be a whole number from {lo} to {hi}", "steps")
                 out["steps"] = value
+            elif key in ("final", "first_hop"):  # the chunk schedule of every take, checked as a request's is
+                ChunkSchedule.checked(**{key: value})
+                out[key] = value
             else:
                 raise InvalidInputError(f"unknown setting {key!r}", key)
         return out
@@ -438,11 +442,12 @@ class LongformStudio:
             return
         settings = self.store.project(project_id).settings
         retries, steps = settings.get("retries", SUSPECT_RETRIES), settings.get("steps")
+        schedule = {"final": settings.get("final"), "first_hop": settings.get("first_hop")}
         made_takes: list[Take] = []
         for _ in range(1 + retries):  # a suspect take is made again with a new seed, every take kept
             request = SynthesisRequest(segment.text, "instruct" if segment.instruction else "sft",
                                        voice=segment.voice, instruction=segment.instruction, speed=segment.speed,
-                                       stream=False, steps=steps)  # the service draws the seed
+                                       stream=False, steps=steps, **schedule)  # the service draws the seed
             made = synthesize(self.service, request, token)
             flags = self._suspect(segment, made)
             record = provenance(self.service, request, made.prepared, made.pcm.size, made.timings)

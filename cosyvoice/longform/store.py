@@ -346,7 +346,8 @@ def _adopted(row: sqlite3.Row) -> StoredTake:
     settings = json.loads(row["project_settings"])
     provenance = {"text": row["text"], "segments": [row["text"]], "mode": "instruct" if row["instruction"] else "sft",
                   "voice": "", "voice_id": row["voice_id"], "instruction": row["instruction"], "seed": row["seed"],
-                  "speed": row["speed"], "steps": settings.get("steps"), "model_id": None, "software": None,
+                  "speed": row["speed"], "steps": settings.get("steps"), "final": settings.get("final"),
+                  "first_hop": settings.get("first_hop"), "model_id": None, "software": None,
                   "precision": None, "sample_rate": row["sample_rate"],
                   "timings": {"synthesis_seconds": round(row["seconds_to_make"], 4), "first_chunk_seconds": None,
                               "audio_seconds": round(row["samples"] / row["sample_rate"], 4)},

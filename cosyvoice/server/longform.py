@@ -85,6 +85,8 @@ class NewProject(_Body):
     margin: float | None = None
     retries: int | None = None
     steps: int | None = None  # the flow's Euler steps of every take (None: the model's)
+    final: str | None = None  # every take's last flow call: "full" (None: the reference's) or "chunked"
+    first_hop: int | None = None  # every take's first chunk in speech tokens (None: the reference's)
 
 
 class ProjectChanges(_Body):
@@ -94,6 +96,8 @@ class ProjectChanges(_Body):
     margin: float | None = None
     retries: int | None = None  # new takes (new seeds) made for a segment whose take sounds wrong
     steps: int | None = None
+    final: str | None = None
+    first_hop: int | None = None
 
 
 class SegmentChanges(_Body):
@@ -236,7 +240,7 @@ async def create(mount: This, s: Studio, who: Who, body: NewProject, request: Re
     """A project from pasted text: split in a worker that stops if the client goes away (``import_id``: a name
     for it, to ask ``GET /v1/longform/imports/{import_id}`` how far it is)."""
     options = {k: v for k, v in (("pauses", body.pauses), ("margin", body.margin), ("retries", body.retries),
-                                 ("steps", body.steps))
+                                 ("steps", body.steps), ("final", body.final), ("first_hop", body.first_hop))
                if v is not None}
 
     def make(cancel: CancelToken, report: Callable[[str, int, int], None]) -> dict[str, Any]:
