@@ -350,7 +350,7 @@ def delivery_zip(s: Studio, project_id: str) -> Response:
 
 
 @routes.post("/v1/longform/projects/{project_id}/cover")
-def put_cover(s: Studio, project_id: str, file: Annotated[UploadFile, File()]) -> JSONResponse:
+def set_cover(s: Studio, project_id: str, file: Annotated[UploadFile, File()]) -> JSONResponse:
     """The book's cover (JPEG or PNG), embedded in its MP3, M4B and ACX files."""
     data = file.file.read(MAX_COVER_BYTES + 1)
     s.delivery.set_cover(project_id, data)
