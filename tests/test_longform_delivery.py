@@ -12,12 +12,14 @@ import av
 import numpy as np
 import pytest
 import soundfile as sf
+import test_longform_books
 from mutagen import id3, mp3, mp4
 
 from cosyvoice.encoding import encode_audio
 from cosyvoice.errors import ConflictError, InvalidInputError
 from cosyvoice.longform import delivery, finishing
 
+studio = test_longform_books.studio  # the books tests' fixture: a narrator voice on the tiny bundle
 BOOK = "# One\n\nHi there.\n\nGood day.\n\n# Two\n\nBye now."
 
 
@@ -27,25 +29,6 @@ def png() -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (8, 8), (200, 30, 30)).save(buffer, "PNG")
     return buffer.getvalue()
-
-
-@pytest.fixture(scope="module")
-def studio(tts, tmp_path_factory: pytest.TempPathFactory):
-    from cosyvoice.longform import LongformStudio
-    from cosyvoice.service import TTSService
-    from cosyvoice.settings import Limits
-    from cosyvoice.voices import VoiceLibrary
-
-    folder = tmp_path_factory.mktemp("delivery")
-    service = TTSService(tts.model, VoiceLibrary(folder / "voices", tts.frontend, model_dir=tts.model_dir),
-                         Limits(max_sessions=2, queue_timeout_seconds=60))
-    t = np.arange(24000) / 16000
-    vowel = sum(np.sin(2 * np.pi * k * 200 * t) / k for k in range(1, 8)) * (1 - np.cos(2 * np.pi * 2 * t))
-    sf.write(folder / "narrator.wav", (0.1 * vowel).astype(np.float32), 16000)
-    service.create_voice("Narrator", folder / "narrator.wav", "Hello, I read books.")
-    s = LongformStudio(service, folder / "data")
-    yield s
-    s.close()
 
 
 @pytest.fixture(scope="module")
