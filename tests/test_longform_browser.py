@@ -4,11 +4,13 @@ export and download. Screenshots go to ``test-artifacts/`` (kept by CI, ignored 
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import soundfile as sf
+from mutagen.mp3 import MP3, BitrateMode
 
 pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra")
 from browser import FLAGS, require_browser
@@ -135,6 +137,7 @@ def test_paste_review_generate_regenerate_export_download(page, tmp_path: Path) 
 
 def test_a_pdf_book_becomes_chapters_and_is_mastered_to_acx(page, tmp_path: Path) -> None:
     from test_longform_books import pdf_book
+    from test_longform_delivery import png
 
     book = tmp_path / "book.pdf"
     book.write_bytes(pdf_book(outline=True, body="Hi.", paragraphs=1))
@@ -150,19 +153,44 @@ def test_a_pdf_book_becomes_chapters_and_is_mastered_to_acx(page, tmp_path: Path
     page.click("#generate")
     page.wait_for_function("() => current.progress.total > 0 && current.progress.done === current.progress.total",
                            timeout=600_000)
+    page.fill("#book-author", "Ann Author")
+    page.fill("#book-narrator", "Ned Narrator")
+    page.click("#save-book")
+    page.wait_for_function("() => current.settings.narrator === 'Ned Narrator'")
+    cover = tmp_path / "cover.png"
+    cover.write_bytes(png())
+    page.set_input_files("#book-cover", str(cover))
+    page.wait_for_function("() => document.querySelector('#cover-state').textContent === 'cover set'")
     page.click("#acx-check")  # the tiny model's raw takes are near full scale
     page.wait_for_function("() => document.querySelector('#acx-state').textContent === 'does not meet ACX'",
                            timeout=120_000)
-    parts = page.locator("#acx-table tbody tr td:first-child").all_inner_texts()
-    assert parts == ["Whole book", "The Beginning", "The Middle"]
+    files = page.locator("#acx-table tbody tr td:first-child").all_inner_texts()
+    assert files == ["01-The-Beginning.mp3", "02-The-Middle.mp3"]
     assert page.locator("#acx-master").is_visible()
     shot(page, "6-acx-fails")
     page.click("#acx-master")
     page.wait_for_function("() => document.querySelector('#acx-state').textContent === 'meets ACX'",
                            timeout=120_000)
-    assert page.locator("#acx-table td.fail").count() == 0 and page.locator("#acx-table td.pass").count() == 3
+    assert page.locator("#acx-table td.fail").count() == 0 and page.locator("#acx-table td.pass").count() == 2
+    assert page.locator("#acx-table tbody td:nth-child(3)").all_inner_texts() == [
+        "MP3 192 kbps CBR, 44100 Hz, mono"] * 2
     assert page.input_value("#preset") == "acx" and not page.locator("#acx-master").is_visible()
     shot(page, "7-acx-mastered")
+    with page.expect_download() as download:
+        page.click("#acx-download")
+    archive = tmp_path / download.value.suggested_filename
+    download.value.save_as(archive)
+    assert archive.name == "PDF-book-ACX.zip"
+    with zipfile.ZipFile(archive) as z:  # the files as delivered, read by mutagen (FFmpeg's LAME wrote them)
+        assert z.namelist() == files
+        z.extractall(tmp_path)
+    for i, (name, title) in enumerate(zip(files, ["The Beginning", "The Middle"], strict=True), 1):
+        mp3 = MP3(tmp_path / name)
+        assert mp3.info.bitrate_mode == BitrateMode.CBR and round(mp3.info.bitrate / 1000) == 192
+        assert (mp3.info.sample_rate, mp3.info.channels) == (44100, 1)
+        assert [str(mp3.tags[k]) for k in ("TIT2", "TALB", "TPE1", "TCOM", "TRCK")] == [
+            title, "PDF book", "Ann Author", "Ned Narrator", f"{i}/2"]
+        assert mp3.tags.getall("APIC")[0].data == png()
 
 
 def new_project(page, app: str, name: str, *, text: str = "", book: Path | None = None) -> None:

@@ -28,6 +28,7 @@ from cosyvoice.frontend.frontend import CosyVoiceFrontend
 from cosyvoice.jobs import Job, JobGone, JobState, Made, Task, release, runner, synthesize
 from cosyvoice.llm.model import CosyVoice3LM
 from cosyvoice.longform import documents, finishing, script
+from cosyvoice.longform.delivery import Deliveries, file_stem, tag_file, tag_text
 from cosyvoice.longform.store import Project, ProjectStore, Segment, Take
 from cosyvoice.service import SynthesisRequest, TTSService, check_text
 from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, default_data_dir, env_name
@@ -91,6 +92,7 @@ class LongformStudio:
         self.sample_rate = service.sample_rate
         self.jobs = runner(self.store.root, service.limits.job_workers)
         self.jobs.register(KIND, self._tasks)
+        self.delivery = Deliveries(self)
 
     @property
     def frontend(self) -> CosyVoiceFrontend:
@@ -207,6 +209,8 @@ class LongformStudio:
             elif key in ("final", "first_hop"):  # the chunk schedule of every take, checked as a request's is
                 ChunkSchedule.checked(**{key: value})
                 out[key] = value
+            elif key in ("title", "author", "narrator"):  # the book's, in the tags of its exports
+                out[key] = tag_text(value, key)
             else:
                 raise InvalidInputError(f"unknown setting {key!r}", key)
         return out
@@ -367,7 +371,9 @@ class LongformStudio:
         for job in self.jobs.jobs(project_id, active=True):
             self.jobs.cancel(job.id)
             self.jobs.wait(job.id)
-        return self.store.delete_project(project_id)
+        deleted = self.store.delete_project(project_id)
+        self.delivery.remove(project_id)  # its ACX delivery and cover
+        return deleted
 
     def _not_running(self, segment: Segment) -> None:
         if segment.id in self._queued(segment.project_id):
@@ -485,7 +491,7 @@ class LongformStudio:
 
     # ------------------------------------------------------------------ finishing and export
 
-    def _plan(self, project_id: str) -> tuple[list[tuple[Segment, Take, float]], finishing.Finish]:
+    def plan(self, project_id: str) -> tuple[list[tuple[Segment, Take, float]], finishing.Finish]:
         """(segment, its current take, seconds of pause after it) in order, and the project's finishing;
         refused while any segment has no current take."""
         project = self.store.project(project_id)
@@ -506,7 +512,7 @@ class LongformStudio:
         """The mix piece by piece (a segment, then its pause), one segment in memory at a time; ``rows`` gets
         each segment's place as it is reached. ``level=False`` skips the loudness step (lengths only). The plan
         is checked now, before anything is written ("no audio yet" is an answer, not a half-written file)."""
-        plan, finish = self._plan(project_id)
+        plan, finish = self.plan(project_id)
         if not level:
             finish = finishing.Finish(None, finish.margin)
         return self._mix(plan, finish, finished, rows)
@@ -541,12 +547,16 @@ class LongformStudio:
 
     def export_to(self, out: BinaryIO, project_id: str, fmt: str = "wav", finished: bool = True) -> Timeline:
         """Write the mix into the seekable file ``out`` in ``fmt`` (wav, mp3, flac, opus, m4b, mp4; the MP4
-        formats carry the chapters), one segment at a time; the timeline carries the mix's ACX check."""
+        formats carry the chapters; MP3 and MP4 the book's title, author, narrator and cover), one segment at a
+        time; the timeline carries the mix's ACX check."""
         audio_fmt = file_format(fmt)
         rows: list = []
         meters = AcxBook(self.sample_rate, self._has_chapters(project_id))
+        start = out.tell()
         write_file(out, meters.measure(self._pieces(project_id, finished, rows), rows), audio_fmt,
                    self.sample_rate, lambda: Timeline(self.sample_rate, rows).chapters)
+        if audio_fmt.name in ("mp3", "m4b", "mp4") and start == 0:  # a file of its own: tagged as the book
+            tag_file(out, audio_fmt.name, self.delivery.tags(project_id))
         return Timeline(self.sample_rate, rows, acx=meters.result())
 
     def acx(self, project_id: str) -> dict:
@@ -568,7 +578,7 @@ class LongformStudio:
         return self.file_name(project_id, fmt), buffer.getvalue(), timeline
 
     def file_name(self, project_id: str, fmt: str) -> str:
-        return f"{_file_stem(self.store.project(project_id).name)}.{file_format(fmt).extension}"
+        return f"{file_stem(self.store.project(project_id).name)}.{file_format(fmt).extension}"
 
     def segments_json(self, project_id: str, timeline: Timeline) -> dict:
         """The table of an export: per segment its text, start/end seconds, seed, take and voice."""
@@ -629,9 +639,4 @@ def _seconds(value: object, field_name: str, limit: float = script.MAX_PAUSE_SEC
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= limit:
         raise InvalidInputError(f"{field_name} must be a number of seconds in 0..{limit:g}", field_name)
     return float(value)
-
-
-def _file_stem(name: str) -> str:
-    stem = "".join(ch if ch.isalnum() or ch in "-_ " else "_" for ch in name).strip().replace(" ", "-")
-    return stem[:80] or "project"
 

@@ -32,6 +32,10 @@ test uses (in the workbench) and says which.
     GET    /v1/longform/projects/{p}/export?format=wav&finished=true   wav mp3 flac opus m4b mp4
     GET    /v1/longform/projects/{p}/subtitles.srt | subtitles.vtt | segments.json
     GET    /v1/longform/projects/{p}/acx                         the finished mix against ACX, per chapter and book
+    POST   /v1/longform/projects/{p}/acx/delivery                make ACX's files (an MP3 a chapter) and check them
+    GET    /v1/longform/projects/{p}/acx/delivery                the last delivery's check (``current``: still valid)
+    GET    /v1/longform/projects/{p}/acx/delivery.zip            its files (409 once the project changed)
+    POST   /v1/longform/projects/{p}/cover                       multipart: file (JPEG or PNG); DELETE: none
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from cosyvoice.engine import CancelToken
 from cosyvoice.errors import ConflictError, InvalidInputError, NotFoundError, PermissionDeniedError
 from cosyvoice.jobs import Cancelled
 from cosyvoice.longform import LongformStudio, documents
+from cosyvoice.longform.delivery import MAX_COVER_BYTES
 from cosyvoice.longform.store import Segment, Take
 from cosyvoice.owners import Caller, Owners
 from cosyvoice.server.errors import CLIENT_GONE, error_route
@@ -98,6 +103,9 @@ class ProjectChanges(_Body):
     steps: int | None = None
     final: str | None = None
     first_hop: int | None = None
+    title: str | None = None  # the book's title, author and narrator: the tags of its MP3, M4B and ACX files
+    author: str | None = None
+    narrator: str | None = None
 
 
 class SegmentChanges(_Body):
@@ -422,6 +430,42 @@ def acx(s: Studio, project_id: str) -> JSONResponse:
     return JSONResponse(s.acx(project_id))
 
 
+@routes.post("/v1/longform/projects/{project_id}/acx/delivery")
+def make_delivery(s: Studio, project_id: str) -> JSONResponse:
+    """ACX's delivery made (one MP3 a chapter: 192 kbps CBR, 44.1 kHz, mono, room tone at each end) and every
+    file checked as delivered: format, bit rate, rate, channels, length, room tone and levels."""
+    try:
+        return JSONResponse(s.delivery.make(project_id))
+    except OSError as exc:
+        raise disk_full(exc) or exc from exc
+
+
+@routes.get("/v1/longform/projects/{project_id}/acx/delivery")
+def delivery_report(s: Studio, project_id: str) -> JSONResponse:
+    return JSONResponse(s.delivery.report(project_id))
+
+
+@routes.get("/v1/longform/projects/{project_id}/acx/delivery.zip")
+def delivery_zip(s: Studio, project_id: str) -> Response:
+    name, path = s.delivery.archive(project_id)
+    return StreamingResponse(_read(path.open("rb")), media_type="application/zip",
+                             headers={**_attachment(name), "Content-Length": str(path.stat().st_size)})
+
+
+@routes.post("/v1/longform/projects/{project_id}/cover")
+def set_cover(s: Studio, project_id: str, file: Annotated[UploadFile, File()]) -> JSONResponse:
+    """The book's cover (JPEG or PNG), embedded in its MP3, M4B and ACX files."""
+    data = file.file.read(MAX_COVER_BYTES + 1)
+    s.delivery.set_cover(project_id, data)
+    return JSONResponse(detail(s, project_id))
+
+
+@routes.delete("/v1/longform/projects/{project_id}/cover")
+def delete_cover(s: Studio, project_id: str) -> JSONResponse:
+    s.delivery.set_cover(project_id, None)
+    return JSONResponse(detail(s, project_id))
+
+
 @routes.get("/v1/longform/projects/{project_id}/subtitles.{kind}")
 def subtitles(s: Studio, project_id: str, kind: str, finished: bool = True) -> Response:
     text = s.subtitles(project_id, kind, finished)
@@ -443,6 +487,7 @@ def detail(studio: LongformStudio, project_id: str) -> dict[str, Any]:
     pauses = project.settings["pauses"]
     return {"id": project.id, "name": project.name, "kind": project.kind, "settings": project.settings,
             "sample_rate": studio.sample_rate, "progress": studio.progress(project_id),
+            "cover": studio.delivery.has_cover(project_id),
             "segments": [_segment(s, takes, status, names, pauses, last=i == len(table) - 1)
                          for i, (s, takes, status) in enumerate(table)]}
 
