@@ -356,9 +356,10 @@ class Studio:
 
     def _start(self, mode: str, text: str, prompt: str | None, transcript: str, instruction: str,
                voice_key: str | None, seed: int | None, speed: float, stream: bool, fmt: str = "wav",
-               request: gr.Request | None = None,
-               steps: int | None = None) -> tuple[SynthesisSession | GpuSession, SynthesisRequest, str]:
+               request: gr.Request | None = None, steps: int | None = None, final: str | None = None,
+               first_hop: int | None = None) -> tuple[SynthesisSession | GpuSession, SynthesisRequest, str]:
         """Validate and start a request through the service: (session, the request, voice description).
+        ``final`` and ``first_hop``: the chunk schedule (None: the reference's), checked by the service.
 
         A take without a seed gets the service's (``session.seed``), which every take shows to reproduce it."""
         owner, zh = owner_of(request), is_zh(request)
@@ -366,8 +367,8 @@ class Studio:
         synthesis = SynthesisRequest(
             text=text, mode=mode, voice=voice_key or None, prompt_audio=prompt,
             transcript=transcript or "", instruction=instruction or "", speed=float(speed),
-            seed=None if seed is None or seed < 0 else int(seed), steps=steps,
-            stream=bool(stream), format=fmt)
+            seed=None if seed is None or seed < 0 else int(seed), steps=steps, final=final or None,
+            first_hop=first_hop, stream=bool(stream), format=fmt)
         try:
             if spaces is None:
                 session = self.service.synthesize(synthesis, owner=owner)
@@ -477,9 +478,11 @@ class Studio:
 
     def generate(self, take_id: str, mode: str, text: str, prompt: str | None, transcript: str, instruction: str,
                  voice_key: str | None, seed: float | None, speed: float, stream: bool, fmt: str,
-                 request: gr.Request | None = None, steps: float | None = None) -> Iterator[tuple]:
+                 request: gr.Request | None = None, steps: float | None = None, final: str | None = None,
+                 first_hop: float | None = None) -> Iterator[tuple]:
         """The page's Generate: yields (status, download, number of takes, generate button, stop button). Gradio
-        puts ``request`` in its place and the form's inputs around it, so ``steps`` (the last input) comes last."""
+        puts ``request`` in its place and the form's inputs around it, so the advanced settings (``steps``,
+        ``final``, ``first_hop``: the last inputs) come last."""
         take_id = take_id or secrets.token_hex(8)
         with self._lock:
             self.times[take_id] = TakeTimes(start=time.time())
@@ -497,7 +500,7 @@ class Studio:
         try:
             session, synthesis, voice = self._start(mode, text, prompt, transcript, instruction, voice_key,
                                                     None if seed is None else int(seed), speed, stream, fmt, request,
-                                                    _whole(steps))
+                                                    _whole(steps), final, _whole(first_hop))
         except CosyVoiceError as exc:
             self.times[take_id].finished = time.time()
             with self._lock:
@@ -592,10 +595,10 @@ class Studio:
 
     def open_take(self, take_id: str, request: gr.Request | None = None) -> tuple:
         """"Use these settings" on any take in the store (this browser's, a batch's, the API's): its text, mode,
-        instruction, voice, seed, speed, flow steps and streaming go back in the form, to reproduce or vary it.
-        Returns (text, mode, tabs, instruction, voice, seed, speed, steps, stream)."""
+        instruction, voice, seed, speed, flow steps, chunk schedule and streaming go back in the form, to reproduce
+        or vary it. Returns (text, mode, tabs, instruction, voice, seed, speed, steps, stream, final, first_hop)."""
         zh = is_zh(request)
-        skip = (gr.skip(),) * 9
+        skip = (gr.skip(),) * 11
         try:
             take = self.store.take(take_id or "", self.caller(request))
         except CosyVoiceError as exc:
@@ -610,7 +613,7 @@ class Studio:
             warn(say(zh, "voice_gone"))
         return (p.get("text", ""), tab, gr.Tabs(selected=tab), p.get("instruction", ""), voice, p.get("seed", -1),
                 p.get("speed", 1.0), p.get("steps") or self.service.model.engine.default_steps,
-                bool(p.get("settings", {}).get("stream")))
+                bool(p.get("settings", {}).get("stream")), p.get("final") or "full", p.get("first_hop"))
 
     def caller(self, request: gr.Request | None) -> Caller:
         """The visitor as :mod:`cosyvoice.owners` sees it (direct Python calls: the local, unrestricted caller)."""
@@ -632,19 +635,21 @@ class Studio:
                        prompt_audio: str | None = None, prompt_text: str | None = None,
                        instruction: str | None = None, seed: float | None = None, speed: float | None = None,
                        format: str | None = None, steps: float | None = None,
-                       request: gr.Request | None = None) -> str:
+                       request: gr.Request | None = None, final: str | None = None,
+                       first_hop: float | None = None) -> str:
         """One whole take as a file (``format``: wav, mp3, flac or opus); plain-text errors.
 
         ``mode``: zero_shot (default), cross_lingual or instruct2; ``voice``: a voice's name or id, looked up at
         call time, else ``prompt_audio`` (+ ``prompt_text``, its transcript, for zero_shot); ``seed`` -1 or
-        None: random; ``steps``: the flow's Euler steps (None: the model's)."""
+        None: random; ``steps``: the flow's Euler steps (None: the model's); ``final`` (full or chunked) and
+        ``first_hop`` (speech tokens of the first chunk): the chunk schedule (None: the reference's)."""
         try:
             if (format or "wav") not in DOWNLOAD_FORMATS:
                 raise InvalidInputError(f"format must be one of {', '.join(DOWNLOAD_FORMATS)}, got {format!r}")
             session, synthesis, voice_label = self._start(
                 mode or "zero_shot", text, prompt_audio, prompt_text or "", instruction or "", voice or None,
                 None if seed is None else int(seed), 1.0 if speed is None else float(speed), False, format or "wav",
-                request, _whole(steps))
+                request, _whole(steps), final, _whole(first_hop))
             audio, prepared = session.prepared.format, session.prepared
             started = time.perf_counter()
             with contextlib.closing(session):
@@ -784,6 +789,11 @@ def build_ui(studio: Studio) -> gr.Blocks:
                 with gr.Accordion(t("advanced"), open=False, elem_id="advanced"):
                     steps = gr.Slider(*FLOW_STEPS_RANGE, studio.service.model.engine.default_steps, step=1,
                                       label=t("steps"), info=t("steps_info"), elem_id="steps")
+                    with gr.Row():  # the chunk schedule, for blind A/B tests of its speed against the reference's
+                        final = gr.Radio([(t("final_full"), "full"), (t("final_chunked"), "chunked")], value="full",
+                                         label=t("final"), info=t("final_info"), elem_id="final")
+                        first_hop = gr.Number(None, precision=0, label=t("first_hop"), info=t("first_hop_info"),
+                                              elem_id="first-hop")  # out of range: the service says so by name
                 with gr.Row():
                     generate = gr.Button(t("generate"), variant="primary", elem_id="generate")
                     stop = gr.Button(t("stop"), variant="stop", interactive=False, elem_id="stop")
@@ -835,7 +845,8 @@ def build_ui(studio: Studio) -> gr.Blocks:
         # history.js shows the ZIP button once this browser has takes (a load event here would queue behind takes)
         takes_count.change(None, None, None, js="() => window.cvHistory.refresh()", **private)
         page.load(None, None, None, js="() => window.cvHistory.start()", **private)
-        open_take.click(studio.open_take, opened, [text, mode, tabs, instruction, voice, seed, speed, steps, stream],
+        open_take.click(studio.open_take, opened,
+                        [text, mode, tabs, instruction, voice, seed, speed, steps, stream, final, first_hop],
                         js="() => [window.cvHistory.opening]", show_progress="hidden", **private)
         takes_zip.click(studio.history_zip, None, zip_file, show_progress="hidden", **private).then(
             None, zip_file, None, js=DOWNLOAD_JS, **private)
@@ -853,7 +864,8 @@ def build_ui(studio: Studio) -> gr.Blocks:
         # progress ("queue: 2/2 | 0.6s") is hidden, and nothing covers the other controls
         running = generate.click(
             studio.generate,
-            [take_id, mode, text, prompt, transcript, instruction, voice, seed, speed, stream, fmt, steps],
+            [take_id, mode, text, prompt, transcript, instruction, voice, seed, speed, stream, fmt, steps, final,
+             first_hop],
             [status, download, takes_count, generate, stop], concurrency_limit=limits.max_sessions,
             concurrency_id="synthesis", show_progress="hidden",
             js=f"(...inputs) => [window.cvStudio.begin({rate}), ...inputs.slice(1)]", **private)
@@ -895,13 +907,17 @@ def _api(studio: Studio, max_sessions: int) -> None:
         speed = gr.Number(1.0, label="speed")
         fmt = gr.Dropdown(list(DOWNLOAD_FORMATS), value="wav", label="format")
         steps = gr.Number(None, precision=0, label="steps", info="the flow's Euler steps (empty: the model's)")
+        final = gr.Dropdown(["full", "chunked"], value=None, label="final",
+                            info="the last flow call: full (the reference) or chunked (empty: the reference's)")
+        first_hop = gr.Number(None, precision=0, label="first_hop",
+                              info="speech tokens of the first chunk (empty: the reference's)")
         result = gr.File(label="audio")
         name = gr.Textbox(label="name")
         voices = gr.JSON(label="voices")
         saved = gr.JSON(label="voice")
         run, list_voices, save = gr.Button(), gr.Button(), gr.Button()
     run.click(studio.api_synthesize,
-              [text, mode, voice, prompt_audio, prompt_text, instruction, seed, speed, fmt, steps],
+              [text, mode, voice, prompt_audio, prompt_text, instruction, seed, speed, fmt, steps, final, first_hop],
               result, api_name="synthesize", concurrency_limit=max_sessions, concurrency_id="synthesis")
     list_voices.click(studio.api_voices, None, voices, api_name="voices", queue=False)
     save.click(studio.api_save_voice, [name, prompt_audio, prompt_text], saved, api_name="save_voice")

@@ -202,6 +202,26 @@ def test_each_mode_through_one_named_endpoint(api_server: tuple, short_prompt_wa
     assert flac.endswith(".flac") and sf.info(flac).samplerate == 24000  # a built-in voice by name
 
 
+def test_the_named_endpoint_takes_the_chunk_schedule(api_server: tuple) -> None:
+    """``final`` and ``first_hop`` through gradio_client are the take's schedule, in its provenance; empty: the
+    reference's; a bad one is refused by name."""
+    from gradio_client import Client
+    from gradio_client.exceptions import AppError
+
+    studio, url = api_server
+    client = Client(url, verbose=False)
+    client.predict(text=TEXT, mode="zero_shot", voice="Narrator", seed=4, final="chunked", first_hop=9,
+                   api_name="/synthesize")
+    take = studio.store.takes(owner=None, any_owner=True)[-1].provenance
+    assert (take["final"], take["first_hop"], take["seed"]) == ("chunked", 9, 4)
+    client.predict(text=TEXT, mode="zero_shot", voice="Narrator", seed=4, api_name="/synthesize")
+    take = studio.store.takes(owner=None, any_owner=True)[-1].provenance
+    assert (take["final"], take["first_hop"]) == ("full", None)
+    with pytest.raises(AppError) as caught:
+        client.predict(text=TEXT, mode="zero_shot", voice="Narrator", first_hop=0, api_name="/synthesize")
+    assert "first_hop must be a whole number of speech tokens from 1 to 25, got 0" in str(caught.value)
+
+
 def test_a_voice_saved_after_connecting_is_usable_by_name_and_errors_are_plain(api_server: tuple,
                                                                                  prompt_wav: Path) -> None:
     from gradio_client import Client
