@@ -780,3 +780,34 @@ def test_the_history_is_kept_grows_incrementally_and_opens_batch_takes(context, 
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "webui-history.png"), full_page=True)
     page.close()
+
+
+def test_the_chunk_schedule_in_the_advanced_settings_reaches_the_take(context, app: tuple,
+                                                                      short_prompt_wav: Path) -> None:
+    """``final`` and ``first_hop`` set in the advanced settings are the take's schedule (its provenance says so,
+    for a blind A/B test), "Use these settings" puts them back, and a first hop out of range is refused by name."""
+    studio, url = app
+    page = open_page(context, url)
+    page.get_by_role("tab", name=TABS["cross_lingual"]).click()
+    upload_prompt(page, short_prompt_wav)
+    page.fill("#text textarea", "A take on the chunked schedule.")
+    page.fill("#seed input", "6")
+    page.locator("#advanced").get_by_text("Advanced settings").click()
+    page.locator("#final").get_by_label("chunked").check()
+    page.fill("#first-hop input", "30")
+    page.click("#generate")
+    toast(page, "first_hop must be a whole number of speech tokens from 1 to 25, got 30")
+    assert_usable(page)
+    page.fill("#first-hop input", "7")
+    page.click("#generate")
+    sync_api.expect(page.locator("#status")).to_contain_text("Take 1:", timeout=60000)
+    page.evaluate("() => window.cvStudio.stop()")
+    take = studio.store.takes(owner=None, any_owner=True)[-1].provenance
+    assert (take["final"], take["first_hop"], take["seed"]) == ("chunked", 7, 6)
+    page.locator("#final").get_by_label("full (reference)").check()
+    page.fill("#first-hop input", "")
+    sync_api.expect(page.locator("#take-history .take")).to_have_count(1)
+    page.locator("#take-history .take .open-take").first.click()
+    sync_api.expect(page.locator("#first-hop input")).to_have_value("7")
+    sync_api.expect(page.locator("#final").get_by_label("chunked")).to_be_checked()
+    page.close()
