@@ -12,7 +12,7 @@ import torch
 
 from cosyvoice.engine import ChunkPolicy, ChunkSchedule
 from cosyvoice.errors import InvalidInputError
-from cosyvoice.frontend.prompts import zero_shot_prompt_text
+from cosyvoice.frontend.prompts import cross_lingual_text, zero_shot_prompt_text
 from cosyvoice.service import SynthesisRequest, TTSService
 from cosyvoice.settings import Limits
 from cosyvoice.voices import VoiceLibrary
@@ -171,3 +171,26 @@ def test_batch_columns_reach_the_takes_and_their_provenance(tts, tmp_path: Path)
     assert [(r["final"], r["first_hop"]) for r in takes_csv_rows(store.takes())] == [("full", None), ("chunked", 6)]
     assert store.take(early.id).provenance["first_hop"] == 6  # as stored
     assert store.audio_path(reference).read_bytes() != store.audio_path(early).read_bytes()
+
+
+def test_the_official_api_takes_the_schedule_as_keywords(tts, prompt_wav: Path) -> None:
+    """Scripts on the official API make the same A/B conditions: ``first_hop`` and ``steps`` reach the engine from
+    every method, and a bad value is the service's error naming the keyword."""
+    def bounds(**schedule) -> list[tuple[int, int]]:
+        chunks = tts.synthesize("zero_shot", TEXT, prompt_text=PROMPT_TEXT, prompt_wav=prompt_wav, stream=True,
+                                seed=5, **schedule)
+        return [(c.token_start, c.token_end) for c in chunks]
+
+    today, early = bounds(), bounds(first_hop=8)
+    assert early[:2] == [(0, 8), (8, today[0][1])] and early[2:] == today[1:]
+
+    def speech(**schedule) -> torch.Tensor:
+        return torch.cat([o["tts_speech"] for o in tts.inference_cross_lingual(cross_lingual_text(TEXT), prompt_wav,
+                                                                               seed=5, **schedule)], dim=1)
+
+    assert not torch.equal(speech(), speech(steps=2))
+    for method, args in ((tts.inference_zero_shot, (TEXT, PROMPT_TEXT, prompt_wav)),
+                         (tts.inference_instruct2, (TEXT, PROMPT_TEXT, prompt_wav))):
+        with pytest.raises(InvalidInputError) as caught:
+            method(*args, final="half")
+        assert caught.value.field == "final"

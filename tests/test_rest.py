@@ -161,6 +161,24 @@ def test_official_bad_input_names_the_wire_field(url: str, short_prompt_wav: Pat
            400, "instruct_text")
 
 
+def test_official_endpoints_take_our_seed_and_schedule_fields(url: str, short_prompt_wav: Path) -> None:
+    """Optional form fields beside the official ones: a seed repeats a take, steps and the first hop change it,
+    and a bad value is a 400 naming its field."""
+    files = {"prompt_wav": ("prompt_wav", short_prompt_wav.read_bytes(), "application/octet-stream")}
+
+    def speak(**fields: object) -> httpx.Response:
+        return httpx.post(f"{url}/inference_cross_lingual", data={"tts_text": TEXT, **fields}, files=files,
+                          timeout=120)
+
+    seeded = speak(seed=4)
+    assert seeded.status_code == 200 and speak(seed=4).content == seeded.content
+    assert speak(seed=4, steps=2).content != seeded.content
+    assert speak(seed=4, first_hop=6, final="chunked").content != seeded.content
+    _error(speak(first_hop=40), 400, "first_hop")
+    _error(speak(final="half"), 400, "final")
+    _error(speak(seed="soon"), 400, "seed")
+
+
 # ----------------------------------------------------------------------------- bridge contract
 
 

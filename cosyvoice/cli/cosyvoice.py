@@ -8,7 +8,8 @@ official conventions are kept: prompts come in the model's form (``<|endofprompt
 text carrying the marker is one unnormalised piece, a bare float tensor prompt is 16 kHz audio, and an
 unseeded call draws its seed from torch's global generator.
 
-Additions are keyword-only: ``seed=`` for reproducible sampling, :meth:`CosyVoice3.synthesize`, which
+Additions are keyword-only: ``seed=`` for reproducible sampling and the flow's schedule (``steps=``, ``final=``,
+``first_hop=``: :class:`Schedule`) on every synthesis method, :meth:`CosyVoice3.synthesize`, which
 yields :class:`~cosyvoice.engine.AudioChunk` with timing and token-range metadata, and
 :meth:`CosyVoice3.synthesize_stream` for text that arrives over time (a chat model's output, a WebSocket).
 
@@ -23,7 +24,7 @@ import contextlib
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import numpy as np
 import torch
@@ -39,6 +40,9 @@ from cosyvoice.settings import Limits, default_voice_dir
 from cosyvoice.spkinfo import SPKINFO_FILE, SpeakerFile
 from cosyvoice.voices import VoiceLibrary
 
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11's
+    from typing_extensions import Unpack
+
 logger = logging.getLogger(__name__)
 
 Mode = Literal["zero_shot", "cross_lingual", "instruct2"]
@@ -48,7 +52,18 @@ TextInput = str | Iterable[str]
 _OFFICIAL_FIELDS = {"text": "tts_text", "transcript": "prompt_text", "prompt_audio": "prompt_wav",
                     "instruction": "instruct_text", "voice": "zero_shot_spk_id"}
 
-__all__ = ["AutoModel", "CosyVoice3", "TextFeed", "TextStreamClosedError"]
+__all__ = ["AutoModel", "CosyVoice3", "Schedule", "TextFeed", "TextStreamClosedError"]
+
+
+class Schedule(TypedDict, total=False):
+    """The flow's schedule of one call, each left out for the reference's, so takes made from a script can be
+    compared in a blind A/B test: ``steps`` (Euler steps), ``final`` (``"full"``: the last flow call over the whole
+    utterance, as the reference; ``"chunked"``: chunk-causal, constant cost per second) and ``first_hop`` (speech
+    tokens of the first chunk: fewer start the audio sooner). Checked by the service as every server's are."""
+
+    steps: int | None
+    final: str | None
+    first_hop: int | None
 
 
 def _is_text_stream(text: object) -> bool:
@@ -162,7 +177,8 @@ class CosyVoice3:
     def synthesize(self, mode: Mode, tts_text: TextInput, *, prompt_text: str = "",
                    prompt_wav: AudioSource | None = None, instruct_text: str = "", zero_shot_spk_id: str = "",
                    stream: bool = False, speed: float = 1.0, text_frontend: bool = True, seed: int | None = None,
-                   split_prefixed: bool = False, cancel: CancelToken | None = None) -> SynthesisSession:
+                   split_prefixed: bool = False, cancel: CancelToken | None = None,
+                   **schedule: Unpack[Schedule]) -> SynthesisSession:
         """All modes in one call, yielding :class:`AudioChunk` (index and sample offsets run across segments).
 
         The voice is the saved ``zero_shot_spk_id`` if given, else ``prompt_wav`` (+ ``prompt_text`` for
@@ -173,7 +189,8 @@ class CosyVoice3:
         ends the request from any thread (within one LLM step).
         """
         request = self._request(mode, "" if _is_text_stream(tts_text) else tts_text, prompt_text, prompt_wav,
-                                instruct_text, zero_shot_spk_id, stream, speed, text_frontend, seed, split_prefixed)
+                                instruct_text, zero_shot_spk_id, stream, speed, text_frontend, seed, split_prefixed,
+                                schedule)
         with _official_errors(zero_shot_spk_id, self):
             if _is_text_stream(tts_text):
                 return self.service.synthesize_text_stream(request, tts_text, cancel=cancel)
@@ -182,7 +199,8 @@ class CosyVoice3:
     def synthesize_stream(self, mode: Mode, *, prompt_text: str = "", prompt_wav: AudioSource | None = None,
                           instruct_text: str = "", zero_shot_spk_id: str = "", stream: bool = True,
                           speed: float = 1.0, text_frontend: bool = True, seed: int | None = None,
-                          cancel: CancelToken | None = None) -> tuple[TextFeed, SynthesisSession]:
+                          cancel: CancelToken | None = None,
+                          **schedule: Unpack[Schedule]) -> tuple[TextFeed, SynthesisSession]:
         """Speech for text that arrives over time: ``(writer, chunks)``.
 
         Write pieces with ``writer.write(text)`` from any thread and end with ``writer.close()`` (or
@@ -192,21 +210,22 @@ class CosyVoice3:
         Closing ``chunks`` ends the request and makes further writes raise :class:`TextStreamClosedError`.
         """
         request = self._request(mode, "", prompt_text, prompt_wav, instruct_text, zero_shot_spk_id, stream, speed,
-                                text_frontend, seed, False)
+                                text_frontend, seed, False, schedule)
         with _official_errors(zero_shot_spk_id, self):
             session = self.service.synthesize_text_stream(request, cancel=cancel)
         return session.writer, session
 
     def _request(self, mode: Mode, text: str, prompt_text: str, prompt_wav: AudioSource | None, instruct_text: str,
                  spk_id: str, stream: bool, speed: float, text_frontend: bool, seed: int | None,
-                 split_prefixed: bool) -> SynthesisRequest:
+                 split_prefixed: bool, schedule: Schedule) -> SynthesisRequest:
         """The official call as a service request: prompts verbatim (``prompt_conventions=False``)."""
         if mode not in ("zero_shot", "cross_lingual", "instruct2"):
             raise InvalidInputError(f"unknown mode {mode!r}; use zero_shot, cross_lingual or instruct2", "mode")
         return SynthesisRequest(text, mode, voice=spk_id or None,
                                 prompt_audio=None if spk_id else _prompt_source(prompt_wav), transcript=prompt_text,
                                 instruction=instruct_text, speed=speed, seed=seed, stream=stream,
-                                text_frontend=text_frontend, split_prefixed=split_prefixed, prompt_conventions=False)
+                                text_frontend=text_frontend, split_prefixed=split_prefixed, prompt_conventions=False,
+                                **schedule)
 
     @staticmethod
     def _as_dicts(chunks: Iterator[AudioChunk]) -> Iterator[dict[str, torch.Tensor]]:
@@ -215,38 +234,42 @@ class CosyVoice3:
 
     def inference_zero_shot(self, tts_text: TextInput, prompt_text: str, prompt_wav: AudioSource | None,
                             zero_shot_spk_id: str = "", stream: bool = False, speed: float = 1.0,
-                            text_frontend: bool = True, *, seed: int | None = None) -> Iterator[dict]:
+                            text_frontend: bool = True, *, seed: int | None = None,
+                            **schedule: Unpack[Schedule]) -> Iterator[dict]:
         """Speak ``tts_text`` (a string or a generator of pieces) in the voice of ``prompt_wav`` whose
         transcript is ``prompt_text``."""
         return self._as_dicts(self.synthesize(
             "zero_shot", tts_text, prompt_text=prompt_text, prompt_wav=prompt_wav, zero_shot_spk_id=zero_shot_spk_id,
-            stream=stream, speed=speed, text_frontend=text_frontend, seed=seed))
+            stream=stream, speed=speed, text_frontend=text_frontend, seed=seed, **schedule))
 
     def inference_cross_lingual(self, tts_text: str, prompt_wav: AudioSource | None, zero_shot_spk_id: str = "",
                                 stream: bool = False, speed: float = 1.0, text_frontend: bool = True, *,
-                                seed: int | None = None) -> Iterator[dict]:
+                                seed: int | None = None, **schedule: Unpack[Schedule]) -> Iterator[dict]:
         """Speak ``tts_text`` (any language) in the voice of ``prompt_wav``; no transcript needed."""
         return self._as_dicts(self.synthesize(
             "cross_lingual", tts_text, prompt_wav=prompt_wav, zero_shot_spk_id=zero_shot_spk_id, stream=stream,
-            speed=speed, text_frontend=text_frontend, seed=seed))
+            speed=speed, text_frontend=text_frontend, seed=seed, **schedule))
 
     def inference_instruct2(self, tts_text: TextInput, instruct_text: str, prompt_wav: AudioSource | None,
                             zero_shot_spk_id: str = "", stream: bool = False, speed: float = 1.0,
-                            text_frontend: bool = True, *, seed: int | None = None) -> Iterator[dict]:
+                            text_frontend: bool = True, *, seed: int | None = None,
+                            **schedule: Unpack[Schedule]) -> Iterator[dict]:
         """Speak ``tts_text`` (a string or a generator of pieces) in the voice of ``prompt_wav`` following a
         natural-language instruction."""
         return self._as_dicts(self.synthesize(
             "instruct2", tts_text, prompt_wav=prompt_wav, instruct_text=instruct_text,
-            zero_shot_spk_id=zero_shot_spk_id, stream=stream, speed=speed, text_frontend=text_frontend, seed=seed))
+            zero_shot_spk_id=zero_shot_spk_id, stream=stream, speed=speed, text_frontend=text_frontend, seed=seed,
+            **schedule))
 
     def inference_sft(self, tts_text: str, spk_id: str, stream: bool = False, speed: float = 1.0,
-                      text_frontend: bool = True, *, seed: int | None = None) -> Iterator[dict]:
+                      text_frontend: bool = True, *, seed: int | None = None,
+                            **schedule: Unpack[Schedule]) -> Iterator[dict]:
         """Speak ``tts_text`` as the saved voice ``spk_id`` (CosyVoice3 has no built-in SFT speakers).
 
         A voice saved with its transcript is cloned zero-shot; one without, cross-lingually.
         """
         request = SynthesisRequest("" if _is_text_stream(tts_text) else tts_text, "sft", voice=spk_id, speed=speed,
-                                   seed=seed, stream=stream, text_frontend=text_frontend)
+                                   seed=seed, stream=stream, text_frontend=text_frontend, **schedule)
         with _official_errors(spk_id, self):
             if _is_text_stream(tts_text):
                 return self._as_dicts(self.service.synthesize_text_stream(request, tts_text))
@@ -254,12 +277,12 @@ class CosyVoice3:
 
     def inference_instruct(self, tts_text: TextInput, spk_id: str, instruct_text: str, stream: bool = False,
                            speed: float = 1.0, text_frontend: bool = True, *,
-                           seed: int | None = None) -> Iterator[dict]:
+                           seed: int | None = None, **schedule: Unpack[Schedule]) -> Iterator[dict]:
         """Speak ``tts_text`` as the saved voice ``spk_id`` following ``instruct_text``: instruct2 with that voice
         (the instruction is put in CosyVoice3's form, ``You are a helpful assistant. ...<|endofprompt|>``)."""
         request = SynthesisRequest("" if _is_text_stream(tts_text) else tts_text, "instruct", voice=spk_id,
                                    instruction=instruct_text, speed=speed, seed=seed, stream=stream,
-                                   text_frontend=text_frontend)
+                                   text_frontend=text_frontend, **schedule)
         with _official_errors(spk_id, self):
             if _is_text_stream(tts_text):
                 return self._as_dicts(self.service.synthesize_text_stream(request, tts_text))
