@@ -20,11 +20,18 @@ window.cvHistory = (() => {
     mode: ["mode", "模式"], voice: ["voice", "声音"], seed: ["seed", "种子"], speed: ["speed", "语速"],
     steps: ["steps", "步数"],
     streamed: ["streamed", "流式"], notStreamed: ["not streamed", "非流式"], stopped: ["stopped", "已停止"],
-    batch: ["batch", "批量"], row: ["row", "行"], condition: ["condition", "条件"],
+    row: ["row", "行"], condition: ["condition", "条件"],
+    // where a take was made (the store's Take.source)
+    "web UI": ["web UI", "网页"], batch: ["batch", "批量"], "long-form": ["long-form", "长文本"], API: ["API", "API"],
     reuseSeed: ["Use this seed", "使用此种子"], open: ["Use these settings", "使用这些设置"],
+    // a take's mode as the page's tabs name it (the form's tab, else the service mode of a batch or API take)
+    zero_shot: ["Zero-shot clone", "零样本克隆"], cross_lingual: ["Cross-lingual", "跨语种"],
+    instruct2: ["Instruct", "指令控制"], instruct: ["Instruct", "指令控制"], sft: ["Saved voice", "已保存的声音"],
     failed: ["The history could not be loaded: ", "无法加载历史记录："],
   };
   const say = (key) => WORDS[key][ZH ? 1 : 0];
+  const MODES = ["zero_shot", "cross_lingual", "instruct2", "instruct", "sft"];
+  const modeName = (mode) => (MODES.includes(mode) ? say(mode) : mode);
   const views = {
     mine: { last: 0, count: 0, list: null, loaded: false },
     all: { last: 0, count: 0, list: null, loaded: false },
@@ -76,7 +83,7 @@ window.cvHistory = (() => {
     const p = take.provenance || {};
     const s = p.settings || {};
     const parts = [
-      `${say("mode")} ${p.form_mode || p.mode || ""}`,
+      `${say("mode")} ${modeName(p.form_mode || p.mode || "")}`,
       `${say("voice")} ${p.voice_label || p.voice || p.voice_id || ""}`,
       `${say("seed")} ${p.seed}`,
       `${say("speed")} ${p.speed}`,
@@ -94,7 +101,7 @@ window.cvHistory = (() => {
     const audio = `${base()}/workbench/api/takes/${encodeURIComponent(take.id)}/audio`;
     const title = view === "mine"
       ? (ZH ? `${say("take")} ${views.mine.count} 条` : `${say("take")} ${views.mine.count}`)
-      : [take.source, take.batch ? `${say("batch")} ${take.batch}, ${say("row")} ${take.row}` : "",
+      : [WORDS[take.source] ? say(take.source) : take.source, take.batch ? `${say("row")} ${take.row}` : "",
          take.label ? `${say("condition")} ${take.label}` : ""].filter(Boolean).join(" · ");
     const player = el("audio", { controls: true, preload: "none", src: audio, className: "take-audio" });
     const reuse = el("button", { type: "button", className: "reuse-seed", textContent: say("reuseSeed") });
@@ -103,12 +110,14 @@ window.cvHistory = (() => {
     open.addEventListener("click", () => openTake(take.id));
     // the take in the format it was made in (the store keeps WAV; the server encodes on the way out)
     const format = String((p.settings || {}).format || "wav").toLowerCase();
-    const download = el("a", { href: `${audio}?format=${encodeURIComponent(format)}`, download: "",
+    const name = view === "mine" ? `take-${views.mine.count}-seed${p.seed}.${format}` : "";  // as the Download box
+    const download = el("a", { href: `${audio}?format=${encodeURIComponent(format)}`, download: name,
                                textContent: format.toUpperCase(), className: "take-wav" });
     const text = el("blockquote", { className: "take-text" });
     text.textContent = (p.text || "").length > 300 ? `${p.text.slice(0, 299)}…` : (p.text || "");
     const node = el("div", { className: "take" },
-      el("div", { className: "take-meta" }, el("strong", { textContent: title }), " — ", meta(take)),
+      el("div", { className: "take-meta" }, el("strong", { textContent: title, title: take.batch || "" }), " — ",
+        meta(take)),
       text, player, el("div", { className: "take-actions" }, reuse, open, download));
     node.dataset.take = take.id;
     node.dataset.seq = String(take.seq);

@@ -10,7 +10,7 @@ EN = {
     "intro": "Fun-CosyVoice3-0.5B text-to-speech: clone a voice from a short recording, speak it in another "
              "language, or steer it with an instruction.",
     "more_tools": "Also here: [long-form narration and dialogue](/studio/longform) · [listening tests](/workbench/)",
-    "precision": "What the model computes in on this server (COSYVOICE_PRECISION)",
+    "precision": "What the model computes in on this server",
     "text": "Text to speak",
     "text_placeholder": "Type what the voice should say.",
     "zero_shot": "Zero-shot clone",
@@ -65,7 +65,7 @@ EN = {
 ZH = {
     "intro": "Fun-CosyVoice3-0.5B 语音合成：用一段简短录音克隆声音、用另一种语言说话，或用指令控制说话方式。",
     "more_tools": "另有：[长文朗读与对话](/studio/longform) · [听音测试](/workbench/)",
-    "precision": "本服务器上模型的计算精度（COSYVOICE_PRECISION）",
+    "precision": "本服务器上模型的计算精度",
     "text": "要朗读的文本",
     "text_placeholder": "输入要说的话。",
     "zero_shot": "零样本克隆",

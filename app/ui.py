@@ -462,7 +462,7 @@ class Studio:
     def history(self, request: gr.Request | None) -> list[dict]:
         """The takes of this browser (:func:`history_owner`), newest first, as the page and the ZIP describe them."""
         owner = owner_of(request)
-        takes = self.store.takes(owner=owner, any_owner=False, limit=1_000_000)
+        takes = self.store.takes(owner=owner, any_owner=False, single=True, limit=1_000_000)
         return [self._entry(number, take) for number, take in reversed(list(enumerate(takes, 1)))]
 
     def _entry(self, number: int, take: StoredTake) -> dict:

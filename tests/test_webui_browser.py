@@ -176,7 +176,7 @@ def test_each_tab_plays_while_generating(context, app: tuple, mode: str, short_p
     # what was heard and when is the player's to say, in the browser's own time
     first = (summary["firstSoundAt"] - summary["clickAt"]) / 1000
     sync_api.expect(page.locator("#live-player")).to_contain_text(f"first sound {first:.2f} s after the click")
-    sync_api.expect(page.locator(".take-meta").first).to_contain_text(f"mode {mode}")
+    sync_api.expect(page.locator(".take-meta").first).to_contain_text(f"mode {TABS[mode]}")
     sync_api.expect(page.locator(".take-meta").first).to_contain_text("seed 2")
     page.fill("#seed input", "-1")
     page.locator(".reuse-seed").first.click()  # a good take is reproducible: its seed goes back in the form
@@ -402,7 +402,7 @@ def test_chinese_page(browser, app: tuple, short_prompt_wav: Path) -> None:
         page.click("#generate")
         sync_api.expect(page.locator("#status")).to_contain_text("第 1 条：", timeout=60000)
         sync_api.expect(page.locator("#status")).to_contain_text("声音：上传的录音")
-        sync_api.expect(page.locator(".take-meta").first).to_contain_text("模式 cross_lingual")
+        sync_api.expect(page.locator(".take-meta").first).to_contain_text("模式 跨语种")
         page.evaluate("() => window.cvStudio.stop()")
         sync_api.expect(page.get_by_role("tab", name="跨语种")).to_be_visible()
         assert page.evaluate(CJK_GLYPHS_DRAWN), "CJK text renders as missing-glyph boxes: install fonts-noto-cjk"
@@ -771,12 +771,17 @@ def test_the_history_is_kept_grows_incrementally_and_opens_batch_takes(context, 
     sync_api.expect(page.locator("#voice input")).to_have_value("Narrator (built-in)")
     sync_api.expect(page.locator("#stream input")).not_to_be_checked()
     page.click("#generate")
-    # the visitor's takes are numbered together: its two, its batch's, and this one
-    sync_api.expect(page.locator("#status")).to_contain_text("Take 4:", timeout=60000)
+    # the history numbers the takes made on the page (its two and this one), not the batch's rows
+    sync_api.expect(page.locator("#status")).to_contain_text("Take 3:", timeout=60000)
     again = studio.store.takes(owner=None, any_owner=True)[-1]
     assert np.array_equal(studio.store.read_audio(again), studio.store.read_audio(made))  # the same samples
     page.click("#take-history .history-view[data-view=mine]")
-    sync_api.expect(page.locator("#take-history .history-list[data-view=mine] .take")).to_have_count(4)
+    this_browser = page.locator("#take-history .history-list[data-view=mine] .take")
+    sync_api.expect(this_browser).to_have_count(3)
+    sync_api.expect(this_browser.first).to_contain_text("Take 3")
+    sync_api.expect(this_browser.first.locator(".take-wav")).to_have_attribute("download", "take-3-seed11.wav")
+    sync_api.expect(page.locator(f"#take-history .history-list[data-view=mine] .take[data-take='{made.id}']")
+                    ).to_have_count(0)
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "webui-history.png"), full_page=True)
     page.close()

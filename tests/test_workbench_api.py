@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import soundfile as sf
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 from test_rest import Server
@@ -135,14 +136,28 @@ def test_the_web_ui_serves_the_same_workbench(tts, tmp_path: Path) -> None:
 
     studio = make_studio(tts, tmp_path)
     store = TakeStore(tmp_path / ".studio")  # beside the studio's voice folder
-    take = store.add_take(np.zeros(2400, np.float32), 24000, {"text": "hi"}, label="sysA", owner=f"browser:{'a' * 32}")
+    owner = f"browser:{'a' * 32}"
+    pcm = (0.5 * np.sin(np.arange(2400) / 7)).astype(np.float32)
+    take = store.add_take(pcm, 24000, {"text": "hi", "seed": 9}, label="sysA", owner=owner)
+    batch = store.start_batch("http", 1, owner=owner)
+    in_batch = store.add_take(pcm, 24000, {"text": "row"}, owner=owner, batch=batch, row=1)
+    in_book = store.add_take(pcm, 24000, {"text": "segment", "longform": {"project": "p", "segment": "s"}},
+                             owner=owner)
     with (serving(studio) as url, httpx.Client(base_url=url, timeout=30, cookies={"cv-browser": "a" * 32}) as client,
           httpx.Client(base_url=url, timeout=30, cookies={"cv-browser": "b" * 32}) as other):
         assert "Listening-test workbench" in client.get("/workbench/").text
-        assert [t["id"] for t in client.get("/workbench/api/takes").json()["takes"]] == [take.id]
-        # a browser's own history (its id in the cv-browser cookie): only its takes, only newer ones
+        every = [t["id"] for t in client.get("/workbench/api/takes").json()["takes"]]
+        assert every == [take.id, in_batch.id, in_book.id]
+        # a browser's own history (its id in the cv-browser cookie): only the takes it made one at a time (not its
+        # batches' rows nor its books' segments, which "All takes" lists), only newer ones
         mine = client.get("/workbench/api/takes", params={"mine": True}).json()
         assert [t["id"] for t in mine["takes"]] == [take.id] and mine["last"] == take.seq
+        assert store.count_takes(owner) == 1
+        # players get the stored float32 samples; a download is 16-bit, named as the studio's Download box names it
+        assert sf.info(io.BytesIO(client.get(f"/workbench/api/takes/{take.id}/audio").content)).subtype == "FLOAT"
+        download = client.get(f"/workbench/api/takes/{take.id}/audio", params={"format": "wav"})
+        assert sf.info(io.BytesIO(download.content)).subtype == "PCM_16"
+        assert f'filename="take-seed9-{take.id}.wav"' in download.headers["content-disposition"]
         assert other.get("/workbench/api/takes").json()["takes"] == []
         assert client.get("/workbench/api/takes", params={"mine": True, "after": take.seq}).json()["takes"] == []
         missing = client.get("/workbench/api/tests/test-nope")

@@ -244,16 +244,18 @@ def takes_csv(wb: Bench, who: Who, batch: str | None = None) -> Response:
 
 
 @routes.get("/api/takes/{take_id}/audio")
-def take_audio(wb: Bench, who: Who, take_id: str, format: str = "wav") -> Any:
-    """A take's audio as stored (float32 WAV; 16-bit for older takes), or encoded to ``format`` (mp3, opus, flac,
-    ...): the history offers each take in the format it was made in."""
+def take_audio(wb: Bench, who: Who, take_id: str, format: str | None = None) -> Any:
+    """A take's audio as stored (float32 WAV; 16-bit for older takes: what players fetch, with range requests),
+    or, for a download, encoded to ``format`` (wav: 16-bit PCM, as the studio's Download box and ZIP give it;
+    mp3, opus, flac, ...) under the name those give it, ``take-...seed<seed>``."""
     store = wb.store()
     take = store.take(take_id, who)
-    fmt = file_format(format)
-    if fmt.name == "wav":
+    if format is None:
         return FileResponse(store.audio_path(take), media_type="audio/wav", filename=f"{take.id}.wav")
+    fmt = file_format(format)
+    name = f"take-seed{take.provenance.get('seed')}-{take.id}.{fmt.extension}"
     return Response(encode_audio(store.read_audio(take), fmt.name, take.sample_rate), media_type=fmt.content_type,
-                    headers={"Content-Disposition": f'attachment; filename="{take.id}.{fmt.extension}"'})
+                    headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
 
 @routes.delete("/api/takes/{take_id}")

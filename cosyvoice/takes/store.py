@@ -46,6 +46,8 @@ DB_NAME = "workbench.sqlite3"
 SCORE_METRICS = ("seconds", "rms_dbfs", "peak_dbfs", "sim_campplus", "sim_resemblyzer", "dnsmos_sig", "dnsmos_bak",
                  "dnsmos_ovrl")
 AUDIO_DIR = "takes"
+#: a take made one at a time (the studio page, the named API), not a batch row nor a long-form segment
+_SINGLE = "batch IS NULL AND json_extract(provenance, '$.longform') IS NULL"
 # test and rater ids are the only secret of a rater's link (the API-key gates let raters in without a key):
 # 128 random bits, unguessable; take and batch ids stay short names behind the key
 LINK_ID_BYTES = 16
@@ -243,9 +245,10 @@ class TakeStore:
 
     def visible_takes(self, caller: Caller, *, mine: bool = False, after: int = 0, batch: str | None = None,
                       limit: int = 1000) -> list[Take]:
-        """:meth:`takes` that ``caller`` may see (``mine``: only its own, whatever the sharing)."""
+        """:meth:`takes` that ``caller`` may see (``mine``: only its own takes made one at a time, whatever the
+        sharing: the studio page's history, without its batches and long-form projects)."""
         return self.takes(owner=caller.owner, any_owner=caller.sees_all and not mine, after=after, batch=batch,
-                          limit=limit)
+                          limit=limit, single=mine)
 
     def take_page(self, caller: Caller, *, offset: int = 0, limit: int = 50, batch: str = "", label: str = "",
                   text: str = "") -> tuple[list[Take], int]:
@@ -316,19 +319,22 @@ class TakeStore:
         return {r["id"]: _take(r) for r in rows}
 
     def takes(self, *, owner: str | None = None, any_owner: bool = True, after: int = 0, batch: str | None = None,
-              limit: int = 1000) -> list[Take]:
+              limit: int = 1000, single: bool = False) -> list[Take]:
         """Takes in the order they were made, those with ``seq > after`` (a page fetches only what is new);
-        ``any_owner=False`` keeps only ``owner``'s (a browser's history)."""
+        ``any_owner=False`` keeps only ``owner``'s (a browser's history); ``single``: only takes made one at a
+        time (no batch row, no long-form segment), which a browser's history numbers."""
         sql, args = "SELECT * FROM takes WHERE seq > ?", [after]
         if not any_owner:
             sql, args = sql + " AND owner IS ?", [*args, owner]
         if batch is not None:
             sql, args = sql + " AND batch = ?", [*args, batch]
+        if single:
+            sql += f" AND {_SINGLE}"
         return [_take(r) for r in self._rows(sql + " ORDER BY seq LIMIT ?", *args, limit)]
 
     def count_takes(self, owner: str | None, *, upto: int | None = None) -> int:
-        """How many takes ``owner`` has (made up to seq ``upto``): a take's number in its owner's history."""
-        sql, args = "SELECT COUNT(*) FROM takes WHERE owner IS ?", [owner]
+        """How many takes ``owner`` made one at a time (up to seq ``upto``): a take's number in its history."""
+        sql, args = f"SELECT COUNT(*) FROM takes WHERE owner IS ? AND {_SINGLE}", [owner]
         if upto is not None:
             sql, args = sql + " AND seq <= ?", [*args, upto]
         return self._rows(sql, *args)[0][0]
