@@ -308,5 +308,5 @@ def test_the_pages_flow_steps_reach_the_take_and_come_back_with_it(tts, short_pr
                          False, "wav", None, 6.0))
     (take,) = studio.store.takes()
     assert take.provenance["steps"] == 6
-    text, *_, steps, stream = studio.open_take(take.id)
-    assert (text, steps, stream) == ("Hi there.", 6, False)
+    text, *_, steps, stream, final, first_hop = studio.open_take(take.id)
+    assert (text, steps, stream, final, first_hop) == ("Hi there.", 6, False, "full", None)
