@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 import gradio as gr
 
 from cosyvoice.bundle import DEFAULT_MODEL_ID, DEMO_WARNING, MODEL_IN_REPO  # the page names repository paths
@@ -171,8 +174,52 @@ MESSAGES = {
                    "since): pick a voice.",
                    "该录音所用的声音不在你的声音列表中（来自其他页面的上传，或已被删除）：请选择一个声音。"),
     "uploaded_recording": ("uploaded recording", "上传的录音"),
+    "seed_range": ("the seed must be a whole number from 0 to {high} (or -1 for a random one)",
+                   "种子必须是 0 到 {high} 之间的整数（或 -1 表示随机）"),
     "builtin": ("{label} (built-in)", "{label}（内置）"),
 }
+
+
+# The service's most common refusals in Chinese, matched on its (English) wording: a Chinese page shows these
+# instead of the English detail; anything else keeps the English detail behind its Chinese lead-in.
+_ZH_FIELDS = {"text": "要朗读的文本", "transcript": "文字内容", "instruction": "指令"}
+_ZH_SERVICE: tuple[tuple[re.Pattern[str], Callable[[re.Match[str]], str]], ...] = tuple(
+    (re.compile(pattern), render) for pattern, render in (
+        (r"^(text|transcript|instruction) is empty; type something to say$",
+         lambda m: f"{_ZH_FIELDS[m[1]]}为空，请输入内容"),
+        (r"^(text|transcript|instruction) has (\d+) characters; at most (\d+) are allowed per request",
+         lambda m: f"{_ZH_FIELDS[m[1]]}有 {m[2]} 个字符，每次最多 {m[3]} 个；请分成几次生成"),
+        (r"^instruct mode needs an instruction", lambda m: "指令控制模式需要一条指令，例如“请用平静的语气慢慢说。”"),
+        (r"^zero-shot cloning needs the transcript of the prompt recording",
+         lambda m: "零样本克隆需要参考录音的文字内容；或改用不需要文字内容的跨语种模式"),
+        (r"^the transcript has only the system prompt", lambda m: "文字内容只有系统提示；请在其后写出参考录音中说的话"),
+        (r"^\w+ needs a voice: ", lambda m: "需要一个声音：选择已保存的声音，或上传参考录音"),
+        (r"^voice '(.*)' has no transcript, which zero-shot cloning needs",
+         lambda m: f"声音 '{m[1]}' 没有文字内容，无法用于零样本克隆；请改用跨语种或指令控制模式"),
+        (r"^unknown voice '(.*)'; saved voices: ", lambda m: f"没有名为 '{m[1]}' 的声音"),
+        (r"^the prompt audio is ([\d.]+) s long; it must be at least ([\d.]+) s of speech$",
+         lambda m: f"参考录音只有 {m[1]} 秒，至少需要 {m[2]} 秒的语音"),
+        (r"^the prompt audio is (?:[\d.]+ s long|longer than [\d.]+ s); at most ([\d.]+) s is supported",
+         lambda m: f"参考录音过长，最多支持 {m[1]} 秒（语音分词器的限制）；请剪成更短的片段"),
+        (r"^the prompt audio is silent", lambda m: "参考录音没有声音；请录制语音，或调高输入音量"),
+        (r"^the prompt audio is sampled at (\d+) Hz; it must be at least ([\d.]+) kHz",
+         lambda m: f"参考录音的采样率为 {m[1]} Hz，至少需要 {m[2]} kHz"),
+        (r"is not an audio file we can read", lambda m: "无法读取该音频文件；请上传 WAV、FLAC、MP3、OGG、WebM 或 M4A"),
+        (r"^cannot decode .*: it looks like (\S+) but seems damaged or cut short",
+         lambda m: f"无法解码：文件看起来是 {m[1]}，但似乎已损坏或不完整；请重新导出，或上传 WAV、FLAC、MP3 等格式"),
+        (r"^speed must be between ([\d.]+) and ([\d.]+)", lambda m: f"语速必须在 {m[1]} 到 {m[2]} 之间"),
+        (r"^steps must be an integer from (\d+) to (\d+)", lambda m: f"步数必须是 {m[1]} 到 {m[2]} 之间的整数"),
+        (r"^busy: ", lambda m: "所有合成通道都在使用中，请稍后重试"),
+    ))
+
+
+def service_detail(detail: str, zh: bool) -> str:
+    """The detail of a service error as the page shows it: in Chinese where the page is and the wording is known."""
+    if zh:
+        for pattern, render in _ZH_SERVICE:
+            if found := pattern.search(detail):
+                return render(found)
+    return detail
 
 
 def say(zh: bool, key: str, **values: object) -> str:

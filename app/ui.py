@@ -31,7 +31,7 @@ import numpy as np
 from starlette.middleware import Middleware
 
 from app.auth import KeyGate, owner_dependency
-from app.i18n import I18N, say, t
+from app.i18n import I18N, say, service_detail, t
 from app.live import LiveHub, head_html, mount
 from cosyvoice.bundle import DEMO_MODEL_DIR
 from cosyvoice.encoding import audio_format, encode_audio, to_pcm16
@@ -156,7 +156,7 @@ def for_visitors(message: str) -> str:
 
 
 def _page_message(exc: CosyVoiceError, zh: bool = False) -> str:
-    detail = for_visitors(str(exc))
+    detail = service_detail(for_visitors(str(exc)), zh)
     if isinstance(exc, ResourceLimitError):
         return say(zh, "busy", detail=detail)
     if isinstance(exc, PermissionDeniedError):
@@ -363,6 +363,8 @@ class Studio:
 
         A take without a seed gets the service's (``session.seed``), which every take shows to reproduce it."""
         owner, zh = owner_of(request), is_zh(request)
+        if seed is not None and seed > MAX_SEED:  # the page's number field holds no larger integer exactly
+            raise InvalidInputError(say(zh, "seed_range", high=MAX_SEED), "seed")
         prompt = None if voice_key else self._upload(prompt, zh)
         synthesis = SynthesisRequest(
             text=text, mode=mode, voice=voice_key or None, prompt_audio=prompt,
@@ -782,7 +784,7 @@ def build_ui(studio: Studio) -> gr.Blocks:
                     stream = gr.Checkbox(True, label=t("stream"), elem_id="stream")
                     speed = gr.Slider(*SPEED_RANGE, 1.0, step=0.05, label=t("speed"), elem_id="speed")
                 with gr.Row():
-                    seed = gr.Number(-1, label=t("seed"), precision=0, minimum=-1, maximum=MAX_SEED, elem_id="seed")
+                    seed = gr.Number(-1, label=t("seed"), precision=0, elem_id="seed")  # range: _start's words
                     dice = gr.Button(t("dice"), size="sm", elem_id="dice")
                     fmt = gr.Dropdown([(f.upper(), f) for f in DOWNLOAD_FORMATS], value="wav", label=t("format"),
                                       elem_id="format")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import shutil
 import socket
 import time
@@ -361,3 +362,32 @@ def test_an_overlong_upload_gets_the_duration_message_not_a_size_error(studio: S
     with pytest.warns(UserWarning, match=r"150\.00 s long; at most 30 s is supported") as warned:
         assert studio.check_upload(str(big)) is None
     assert not any("MiB" in str(w.message) for w in warned)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"text": "   "}, {"text": "x" * 6000}, {"transcript": " "}, {"mode": "instruct2"}, {"voice": "nobody"},
+    {"stream": False, "speed": 3.0}, {"seed": 10**20}, {"prompt": "short"}, {"prompt": "long"},
+    {"prompt": "junk"}, {"prompt": "silent"}, {"prompt": None},
+], ids=lambda kwargs: next(iter(kwargs.items()))[0] + "-" + str(next(iter(kwargs.values())))[:8])
+def test_the_chinese_page_says_the_common_refusals_in_chinese(studio: Studio, short_prompt_wav: Path,
+                                                               tmp_path: Path, kwargs: dict) -> None:
+    """A Chinese browser gets the service's most common refusals in Chinese (real errors of the real service):
+    no English word left in the message, the numbers kept."""
+    prompts = {"short": (np.sin(np.arange(7200) / 9), 24000), "long": (np.sin(np.arange(31 * 16000) / 9), 16000),
+               "silent": (np.zeros(48000), 24000)}
+    if kwargs.get("prompt") in prompts:
+        samples, rate = prompts[kwargs["prompt"]]
+        sf.write(tmp_path / "p.wav", (0.3 * samples).astype(np.float32), rate)
+        kwargs = {**kwargs, "prompt": str(tmp_path / "p.wav")}
+    elif kwargs.get("prompt") == "junk":
+        (tmp_path / "p.wav").write_bytes(b"not audio at all" * 64)
+        kwargs = {**kwargs, "prompt": str(tmp_path / "p.wav")}
+    zh = gr.Request(headers={"accept-language": "zh-CN,zh;q=0.9"})
+    args = {"mode": "zero_shot", "text": TEXT, "prompt": str(short_prompt_wav), "transcript": TRANSCRIPT,
+            "instruction": "", "voice": None, "seed": 5, "speed": 1.0, "stream": True, "fmt": "wav", **kwargs}
+    with pytest.warns(UserWarning) as warned:
+        list(studio.generate("take-zh", *args.values(), request=zh))
+    [message] = [str(w.message) for w in warned]
+    assert re.search(r"[\u4e00-\u9fff]", message), message
+    assert not re.findall(r"(?<!&#x27;)\b[A-Za-z]{3,}\b(?!&#x27;)", message.replace("nobody", "")) or \
+        set(re.findall(r"\b[A-Za-z]{3,}\b", message)) <= {"WAV", "FLAC", "MP3", "OGG", "WebM", "M4A"}, message
