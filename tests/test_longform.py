@@ -429,6 +429,17 @@ def test_dialogue_errors_name_the_line_and_the_speaker(studio: LongformStudio) -
     assert err.value.field == "speakers"
 
 
+def test_speakers_left_unmapped_read_with_the_projects_voice_and_are_named(studio: LongformStudio) -> None:
+    alice, bob = (studio.service.get_voice(name).id for name in ("Alice", "Bob"))
+    project = studio.create("Mixed", "Alice: hi\nBob: hello\nCarol: hey", kind="dialogue",
+                            speakers={"Alice": "Alice"}, voice="Bob")
+    assert project.settings["unmapped_speakers"] == ["Bob", "Carol"]
+    assert [(s.speaker, s.voice) for s in studio.segments(project.id)] == [("Alice", alice), ("Bob", bob),
+                                                                          ("Carol", bob)]
+    mapped = studio.create("Mapped", "Alice: hi", kind="dialogue", speakers={"Alice": "Alice"})
+    assert mapped.settings["unmapped_speakers"] == []
+
+
 def test_script_parsing_of_labels_continuations_and_tags() -> None:
     blocks = script.dialogue_blocks("Alice [cheerful]: Hello\nthere.\n\nDr. Bob: Yes. [pause:250ms]\n")
     assert [(b.speaker, b.instruction, b.text.strip(), b.brk, b.pause) for b in blocks] == [

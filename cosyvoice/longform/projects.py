@@ -145,6 +145,7 @@ class LongformStudio:
             fallback = self._voice_id(voice, "voice", owner) if missing else None
             mapping |= dict.fromkeys(missing, fallback)
             settings["speakers"] = mapping
+            settings["unmapped_speakers"] = missing  # they read with ``voice``: the page says so
         else:
             blocks = script.document_blocks(text, chapters)
             settings["voice"] = self._voice_id(voice, "voice", owner)

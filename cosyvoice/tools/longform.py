@@ -80,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
                                 kind="dialogue" if args.dialogue else "document", preset=args.preset)
         segments = studio.segments(project.id)
         print(f"project {project.id}: {len(segments)} segments", file=sys.stderr)
+        if unmapped := project.settings.get("unmapped_speakers"):
+            print(f"note: no --speaker for {', '.join(unmapped)}: they read with --voice {args.voice}", file=sys.stderr)
         studio.generate(project.id)
         while (progress := studio.wait(project.id, timeout=2.0))["running"]:
             eta = "" if progress["eta"] is None else f", about {progress['eta']:.0f} s left"

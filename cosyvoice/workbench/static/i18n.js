@@ -264,6 +264,12 @@
     "place the cursor in the text where it should be split": "请把光标放在文本中要拆分的位置",
     "the browser refused to play audio": "浏览器拒绝播放音频",
     "Regenerate": "重新生成", "Split": "拆分", "Merge ↓": "合并 ↓",
+    "make this segment's take now": "现在生成这一段的录音",
+    "silent": "无声",
+    "No voice was mapped in Speakers for": "“说话人”中没有为以下说话人指定声音：",
+    "; they read with": "；他们将使用",
+    "the project's voice": "项目的声音",
+    "(pick another in each segment's Voice)": "（可在每段的“声音”中另选）",
     "pending": "待生成", "queued": "排队中", "running": "生成中", "done": "完成", "failed": "失败",
     " (built-in)": "（内置）",
   };
@@ -294,6 +300,20 @@
     [/^exported (.+)$/, "已导出 $1"],
     [/^(MP3 \S+ kbps(?: CBR)?), (\S+) Hz, (mono|stereo)$/, (m, f, hz, ch) => `${f}，${hz} Hz，${ch === "mono" ? "单声道" : "立体声"}`],
     [/^Chapter: (.+)$/, "章节：$1"],
+    // a segment's reasons to listen again (cosyvoice/longform/finishing.py), one a line
+    [/^too long: ([\d.]+) s for about ([\d.]+) s of text$/, "过长：$1 秒，文本约 $2 秒"],
+    [/^too short: ([\d.]+) s for about ([\d.]+) s of text$/, "过短：$1 秒，文本约 $2 秒"],
+    [/^a ([\d.]+) s silence inside$/, "中间有 $1 秒静音"],
+    [/^([\d.]+) s of silence before the speech$/, "语音前有 $1 秒静音"],
+    [/^clipping: ([\d.]+)% of samples at full scale$/, "削波：$1% 的采样达到满幅"],
+    [/^the speech loops: (\d+) token\(s\) said (\d+) times from ([\d.]+) s$/,
+     "语音在循环：$1 个语音单元从 $3 秒起重复了 $2 次"],
+    [/^ran to the model's length limit \((\d+) speech tokens for (\d+) text tokens\)$/,
+     "达到模型的长度上限（$1 个语音单元，$2 个文本单元）"],
+    [/^stopped at the model's shortest length \((\d+) speech tokens for (\d+) text tokens\)$/,
+     "停在模型的最短长度（$1 个语音单元，$2 个文本单元）"],
+    [/^using take (\d+) of (\d+); (\d+) sounded wrong$/, "使用第 $1 条录音（共 $2 条）；$3 条听起来有问题"],
+    [/^last attempt failed: (.+)$/, "上次生成失败：$1"],
     [/^(.+) \(built-in\)$/, "$1（内置）"],
   ];
 
@@ -314,14 +334,17 @@
   }
 
   const SKIP = new Set(["SCRIPT", "STYLE", "TEXTAREA", "CODE"]);
+  // what a person typed or named (a voice, a speaker, a test's title) is marked translate="no" (HTML's own
+  // attribute, inherited): it is shown as they wrote it, even where it reads like one of the page's strings
   function visit(node) {
     if (node.nodeType === Node.TEXT_NODE) {
       if (node.parentNode && SKIP.has(node.parentNode.nodeName)) return;
+      if (node.parentElement && !node.parentElement.translate) return;
       const done = translate(node.data);
       if (done !== node.data) node.data = done;
       return;
     }
-    if (node.nodeType !== Node.ELEMENT_NODE) return;
+    if (node.nodeType !== Node.ELEMENT_NODE || !node.translate) return;
     for (const attr of ["placeholder", "title", "aria-label"]) {
       const value = node.getAttribute(attr);
       if (value) {
