@@ -429,6 +429,18 @@ def test_dialogue_errors_name_the_line_and_the_speaker(studio: LongformStudio) -
     assert err.value.field == "speakers"
 
 
+def test_a_pause_tag_mid_sentence_ends_its_segment_with_a_comma_the_model_reads(studio: LongformStudio) -> None:
+    project = studio.create("Mid", "He stopped [pause:1.5s] and then spoke.\n\n他停了一下 [pause:500ms] 然后说话。\n\n"
+                            "Done. [pause:1s] Yes.", voice="Alice")
+    rows = [(s.text, s.brk, s.pause) for s in studio.segments(project.id)]
+    assert rows == [("He stopped,", "tag", 1.5), ("and then spoke.", "paragraph", None), ("他停了一下，", "tag", 0.5),
+                    ("然后说话。", "paragraph", None), ("Done.", "tag", 1.0), ("Yes.", "end", None)]
+    studio.generate(project.id)
+    assert studio.wait(project.id, 300)["done"] == len(rows)
+    spoken = [studio.store.take_store.take(s.chosen_take).provenance["segments"] for s in studio.segments(project.id)]
+    assert [p[0] for p in spoken] == [text for text, _, _ in rows]  # no full stop added after a comma
+
+
 def test_speakers_left_unmapped_read_with_the_projects_voice_and_are_named(studio: LongformStudio) -> None:
     alice, bob = (studio.service.get_voice(name).id for name in ("Alice", "Bob"))
     project = studio.create("Mixed", "Alice: hi\nBob: hello\nCarol: hey", kind="dialogue",

@@ -452,9 +452,12 @@ class LongformStudio:
         schedule = {"final": settings.get("final"), "first_hop": settings.get("first_hop")}
         made_takes: list[Take] = []
         for _ in range(1 + retries):  # a suspect take is made again with a new seed, every take kept
+            # a segment that ends on a comma (cut by a pause tag mid-sentence) is already the splitter's output:
+            # read as it is, so the frontend adds no full stop after the comma
             request = SynthesisRequest(segment.text, "instruct" if segment.instruction else "sft",
                                        voice=segment.voice, instruction=segment.instruction, speed=segment.speed,
-                                       stream=False, steps=steps, **schedule)  # the service draws the seed
+                                       stream=False, steps=steps, text_frontend=not segment.text.endswith(("，", ",")),
+                                       **schedule)  # the service draws the seed
             made = synthesize(self.service, request, token)
             flags = self._suspect(segment, made)
             record = provenance(self.service, request, made.prepared, made.pcm.size, made.timings)

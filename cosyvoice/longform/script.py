@@ -173,6 +173,8 @@ def segment_drafts(blocks: list[Block], split: Callable[[str], list[str]], limit
                 drafts[-1] = _merge_break(drafts[-1], block)
             continue
         carry_chapter = None
+        if block.brk == "tag" and mid_sentence(block.text):
+            pieces[-1] = pieces[-1][:-1] + _PAUSE_MARK.get(pieces[-1][-1], pieces[-1][-1])
         for i, piece in enumerate(pieces):
             final = i == len(pieces) - 1
             drafts.append(SegmentDraft(piece, block.brk if final else "sentence", block.pause if final else None,
@@ -183,6 +185,17 @@ def segment_drafts(blocks: list[Block], split: Callable[[str], list[str]], limit
     if not drafts:
         raise InvalidInputError("the text has nothing to speak", "text")
     return drafts
+
+
+_SENTENCE_ENDS = frozenset(".?!;:。？！；：…")
+_PAUSE_MARK = {".": ",", "。": "，"}  # the full stop the splitter ends every piece with, as a pause inside one
+
+
+def mid_sentence(text: str) -> bool:
+    """Whether ``text`` stops inside a sentence (a pause tag in mid-flow): the splitter would end it with a full
+    stop, which the model reads as the sentence's end; its segment ends with a comma instead."""
+    text = text.rstrip()
+    return bool(text) and text[-1] not in _SENTENCE_ENDS
 
 
 def _merge_break(draft: SegmentDraft, block: Block) -> SegmentDraft:
