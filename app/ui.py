@@ -722,6 +722,12 @@ CSS = """
 #mic-message { color:#b91c1c; font-size:14px; padding:6px 10px; }
 /* narrow screens stack the columns: the voice picker comes first, above the text and Generate */
 @media (max-width: 768px) { #voice-column { order:-1; } }
+/* a phone: narrower margins and tabs, so the three modes stand side by side instead of two behind "⋯" (Gradio
+   measures its hidden copy of the tab buttons, which this rule narrows too) */
+@media (max-width: 480px) {
+  .gradio-container .main.app { padding-left:10px !important; padding-right:10px !important; }
+  .tabs .tab-container button { padding-left:10px !important; padding-right:10px !important; }
+}
 body, .gradio-container { font-family: ui-sans-serif, system-ui, "Noto Sans", "Noto Sans CJK SC",
                           "Noto Sans CJK JP", sans-serif; }
 """

@@ -592,6 +592,10 @@ def test_narrow_screen_puts_the_voice_picker_above_generate(browser, app: tuple)
         page.wait_for_selector("#generate")
         voice, generate = page.locator("#voice").bounding_box(), page.locator("#generate").bounding_box()
         assert voice["y"] + voice["height"] <= generate["y"], (voice, generate)
+        # the three modes side by side, none behind Gradio's "⋯" menu
+        modes = page.locator("[role=tablist]").first.get_by_role("tab")
+        assert modes.all_inner_texts() == [TABS["zero_shot"], TABS["cross_lingual"], TABS["instruct2"]]
+        assert not page.locator(".overflow-menu button").first.is_visible()
         assert page.evaluate("document.documentElement.scrollWidth") <= 390  # nothing runs off the side
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "webui-390px.png"), full_page=True)
