@@ -12,6 +12,10 @@ window.cvStudio = (() => {
     waiting: ["generating…", "生成中…"],
     playing: ["playing, first sound {s} s after the click", "正在播放，点击后 {s} 秒出声"],
     done: ["played, first sound {s} s after the click", "已播放，点击后 {s} 秒出声"],
+    playing_waited: ["playing, first sound {s} s after its turn came ({w} s in line before it)",
+                     "正在播放，轮到后 {s} 秒出声（此前排队 {w} 秒）"],
+    done_waited: ["played, first sound {s} s after its turn came ({w} s in line before it)",
+                  "已播放，轮到后 {s} 秒出声（此前排队 {w} 秒）"],
     stopped: ["stopped", "已停止"],
     no_websockets: ["Live playback is off: this server cannot accept WebSockets (its Python lacks the "
                     + "websockets package; install the web UI with scripts/webui.sh).",
@@ -45,7 +49,14 @@ window.cvStudio = (() => {
     if (label) label.textContent = text;
   }
 
-  const firstSound = (take) => ((take.firstSoundAt - take.clickAt) / 1000).toFixed(2);
+  const WAITED_S = 1.0;  // a take that waited in line this long has its wait said apart from its first sound
+  // The first sound's words: from the click, or, after a wait in line, from when the take's turn came (the
+  // engine's latency) with the wait beside it, so a busy server's queue is not read as a slow model.
+  function soundWords(key, take) {
+    const waited = take.turnAt === null ? 0 : (take.turnAt - take.clickAt) / 1000;
+    if (waited < WAITED_S) return say(key, { s: ((take.firstSoundAt - take.clickAt) / 1000).toFixed(2) });
+    return say(key + "_waited", { s: ((take.firstSoundAt - take.turnAt) / 1000).toFixed(2), w: waited.toFixed(1) });
+  }
 
   function context(rate) {
     if (!ctx || ctx.state === "closed") {
@@ -75,7 +86,7 @@ window.cvStudio = (() => {
       const latency = ctx.outputLatency || ctx.baseLatency || 0;
       take.firstSoundAt = now() + (take.next - t + latency) * 1000;
       take.state = "playing";
-      show("playing", say("playing", { s: firstSound(take) }));
+      show("playing", soundWords("playing", take));
     }
     take.next += buffer.duration;
     take.samples += samples.length;
@@ -93,7 +104,7 @@ window.cvStudio = (() => {
     if (problem) take.problem = problem[0];
     if (current !== take) return;
     if (state === "failed") show("failed", say(...problem) + KEPT[ZH ? 1 : 0]);
-    else if (state === "done") show("idle", take.firstSoundAt === null ? "" : say("done", { s: firstSound(take) }));
+    else if (state === "done") show("idle", take.firstSoundAt === null ? "" : soundWords("done", take));
     else show(state, say(state));
   }
 
@@ -131,7 +142,7 @@ window.cvStudio = (() => {
       // not randomUUID: that exists only on https:// and localhost pages, and the studio may be served over http
       const id = Array.from(crypto.getRandomValues(new Uint8Array(16)), (b) => b.toString(16).padStart(2, "0")).join("");
       const take = {
-        id, rate, clickAt: now(), firstByteAt: null, firstSoundAt: null, endAt: null, state: "waiting",
+        id, rate, clickAt: now(), turnAt: null, firstByteAt: null, firstSoundAt: null, endAt: null, state: "waiting",
         stalls: 0, gapsMs: [], samples: 0, next: 0, sources: [], streamDone: false, stopped: false,
         socket: null, opened: false, problem: null,
       };
@@ -159,6 +170,11 @@ window.cvStudio = (() => {
     current() {
       return current ? current.id : "";
     },
+    // The server began the take (its turn in the queue came): the first sound is counted from here.
+    turn(id) {
+      const take = takes[id];
+      if (take && take.turnAt === null) take.turnAt = now();
+    },
     summary(id) {
       const t = takes[id];
       if (!t) return null;
@@ -179,6 +195,7 @@ window.cvQueue = (() => {
     next: ["waiting: next in line", "排队中：下一个就是你"],
     place: ["waiting: {n} in line", "排队中：第 {n} 位"],
     starting: ["starting…", "即将开始…"],
+    eta: ["about {s} s until its turn", "约 {s} 秒后轮到"],
   };
   const takeOf = {};  // event id -> take id
   const early = {};  // event id -> its latest message, when it came before the join's answer
@@ -191,12 +208,21 @@ window.cvQueue = (() => {
     return ZH ? String(n) : `${n}${suffix}`;
   }
 
-  function line(text, takeId) {
+  // the place, and on a line of its own Gradio's estimate of the wait (from the queue's recent takes), if any
+  function line(text, takeId, etaSeconds = null) {
     const el = document.getElementById("queue-place");
     if (!el) return;
     el.textContent = text;
     el.hidden = !text;
     shown = text ? takeId : "";
+    let eta = document.getElementById("queue-eta");
+    if (!eta) {
+      eta = Object.assign(document.createElement("div"), { id: "queue-eta", hidden: true });
+      el.after(eta);
+    }
+    const known = text && Number.isFinite(etaSeconds) && etaSeconds >= 1;
+    eta.textContent = known ? WORDS.eta[ZH ? 1 : 0].replace("{s}", String(Math.ceil(etaSeconds))) : "";
+    eta.hidden = !known;
   }
 
   function clear(takeId) {
@@ -208,8 +234,10 @@ window.cvQueue = (() => {
     if (stopped.has(takeId) || !studio || studio.current() !== takeId) return clear(takeId);
     if (message.msg === "estimation" && typeof message.rank === "number") {
       const n = message.rank + 1;
-      line(n === 1 ? WORDS.next[ZH ? 1 : 0] : WORDS.place[ZH ? 1 : 0].replace("{n}", ordinal(n)), takeId);
+      line(n === 1 ? WORDS.next[ZH ? 1 : 0] : WORDS.place[ZH ? 1 : 0].replace("{n}", ordinal(n)), takeId,
+           message.rank_eta);
     } else if (message.msg === "process_starts") {
+      studio.turn(takeId);
       line(WORDS.starting[ZH ? 1 : 0], takeId);
     } else if (message.msg === "process_generating" || message.msg === "process_completed") {
       clear(takeId);

@@ -698,6 +698,7 @@ CSS = """
 #live-player[data-state=failed] { color:#b91c1c; font-weight:600; }  /* the cause, where the status is read */
 #live-player[data-state=failed] .live-dot { background:#b91c1c; flex:none; }
 #queue-place { font-size:14px; color:#b45309; font-weight:600; }
+#queue-eta { font-size:13px; color:#b45309; }
 #status { min-height:40px; }
 #status > .wrap { display:none !important; }  /* Gradio's progress ("queue: 2/2"): player.js says the place */
 .cv-hidden { display:none !important; }

@@ -494,6 +494,13 @@ def test_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path: Path,
             # the second take's line: its place, then "starting…" when it left the queue, then nothing once it ran
             seen = pages[1].evaluate("() => window.cvSeen")
             assert seen["place"][-3:] == ["waiting: next in line", "starting…", ""], seen
+            # its first sound is counted from when its turn came, the wait in line said apart
+            pages[1].wait_for_function("() => window.cvStudio.summary(window.cvStudio.current()).firstSoundAt")
+            second = take_summary(pages[1])
+            waited = (second["turnAt"] - second["clickAt"]) / 1000
+            assert waited > 1.0, second
+            sync_api.expect(pages[1].locator("#live-player")).to_contain_text(
+                f"s after its turn came ({waited:.1f} s in line before it)")
             for page in pages[:3]:  # Gradio's own progress never showed
                 assert page.evaluate("() => window.cvSeen.raw") == []
             assert studio.service.status().active_sessions == 0 and not studio._running
