@@ -37,7 +37,7 @@ import soundfile as sf
 
 from cosyvoice.errors import NotFoundError
 from cosyvoice.takes.store import Take as StoredTake
-from cosyvoice.takes.store import TakeStore
+from cosyvoice.takes.store import TakeStore, finite
 from cosyvoice.utils.sqlite import add_columns, open_store, write_transaction
 
 logger = logging.getLogger(__name__)
@@ -336,8 +336,9 @@ class ProjectStore:
         return self.take_store.audio_path(stored)
 
     def take_audio(self, take: Take) -> np.ndarray:
+        """The take's samples; a damaged one (not numbers) is refused by its id, never mixed in."""
         audio, _ = sf.read(self.take_path(take), dtype="float32")
-        return audio
+        return finite(audio, take.id)
 
 
 def _adopted(row: sqlite3.Row) -> StoredTake:
