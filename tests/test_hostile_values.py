@@ -27,11 +27,16 @@ SEEDS = [2**64, "x", 1.5, NAN, [1]]
 
 
 @pytest.fixture(scope="module")
-def url(tts, prompt_wav, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def service(tts, prompt_wav, tmp_path_factory: pytest.TempPathFactory) -> TTSService:
     root = tmp_path_factory.mktemp("hostile-values")
     service = TTSService(tts.model, VoiceLibrary(root / "voices", tts.frontend, model_dir=tts.model_dir))
     service.create_voice("Narrator", prompt_wav.read_bytes(), "Hello there.")
-    server = Server(create_app(ServerSettings(voice_dir=str(root / "voices")), service))
+    return service
+
+
+@pytest.fixture(scope="module")
+def url(service: TTSService) -> Iterator[str]:
+    server = Server(create_app(ServerSettings(voice_dir=str(service.voices.dir)), service))
     yield server.url
     server.stop()
 
@@ -131,3 +136,38 @@ def test_a_batch_row_with_hostile_numbers_fails_naming_its_field(url: str) -> No
 
 def row_field(row: dict) -> str:
     return next(k for k in ("steps", "speed", "seed") if k in row)
+
+
+def test_grpc_hostile_numbers_are_invalid_argument_naming_the_field(service: TTSService) -> None:
+    """The proto's types already refuse strings, lists and negative whole numbers on the wire; what they let
+    through (NaN, infinities, zero, huge values, a word where a choice is named) is INVALID_ARGUMENT naming the
+    field, and a message that is not a Request at all is INVALID_ARGUMENT too. The server answers afterwards."""
+    import grpc
+
+    from cosyvoice.server.grpc import GrpcServer, synthesis_request
+    from cosyvoice.server.proto import cosyvoice_pb2 as pb
+    from cosyvoice.server.proto import cosyvoice_pb2_grpc as pb_grpc
+
+    server = GrpcServer("127.0.0.1", 0, max_streams=2)
+    server.serve(service)
+    payload = {"sft_request": pb.sftRequest(spk_id="Narrator", tts_text="Hi there.")}
+    hostile = [("steps", v) for v in (0, 33, 2**32 - 1)] + [("speed", v) for v in (-1, 0, 100, NAN, INF, -INF)]
+    hostile += [("first_hop", v) for v in (0, 26, 2**32 - 1)] + [("final", v) for v in ("half", "x" * 100_000)]
+    hostile += [("seed", 2**63), ("seed", 2**64 - 1)]
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.CosyVoiceStub(channel)
+            for field, value in hostile:
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(stub.Inference(pb.Request(**payload, **{field: value}), timeout=60))
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, value, refused.value)
+                assert refused.value.details().startswith(f"{field}: "), (field, value, refused.value.details())
+            garbage = channel.unary_stream("/cosyvoice.CosyVoice/Inference")
+            with pytest.raises(grpc.RpcError) as refused:
+                list(garbage(b"\xff\xff\xff\xff", timeout=60))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+            assert synthesis_request(pb.Request(**payload, steps=2)).steps == 2  # the field reaches the service
+            made = list(stub.Inference(pb.Request(**payload, steps=2, seed=1), timeout=120))
+            assert sum(len(m.tts_audio) for m in made) > 0
+    finally:
+        server.stop(0)
