@@ -1,21 +1,26 @@
 """Store faults a server meets in its data folder (issue 31), with real processes on real files: a database whose
 write lock another process holds (a backup tool, the ``sqlite3`` shell in a long transaction) makes a write wait
 ``COSYVOICE_STORE_BUSY_SECONDS``, then a 503 naming the lock and the setting, with nothing changed; reads go on
-meanwhile, and once the lock is let go the same write succeeds and nothing was lost. A full or read-only folder:
-tests/test_jobs.py and tests/test_read_only_stores.py."""
+meanwhile, and once the lock is let go the same write succeeds and nothing was lost. Two server processes
+deleting the same things at once delete each once. A full or read-only folder: tests/test_jobs.py and
+tests/test_read_only_stores.py."""
 
 from __future__ import annotations
 
 import logging
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
+from test_jobs import files, until
+from test_jobs import two_servers as two_servers  # the fixture, used by name
 from test_rest import Server
 
 from cosyvoice.longform.store import DB_NAME as LONGFORM_DB
@@ -23,6 +28,7 @@ from cosyvoice.server.rest import create_app
 from cosyvoice.service import TTSService
 from cosyvoice.settings import STORE_BUSY_SETTING, ServerSettings
 from cosyvoice.takes.store import DB_NAME as TAKES_DB
+from cosyvoice.takes.store import TakeStore
 from cosyvoice.voices import VoiceLibrary
 
 BUSY_SECONDS = 1.0
@@ -102,3 +108,54 @@ def test_the_busy_setting_is_checked() -> None:
     for raw in ("soon", "0", "-1", "nan", "1e9"):
         with pytest.raises(ConfigError, match=STORE_BUSY_SETTING):
             store_busy_seconds({STORE_BUSY_SETTING: raw})
+
+
+def test_two_servers_deleting_the_same_things_at_once(two_servers, tmp_path: Path, short_prompt_wav: Path) -> None:
+    """Two server processes on one data folder get the same DELETEs at the same moment (projects with takes,
+    takes, saved voices): each thing is deleted once (one 200, one 404, never a 500), nothing else goes, and no
+    take file is left without its row or a row without its file."""
+    a, b = two_servers()
+    with httpx.Client(base_url=a.url, timeout=120) as client:
+        kept = client.post("/v1/longform/projects", json={"text": "Kept.\n\nStill kept.", "voice": "Narrator"})
+        assert kept.status_code == 201, kept.text
+        doomed = []
+        for i in range(4):
+            made = client.post("/v1/longform/projects", json={"text": f"Gone {i}.\n\nAlso gone.", "voice": "Narrator"})
+            assert made.status_code == 201, made.text
+            doomed.append(made.json()["id"])
+        for pid in (kept.json()["id"], doomed[0], doomed[1]):
+            assert client.post(f"/v1/longform/projects/{pid}/generate", json={}).status_code == 200
+            until(lambda pid=pid: client.get(f"/v1/longform/projects/{pid}/progress").json()["running"] is False,
+                  180, "the takes")
+        batch = client.post("/workbench/api/batches", json={"rows": [{"text": f"Hi {i}.", "voice": "Narrator"}
+                                                                     for i in range(3)]})
+        until(lambda: client.get(f"/workbench/api/batches/{batch.json()['id']}").json()["state"] == "done", 180,
+              "the batch")
+        takes = [t["id"] for t in client.get("/workbench/api/takes").json()["takes"]
+                 if t["batch"] == batch.json()["id"]]
+        for name, cut in (("Spare", 2000), ("Other", 4000)):  # two recordings: two voices
+            saved = client.post("/v1/voices", data={"name": name, "transcript": "Hello there."},
+                                files={"audio": ("a.wav", short_prompt_wav.read_bytes()[:-cut], "audio/wav")})
+            assert saved.status_code == 201, saved.text
+    paths = [f"/v1/longform/projects/{pid}" for pid in doomed] + [f"/workbench/api/takes/{t}" for t in takes[:2]]
+    paths += ["/v1/voices/Spare"]
+    with ThreadPoolExecutor(2) as pool:
+        for path in paths:
+            gate = threading.Barrier(2)
+
+            def delete(url: str, path: str = path, gate: threading.Barrier = gate) -> int:
+                gate.wait()
+                return httpx.delete(url + path, timeout=120).status_code
+
+            assert sorted(pool.map(delete, (a.url, b.url))) == [200, 404], path
+    for server in (a, b):
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            assert [p["id"] for p in client.get("/v1/longform/projects").json()] == [kept.json()["id"]]
+            assert client.get(f"/v1/longform/projects/{kept.json()['id']}/export").status_code == 200
+            assert client.get(f"/workbench/api/takes/{takes[2]}/audio").status_code == 200
+            assert [v["name"] for v in client.get("/v1/voices").json()["data"] if v["name"] in ("Spare", "Other")] \
+                == ["Other"]
+    store = TakeStore(tmp_path / "data")
+    assert files(store.audio_dir) == sorted(t.audio for t in store.takes())
+    for server in (a, b):
+        assert "Traceback" not in server.log.read_text(), server.log.read_text()

@@ -204,7 +204,8 @@ class ProjectStore:
             take_ids = [r[0] for r in db.execute("SELECT id FROM takes WHERE project_id = ?", (project_id,))]
             db.execute("DELETE FROM takes WHERE project_id = ?", (project_id,))
             db.execute("DELETE FROM segments WHERE project_id = ?", (project_id,))
-            db.execute("DELETE FROM projects WHERE id = ?", (project_id,))
+            if not db.execute("DELETE FROM projects WHERE id = ?", (project_id,)).rowcount:
+                raise NotFoundError(f"no project {project_id!r}", "project")  # another process deleted it meanwhile
         kept = self.take_store.remove_takes(take_ids)  # a take written meanwhile removes itself
         with contextlib.suppress(OSError):  # the folder of its takes from before the one take store, once empty
             (self.audio_root / project_id).rmdir()

@@ -297,6 +297,8 @@ class TakeStore:
         if not caller.owns(take.owner):
             raise PermissionDeniedError("only the take's owner (or an admin) may delete it", "take")
         with self._tx() as db:
+            if db.execute("SELECT 1 FROM takes WHERE id=?", (take_id,)).fetchone() is None:
+                raise NotFoundError(f"no take {take_id!r}", "take")  # another process deleted it meanwhile
             users = _test_users(db, [take_id]).get(take_id)
             if users:
                 raise ConflictError(f"take {take_id!r} is used by the listening test(s) "
