@@ -19,6 +19,7 @@ from cosyvoice.owners import SHARING, Owners, key_owner
 DEFAULT_VOICE_DIR = "pretrained_models/.voices"  # the voice library's folder (COSYVOICE_VOICE_DIR overrides it)
 VOICE_DIR_SETTING = "COSYVOICE_VOICE_DIR"  # named in errors about the voice folder (--voice-dir on the servers)
 DATA_DIR_SETTING = "COSYVOICE_DATA_DIR"  # named in errors about the data folder (takes, tests, projects)
+STORE_BUSY_SETTING = "COSYVOICE_STORE_BUSY_SECONDS"  # how long a write waits on another process's database lock
 CSV_FIELD_LIMIT = 131072  # the longest field Python's csv reader accepts by default (csv.field_size_limit())
 SPEED_RANGE = (0.5, 2.0)  # speed factors: the mel is stretched linearly before the vocoder (streamed: per chunk)
 # a request's flow Euler steps (``steps``; the model's default is its yaml's n_timesteps, 10 for CosyVoice3): fewer
@@ -115,6 +116,20 @@ def backend_from_env(environ: dict[str, str] | None = None) -> str:
     see :mod:`cosyvoice.backends`); ``auto`` when unset."""
     env = os.environ if environ is None else environ
     return env.get("COSYVOICE_BACKEND") or "auto"
+
+
+def store_busy_seconds(environ: dict[str, str] | None = None) -> float:
+    """``COSYVOICE_STORE_BUSY_SECONDS`` (default 30): how long a write to a data-folder database waits while
+    another process holds its lock, before it is refused as busy (nothing changed)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(STORE_BUSY_SETTING) or "30"
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds <= 3600:
+        raise ConfigError(f"{STORE_BUSY_SETTING}={raw!r} must be a number of seconds in (0, 3600]")
+    return seconds
 
 
 def precision_from_env(environ: dict[str, str] | None = None) -> str:

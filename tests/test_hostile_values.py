@@ -27,11 +27,16 @@ SEEDS = [2**64, "x", 1.5, NAN, [1]]
 
 
 @pytest.fixture(scope="module")
-def url(tts, prompt_wav, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def service(tts, prompt_wav, tmp_path_factory: pytest.TempPathFactory) -> TTSService:
     root = tmp_path_factory.mktemp("hostile-values")
     service = TTSService(tts.model, VoiceLibrary(root / "voices", tts.frontend, model_dir=tts.model_dir))
     service.create_voice("Narrator", prompt_wav.read_bytes(), "Hello there.")
-    server = Server(create_app(ServerSettings(voice_dir=str(root / "voices")), service))
+    return service
+
+
+@pytest.fixture(scope="module")
+def url(service: TTSService) -> Iterator[str]:
+    server = Server(create_app(ServerSettings(voice_dir=str(service.voices.dir)), service))
     yield server.url
     server.stop()
 
@@ -130,4 +135,72 @@ def test_a_batch_row_with_hostile_numbers_fails_naming_its_field(url: str) -> No
 
 
 def row_field(row: dict) -> str:
-    return next(k for k in ("steps", "speed", "seed") if k in row)
+    return next(k for k in ("steps", "speed", "seed", "first_hop") if k in row)
+
+
+def test_grpc_hostile_numbers_are_invalid_argument_naming_the_field(service: TTSService) -> None:
+    """The proto's types already refuse strings, lists and negative whole numbers on the wire; what they let
+    through (NaN, infinities, zero, huge values, a word where a choice is named) is INVALID_ARGUMENT naming the
+    field, and a message that is not a Request at all is INVALID_ARGUMENT too. The server answers afterwards."""
+    import grpc
+
+    from cosyvoice.server.grpc import GrpcServer, synthesis_request
+    from cosyvoice.server.proto import cosyvoice_pb2 as pb
+    from cosyvoice.server.proto import cosyvoice_pb2_grpc as pb_grpc
+
+    server = GrpcServer("127.0.0.1", 0, max_streams=2)
+    server.serve(service)
+    payload = {"sft_request": pb.sftRequest(spk_id="Narrator", tts_text="Hi there.")}
+    hostile = [("steps", v) for v in (0, 33, 2**32 - 1)] + [("speed", v) for v in (-1, 0, 100, NAN, INF, -INF)]
+    hostile += [("first_hop", v) for v in (0, 26, 2**32 - 1)] + [("final", v) for v in ("half", "x" * 100_000)]
+    hostile += [("seed", 2**63), ("seed", 2**64 - 1)]
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.CosyVoiceStub(channel)
+            for field, value in hostile:
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(stub.Inference(pb.Request(**payload, **{field: value}), timeout=60))
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, value, refused.value)
+                assert refused.value.details().startswith(f"{field}: "), (field, value, refused.value.details())
+            garbage = channel.unary_stream("/cosyvoice.CosyVoice/Inference")
+            with pytest.raises(grpc.RpcError) as refused:
+                list(garbage(b"\xff\xff\xff\xff", timeout=60))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+            assert synthesis_request(pb.Request(**payload, steps=2)).steps == 2  # the field reaches the service
+            made = list(stub.Inference(pb.Request(**payload, steps=2, seed=1), timeout=120))
+            assert sum(len(m.tts_audio) for m in made) > 0
+    finally:
+        server.stop(0)
+
+
+def test_the_batch_cli_names_each_hostile_row_and_exits_2(tiny_bundle_dir, tmp_path) -> None:
+    """The batch command line on a JSONL file of hostile numbers: every bad row is one line naming its number and
+    field, the good row is made, exit 2; a bad precision (in a row, or the flag) is one line before any model."""
+    import subprocess
+    import sys
+
+    hostile = [{"steps": v} for v in (-1, 0, 33, 10**12, "ten", 1.5, NAN, INF, [10], True)]
+    hostile += [{"speed": v} for v in (-1, 100, "fast", NAN, INF)] + [{"seed": v} for v in (2**64, "x", NAN)]
+    hostile += [{"first_hop": v} for v in (0, 26, NAN)]
+    rows = [{"text": "Hi.", "voice": "en-allison", **row} for row in [*hostile, {"steps": 2, "seed": 1}]]
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
+    (tmp_path / "precision.csv").write_text("text,voice,precision\nHi.,en-allison,NaN\n", encoding="utf-8")
+
+    def batch(name: str, *flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "cosyvoice.tools.batch", str(tmp_path / name), "--out",
+                               str(tmp_path / "out"), "--model-dir", str(tiny_bundle_dir), "--data-dir",
+                               str(tmp_path / "data"), "--voice-dir", str(tmp_path / "voices"), *flags],
+                              capture_output=True, text=True, timeout=600)
+
+    done = batch("rows.jsonl")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: row ")]
+    assert errors == [f"error: row {i} ({row_field(row)}): {errors[i - 1].split(': ', 2)[2]}"
+                      for i, row in enumerate(hostile, 1)], done.stderr[-3000:]
+    assert "1 takes in" in done.stderr
+    for flags, words in ((("precision.csv",), ("row 1: precision must be one of", "'NaN'")),
+                         (("rows.jsonl", "--precision", "NaN"), ("argument --precision: invalid choice: 'NaN'",))):
+        refused = batch(*flags)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+        assert all(w in refused.stderr.strip().splitlines()[-1] for w in words), refused.stderr[-3000:]
+        assert "loading the model" not in refused.stderr

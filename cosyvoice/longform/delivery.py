@@ -272,6 +272,7 @@ class FileReport:
     head_seconds: float
     tail_seconds: float
     tags: dict[str, str]
+    silent: bool = False  # nothing louder than the room tone from end to end: no speech at all
 
     @property
     def problems(self) -> list[str]:
@@ -290,10 +291,13 @@ class FileReport:
         if self.levels.seconds > ACX_MAX_SECONDS:
             found.append(f"{self.levels.seconds / 60:.1f} minutes long; ACX takes at most 120 minutes a file")
         (head_lo, head_hi), (tail_lo, tail_hi) = ACX_HEAD_SECONDS, ACX_TAIL_SECONDS
-        if not head_lo <= self.head_seconds <= head_hi:
-            found.append(f"{self.head_seconds:.2f} s of room tone at the head; ACX wants {head_lo:g}-{head_hi:g} s")
-        if not tail_lo <= self.tail_seconds <= tail_hi:
-            found.append(f"{self.tail_seconds:.2f} s of room tone at the tail; ACX wants {tail_lo:g}-{tail_hi:g} s")
+        if self.silent:  # then head and tail are the whole file: one problem, said as it is
+            found.append("no speech: nothing louder than room tone from start to end")
+        else:
+            if not head_lo <= self.head_seconds <= head_hi:
+                found.append(f"{self.head_seconds:.2f} s of room tone at the head; ACX wants {head_lo:g}-{head_hi:g} s")
+            if not tail_lo <= self.tail_seconds <= tail_hi:
+                found.append(f"{self.tail_seconds:.2f} s of room tone at the tail; ACX wants {tail_lo:g}-{tail_hi:g} s")
         return found + self.levels.problems
 
     @property
@@ -334,7 +338,7 @@ def check_mp3(name: str, file: BinaryIO) -> FileReport:
             ends.feed(x)
     file.seek(0, io.SEEK_END)
     head, tail = ends.result()
-    return FileReport(name, frames, meter.report(), head, tail, tags)
+    return FileReport(name, frames, meter.report(), head, tail, tags, silent=ends.first is None)
 
 
 class _QuietEnds:

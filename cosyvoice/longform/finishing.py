@@ -136,7 +136,9 @@ class AcxReport:
     def problems(self) -> list[str]:
         low, high = ACX_RMS_DB
         found = []
-        if not low <= self.rms_db <= high:
+        if self.rms_db == float("-inf"):
+            found.append(f"silent: every sample is zero; ACX wants RMS {low:g} to {high:g} dB")
+        elif not low <= self.rms_db <= high:
             found.append(f"RMS {self.rms_db:.1f} dB is outside {low:g} to {high:g} dB")
         if self.peak_db > ACX_PEAK_DB:
             found.append(f"peak {self.peak_db:.1f} dB is above {ACX_PEAK_DB:g} dB")

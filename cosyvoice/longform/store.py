@@ -37,7 +37,7 @@ import soundfile as sf
 
 from cosyvoice.errors import NotFoundError
 from cosyvoice.takes.store import Take as StoredTake
-from cosyvoice.takes.store import TakeStore
+from cosyvoice.takes.store import TakeStore, finite
 from cosyvoice.utils.sqlite import add_columns, open_store, write_transaction
 
 logger = logging.getLogger(__name__)
@@ -204,7 +204,8 @@ class ProjectStore:
             take_ids = [r[0] for r in db.execute("SELECT id FROM takes WHERE project_id = ?", (project_id,))]
             db.execute("DELETE FROM takes WHERE project_id = ?", (project_id,))
             db.execute("DELETE FROM segments WHERE project_id = ?", (project_id,))
-            db.execute("DELETE FROM projects WHERE id = ?", (project_id,))
+            if not db.execute("DELETE FROM projects WHERE id = ?", (project_id,)).rowcount:
+                raise NotFoundError(f"no project {project_id!r}", "project")  # another process deleted it meanwhile
         kept = self.take_store.remove_takes(take_ids)  # a take written meanwhile removes itself
         with contextlib.suppress(OSError):  # the folder of its takes from before the one take store, once empty
             (self.audio_root / project_id).rmdir()
@@ -336,8 +337,9 @@ class ProjectStore:
         return self.take_store.audio_path(stored)
 
     def take_audio(self, take: Take) -> np.ndarray:
+        """The take's samples; a damaged one (not numbers) is refused by its id, never mixed in."""
         audio, _ = sf.read(self.take_path(take), dtype="float32")
-        return audio
+        return finite(audio, take.id)
 
 
 def _adopted(row: sqlite3.Row) -> StoredTake:

@@ -41,6 +41,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -70,6 +71,9 @@ DEFAULT_MAX_CONC = 4
 SPARE_THREADS = 4  # beyond --max_conc: health checks and "busy" answers never wait for a running stream
 MAX_AUDIO_MESSAGE_BYTES = 1 << 20  # ~22 s of audio; gRPC clients refuse messages over 4 MiB by default
 INTERNAL_MESSAGE = "synthesis failed; the server log has the details"  # never a path or an exception's text
+# a status message travels as trailing metadata, which clients refuse over 16 KiB (the whole call then ends in
+# RESOURCE_EXHAUSTED): an error that quotes a huge value is cut, UTF-8 at most 4 bytes a character
+MAX_DETAILS_CHARS = 2000
 
 
 def prompt_audio(data: bytes) -> tuple[np.ndarray, int] | None:
@@ -107,7 +111,8 @@ def synthesis_request(request: pb.Request) -> SynthesisRequest:
                "speed": request.speed if request.HasField("speed") else 1.0,
                "stream": request.stream if request.HasField("stream") else True,
                "final": request.final if request.HasField("final") else None,
-               "first_hop": request.first_hop if request.HasField("first_hop") else None}
+               "first_hop": request.first_hop if request.HasField("first_hop") else None,
+               "steps": request.steps if request.HasField("steps") else None}
     p = getattr(request, kind)
     if kind == "sft_request":
         return SynthesisRequest(p.tts_text, "sft", voice=p.spk_id or None, **options)
@@ -119,6 +124,23 @@ def synthesis_request(request: pb.Request) -> SynthesisRequest:
                                 prompt_audio=prompt_audio(p.prompt_audio), **options)
     return SynthesisRequest(p.tts_text, "instruct", voice=p.spk_id or None, prompt_audio=prompt_audio(p.prompt_audio),
                             instruction=p.instruct_text, **options)
+
+
+def parse_request(data: bytes) -> pb.Request | bytes:
+    """A ``Request`` from the wire, or the bytes as they came when they are not one, which ``Inference`` answers
+    as INVALID_ARGUMENT (grpc's own deserializer, and any that returns None, is answered INTERNAL)."""
+    try:
+        return pb.Request.FromString(data)
+    except DecodeError:
+        return data
+
+
+def add_servicer(servicer: CosyVoiceServicer, server: grpc.Server) -> None:
+    """The generated ``add_CosyVoiceServicer_to_server``, with :func:`parse_request` as the deserializer."""
+    handlers = {"Inference": grpc.unary_stream_rpc_method_handler(
+        servicer.Inference, request_deserializer=parse_request, response_serializer=pb.Response.SerializeToString)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 def audio_messages(pcm: torch.Tensor) -> Iterator[pb.Response]:
@@ -136,10 +158,14 @@ def status_of(exc: CosyVoiceError, request: pb.Request) -> tuple[grpc.StatusCode
         kind = request.WhichOneof("RequestPayload")
         name = _PROTO_FIELDS.get(kind, {}).get(exc.field)
         path = f"{kind}.{name}" if name else exc.field
-        return code, f"{path}: {exc}" if path else str(exc)
+        return code, _details(f"{path}: {exc}" if path else str(exc))
     if isinstance(exc, ResourceLimitError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, _details(str(exc))
     return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
+
+
+def _details(message: str) -> str:
+    return message if len(message) <= MAX_DETAILS_CHARS else message[:MAX_DETAILS_CHARS - 1] + "…"
 
 
 class CosyVoiceServicer(pb_grpc.CosyVoiceServicer):
@@ -149,8 +175,11 @@ class CosyVoiceServicer(pb_grpc.CosyVoiceServicer):
         self.service: TTSService | None = None
         self._owners = owners
 
-    def Inference(self, request: pb.Request, context: grpc.ServicerContext) -> Iterator[pb.Response]:
+    def Inference(self, request: pb.Request | bytes, context: grpc.ServicerContext) -> Iterator[pb.Response]:
         owner = self._authorize(context)
+        if isinstance(request, bytes):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the message is not a cosyvoice.Request (it cannot "
+                                                            "be parsed); see cosyvoice/server/proto/cosyvoice.proto")
         service = self.service
         if service is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry once the health "
@@ -203,7 +232,7 @@ class GrpcServer:
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cosyvoice-grpc"),
                                   maximum_concurrent_rpcs=workers)
         self.servicer = CosyVoiceServicer(self.owners)
-        pb_grpc.add_CosyVoiceServicer_to_server(self.servicer, self.server)
+        add_servicer(self.servicer, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)

@@ -122,6 +122,19 @@ CREATE TABLE IF NOT EXISTS scores (
 """
 
 
+def finite(pcm: np.ndarray, take_id: str | None = None) -> np.ndarray:
+    """``pcm`` if every sample is a number. A model fault (an overflow in a fast path) or a damaged file gives NaN
+    or infinite samples, which a meter reads as silence and an encoder refuses: they are never kept, mixed or
+    served. ``take_id``: a stored take's (409, make it again), else audio about to be kept (400)."""
+    if bool(np.isfinite(pcm).all()):
+        return pcm
+    if take_id is None:
+        raise InvalidInputError("the audio made holds samples that are not numbers (NaN or infinity); nothing was "
+                                "kept: make it again (another seed, or precision fp32)", "audio")
+    raise ConflictError(f"take {take_id} is damaged: its audio holds samples that are not numbers (NaN or "
+                        "infinity); make it again", "take")
+
+
 def new_id(prefix: str, nbytes: int = 6) -> str:
     """A random id that says what it names (``take-…``, ``test-…``): short where it is only a name."""
     return f"{prefix}-{secrets.token_hex(nbytes)}"
@@ -224,6 +237,7 @@ class TakeStore:
         """Write the audio (float samples as the engine makes them, kept exactly: :func:`float_wav`), then the
         row: a take exists once its row does."""
         require_writable(self.read_only)  # before its audio is written
+        finite(pcm)
         take_id = new_id("take")
         name = f"{take_id}.wav"
         data = float_wav(pcm, sample_rate)
@@ -283,6 +297,8 @@ class TakeStore:
         if not caller.owns(take.owner):
             raise PermissionDeniedError("only the take's owner (or an admin) may delete it", "take")
         with self._tx() as db:
+            if db.execute("SELECT 1 FROM takes WHERE id=?", (take_id,)).fetchone() is None:
+                raise NotFoundError(f"no take {take_id!r}", "take")  # another process deleted it meanwhile
             users = _test_users(db, [take_id]).get(take_id)
             if users:
                 raise ConflictError(f"take {take_id!r} is used by the listening test(s) "
@@ -345,7 +361,7 @@ class TakeStore:
     def read_audio(self, take: Take) -> np.ndarray:
         """The take's samples as float32, as they were stored (float32, or 16-bit for older takes)."""
         samples, _ = sf.read(self.audio_path(take), dtype="float32")
-        return samples
+        return finite(samples, take.id)
 
     # ------------------------------------------------------------------ batches
 

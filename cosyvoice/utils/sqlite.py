@@ -10,8 +10,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from cosyvoice.errors import ReadOnlyError, StorageError
-from cosyvoice.settings import DATA_DIR_SETTING
+from cosyvoice.errors import ReadOnlyError, ResourceLimitError, StorageError
+from cosyvoice.settings import DATA_DIR_SETTING, STORE_BUSY_SETTING, store_busy_seconds
 from cosyvoice.utils.fs import DISK_FULL_MESSAGE, unwritable
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def data_folder_read_only(folder: str | Path, *, create: bool = True) -> str | N
 def open_database(path: str | Path) -> sqlite3.Connection:
     """A connection shared by a store's threads (the store serialises writes with its lock), in WAL mode so
     readers never wait, with ``synchronous=FULL`` so a committed row survives ``kill -9`` and power loss."""
-    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30.0)
+    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=store_busy_seconds())
     db.row_factory = sqlite3.Row
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=FULL")
@@ -80,8 +80,9 @@ def open_store(folder: Path, name: str, schema: str) -> tuple[sqlite3.Connection
 def write_transaction(db: sqlite3.Connection, lock: threading.RLock,
                       read_only: str | None = None) -> Iterator[sqlite3.Connection]:
     """One write transaction: BEGIN IMMEDIATE (another process waits instead of failing half-way), rolled back
-    whole on any error; a full disk raises :class:`StorageError` (the database is as it was). ``read_only``: the
-    store's reason it cannot write (:class:`ReadOnlyError`)."""
+    whole on any error; a full disk raises :class:`StorageError` (the database is as it was), a lock another
+    process holds past ``COSYVOICE_STORE_BUSY_SECONDS`` :class:`ResourceLimitError` (busy: retry). ``read_only``:
+    the store's reason it cannot write (:class:`ReadOnlyError`)."""
     require_writable(read_only)
     with lock:
         try:
@@ -94,11 +95,16 @@ def write_transaction(db: sqlite3.Connection, lock: threading.RLock,
                 raise
             db.execute("COMMIT")
         except sqlite3.OperationalError as exc:
-            if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_FULL:
+            code = exc.sqlite_errorcode & 0xFF
+            if code not in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
                 raise
             if db.in_transaction:
                 db.execute("ROLLBACK")
-            raise StorageError(DISK_FULL_MESSAGE) from exc
+            if code == sqlite3.SQLITE_FULL:
+                raise StorageError(DISK_FULL_MESSAGE) from exc
+            raise ResourceLimitError(f"the data folder's database is locked by another process (waited "
+                                     f"{store_busy_seconds():g} s, {STORE_BUSY_SETTING}); nothing was changed: "
+                                     "retry in a moment") from exc
 
 
 def add_columns(db: sqlite3.Connection, table: str, columns: dict[str, str]) -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&cosyvoice/server/proto/cosyvoice.proto\x12\tcosyvoice\"\x99\x03\n\x07Request\x12,\n\x0bsft_request\x18\x01 \x01(\x0b\x32\x15.cosyvoice.sftRequestH\x00\x12\x37\n\x11zero_shot_request\x18\x02 \x01(\x0b\x32\x1a.cosyvoice.zeroshotRequestH\x00\x12?\n\x15\x63ross_lingual_request\x18\x03 \x01(\x0b\x32\x1e.cosyvoice.crosslingualRequestH\x00\x12\x36\n\x10instruct_request\x18\x04 \x01(\x0b\x32\x1a.cosyvoice.instructRequestH\x00\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x12\n\x05speed\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x13\n\x06stream\x18\x07 \x01(\x08H\x03\x88\x01\x01\x12\x12\n\x05\x66inal\x18\x08 \x01(\tH\x04\x88\x01\x01\x12\x16\n\tfirst_hop\x18\t \x01(\rH\x05\x88\x01\x01\x42\x10\n\x0eRequestPayloadB\x07\n\x05_seedB\x08\n\x06_speedB\t\n\x07_streamB\x08\n\x06_finalB\x0c\n\n_first_hop\".\n\nsftRequest\x12\x0e\n\x06spk_id\x18\x01 \x01(\t\x12\x10\n\x08tts_text\x18\x02 \x01(\t\"`\n\x0fzeroshotRequest\x12\x10\n\x08tts_text\x18\x01 \x01(\t\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\x14\n\x0cprompt_audio\x18\x03 \x01(\x0c\x12\x10\n\x08voice_id\x18\x04 \x01(\t\"O\n\x13\x63rosslingualRequest\x12\x10\n\x08tts_text\x18\x01 \x01(\t\x12\x14\n\x0cprompt_audio\x18\x02 \x01(\x0c\x12\x10\n\x08voice_id\x18\x03 \x01(\t\"`\n\x0finstructRequest\x12\x10\n\x08tts_text\x18\x01 \x01(\t\x12\x0e\n\x06spk_id\x18\x02 \x01(\t\x12\x15\n\rinstruct_text\x18\x03 \x01(\t\x12\x14\n\x0cprompt_audio\x18\x04 \x01(\x0c\"\x1d\n\x08Response\x12\x11\n\ttts_audio\x18\x01 \x01(\x0c\x32\x45\n\tCosyVoice\x12\x38\n\tInference\x12\x12.cosyvoice.Request\x1a\x13.cosyvoice.Response\"\x00\x30\x01\x42\tZ\x07protos/b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&cosyvoice/server/proto/cosyvoice.proto\x12\tcosyvoice\"\xb7\x03\n\x07Request\x12,\n\x0bsft_request\x18\x01 \x01(\x0b\x32\x15.cosyvoice.sftRequestH\x00\x12\x37\n\x11zero_shot_request\x18\x02 \x01(\x0b\x32\x1a.cosyvoice.zeroshotRequestH\x00\x12?\n\x15\x63ross_lingual_request\x18\x03 \x01(\x0b\x32\x1e.cosyvoice.crosslingualRequestH\x00\x12\x36\n\x10instruct_request\x18\x04 \x01(\x0b\x32\x1a.cosyvoice.instructRequestH\x00\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x12\n\x05speed\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x13\n\x06stream\x18\x07 \x01(\x08H\x03\x88\x01\x01\x12\x12\n\x05\x66inal\x18\x08 \x01(\tH\x04\x88\x01\x01\x12\x16\n\tfirst_hop\x18\t \x01(\rH\x05\x88\x01\x01\x12\x12\n\x05steps\x18\n \x01(\rH\x06\x88\x01\x01\x42\x10\n\x0eRequestPayloadB\x07\n\x05_seedB\x08\n\x06_speedB\t\n\x07_streamB\x08\n\x06_finalB\x0c\n\n_first_hopB\x08\n\x06_steps\".\n\nsftRequest\x12\x0e\n\x06spk_id\x18\x01 \x01(\t\x12\x10\n\x08tts_text\x18\x02 \x01(\t\"`\n\x0fzeroshotRequest\x12\x10\n\x08tts_text\x18\x01 \x01(\t\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\x14\n\x0cprompt_audio\x18\x03 \x01(\x0c\x12\x10\n\x08voice_id\x18\x04 \x01(\t\"O\n\x13\x63rosslingualRequest\x12\x10\n\x08tts_text\x18\x01 \x01(\t\x12\x14\n\x0cprompt_audio\x18\x02 \x01(\x0c\x12\x10\n\x08voice_id\x18\x03 \x01(\t\"`\n\x0finstructRequest\x12\x10\n\x08tts_text\x18\x01 \x01(\t\x12\x0e\n\x06spk_id\x18\x02 \x01(\t\x12\x15\n\rinstruct_text\x18\x03 \x01(\t\x12\x14\n\x0cprompt_audio\x18\x04 \x01(\x0c\"\x1d\n\x08Response\x12\x11\n\ttts_audio\x18\x01 \x01(\x0c\x32\x45\n\tCosyVoice\x12\x38\n\tInference\x12\x12.cosyvoice.Request\x1a\x13.cosyvoice.Response\"\x00\x30\x01\x42\tZ\x07protos/b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z\007protos/'
   _globals['_REQUEST']._serialized_start=54
-  _globals['_REQUEST']._serialized_end=463
-  _globals['_SFTREQUEST']._serialized_start=465
-  _globals['_SFTREQUEST']._serialized_end=511
-  _globals['_ZEROSHOTREQUEST']._serialized_start=513
-  _globals['_ZEROSHOTREQUEST']._serialized_end=609
-  _globals['_CROSSLINGUALREQUEST']._serialized_start=611
-  _globals['_CROSSLINGUALREQUEST']._serialized_end=690
-  _globals['_INSTRUCTREQUEST']._serialized_start=692
-  _globals['_INSTRUCTREQUEST']._serialized_end=788
-  _globals['_RESPONSE']._serialized_start=790
-  _globals['_RESPONSE']._serialized_end=819
-  _globals['_COSYVOICE']._serialized_start=821
-  _globals['_COSYVOICE']._serialized_end=890
+  _globals['_REQUEST']._serialized_end=493
+  _globals['_SFTREQUEST']._serialized_start=495
+  _globals['_SFTREQUEST']._serialized_end=541
+  _globals['_ZEROSHOTREQUEST']._serialized_start=543
+  _globals['_ZEROSHOTREQUEST']._serialized_end=639
+  _globals['_CROSSLINGUALREQUEST']._serialized_start=641
+  _globals['_CROSSLINGUALREQUEST']._serialized_end=720
+  _globals['_INSTRUCTREQUEST']._serialized_start=722
+  _globals['_INSTRUCTREQUEST']._serialized_end=818
+  _globals['_RESPONSE']._serialized_start=820
+  _globals['_RESPONSE']._serialized_end=849
+  _globals['_COSYVOICE']._serialized_start=851
+  _globals['_COSYVOICE']._serialized_end=920
 # @@protoc_insertion_point(module_scope)

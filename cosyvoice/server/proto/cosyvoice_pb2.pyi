@@ -6,7 +6,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Request(_message.Message):
-    __slots__ = ("sft_request", "zero_shot_request", "cross_lingual_request", "instruct_request", "seed", "speed", "stream", "final", "first_hop")
+    __slots__ = ("sft_request", "zero_shot_request", "cross_lingual_request", "instruct_request", "seed", "speed", "stream", "final", "first_hop", "steps")
     SFT_REQUEST_FIELD_NUMBER: _ClassVar[int]
     ZERO_SHOT_REQUEST_FIELD_NUMBER: _ClassVar[int]
     CROSS_LINGUAL_REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class Request(_message.Message):
     STREAM_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     FIRST_HOP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     sft_request: sftRequest
     zero_shot_request: zeroshotRequest
     cross_lingual_request: crosslingualRequest
@@ -25,7 +26,8 @@ class Request(_message.Message):
     stream: bool
     final: str
     first_hop: int
-    def __init__(self, sft_request: _Optional[_Union[sftRequest, _Mapping]] = ..., zero_shot_request: _Optional[_Union[zeroshotRequest, _Mapping]] = ..., cross_lingual_request: _Optional[_Union[crosslingualRequest, _Mapping]] = ..., instruct_request: _Optional[_Union[instructRequest, _Mapping]] = ..., seed: _Optional[int] = ..., speed: _Optional[float] = ..., stream: _Optional[bool] = ..., final: _Optional[str] = ..., first_hop: _Optional[int] = ...) -> None: ...
+    steps: int
+    def __init__(self, sft_request: _Optional[_Union[sftRequest, _Mapping]] = ..., zero_shot_request: _Optional[_Union[zeroshotRequest, _Mapping]] = ..., cross_lingual_request: _Optional[_Union[crosslingualRequest, _Mapping]] = ..., instruct_request: _Optional[_Union[instructRequest, _Mapping]] = ..., seed: _Optional[int] = ..., speed: _Optional[float] = ..., stream: _Optional[bool] = ..., final: _Optional[str] = ..., first_hop: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class sftRequest(_message.Message):
     __slots__ = ("spk_id", "tts_text")
