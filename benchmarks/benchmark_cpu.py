@@ -485,7 +485,8 @@ def llm_work(lm: torch.nn.Module) -> dict[str, float]:
     stack = lm.llm.model.model
     linears = [m for m in stack.modules() if isinstance(m, torch.nn.Linear)]
     linear_params = sum(m.weight.numel() for m in linears)
-    other = sum(p.numel() for p in stack.parameters()) - linear_params + lm.llm_decoder.weight.numel()
+    read = sum(p.numel() for n, p in stack.named_parameters() if not n.startswith("embed_tokens."))  # one row read
+    other = read - linear_params + lm.llm_decoder.weight.numel()
     attn = stack.layers[0].self_attn
     attention = 2 * len(stack.layers) * PREFILL * PREFILL * attn.n_heads * attn.head_dim  # QK and AV, half masked
     return {"decode_gb_fp32": 4 * (linear_params + other) / 1e9, "decode_gb_int8": (linear_params + 4 * other) / 1e9,
