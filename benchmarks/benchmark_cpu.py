@@ -14,10 +14,13 @@ ones do), the same seed and text, one streamed request at a time, exactly ``--fi
 2. **Rows** (:data:`ROWS`), each in its own process (clean peak RSS, clean thread state): ``fp32`` is today's
    path (precision fp32, both engine threads on every core, as before per-stage threads); each further row
    adds one optimisation to it; ``all`` adds them together. A row that cannot run on this CPU is skipped
-   with the reason (bf16 without AVX512-BF16 or AMX). Per row: first audio p50/p90 over ``--requests``
-   requests, RTF, seconds of compute per second of audio of the LLM (every scheduler step), the flow and the
-   vocoder (the worker's chunks) inside the run (LLM and worker overlap: the sum may exceed the wall time),
-   load seconds (auto's self-check included), peak RSS (VmHWM). A new optimisation is one more entry in :data:`ROWS`.
+   with the reason (bf16 without AVX512-BF16 or AMX). ``reference strategy`` is the reference's engine
+   (``benchmarks/reference_engine.py``) over the same modules, in the same run. Per row: first audio p50/p90
+   over ``--requests`` requests (each cancelled at its first chunk), the RTF of one request per ``--lengths``
+   (10 s and 60 s of speech: how cost grows with length), seconds of compute per second of audio of the LLM
+   (every scheduler step, or the reference's LLM thread), the flow and the vocoder (the worker's chunks) in the
+   first of them (LLM and worker overlap: the sum may exceed the wall time), load seconds (auto's self-check
+   included), peak RSS (VmHWM). A new optimisation is one more entry in :data:`ROWS`.
 3. **Quality** (``--golden``): each fast path against fp32 on the golden inputs (the DiT's mel whole, chunk-
    masked and streamed; the LLM's mean KL per teacher-forced step), at the benchmark's sizes and on the golden
    tiny bundle, against :data:`cosyvoice.backends.precision.BOUNDS`.
@@ -29,7 +32,10 @@ ones do), the same seed and text, one streamed request at a time, exactly ``--fi
    per Euler step on each path (:data:`DIT_PATHS`: today's torch fp32 recomputing the AdaLN modulation, torch
    with the modulation cache, onnxruntime fp32, onnxruntime int8) at the stream's shapes, beside the step's
    floor (its FLOPs over the GEMM peak, plus its AdaLN weights over the bandwidth where it reads them), and each
-   path's mel error against torch fp32 whole, chunk-masked and streamed (the quality bounds at these sizes).
+   path's mel error against torch fp32 whole, chunk-masked and streamed (the quality bounds at these sizes);
+   the LLM on each of :data:`LLM_PATHS` (prefill and decode per token against their floors: FLOPs over the GEMM
+   peak, weight bytes over the GEMV bandwidth; KL against fp32) and the vocoder per audio second (its FLOPs,
+   counted by torch, over the GEMM peak).
 
 The CPU flags and ``/proc/loadavg`` before and after are printed: other work sharing the cores shows there.
 """
@@ -57,6 +63,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import reference_engine
 from benchmark_performance import TEXT, _git_commit, _prompt, bench_bundle
 
 from cosyvoice.backends import precision as fast
@@ -65,6 +72,7 @@ from cosyvoice.bundle import validate_model_dir
 from cosyvoice.cli.cosyvoice import CosyVoice3
 from cosyvoice.engine.engine import stage_threads
 from cosyvoice.engine.runner import LLMRunner
+from cosyvoice.engine.session import ChunkSchedule
 from cosyvoice.engine.t2w import Token2Wav
 from cosyvoice.flow import FlowStream
 from cosyvoice.frontend.prompts import zero_shot_prompt_text
@@ -75,12 +83,18 @@ from cosyvoice.settings import Limits
 @dataclass(frozen=True)
 class Row:
     """One ablation row: the precision, per-stage threads (else both engine threads on every core, as before),
-    the voice's flow prefix (``COSYVOICE_PROMPT_CACHE``) and the flow's Euler steps (None: the model's 10)."""
+    the voice's flow prefix (``COSYVOICE_PROMPT_CACHE``), the flow's Euler steps (None: the model's 10), the
+    stream's final call (``full``: the reference's; ``chunked``), the DiT's backend, and ``reference``: the
+    reference's strategy (:class:`ReferenceEngine`, fp32 torch: an LLM thread per request, flow and vocoder
+    recomputed over the whole utterance per chunk)."""
 
     precision: str = "fp32"
     staged: bool = False
     prefix: bool = False
     steps: int | None = None
+    final: str = "full"
+    backend: str = "torch"
+    reference: bool = False
 
 
 #: "fp32" is today's path; the rows after it add one optimisation each, the "all" rows add them together.
@@ -93,6 +107,9 @@ ROWS: dict[str, Row] = {
     "+6 steps": Row(steps=6),
     "all (auto)": Row("auto", True, True),
     "all (auto), 6 steps": Row("auto", True, True, 6),
+    "all (auto), final chunked": Row("auto", True, True, final="chunked"),
+    "fp32 exact: onnxruntime DiT, threads, prefix": Row(staged=True, prefix=True, backend="onnxruntime"),
+    "reference strategy (fp32)": Row(reference=True),
 }
 PROMPT_TEXT = "A prompt recording of three seconds."
 
@@ -113,7 +130,8 @@ class StageTimer:
     """Sums the wall time of the scheduler's steps (LLM), the worker's chunk computations (flow + vocoder) and
     its vocoder calls (methods wrapped for this benchmark only); flow = chunks - vocoder."""
 
-    TARGETS = ((LLMRunner, "execute", "llm"), (Token2Wav, "chunks", "t2w"), (Token2Wav, "vocode", "vocoder"))
+    TARGETS = ((LLMRunner, "execute", "llm"), (reference_engine, "run_ticket_eager", "llm_reference"),
+               (Token2Wav, "chunks", "t2w"), (Token2Wav, "vocode", "vocoder"))
 
     def __init__(self) -> None:
         self.seconds = {stage: 0.0 for _, _, stage in self.TARGETS}
@@ -138,6 +156,7 @@ class StageTimer:
         for cls, name, original in self._saved:
             setattr(cls, name, original)
         self.seconds["flow"] = self.seconds.pop("t2w") - self.seconds["vocoder"]
+        self.seconds["llm"] += self.seconds.pop("llm_reference")
 
 
 def _median_time(fn: Callable[[], object], repeats: int = 3) -> float:
@@ -236,44 +255,62 @@ def process_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_row(model_dir: Path, row: str, fixed: int, requests: int, work: Path) -> dict[str, object]:
-    """One row in this process: load, warm up, ``requests`` streamed requests (see the module docstring)."""
-    spec = ROWS[row]
-    cores = torch.get_num_threads()
-    os.environ["COSYVOICE_PROMPT_CACHE"] = "on" if spec.prefix else "off"
-    start = time.perf_counter()
-    tts = CosyVoice3(model_dir, device="cpu", limits=Limits(max_sessions=1, queue_timeout_seconds=600),
-                     voice_dir=work / f"voices-{row}", backend="torch", precision=spec.precision)
-    load_s = time.perf_counter() - start
+def _engine(tts: CosyVoice3, spec: Row, cores: int) -> object:
+    """The engine a row measures: the production one (both threads on every core unless ``staged``), or the
+    reference's strategy over the same modules."""
     engine = tts.engine
+    if spec.reference:
+        engine.close()
+        return reference_engine.ReferenceEngine(engine.config, engine.llm, engine.flow, engine.hift,
+                                                torch.device("cpu"), engine.limits)
     if not spec.staged:  # today's layout: both engine threads run torch's global count (both ask for every core)
         engine.scheduler.threads = engine.worker.threads = cores
+    return engine
+
+
+def run_row(model_dir: Path, row: str, requests: int, lengths: list[int], work: Path) -> dict[str, object]:
+    """One row in this process: load, warm up, first audio of ``requests`` streamed requests (each stopped at
+    its first chunk), then one streamed request per length in ``lengths`` (seconds of speech: 25 tokens each)
+    for the RTF; the per-stage seconds come from the first of them (see the module docstring)."""
+    spec = ROWS[row]
+    os.environ["COSYVOICE_PROMPT_CACHE"] = "on" if spec.prefix else "off"
+    start = time.perf_counter()
+    tts = CosyVoice3(model_dir, device="cpu", limits=Limits(max_sessions=1, queue_timeout_seconds=3600),
+                     voice_dir=work / f"voices-{row}", backend=spec.backend, precision=spec.precision)
+    load_s = time.perf_counter() - start
+    engine = _engine(tts, spec, torch.get_num_threads())
     voice = tts.frontend.voice(zero_shot_prompt_text(PROMPT_TEXT), _prompt(work / "prompt.wav"))
     inp = tts.frontend.model_input(TEXT, voice)
+    options = {} if spec.reference else {"steps": spec.steps, "schedule": ChunkSchedule(final=spec.final)}
 
-    def request(tokens: int) -> dict[str, float]:
-        start = time.perf_counter()
-        first, samples = None, 0
-        for chunk in engine.synthesize(inp, stream=True, seed=0, fixed_tokens=tokens, steps=spec.steps):
+    def request(tokens: int, first_only: bool = False) -> dict[str, float]:
+        start, first, samples = time.perf_counter(), None, 0
+        chunks = engine.synthesize(inp, stream=True, seed=0, fixed_tokens=tokens, **options)
+        for chunk in chunks:
             first = first if first is not None else time.perf_counter() - start
             samples += chunk.pcm.numel()
-        total = time.perf_counter() - start
-        return {"first": first or total, "total": total, "audio": samples / engine.sample_rate}
+            if first_only:
+                chunks.close()  # cancels the request: only its first audio is measured
+                break
+        return {"first": first, "total": time.perf_counter() - start, "audio": samples / tts.sample_rate}
 
-    warm = request(min(fixed, 30))  # warm-up: allocations, the KV pool, noise buffers, the voice's flow prefix
-    with StageTimer() as timer:
-        runs = [request(fixed) for _ in range(requests)]
-    audio = sum(r["audio"] for r in runs)
-    firsts = [r["first"] for r in runs]
+    warm = request(30)  # warm-up: allocations, the KV pool, noise buffers, the voice's flow prefix
+    firsts = [request(25 * max(lengths), first_only=True)["first"] for _ in range(requests)]
     result: dict[str, object] = {
-        "precision": tts.model.plan.label, "threads": [engine.scheduler.threads, engine.worker.threads],
+        "precision": tts.model.plan.label, "backend": spec.backend, "reference": spec.reference,
+        "threads": [] if spec.reference else [engine.scheduler.threads, engine.worker.threads],
         "first_audio_p50_s": float(np.percentile(firsts, 50)), "first_audio_p90_s": float(np.percentile(firsts, 90)),
-        "rtf": sum(r["total"] for r in runs) / audio, "audio_s_per_request": audio / len(runs),
-        **{f"{stage}_s_per_audio_s": s / audio for stage, s in timer.seconds.items()},
-        "steps": spec.steps or engine.default_steps, "prefix": spec.prefix, "warm_up_first_audio_s": warm["first"],
-        "load_average_after": load_average(), "load_s": load_s, "peak_rss_mb": peak_rss_mb(),
-        "checks": tts.model.plan.checks}
-    engine.close()
+        "steps": spec.steps or tts.engine.default_steps, "prefix": spec.prefix, "final": spec.final,
+        "warm_up_first_audio_s": warm["first"]}
+    for i, seconds in enumerate(lengths):
+        with StageTimer() as timer:
+            run = request(25 * seconds)
+        result[f"rtf_{seconds}s"] = run["total"] / run["audio"]
+        if i == 0:
+            result.update({f"{stage}_s_per_audio_s": s / run["audio"] for stage, s in timer.seconds.items()})
+    result.update(load_average_after=load_average(), load_s=load_s, peak_rss_mb=peak_rss_mb(),
+                  checks=tts.model.plan.checks)
+    tts.engine.close()
     return result
 
 
@@ -435,6 +472,106 @@ def _golden_flow_inputs(golden: Path) -> dict[str, torch.Tensor]:
             if k in ("token", "prompt_token", "prompt_feat", "embedding")}
 
 
+#: the LLM's paths the floor section measures (label -> precision.apply_llm's kind)
+LLM_PATHS = {"torch fp32": "fp32", "torch int8 (dynamic linears)": "int8",
+             "onnxruntime fp32, one graph per step": "onnxruntime",
+             "onnxruntime int8, one graph per step": "onnxruntime-int8"}
+PREFILL, DECODE = 160, 16  # the issue's prefill (3 s prompt + text) and the decode steps timed after it
+
+
+def llm_work(lm: torch.nn.Module) -> dict[str, float]:
+    """The weight bytes a decode step reads (Qwen2 stack + speech head, fp32; int8 stores the stack's linears in
+    a quarter) and the FLOPs of a :data:`PREFILL`-position prefill (its linears + causal attention)."""
+    stack = lm.llm.model.model
+    linears = [m for m in stack.modules() if isinstance(m, torch.nn.Linear)]
+    linear_params = sum(m.weight.numel() for m in linears)
+    read = sum(p.numel() for n, p in stack.named_parameters() if not n.startswith("embed_tokens."))  # one row read
+    other = read - linear_params + lm.llm_decoder.weight.numel()
+    attn = stack.layers[0].self_attn
+    attention = 2 * len(stack.layers) * PREFILL * PREFILL * attn.n_heads * attn.head_dim  # QK and AV, half masked
+    return {"decode_gb_fp32": 4 * (linear_params + other) / 1e9, "decode_gb_int8": (linear_params + 4 * other) / 1e9,
+            "prefill_gflop": (2 * PREFILL * (linear_params + lm.llm_decoder.weight.numel()) + attention) / 1e9}
+
+
+def _llm_path(ref: torch.nn.Module, kind: str, model_dir: Path) -> torch.nn.Module:
+    """``ref``'s shadow on ``kind``; an onnxruntime graph on one intra-op thread (the floor is per thread)."""
+    from cosyvoice.backends.llm_step import GraphBackbone, ensure_step
+    from cosyvoice.backends.ort import OrtGraph
+
+    if kind not in fast.ORT_LLM:
+        return fast.apply_llm(fast.shadow(ref), kind)
+    lm = fast.shadow(ref)
+    path = ensure_step(ref.llm, model_dir, fast.ORT_LLM[kind])
+    lm.llm.runner = GraphBackbone(OrtGraph(path, torch.device("cpu"), threads=1), lm.llm)
+    return lm
+
+
+@torch.inference_mode()
+def llm_paths(model_dir: Path) -> dict[str, dict[str, float]]:
+    """Each of :data:`LLM_PATHS`, one thread, CPU time: a :data:`PREFILL`-position prefill and the decode steps
+    after it (per token, the best of two runs of :data:`DECODE`), and the mean KL per step against fp32 on auto's
+    synthetic check (:func:`cosyvoice.backends.precision.check_llm`'s input)."""
+    torch.set_num_threads(1)
+    ref = validate_model_dir(model_dir).load_llm()
+    seq, start = fast.forced_sequence(ref, *fast._synthetic_llm_input(ref))
+    ref_lp = fast.teacher_forced_log_probs(ref, seq, start)
+    prompt = torch.randn(1, PREFILL, ref.cfg.llm_input_size, generator=torch.Generator().manual_seed(0))
+    steps = [prompt[:, i:i + 1] for i in range(DECODE)]
+    results: dict[str, dict[str, float]] = {}
+    for name, kind in LLM_PATHS.items():
+        lm = _llm_path(ref, kind, model_dir)
+        cache = lm.llm.new_cache(1, PREFILL + DECODE)
+        lm.decode_step(prompt, 0, cache)  # warm-up: packing, the session's first run
+        row = {"prefill s": _cpu_seconds(lambda lm=lm, cache=cache: lm.decode_step(prompt, 0, cache), 2)}
+        row["decode s per token"] = _cpu_seconds(lambda lm=lm, cache=cache: [
+            lm.decode_step(x, PREFILL + i, cache) for i, x in enumerate(steps)], 2) / DECODE
+        row["llm_kl_mean"] = 0.0 if kind == "fp32" else fast.kl_mean(ref_lp, fast.teacher_forced_log_probs(lm, seq,
+                                                                                                            start))
+        results[name] = row
+        print(name, json.dumps({k: round(v, 5) for k, v in row.items()}), flush=True)
+        del lm, cache
+    results["_work"] = llm_work(ref)
+    return results
+
+
+@torch.inference_mode()
+def vocoder_path(model_dir: Path, seconds: int = 2) -> dict[str, float]:
+    """The vocoder (weight norm folded, as the engine runs it) on ``seconds`` of mel, one thread: CPU seconds and
+    FLOPs (torch's counter: its convolutions and matmuls) per audio second."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.set_num_threads(1)
+    hift = validate_model_dir(model_dir).load_hift()
+    hift.fold_weight_norm()
+    mel = torch.randn(1, hift.cfg.in_channels, 50 * seconds, generator=torch.Generator().manual_seed(0))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        wav = HiFTStream(hift).inference(mel, finalize=True)
+    audio = wav.shape[-1] / hift.cfg.sampling_rate
+    cpu = _cpu_seconds(lambda: HiFTStream(hift).inference(mel, finalize=True), 2)
+    return {"s per audio s": cpu / audio, "gflop per audio s": counter.get_total_flops() / 1e9 / audio}
+
+
+def stage_floor_table(floor: dict[str, float], llm: dict[str, dict[str, float]], vocoder: dict[str, float]) -> str:
+    """The LLM's paths and the vocoder against this machine's floor: decode per token = its weight bytes over
+    the GEMV bandwidth, prefill and vocoder = their FLOPs over the GEMM peak."""
+    work, peak, bandwidth = llm["_work"], floor["gemm_peak_gflops"], floor["gemv_gb_per_s"]
+    rows = ["| stage, path (1 thread) | measured CPU s | floor s | floor / measured | LLM KL vs fp32 (nats) |",
+            "| --- | --- | --- | --- | --- |"]
+    for name, row in llm.items():
+        if name == "_work":
+            continue
+        weights = "decode_gb_int8" if "int8" in name else "decode_gb_fp32"
+        for label, seconds, floor_s in (("prefill, 160 positions", row["prefill s"], work["prefill_gflop"] / peak),
+                                        ("decode, per token", row["decode s per token"], work[weights] / bandwidth)):
+            rows.append(f"| LLM {label}, {name} | {seconds:.4f} | {floor_s:.4f} | {floor_s / seconds:.2f} | "
+                        f"{row['llm_kl_mean']:.2e} |")
+    voc_floor = vocoder["gflop per audio s"] / peak
+    rows.append(f"| vocoder per audio second, torch fp32 | {vocoder['s per audio s']:.3f} | {voc_floor:.3f} | "
+                f"{voc_floor / vocoder['s per audio s']:.2f} | |")
+    return "\n".join(rows)
+
+
 def floor_table(floor: dict[str, float], paths: dict[str, dict[str, float]]) -> str:
     """Per path and shape: seconds per step, the step's floor, the fraction of the floor reached."""
     work = paths["_work"]
@@ -456,12 +593,34 @@ def floor_table(floor: dict[str, float], paths: dict[str, dict[str, float]]) -> 
     return "\n".join(rows)
 
 
+def rows_table(results: dict[str, object], lengths: list[int]) -> str:
+    """One line per row: its settings, first audio, RTF per length, per-stage seconds per audio second."""
+    head = ["row", "precision", "DiT backend", "threads (LLM, t2w)", "prefix", "steps", "final",
+            "first audio p50 / p90 s", *(f"RTF {n} s" for n in lengths), "LLM s/s", "flow s/s", "vocoder s/s",
+            "load s", "peak RSS MB", "load average after"]
+    lines = ["| " + " | ".join(head) + " |", "| --- " * len(head) + "|"]
+    for row, r in results.items():
+        if not isinstance(r, dict) or "first_audio_p50_s" not in r:
+            lines.append(f"| {row} | {r} |")
+            continue
+        rtfs = [f"{r[f'rtf_{n}s']:.2f}" for n in lengths]
+        cells = [row, r["precision"], "reference strategy" if r["reference"] else r["backend"], r["threads"],
+                 "yes" if r["prefix"] else "no", r["steps"], r["final"],
+                 f"{r['first_audio_p50_s']:.2f} / {r['first_audio_p90_s']:.2f}", *rtfs,
+                 *(f"{r[f'{k}_s_per_audio_s']:.2f}" for k in ("llm", "flow", "vocoder")), f"{r['load_s']:.1f}",
+                 f"{r['peak_rss_mb']:.0f}", r["load_average_after"]]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny test bundle (a smoke run)")
     parser.add_argument("--model-dir", type=Path, help="a bundle to measure (default: released sizes, random)")
-    parser.add_argument("--fixed-tokens", type=int, default=75, help="speech tokens per request (75 = 3 s)")
+    parser.add_argument("--fixed-tokens", type=int, default=75, help="speech tokens of the profile (75 = 3 s)")
     parser.add_argument("--requests", type=int, default=5, help="measured requests per row (first audio p50/p90)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[10, 60],
+                        help="seconds of speech of each row's RTF requests (the first gives the per-stage split)")
     parser.add_argument("--rows", nargs="*", choices=list(ROWS), default=list(ROWS))
     parser.add_argument("--golden", type=Path, help="golden fixtures: also measure the quality bounds")
     parser.add_argument("--skip-profile", action="store_true", help="only the rows (and --golden)")
@@ -474,14 +633,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="cosyvoice-cpu-bench-"))
     if args.row:
-        print(json.dumps(run_row(args.model_dir, args.row, args.fixed_tokens, args.requests, work)))
+        print(json.dumps(run_row(args.model_dir, args.row, args.requests, args.lengths, work)))
         return {}
     model_dir, model = bench_bundle(args.model_dir, args.tiny, work)
     features = fast.cpu_features()
     settings = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "cpu": cpu_model(), "cpu_flags": sorted(features), "cores": torch.get_num_threads(),
                 "torch": torch.__version__, "python": platform.python_version(), "commit": _git_commit(),
-                "model": model, "fixed_tokens": args.fixed_tokens, "requests": args.requests,
+                "model": model, "lengths_s": args.lengths, "requests": args.requests,
                 "mode": "stream, 1 request at a time, batched engine, seed 0", "load_before": load_average()}
     print(" | ".join(f"{k} {v}" for k, v in settings.items()), flush=True)
     report: dict[str, object] = {"settings": settings}
@@ -490,7 +649,9 @@ def main(argv: list[str] | None = None) -> dict:
         print("floor (1 thread, CPU time)", json.dumps({k: round(v, 2) for k, v in floor.items()}), flush=True)
         paths = dit_paths(Path(model_dir), args.golden)
         print(floor_table(floor, paths), flush=True)
-        report.update(floor=floor, dit_paths=paths)
+        llm, vocoder = llm_paths(Path(model_dir)), vocoder_path(Path(model_dir))
+        print(stage_floor_table(floor, llm, vocoder), flush=True)
+        report.update(floor=floor, dit_paths=paths, llm_paths=llm, vocoder=vocoder)
         settings["load_after_floor"] = load_average()
         print("load average after the floor section", settings["load_after_floor"], flush=True)
     prof: dict[str, float] = {}
@@ -512,7 +673,7 @@ def main(argv: list[str] | None = None) -> dict:
             results[row] = {"skipped": reason}
         else:
             done = subprocess.run([sys.executable, __file__, "--row", row, "--model-dir", str(model_dir),
-                                   "--fixed-tokens", str(args.fixed_tokens), "--requests", str(args.requests)],
+                                   "--requests", str(args.requests), "--lengths", *map(str, args.lengths)],
                                   capture_output=True, text=True)
             lines = done.stdout.strip().splitlines()
             results[row] = json.loads(lines[-1]) if done.returncode == 0 and lines else {
@@ -521,19 +682,7 @@ def main(argv: list[str] | None = None) -> dict:
     settings["load_after"] = load_average()
     report.update(profile=prof, threads=layouts, rows=results)
     print(f"\nload average before {settings['load_before']}, after {settings['load_after']}")
-    print("| row | precision | threads (LLM, t2w) | prefix | steps | first audio p50 / p90 s | RTF | LLM s/s "
-          "| flow s/s | vocoder s/s | load s | warm-up first audio s | peak RSS MB | load average after |")
-    print("| --- " * 14 + "|")
-    for row, r in results.items():
-        if "rtf" not in r:  # type: ignore[operator]
-            print(f"| {row} | {r} |")
-            continue
-        print(f"| {row} | {r['precision']} | {r['threads']} | {'yes' if r['prefix'] else 'no'} | "  # type: ignore[index]
-              f"{r['steps']} | {r['first_audio_p50_s']:.2f} / "  # type: ignore[index]
-              f"{r['first_audio_p90_s']:.2f} | {r['rtf']:.2f} | {r['llm_s_per_audio_s']:.2f} | "  # type: ignore[index]
-              f"{r['flow_s_per_audio_s']:.2f} | {r['vocoder_s_per_audio_s']:.2f} | {r['load_s']:.1f} | "  # type: ignore[index]
-              f"{r['warm_up_first_audio_s']:.2f} | "  # type: ignore[index]
-              f"{r['peak_rss_mb']:.0f} | {r['load_average_after']} |")  # type: ignore[index]
+    print(rows_table(results, args.lengths))
     if args.golden and args.quality_paths != []:
         bundles = {"benchmark bundle": Path(model_dir), "golden tiny bundle": args.golden / "tiny_bundle"}
         report["quality"] = quality(args.golden, bundles, tuple(args.quality_paths or fast.candidates(features)))

@@ -1,4 +1,4 @@
-"""The DiT's onnxruntime paths as auto's candidates, and auto's kept measurements.
+"""The DiT's and the LLM's onnxruntime paths as auto's candidates, and auto's kept measurements.
 
 Bounds on the tiny bundle (random weights), against torch fp32 on the same inputs:
 - onnxruntime fp32 (the exact fast path): mel within 1e-6 relative RMS and 1e-4 max (float rounding of another
@@ -117,9 +117,10 @@ def test_auto_measures_the_onnxruntime_paths_and_keeps_its_choice(tiny_bundle_di
     digest = {"value": "model-a"}
 
     def plan(feats: frozenset[str] = features) -> fast.PrecisionPlan:
-        made, _, flow = fast.plan_and_apply("auto", bundle.load_llm, bundle.load_flow, feats, bundle.root, store,
-                                            lambda: digest["value"])
+        made, llm, flow = fast.plan_and_apply("auto", bundle.load_llm, bundle.load_flow, feats, bundle.root, store,
+                                              lambda: digest["value"])
         assert (flow.decoder.estimator.runner is not None) == (made.flow in fast.ORT_FLOW)
+        assert (llm.llm.runner is not None) == (made.llm in fast.ORT_LLM)
         return made
 
     first = plan()
@@ -128,6 +129,9 @@ def test_auto_measures_the_onnxruntime_paths_and_keeps_its_choice(tiny_bundle_di
     assert first.checks["flow_onnxruntime"]["mel_rel_rms"] <= EXACT_REL_RMS
     assert fast.holds(first.checks["flow_onnxruntime-int8"])
     assert first.flow == fast.fastest("flow", fast.flow_candidates(features, bundle.root), first.checks)
+    assert {f"llm_{k}" for k in fast.ORT_LLM} <= set(first.checks)
+    assert first.checks["llm_onnxruntime"]["llm_kl_mean"] <= 1e-6 and fast.holds(first.checks["llm_onnxruntime-int8"])
+    assert first.llm == fast.fastest("llm", fast.llm_candidates(features, bundle.root), first.checks)
     assert "*" in first.summary and "measured" in first.summary
 
     def no_measuring(*args: object, **kwargs: object) -> None:

@@ -169,20 +169,22 @@ def _parity(path: Path, spec: GraphSpec, precision: str) -> dict[str, object]:
             "atol": atol, "rtol": rtol}
 
 
-def _source_paths(model_root: Path) -> list[Path]:
-    return [model_root / "flow.pt", model_root / "hift.pt"]
+#: the checkpoints the DiT and vocoder graphs are made from
+SOURCES = ("flow.pt", "hift.pt")
 
 
-def source_hashes(model_root: Path) -> dict[str, dict[str, object]]:
-    """sha256 (and size, mtime) of the checkpoints the graphs are made from: an export is stale when they differ."""
+def source_hashes(model_root: Path, names: tuple[str, ...] = SOURCES) -> dict[str, dict[str, object]]:
+    """sha256 (and size, mtime) of the checkpoints ``names`` the graphs are made from: an export is stale when
+    they differ."""
+    paths = [model_root / name for name in names]
     return {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
-            for p in _source_paths(model_root)}
+            for p in paths}
 
 
-def sources_match(model_root: Path, manifest: dict[str, object]) -> bool:
+def sources_match(model_root: Path, manifest: dict[str, object], names: tuple[str, ...] = SOURCES) -> bool:
     """Whether the checkpoints are those the manifest was exported from (hashed only when size or mtime moved)."""
     recorded = manifest.get("sources", {})
-    for path in _source_paths(model_root):
+    for path in (model_root / name for name in names):
         entry = recorded.get(path.name)  # type: ignore[union-attr]
         if not isinstance(entry, dict) or not path.is_file():
             return False

@@ -14,7 +14,10 @@
   input (:func:`check_llm`, :func:`check_flow`; a minute at the released sizes). The candidates come from the
   CPU's flags: int8 everywhere, bf16 only where it is native; for the DiT also its onnxruntime graphs
   (:data:`ORT_FLOW`, when the model folder is known): fp32 (within ~1e-6 of torch: the exact fast path) and int8
-  (8-bit weights, u8 or s8 as the CPU needs, :func:`cosyvoice.backends.quant.int8_weights`). A stage whose
+  (8-bit weights, u8 or s8 as the CPU needs, :func:`cosyvoice.backends.quant.int8_weights`); for the LLM also
+  its Qwen2 stack as one onnxruntime graph per step (:data:`ORT_LLM`, :mod:`cosyvoice.backends.llm_step`), fp32 and
+  int8, which drops torch's per-op cost around each weight read. The LLM's check decodes step by step on a KV
+  cache, as the engine does, so its seconds are the per-token cost. A stage whose
   candidates all miss a bound, or are slower (int8 on tiny matrices), stays fp32. The measurements are kept per
   CPU and model (:mod:`cosyvoice.backends.auto_store`), so a restart applies them without measuring. On CUDA
   ``auto`` is fp32 (the ``dtype`` argument chooses half precision there).
@@ -49,6 +52,8 @@ CHOICES = ("auto", "fp32", "bf16", "int8")
 BOUNDS = {"mel_rel_rms": 0.01, "mel_max_abs": 0.05, "llm_kl_mean": 0.02}
 #: the DiT's onnxruntime paths (backend names): fp32 graphs, and int8 ones
 ORT_FLOW = ("onnxruntime", "onnxruntime-int8")
+#: the LLM's onnxruntime paths: its stack as one graph per step (:mod:`cosyvoice.backends.llm_step`) -> precision
+ORT_LLM = {"onnxruntime": "fp32", "onnxruntime-int8": "int8"}
 T = TypeVar("T")
 
 
@@ -57,11 +62,20 @@ def candidates(features: frozenset[str]) -> tuple[str, ...]:
     return ("int8", "bf16") if native_bf16(features) else ("int8",)
 
 
+def _ort_ready(model_root: Path | None) -> bool:
+    """Whether onnxruntime candidates can run: the package is installed and the model folder (where their graphs
+    are exported on first use) is known."""
+    return model_root is not None and importlib.util.find_spec("onnxruntime") is not None
+
+
 def flow_candidates(features: frozenset[str], model_root: Path | None) -> tuple[str, ...]:
-    """The DiT's candidates: the torch ones, then its onnxruntime graphs where the package is installed and the
-    model folder is known (they are exported there on first use)."""
-    ort = ORT_FLOW if model_root is not None and importlib.util.find_spec("onnxruntime") is not None else ()
-    return candidates(features) + ort
+    """The DiT's candidates: the torch ones, then its onnxruntime graphs (:func:`_ort_ready`)."""
+    return candidates(features) + (ORT_FLOW if _ort_ready(model_root) else ())
+
+
+def llm_candidates(features: frozenset[str], model_root: Path | None) -> tuple[str, ...]:
+    """The LLM's candidates: the torch ones, then its one-graph steps (:data:`ORT_LLM`, :func:`_ort_ready`)."""
+    return candidates(features) + (tuple(ORT_LLM) if _ort_ready(model_root) else ())
 
 
 @dataclass(frozen=True)
@@ -164,9 +178,17 @@ def bf16_dit(dit: torch.nn.Module) -> torch.nn.Module:
     return dit
 
 
-def apply_llm(llm: torch.nn.Module, kind: str) -> torch.nn.Module:
+def apply_llm(llm: torch.nn.Module, kind: str, model_root: Path | None = None) -> torch.nn.Module:
+    """``llm`` in ``kind``; an onnxruntime kind (:data:`ORT_LLM`) runs its Qwen2 stack in the step graph of
+    ``model_root`` and frees the stack's torch weights."""
     from cosyvoice.backends.quant import quantize_llm
 
+    if kind in ORT_LLM:
+        from cosyvoice.backends.llm_step import attach_step, release_stack
+
+        assert model_root is not None, "the onnxruntime paths need the model folder"
+        release_stack(attach_step(llm, model_root, ORT_LLM[kind]))
+        return llm
     if kind == "bf16":
         return llm.to(torch.bfloat16)
     return quantize_llm(llm) if kind == "int8" else llm
@@ -222,7 +244,7 @@ def plan_and_apply(requested: str, load_llm: Callable[[], torch.nn.Module], load
         key = machine_key(features, model_digest()) if store is not None and model_digest is not None else None
         kept = store.get(key) if key is not None else None
         if kept is not None:
-            llm = apply_llm(load_llm(), str(kept["llm"]))
+            llm = apply_llm(load_llm(), str(kept["llm"]), model_root)
             trim()
             flow = apply_flow(load_flow(), str(kept["flow"]), model_root)
             trim()
@@ -230,7 +252,7 @@ def plan_and_apply(requested: str, load_llm: Callable[[], torch.nn.Module], load
                                  checks=kept["checks"], measured_at=str(kept["measured_at"]), kept=True)
             logger.info("precision: %s (auto's measurements kept from %s)", plan.label, plan.measured_at)
             return plan, llm, flow
-        llm_kind, llm, llm_checks = check_llm(load_llm(), candidates(features))
+        llm_kind, llm, llm_checks = check_llm(load_llm(), llm_candidates(features, model_root), model_root)
         trim()
         flow_kind, flow, flow_checks = check_flow(load_flow(), flow_candidates(features, model_root), model_root)
         trim()
@@ -262,9 +284,14 @@ def _timed(fn: Callable[[], T]) -> tuple[T, float]:
 
 @torch.inference_mode()
 def teacher_forced_log_probs(llm: torch.nn.Module, seq: torch.Tensor, start: int) -> torch.Tensor:
-    """Float32 log-probs of every position from ``start`` of the embedded sequence ``seq`` [1, T, H]."""
-    hidden = llm.llm(seq.to(llm.speech_embedding.weight.dtype))[0][start:]
-    return llm.log_probs(hidden).float()
+    """Float32 log-probs [T - start, V] of every position from ``start`` of the embedded sequence ``seq`` [1, T, H],
+    computed as the engine decodes: a prefill to ``start``, then one position per step on a KV cache, so timing
+    this times the per-token steps where the LLM spends its time."""
+    seq = seq.to(llm.speech_embedding.weight.dtype)
+    cache = llm.llm.new_cache(1, seq.shape[1])
+    rows = [llm.decode_step(seq[:, :start + 1], 0, cache)[1]]
+    rows += [llm.decode_step(seq[:, i:i + 1], i, cache)[1] for i in range(start + 1, seq.shape[1])]
+    return torch.cat(rows).float()
 
 
 def kl_mean(ref_lp: torch.Tensor, got_lp: torch.Tensor) -> float:
@@ -342,10 +369,14 @@ def fastest(stage: str, paths: tuple[str, ...], checks: dict[str, dict[str, floa
                key=lambda k: checks[f"{stage}_{k}"]["seconds"], default="fp32")
 
 
-def check_llm(llm: torch.nn.Module, paths: tuple[str, ...]
+def check_llm(llm: torch.nn.Module, paths: tuple[str, ...], model_root: Path | None = None
               ) -> tuple[str, torch.nn.Module, dict[str, dict[str, float]]]:
     """(the LLM's path, the LLM, every candidate's measurements against fp32 on its weights): :func:`fastest` of
-    ``paths`` (timed on the same check, the better of two runs), else fp32 (the module given)."""
+    ``paths`` (timed on the same check, the better of two runs), else fp32 (the module given). An onnxruntime
+    candidate (:data:`ORT_LLM`) is a shadow running the step graph; the stack's torch weights are freed only
+    when it wins."""
+    from cosyvoice.backends.llm_step import attach_step, release_stack
+
     started = time.perf_counter()
     lm_input, forced = _synthetic_llm_input(llm)
     seq, start = forced_sequence(llm, lm_input, forced)
@@ -358,11 +389,16 @@ def check_llm(llm: torch.nn.Module, paths: tuple[str, ...]
     checks = {"llm_fp32": {"seconds": seconds}}
     tried = {"fp32": llm}
     for kind in paths:
-        got = tried[kind] = apply_llm(shadow(llm, torch.bfloat16 if kind == "bf16" else None), kind)
+        if kind in ORT_LLM:
+            got = tried[kind] = attach_step(shadow(llm), model_root, ORT_LLM[kind])
+        else:
+            got = tried[kind] = apply_llm(shadow(llm, torch.bfloat16 if kind == "bf16" else None), kind)
         lp, seconds = run(got)
         checks[f"llm_{kind}"] = {"llm_kl_mean": kl_mean(ref_lp, lp), "seconds": seconds}
     chosen = fastest("llm", paths, checks)
     logger.info("precision self-check of the LLM (%.1f s): %s", time.perf_counter() - started, checks)
+    if chosen in ORT_LLM:
+        release_stack(tried[chosen])
     return chosen, tried[chosen], checks
 
 
@@ -395,7 +431,7 @@ def check_flow(flow: torch.nn.Module, paths: tuple[str, ...], model_root: Path |
     return chosen, tried[chosen], checks
 
 
-__all__ = ["BOUNDS", "CHOICES", "ORT_FLOW", "AutoStore", "Bf16Linear", "PrecisionPlan", "apply_flow", "apply_llm",
-           "bf16_dit", "candidates", "check_flow", "check_llm", "cpu_features", "dit_projections", "fastest",
-           "flow_candidates", "holds", "llm_kl", "mel_error", "native_bf16", "plan_and_apply", "quantize_dit",
-           "resolve", "shadow"]
+__all__ = ["BOUNDS", "CHOICES", "ORT_FLOW", "ORT_LLM", "AutoStore", "Bf16Linear", "PrecisionPlan", "apply_flow",
+           "apply_llm", "bf16_dit", "candidates", "check_flow", "check_llm", "cpu_features", "dit_projections",
+           "fastest", "flow_candidates", "holds", "llm_candidates", "llm_kl", "mel_error", "native_bf16",
+           "plan_and_apply", "quantize_dit", "resolve", "shadow"]

@@ -49,6 +49,25 @@ def quantize_dit(src: Path, dst: Path, weights: str | None = None) -> str:
     return weights
 
 
+def weight_matmuls(model: onnx.ModelProto) -> list[str]:
+    """The MatMul nodes whose second input is a stored weight (the attention products multiply activations)."""
+    stored = {init.name for init in model.graph.initializer}
+    return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in stored]
+
+
+def quantize_llm_step(src: Path, dst: Path, weights: str) -> str:
+    """Write the int8 variant of the LLM step graph ``src`` to ``dst`` (atomically): :func:`weight_matmuls` 8-bit
+    per output channel, ``weights`` u8 or s8 (:func:`int8_weights`), activations u8 per call. Returns ``weights``."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    nodes = weight_matmuls(onnx.load(str(src), load_external_data=False))
+    tmp = dst.with_suffix(f".tmp{os.getpid()}.onnx")
+    quantize_dynamic(src, tmp, weight_type=QuantType.QInt8 if weights == "s8" else QuantType.QUInt8,
+                     op_types_to_quantize=["MatMul"], per_channel=True, reduce_range=False, nodes_to_quantize=nodes)
+    os.replace(tmp, dst)
+    return weights
+
+
 def quantize_llm(llm: torch.nn.Module) -> torch.nn.Module:
     """The LLM with every linear but the unused text head replaced by torch's dynamic int8 linear (weights int8
     per tensor, activations quantised per call; fbgemm/oneDNN kernels on x86). CPU only."""

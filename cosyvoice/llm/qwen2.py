@@ -15,6 +15,7 @@ hidden states are taken after the final norm (HF ``hidden_states[-1]``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -258,6 +259,8 @@ class Qwen2Backbone(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Qwen2CausalLM(cfg)
+        #: an accelerated backend's stack (same arguments and result as :meth:`forward`), or None for torch
+        self.runner: Callable[[torch.Tensor, torch.Tensor | None, KVCache | None], torch.Tensor] | None = None
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -266,6 +269,8 @@ class Qwen2Backbone(nn.Module):
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
         """Last hidden states [B, T, H]; see :meth:`Qwen2Model.forward`."""
+        if self.runner is not None:
+            return self.runner(embeds, positions, cache)
         return self.model.model(embeds, positions, cache)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
