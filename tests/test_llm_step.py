@@ -86,9 +86,10 @@ def test_the_int8_graph_holds_the_llm_bound(models: dict[str, CosyVoice3LM]) -> 
     assert fast.llm_kl(ref, models["onnxruntime"], lm_input, forced) < 1e-6
 
 
-def test_the_int8_graph_quantises_every_weight_matmul_for_this_cpu(tiny_bundle_dir: Path) -> None:
+def test_the_int8_graph_quantises_every_weight_matmul_for_this_cpu(models: dict[str, CosyVoice3LM],
+                                                                   tiny_bundle_dir: Path) -> None:
     """Every stored-weight MatMul of the stack (q, k, v, o, gate, up, down per layer) is int8, u8 or s8 as this
-    CPU's kernels need; the attention products stay float."""
+    CPU's kernels need; the attention products stay float. (``models`` writes the graphs: this test reads them.)"""
     onnx_dir = tiny_bundle_dir / "onnx"
     layers = validate_model_dir(tiny_bundle_dir).config.llm.qwen.num_hidden_layers
     assert len(weight_matmuls(onnx.load(str(onnx_dir / graph_file(llm_step.NAME))))) == 7 * layers
