@@ -37,7 +37,7 @@ from cosyvoice.engine import CancelToken
 from cosyvoice.errors import CosyVoiceError, InvalidInputError, NotFoundError, ResourceLimitError, StorageError
 from cosyvoice.service import PreparedRequest, SynthesisRequest, TTSService
 from cosyvoice.utils.fs import disk_full
-from cosyvoice.utils.sqlite import open_database, write_transaction
+from cosyvoice.utils.sqlite import open_store, write_transaction
 
 logger = logging.getLogger(__name__)
 
@@ -224,13 +224,11 @@ class JobRunner:
     def __init__(self, data_dir: str | Path, workers: int = 1) -> None:
         assert workers >= 1
         self.root = Path(data_dir)
-        self.root.mkdir(parents=True, exist_ok=True)
         self.workers = workers
         self._host, self._pid = socket.gethostname(), os.getpid()
         self._lock = threading.RLock()
-        self._db = open_database(self.root / DB_NAME)
-        with self._lock:
-            self._db.executescript(SCHEMA)
+        # a data folder this process cannot write: its jobs are read (progress), none is submitted or changed
+        self._db, self.read_only = open_store(self.root, DB_NAME, SCHEMA)
         self._kinds: dict[str, Kind] = {}
         self._tokens: dict[str, CancelToken] = {}  # this process's running jobs
         self._listeners: dict[str, Callable[[Job, str, str | None], None]] = {}
@@ -238,7 +236,8 @@ class JobRunner:
         self._threads: list[threading.Thread] = []
         self._closed = False
         self.users = 0
-        self._interrupt_dead()
+        if not self.read_only:
+            self._interrupt_dead()
 
     # ------------------------------------------------------------------ registering and submitting
 
@@ -482,7 +481,7 @@ class JobRunner:
             db.execute(f"UPDATE jobs SET {', '.join(f'{k}=?' for k in values)} WHERE id=?", (*values.values(), job_id))
 
     def _tx(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
-        return write_transaction(self._db, self._lock)
+        return write_transaction(self._db, self._lock, self.read_only)
 
     def _rows(self, sql: str, *args: object) -> list[sqlite3.Row]:
         with self._lock:

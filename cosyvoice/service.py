@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from cosyvoice import pipeline
+from cosyvoice.backends.precision import PrecisionPlan
 from cosyvoice.encoding import FORMATS, AudioFormat
 from cosyvoice.engine import AudioChunk, CancelToken, ChunkSchedule
 from cosyvoice.errors import (
@@ -54,7 +55,7 @@ from cosyvoice.flow.prompt_cache import FOLDER as PROMPT_CACHE_FOLDER
 from cosyvoice.frontend.audio import AudioSource
 from cosyvoice.frontend.frontend import Voice
 from cosyvoice.pipeline import Conditioning, Model, Plan, TextFeed
-from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, Limits
+from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, Limits, VoicePolicy
 from cosyvoice.voices import VoiceInfo, VoiceLibrary, check_name
 
 logger = logging.getLogger(__name__)
@@ -563,7 +564,10 @@ class AsyncSynthesisSession(_Session, AsyncIterator[AudioChunk]):
 class TTSService:
     """Owns the requests on one loaded :class:`~cosyvoice.pipeline.Model` and THE :class:`VoiceLibrary`."""
 
-    def __init__(self, model: Model, voices: VoiceLibrary, limits: Limits | None = None) -> None:
+    def __init__(self, model: Model, voices: VoiceLibrary, limits: Limits | None = None, *,
+                 prompt_cache_dir: Path | None = None) -> None:
+        """``prompt_cache_dir``: where the engine's prompt cache keeps the voices' flow prefixes on disk (``load``:
+        the voice library's ``prompt-cache`` folder; None: in memory only)."""
         self.model = model
         self.voices = voices
         self.limits = limits or model.limits
@@ -572,27 +576,57 @@ class TTSService:
                                     self.limits.queue_timeout_seconds)
         self._sessions: weakref.WeakSet[_Ending] = weakref.WeakSet()  # running requests, for cancel_all
         self._listeners: list[Callable[[Outcome], None]] = []
-        if model.engine.prompt_cache is not None:  # the voices' flow prefixes live with the voices
-            model.engine.prompt_cache.persist(voices.dir / PROMPT_CACHE_FOLDER,
-                                              int(self.limits.prompt_cache_disk_mb * 2**20))
+        if model.engine.prompt_cache is not None and prompt_cache_dir is not None:
+            model.engine.prompt_cache.persist(prompt_cache_dir, int(self.limits.prompt_cache_disk_mb * 2**20))
 
     @classmethod
     def load(cls, model_dir: str | Path, voice_dir: str | Path, *, device: str | torch.device | None = None,
              dtype: str = "fp32", limits: Limits | None = None, download_root: str | Path = "pretrained_models",
-             backend: str | None = None, precision: str | None = None) -> TTSService:
+             backend: str | None = None, precision: str | None = None, policy: VoicePolicy | None = None,
+             builtin_dir: str | Path | None = None) -> TTSService:
         """A model folder (or ModelScope id) and a voice folder -> a ready service (``backend``, ``precision``:
-        see :meth:`Model.load`)."""
+        see :meth:`Model.load`; ``policy``: who may edit saved voices, default the environment's; ``builtin_dir``:
+        built-in voices, ``<name>.wav`` + ``<name>.txt``). The voices' flow prefixes are kept with the voices."""
         limits = limits or Limits.from_env()
         model = Model.load(model_dir, device=device, dtype=dtype, limits=limits, download_root=download_root,
                            backend=backend, precision=precision)
         voices = VoiceLibrary(voice_dir, model.frontend, model_dir=model.model_dir,
                               max_entries=limits.max_cached_voices, max_bytes=limits.max_cached_voice_bytes,
-                              max_named=limits.max_named_voices)
-        return cls(model, voices, limits)
+                              max_named=limits.max_named_voices, builtin_dir=builtin_dir, policy=policy)
+        return cls(model, voices, limits, prompt_cache_dir=voices.dir / PROMPT_CACHE_FOLDER)
 
     @property
     def model_dir(self) -> str:
         return self.model.model_dir
+
+    # ------------------------------------------------------------------ what features ask of the model and voices
+
+    @property
+    def precision(self) -> PrecisionPlan:
+        """What the LLM and the DiT compute in (its ``label`` is what takes record and pages show)."""
+        return self.model.plan
+
+    @property
+    def default_steps(self) -> int:
+        """The flow's Euler steps of a request that names none (the model's ``n_timesteps``)."""
+        return self.model.engine.default_steps
+
+    @property
+    def voices_read_only(self) -> str | None:
+        """Why no voice can be saved (the voice folder's setting named), or None."""
+        return self.voices.read_only
+
+    def split_text(self, text: str) -> list[str]:
+        """``text`` normalised and split into the pieces the model reads, one request each (the frontend's split)."""
+        return self.model.frontend.text.split(text)
+
+    def count_text_tokens(self, text: str) -> int:
+        """How many LLM text tokens ``text`` is (as the LLM counts it for its length bounds)."""
+        return len(self.model.frontend.encode(text))
+
+    def close(self) -> None:
+        """Stop the engine's threads and free the model (the service takes no requests after)."""
+        self.model.close()
 
     # ------------------------------------------------------------------ observation
 
