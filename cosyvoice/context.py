@@ -12,6 +12,8 @@ service, the long-form studio and the batches' job kind arrive together in :meth
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from cosyvoice.errors import ModelNotReady
@@ -28,19 +30,19 @@ from cosyvoice.workbench.scorecard import Scorer
 
 class StudioContext:
     """The settings, who callers are (``owners``, default the settings'), input ``limits`` (default the service's,
-    else the environment's), the stores in ``data_dir`` (default beside the voice folder) and, once installed, the
-    service and what needs it."""
+    else the environment's), the stores in ``data_dir`` (default beside the voice folder), timed by ``clock`` (the
+    wall clock; tests move their own), and, once installed, the service and what needs it."""
 
     def __init__(self, settings: ServerSettings | None = None, *, service: TTSService | None = None,
-                 limits: Limits | None = None, owners: Owners | None = None,
-                 data_dir: str | Path | None = None) -> None:
+                 limits: Limits | None = None, owners: Owners | None = None, data_dir: str | Path | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.settings = settings or ServerSettings.from_env()
         self.limits = limits or (service.limits if service is not None else Limits.from_env())
         self.owners = owners if owners is not None else self.settings.owners()
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir(self.settings.voice_dir)
-        self.takes = TakeStore(self.data_dir)
+        self.takes = TakeStore(self.data_dir, clock)
         self.projects = ProjectStore(self.takes)
-        self.jobs: JobRunner = runner(self.data_dir, self.limits.job_workers)
+        self.jobs: JobRunner = runner(self.data_dir, self.limits.job_workers, clock)
         self.loaded: TTSService | None = None
         self.load_error: str | None = None  # the log has it in full; only key holders see it in /health and /ready
         self.longform: LongformStudio | None = None

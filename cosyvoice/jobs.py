@@ -221,9 +221,10 @@ class JobRunner:
     """The jobs of one data folder in this process: at most ``workers`` run at once. Use :func:`runner` to
     share one per folder between the features of a process."""
 
-    def __init__(self, data_dir: str | Path, workers: int = 1) -> None:
+    def __init__(self, data_dir: str | Path, workers: int = 1, clock: Callable[[], float] = time.time) -> None:
         assert workers >= 1
         self.root = Path(data_dir)
+        self.clock = clock  # the wall clock of the jobs' created, started and finished times
         self.workers = workers
         self._host, self._pid = socket.gethostname(), os.getpid()
         self._lock = threading.RLock()
@@ -257,7 +258,7 @@ class JobRunner:
             db.execute("INSERT INTO jobs (id, kind, subject, owner, state, params, total, units_total, host, pid, "
                        "created) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                        (job_id, kind, subject, owner, JobState.QUEUED.value, json.dumps(params), total, units,
-                        self._host, self._pid, time.time()))
+                        self._host, self._pid, self.clock()))
         if listener is not None:
             self._listeners[job_id] = listener
         self._start()
@@ -314,7 +315,7 @@ class JobRunner:
             job = self.job(job_id)
             if job.state is JobState.QUEUED:
                 db.execute("UPDATE jobs SET state=?, cancel=1, finished=? WHERE id=?",
-                           (JobState.CANCELLED.value, time.time(), job_id))
+                           (JobState.CANCELLED.value, self.clock(), job_id))
             elif job.state is JobState.RUNNING:
                 db.execute("UPDATE jobs SET cancel=1 WHERE id=?", (job_id,))
             token = self._tokens.get(job_id)
@@ -366,7 +367,7 @@ class JobRunner:
                 logger.exception("job %s stopped", job.id)
                 with contextlib.suppress(Exception):
                     self._update(job.id, state=JobState.FAILED.value, current=None, error=describe(exc),
-                                 finished=time.time())
+                                 finished=self.clock())
             finally:
                 with self._wake:
                     self._tokens.pop(job.id, None)
@@ -384,7 +385,7 @@ class JobRunner:
             if row is None:
                 return None
             db.execute("UPDATE jobs SET state='running', started=COALESCE(started, ?) WHERE id=?",
-                       (time.time(), row["id"]))
+                       (self.clock(), row["id"]))
         return self.job(row["id"])
 
     def _run(self, job: Job, token: CancelToken) -> None:
@@ -426,7 +427,7 @@ class JobRunner:
         final = self.job(job.id)
         if end is JobState.DONE and final.total and final.failed == final.total:
             end = JobState.FAILED  # every item failed: the items' errors say why
-        self._update(job.id, state=end.value, current=None, error=error, finished=time.time())
+        self._update(job.id, state=end.value, current=None, error=error, finished=self.clock())
 
     @staticmethod
     def _record_failure(job_id: str, task: Task, failure: str) -> None:
@@ -492,13 +493,14 @@ _runners: dict[Path, JobRunner] = {}
 _runners_lock = threading.Lock()
 
 
-def runner(data_dir: str | Path, workers: int = 1) -> JobRunner:
-    """The process's runner of ``data_dir`` (made on first use with ``workers``); pair with :func:`release`."""
+def runner(data_dir: str | Path, workers: int = 1, clock: Callable[[], float] = time.time) -> JobRunner:
+    """The process's runner of ``data_dir`` (made on first use with ``workers`` and ``clock``); pair with
+    :func:`release`."""
     key = Path(data_dir).resolve()
     with _runners_lock:
         found = _runners.get(key)
         if found is None:
-            found = _runners[key] = JobRunner(key, workers)
+            found = _runners[key] = JobRunner(key, workers, clock)
         found.users += 1
         return found
 
