@@ -5,7 +5,7 @@ argument. Nothing below an entry point opens a store of its own, so a process ho
 store over it and one job runner per data folder.
 
 The stores open when the context is made (a read-only data folder is served read-only, see
-:mod:`cosyvoice.utils.sqlite`); the model may load later (the REST server answers ``/health`` while it loads), so the
+:mod:`cosyvoice.system.sqlite`); the model may load later (the REST server answers ``/health`` while it loads), so the
 service, the long-form studio and the batches' job kind arrive together in :meth:`StudioContext.install`.
 """
 

@@ -36,8 +36,8 @@ import numpy as np
 from cosyvoice.engine import CancelToken
 from cosyvoice.errors import CosyVoiceError, InvalidInputError, NotFoundError, ResourceLimitError, StorageError
 from cosyvoice.service import PreparedRequest, SynthesisRequest, TTSService
-from cosyvoice.utils.fs import disk_full
-from cosyvoice.utils.sqlite import open_store, write_transaction
+from cosyvoice.system.fs import disk_full
+from cosyvoice.system.sqlite import open_store, write_transaction
 
 logger = logging.getLogger(__name__)
 

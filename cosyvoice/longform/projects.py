@@ -30,8 +30,8 @@ from cosyvoice.longform.delivery import Deliveries, file_stem, tag_file, tag_tex
 from cosyvoice.longform.store import Project, ProjectStore, Segment, Take
 from cosyvoice.service import SynthesisRequest, TTSService, check_text
 from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, env_name
+from cosyvoice.system.sqlite import require_writable
 from cosyvoice.takes.provenance import provenance
-from cosyvoice.utils.sqlite import require_writable
 
 SUSPECT_RETRIES = 0  # a project's default: suspect takes are flagged; a project may ask for new takes (new seeds)
 MAX_RETRIES = 5

@@ -36,9 +36,9 @@ import numpy as np
 import soundfile as sf
 
 from cosyvoice.errors import NotFoundError
+from cosyvoice.system.sqlite import add_columns, open_store, write_transaction
 from cosyvoice.takes.store import Take as StoredTake
 from cosyvoice.takes.store import TakeStore
-from cosyvoice.utils.sqlite import add_columns, open_store, write_transaction
 
 logger = logging.getLogger(__name__)
 

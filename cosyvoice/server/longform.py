@@ -66,7 +66,7 @@ from cosyvoice.longform.store import Segment, Take
 from cosyvoice.owners import Caller
 from cosyvoice.server.errors import CLIENT_GONE, error_route
 from cosyvoice.server.routes import RouteTable
-from cosyvoice.utils.fs import disk_full
+from cosyvoice.system.fs import disk_full
 
 logger = logging.getLogger(__name__)
 

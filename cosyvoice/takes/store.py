@@ -39,8 +39,8 @@ from cosyvoice.errors import (
     PermissionDeniedError,
 )
 from cosyvoice.owners import LOCAL, Caller
-from cosyvoice.utils.fs import atomic_write
-from cosyvoice.utils.sqlite import add_columns, open_store, require_writable, write_transaction
+from cosyvoice.system.fs import atomic_write
+from cosyvoice.system.sqlite import add_columns, open_store, require_writable, write_transaction
 
 DB_NAME = "workbench.sqlite3"
 # the objective scorecard's measures of a take (cosyvoice.workbench.scorecard), kept with it for the exports

@@ -27,7 +27,7 @@ from safetensors.torch import load, save
 from cosyvoice.encoding import to_pcm16
 from cosyvoice.errors import ConfigError, InvalidInputError, NotFoundError, ReadOnlyError, StorageError
 from cosyvoice.settings import VOICE_DIR_SETTING
-from cosyvoice.utils.fs import atomic_write, unwritable
+from cosyvoice.system.fs import atomic_write, unwritable
 from cosyvoice.voices.entries import ID_SHAPED, Stamp, Upload, VoiceInfo, os_error, storage_error
 
 logger = logging.getLogger(__name__)
