@@ -26,9 +26,9 @@ def opened(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     folders: list[Path] = []
     real = TakeStore.__init__
 
-    def recording(self: TakeStore, root: str | Path) -> None:
+    def recording(self: TakeStore, root: str | Path, *args: object) -> None:
         folders.append(Path(root))
-        real(self, root)
+        real(self, root, *args)
 
     monkeypatch.setattr(TakeStore, "__init__", recording)
     return folders
