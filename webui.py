@@ -48,12 +48,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with command_line_errors():  # a bad setting or model folder: one line, exit 2
         settings = ServerSettings.from_env()
+        if args.api_keys:
+            settings = replace(settings, api_keys=tuple(args.api_keys))
         studio = load_studio(args.model_dir, voice_dir=args.voice_dir, demo_dir=args.demo_dir,
-                             builtin_dir=args.builtin_voice_dir, device=args.device, precision=args.precision)
-    if args.api_keys:
-        settings = replace(settings, api_keys=tuple(args.api_keys))
-    studio.service.voices.policy = settings.voice_policy()
-    launch(studio, host=args.host, port=args.port, owners=settings.owners())
+                             builtin_dir=args.builtin_voice_dir, device=args.device, precision=args.precision,
+                             settings=settings)
+    launch(studio, host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

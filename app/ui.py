@@ -34,6 +34,7 @@ from app.auth import KeyGate, owner_dependency
 from app.i18n import I18N, say, service_detail, t
 from app.live import LiveHub, head_html, mount
 from cosyvoice.bundle import DEMO_MODEL_DIR
+from cosyvoice.context import StudioContext
 from cosyvoice.encoding import audio_format, encode_audio, to_pcm16
 from cosyvoice.engine import AudioChunk
 from cosyvoice.errors import (
@@ -48,7 +49,7 @@ from cosyvoice.owners import LOCAL, Caller, Owners
 from cosyvoice.server.longform import longform_router
 from cosyvoice.server.workbench import rater_route, workbench_router
 from cosyvoice.service import SEED_DRAWS, PreparedRequest, SynthesisRequest, SynthesisSession, TTSService, draw_seed
-from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, default_data_dir, default_voice_dir
+from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, ServerSettings, default_voice_dir
 from cosyvoice.takes.provenance import provenance
 from cosyvoice.takes.store import Take as StoredTake
 from cosyvoice.takes.store import TakeStore
@@ -181,31 +182,31 @@ def _whole(value: float | None) -> int | float | None:
 
 @dataclass
 class Studio:
-    """What all browser sessions share: the service (engine + voice library), the workbench store that keeps
-    every take (the history of each browser), and one live-audio hub."""
+    """What all browser sessions share: the process's context (the service: engine + voice library; the take store
+    that keeps every take, the history of each browser; who visitors are and what they see) and one live-audio
+    hub."""
 
-    service: TTSService
+    context: StudioContext
     demo: bool = False
-    data_dir: Path | None = None  # the workbench's folder; None: beside the voice library (default_data_dir)
     live: LiveHub = field(default_factory=LiveHub)
     times: dict[str, TakeTimes] = field(default_factory=dict)
     _running: dict[str, tuple[SynthesisSession | GpuSession, queue.Queue]] = field(default_factory=dict)
     _stopped_early: set[str] = field(default_factory=set)  # Stop clicked while the take was still queued
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _files: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cosyvoice-takes-")))
-    _store: TakeStore | None = None
-    owners: Owners = field(default_factory=Owners)  # who visitors are and what they see (launch() sets the server's)
+    service: TTSService = field(init=False)
 
     def __post_init__(self) -> None:
-        self.data_dir = Path(self.data_dir or default_data_dir(self.service.voices.dir.parent))
+        self.service = self.context.service()
 
     @property
     def store(self) -> TakeStore:
-        """The takes' store, opened on first use (the workbench pages open the same folder)."""
-        with self._lock:
-            if self._store is None:
-                self._store = TakeStore(self.data_dir)
-            return self._store
+        """The take store (the workbench pages serve the same)."""
+        return self.context.takes
+
+    @property
+    def owners(self) -> Owners:
+        return self.context.owners
 
     def _folder(self) -> Path:
         """A new folder for files handed to the page; those older than a day go (as Gradio's own cache)."""
@@ -614,7 +615,7 @@ class Studio:
         else:  # an unsaved upload of another visitor, or a voice deleted since
             warn(say(zh, "voice_gone"))
         return (p.get("text", ""), tab, gr.Tabs(selected=tab), p.get("instruction", ""), voice, p.get("seed", -1),
-                p.get("speed", 1.0), p.get("steps") or self.service.model.engine.default_steps,
+                p.get("speed", 1.0), p.get("steps") or self.service.default_steps,
                 bool(p.get("settings", {}).get("stream")), p.get("final") or "full", p.get("first_hop"))
 
     def caller(self, request: gr.Request | None) -> Caller:
@@ -765,8 +766,8 @@ def build_ui(studio: Studio) -> gr.Blocks:
         gr.Markdown("# CosyVoice3 Studio")
         gr.Markdown(t("intro"))
         gr.Markdown(t("more_tools"), elem_id="more-tools")  # the studio's other pages, served on this app
-        gr.Textbox(studio.service.model.plan.label, label=t("precision"), interactive=False, max_lines=1,
-                   info=studio.service.model.plan.summary or None,  # auto's measurements behind its choice
+        gr.Textbox(studio.service.precision.label, label=t("precision"), interactive=False, max_lines=1,
+                   info=studio.service.precision.summary or None,  # auto's measurements behind its choice
                    elem_id="precision")  # auto's choice is the server's; people comparing takes need to know it
         # no gr.State: it would make every tab hold a heartbeat connection, and browsers allow only six per
         # server; three waiting tabs would then starve each other's clicks (the takes are kept by the Studio)
@@ -796,7 +797,7 @@ def build_ui(studio: Studio) -> gr.Blocks:
                     fmt = gr.Dropdown([(f.upper(), f) for f in DOWNLOAD_FORMATS], value="wav", label=t("format"),
                                       elem_id="format")
                 with gr.Accordion(t("advanced"), open=False, elem_id="advanced"):
-                    steps = gr.Slider(*FLOW_STEPS_RANGE, studio.service.model.engine.default_steps, step=1,
+                    steps = gr.Slider(*FLOW_STEPS_RANGE, studio.service.default_steps, step=1,
                                       label=t("steps"), info=t("steps_info"), elem_id="steps")
                     with gr.Row():  # the chunk schedule, for blind A/B tests of its speed against the reference's
                         final = gr.Radio([(t("final_full"), "full"), (t("final_chunked"), "chunked")], value="full",
@@ -937,8 +938,10 @@ def _api(studio: Studio, max_sessions: int) -> None:
 
 def load_studio(model_dir: str | Path | None = None, *, voice_dir: str | Path | None = None,
                 demo_dir: str | Path = DEMO_MODEL_DIR, builtin_dir: str | Path | None = BUILTIN_VOICE_DIR,
-                device: str | None = None, precision: str | None = None) -> Studio:
-    """The engine and voice library to serve.
+                device: str | None = None, precision: str | None = None,
+                settings: ServerSettings | None = None) -> Studio:
+    """The engine and voice library to serve, in the process's one :class:`StudioContext` (``settings``: who
+    visitors are and who may edit saved voices; default the environment's).
 
     An explicit ``model_dir`` (a folder or a ModelScope id) must load. Without one, the repository's default
     folder is used if present; otherwise the demo model in ``demo_dir``
@@ -947,21 +950,19 @@ def load_studio(model_dir: str | Path | None = None, *, voice_dir: str | Path | 
     default the servers' folder (:func:`cosyvoice.settings.default_voice_dir`): one library for all of them.
     """
     model_dir, demo = model_dir_or_demo(model_dir, demo_dir)
-    service = TTSService.load(model_dir, default_voice_dir() if voice_dir is None else voice_dir, device=device,
-                              precision=precision)
-    if builtin_dir is not None:
-        service.voices.add_builtins(builtin_dir)  # start-up configuration, as the servers' voice folder
-    return Studio(service, demo=demo)
+    settings = replace(settings or ServerSettings.from_env(), voice_dir=str(voice_dir or default_voice_dir()))
+    service = TTSService.load(model_dir, settings.voice_dir, device=device, precision=precision,
+                              policy=settings.voice_policy(), builtin_dir=builtin_dir)
+    return Studio(StudioContext(settings, service=service), demo=demo)
 
 
-def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: bool = True,
-           api_keys: tuple[str, ...] = (), owners: Owners | None = None) -> gr.Blocks:
+def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: bool = True) -> gr.Blocks:
     """Serve the page and the live-audio route (``block=False`` returns at once, the server in a thread).
 
-    ``owners`` (default: ``api_keys``, private sharing) says who callers are (:mod:`cosyvoice.owners`). With keys
-    nothing answers without one of them (:mod:`app.auth`): not the page, its events, its files, the live audio or
-    the named API; only a listening test's rater pages."""
-    studio.owners = owners = owners if owners is not None else Owners(api_keys)
+    The studio's context says who callers are (:mod:`cosyvoice.owners`). With keys nothing answers without one of
+    them (:mod:`app.auth`): not the page, its events, its files, the live audio or the named API; only a listening
+    test's rater pages."""
+    owners = studio.owners
     page = build_ui(studio)
     page.queue(default_concurrency_limit=studio.service.limits.max_sessions)
     gate = {} if not owners.keyed else {
@@ -973,9 +974,9 @@ def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: 
                 theme=gr.themes.Default(font=["ui-sans-serif", "system-ui", "Noto Sans CJK SC", "sans-serif"]),
                 allowed_paths=[str(studio._files)], **gate)
     mount(page.app, studio.live, studio.service.sample_rate)
-    # the workbench (the take history's store too) and long-form projects, in the studio's data folder
-    page.app.include_router(longform_router(lambda: studio.service, studio.data_dir, owners=owners))
-    page.app.include_router(workbench_router(studio.data_dir, lambda: studio.service, studio.service.limits, owners))
+    # the workbench (the take history's store too) and long-form projects, over the studio's context
+    page.app.include_router(longform_router(studio.context))
+    page.app.include_router(workbench_router(studio.context))
     if block:
         page.block_thread()
     return page

@@ -62,6 +62,10 @@ class StorageError(ResourceLimitError):
     """The server cannot write what was asked (disk full, folder read-only): nothing was saved, nothing lost."""
 
 
+class ModelNotReady(CosyVoiceError):
+    """Requests that arrive while the model is still loading (or failed to load)."""
+
+
 class PermissionDeniedError(CosyVoiceError):
     """The caller may not do this to this thing (e.g. rename, export or delete another user's saved voice)."""
 

@@ -36,8 +36,8 @@ import numpy as np
 from cosyvoice.engine import CancelToken
 from cosyvoice.errors import CosyVoiceError, InvalidInputError, NotFoundError, ResourceLimitError, StorageError
 from cosyvoice.service import PreparedRequest, SynthesisRequest, TTSService
-from cosyvoice.utils.fs import disk_full
-from cosyvoice.utils.sqlite import open_database, write_transaction
+from cosyvoice.system.fs import disk_full
+from cosyvoice.system.sqlite import open_store, write_transaction
 
 logger = logging.getLogger(__name__)
 
@@ -221,16 +221,15 @@ class JobRunner:
     """The jobs of one data folder in this process: at most ``workers`` run at once. Use :func:`runner` to
     share one per folder between the features of a process."""
 
-    def __init__(self, data_dir: str | Path, workers: int = 1) -> None:
+    def __init__(self, data_dir: str | Path, workers: int = 1, clock: Callable[[], float] = time.time) -> None:
         assert workers >= 1
         self.root = Path(data_dir)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.clock = clock  # the wall clock of the jobs' created, started and finished times
         self.workers = workers
         self._host, self._pid = socket.gethostname(), os.getpid()
         self._lock = threading.RLock()
-        self._db = open_database(self.root / DB_NAME)
-        with self._lock:
-            self._db.executescript(SCHEMA)
+        # a data folder this process cannot write: its jobs are read (progress), none is submitted or changed
+        self._db, self.read_only = open_store(self.root, DB_NAME, SCHEMA)
         self._kinds: dict[str, Kind] = {}
         self._tokens: dict[str, CancelToken] = {}  # this process's running jobs
         self._listeners: dict[str, Callable[[Job, str, str | None], None]] = {}
@@ -238,7 +237,8 @@ class JobRunner:
         self._threads: list[threading.Thread] = []
         self._closed = False
         self.users = 0
-        self._interrupt_dead()
+        if not self.read_only:
+            self._interrupt_dead()
 
     # ------------------------------------------------------------------ registering and submitting
 
@@ -258,7 +258,7 @@ class JobRunner:
             db.execute("INSERT INTO jobs (id, kind, subject, owner, state, params, total, units_total, host, pid, "
                        "created) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                        (job_id, kind, subject, owner, JobState.QUEUED.value, json.dumps(params), total, units,
-                        self._host, self._pid, time.time()))
+                        self._host, self._pid, self.clock()))
         if listener is not None:
             self._listeners[job_id] = listener
         self._start()
@@ -315,7 +315,7 @@ class JobRunner:
             job = self.job(job_id)
             if job.state is JobState.QUEUED:
                 db.execute("UPDATE jobs SET state=?, cancel=1, finished=? WHERE id=?",
-                           (JobState.CANCELLED.value, time.time(), job_id))
+                           (JobState.CANCELLED.value, self.clock(), job_id))
             elif job.state is JobState.RUNNING:
                 db.execute("UPDATE jobs SET cancel=1 WHERE id=?", (job_id,))
             token = self._tokens.get(job_id)
@@ -367,7 +367,7 @@ class JobRunner:
                 logger.exception("job %s stopped", job.id)
                 with contextlib.suppress(Exception):
                     self._update(job.id, state=JobState.FAILED.value, current=None, error=describe(exc),
-                                 finished=time.time())
+                                 finished=self.clock())
             finally:
                 with self._wake:
                     self._tokens.pop(job.id, None)
@@ -385,7 +385,7 @@ class JobRunner:
             if row is None:
                 return None
             db.execute("UPDATE jobs SET state='running', started=COALESCE(started, ?) WHERE id=?",
-                       (time.time(), row["id"]))
+                       (self.clock(), row["id"]))
         return self.job(row["id"])
 
     def _run(self, job: Job, token: CancelToken) -> None:
@@ -427,7 +427,7 @@ class JobRunner:
         final = self.job(job.id)
         if end is JobState.DONE and final.total and final.failed == final.total:
             end = JobState.FAILED  # every item failed: the items' errors say why
-        self._update(job.id, state=end.value, current=None, error=error, finished=time.time())
+        self._update(job.id, state=end.value, current=None, error=error, finished=self.clock())
 
     @staticmethod
     def _record_failure(job_id: str, task: Task, failure: str) -> None:
@@ -482,7 +482,7 @@ class JobRunner:
             db.execute(f"UPDATE jobs SET {', '.join(f'{k}=?' for k in values)} WHERE id=?", (*values.values(), job_id))
 
     def _tx(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
-        return write_transaction(self._db, self._lock)
+        return write_transaction(self._db, self._lock, self.read_only)
 
     def _rows(self, sql: str, *args: object) -> list[sqlite3.Row]:
         with self._lock:
@@ -493,13 +493,14 @@ _runners: dict[Path, JobRunner] = {}
 _runners_lock = threading.Lock()
 
 
-def runner(data_dir: str | Path, workers: int = 1) -> JobRunner:
-    """The process's runner of ``data_dir`` (made on first use with ``workers``); pair with :func:`release`."""
+def runner(data_dir: str | Path, workers: int = 1, clock: Callable[[], float] = time.time) -> JobRunner:
+    """The process's runner of ``data_dir`` (made on first use with ``workers`` and ``clock``); pair with
+    :func:`release`."""
     key = Path(data_dir).resolve()
     with _runners_lock:
         found = _runners.get(key)
         if found is None:
-            found = _runners[key] = JobRunner(key, workers)
+            found = _runners[key] = JobRunner(key, workers, clock)
         found.users += 1
         return found
 

@@ -39,7 +39,7 @@ from cosyvoice.frontend.audio import AudioSource
 from cosyvoice.frontend.frontend import Voice
 from cosyvoice.frontend.prompt import PromptFeatures
 from cosyvoice.frontend.prompts import SYSTEM_PREFIX, split_prompt
-from cosyvoice.utils.fs import atomic_write
+from cosyvoice.system.fs import atomic_write
 from cosyvoice.voices import VoiceInfo, VoiceLibrary
 
 logger = logging.getLogger(__name__)

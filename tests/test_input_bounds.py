@@ -43,13 +43,11 @@ def served(request: pytest.FixtureRequest, tts, tmp_path_factory: pytest.TempPat
         server.stop()
     else:
         pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra")
-        from test_webui import serving
+        from test_webui import serving, studio_over
 
-        from app.ui import Studio
-
-        studio = Studio(service, demo=True)
+        studio = studio_over(service)
         with serving(studio) as url:
-            yield url.rstrip("/"), studio.data_dir, request.param
+            yield url.rstrip("/"), studio.context.data_dir, request.param
 
 
 def _refused(answer: httpx.Response, *words: str) -> str:

@@ -19,6 +19,7 @@ import pyloudnorm
 import pytest
 import soundfile as sf
 
+from cosyvoice.context import StudioContext
 from cosyvoice.encoding import encode_audio, to_pcm16
 from cosyvoice.errors import InvalidInputError, NotFoundError
 from cosyvoice.longform import LongformStudio, documents, finishing, script
@@ -59,20 +60,21 @@ def service(tts, tmp_path_factory: pytest.TempPathFactory) -> TTSService:
 
 @pytest.fixture()
 def studio(service: TTSService, tmp_path: Path):
-    s = LongformStudio(service, tmp_path / "data")
-    yield s
-    s.close()
+    context = StudioContext(service=service, data_dir=tmp_path / "data")
+    yield context.studio()
+    context.close()
 
 
 @pytest.fixture(scope="module")
 def made(service: TTSService, tmp_path_factory: pytest.TempPathFactory):
     """A generated project (studio, project id), shared by the tests that only read it."""
-    s = LongformStudio(service, tmp_path_factory.mktemp("made"))
+    context = StudioContext(service=service, data_dir=tmp_path_factory.mktemp("made"))
+    s = context.studio()
     project = s.create("Made", SHORT, voice="Alice")
     s.generate(project.id)
     assert s.wait(project.id, 300)["done"] == 7
     yield s, project.id
-    s.close()
+    context.close()
 
 
 def three_thousand_characters() -> str:
@@ -229,7 +231,8 @@ def test_a_busy_service_is_waited_for_in_order_and_a_cancel_ends_the_wait(servic
                                                            queue_timeout_seconds=0.2))
     reasons: list[str | None] = []
     one.add_listener(lambda outcome: reasons.append(outcome.reason))
-    studio = LongformStudio(one, tmp_path)
+    context = StudioContext(service=one, data_dir=tmp_path)
+    studio = context.studio()
     try:
         project = studio.create("Busy", "Hi there.", voice="Alice")
         holder = one.synthesize(SynthesisRequest("Hi.", "sft", voice="Alice", seed=1))  # takes the only slot
@@ -249,7 +252,7 @@ def test_a_busy_service_is_waited_for_in_order_and_a_cancel_ends_the_wait(servic
         segment = studio.segments(project.id)[0]
         assert segment.state == "idle" and len(studio.store.takes(project.id)[segment.id]) == 1
     finally:
-        studio.close()
+        context.close()
 
 
 # ----------------------------------------------------------------------------- finishing and export
@@ -357,33 +360,36 @@ def test_export_names_the_segments_without_audio(studio: LongformStudio) -> None
 
 
 def test_a_project_survives_a_restart(service: TTSService, tmp_path: Path) -> None:
-    first = LongformStudio(service, tmp_path)
+    context = StudioContext(service=service, data_dir=tmp_path)
+    first = context.studio()
     project = first.create("Kept", "Hi there.\n\nBye now.", voice="Alice")
     first.generate(project.id)
     first.wait(project.id, 120)
     before = first.render(project.id)
     table = [(s, t) for s, t, _ in first.table(project.id)]
-    first.close()
-    again = LongformStudio(service, tmp_path)  # a new process would see the same files
+    context.close()
+    context = StudioContext(service=service, data_dir=tmp_path)  # a new process would see the same files
+    again = context.studio()
     try:
         assert [p.id for p in again.projects()] == [project.id]
         assert [(s, t) for s, t, _ in again.table(project.id)] == table
         assert np.array_equal(again.render(project.id).audio, before.audio)
         assert (tmp_path / "longform.sqlite3").is_file()
     finally:
-        again.close()
+        context.close()
 
 
 def test_a_segment_left_running_by_a_crash_is_pending_after_restart(service: TTSService, tmp_path: Path) -> None:
-    first = LongformStudio(service, tmp_path)
+    context = StudioContext(service=service, data_dir=tmp_path)
+    first = context.studio()
     project = first.create("Crash", "Hi there.", voice="Alice")
     first.store.set_state(first.segments(project.id)[0], "running")
-    first.close()
-    again = LongformStudio(service, tmp_path)
+    context.close()
+    context = StudioContext(service=service, data_dir=tmp_path)
     try:
-        assert [(s.state, st) for s, _, st in again.table(project.id)] == [("idle", "pending")]
+        assert [(s.state, st) for s, _, st in context.studio().table(project.id)] == [("idle", "pending")]
     finally:
-        again.close()
+        context.close()
 
 
 def test_default_data_dir_follows_the_environment() -> None:

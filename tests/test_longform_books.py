@@ -186,7 +186,7 @@ def test_the_models_length_bounds_flag_a_take() -> None:
 
 @pytest.fixture(scope="module")
 def studio(tts, tmp_path_factory: pytest.TempPathFactory):
-    from cosyvoice.longform import LongformStudio
+    from cosyvoice.context import StudioContext
     from cosyvoice.service import TTSService
     from cosyvoice.settings import Limits
     from cosyvoice.voices import VoiceLibrary
@@ -198,9 +198,9 @@ def studio(tts, tmp_path_factory: pytest.TempPathFactory):
     vowel = sum(np.sin(2 * np.pi * k * 200 * t) / k for k in range(1, 8)) * (1 - np.cos(2 * np.pi * 2 * t))
     sf.write(folder / "narrator.wav", (0.1 * vowel).astype(np.float32), 16000)
     service.create_voice("Narrator", folder / "narrator.wav", "Hello, I read books.")
-    s = LongformStudio(service, folder / "data")
-    yield s
-    s.close()
+    context = StudioContext(service=service, data_dir=folder / "data")
+    yield context.studio()
+    context.close()
 
 
 def test_a_generated_book_is_checked_per_chapter_and_mastered_to_acx(studio) -> None:

@@ -21,7 +21,6 @@ sync_api, CHROMIUM = require_browser()
 
 from test_webui import make_studio, serving  # noqa: E402
 
-from cosyvoice.takes.store import TakeStore  # noqa: E402
 from cosyvoice.workbench import listening  # noqa: E402
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
@@ -63,7 +62,7 @@ def app(tts, tmp_path_factory: pytest.TempPathFactory, short_prompt_wav: Path) -
     """The web UI's app (workbench and long-form mounted) over a store with takes of three conditions, a MUSHRA
     test two raters have finished, an A/B test, and a long-form project; yields (url, MUSHRA test, project)."""
     studio = make_studio(tts, tmp_path_factory.mktemp("pages-fit"), builtin_prompt=short_prompt_wav)
-    store = TakeStore(studio.data_dir)
+    store = studio.store
     t = np.arange(int(24000 * SECONDS)) / 24000
     for k, text in enumerate(TEXTS):
         for j, label in enumerate(CONDITIONS):

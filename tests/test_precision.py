@@ -191,6 +191,7 @@ def test_fast_paths_synthesise_streamed_and_whole(tts, tiny_bundle_dir: Path, tm
 
 def test_auto_is_reported_by_ready_and_shown_on_the_page(tiny_bundle_dir: Path, tmp_path: Path) -> None:
     from app.ui import Studio, build_ui
+    from cosyvoice.context import StudioContext
     from cosyvoice.server.rest import create_app
     from cosyvoice.service import TTSService
     from cosyvoice.settings import ServerSettings
@@ -207,7 +208,7 @@ def test_auto_is_reported_by_ready_and_shown_on_the_page(tiny_bundle_dir: Path, 
             server.stop()
         assert ready == json_like(plan.describe())
         assert ready["llm"] == plan.llm and ready["flow"] == plan.flow and "label" in ready
-        page = build_ui(Studio(service, data_dir=tmp_path / "data"))
+        page = build_ui(Studio(StudioContext(service=service, data_dir=tmp_path / "data")))
         shown = [b for b in page.blocks.values() if getattr(b, "elem_id", None) == "precision"]
         assert len(shown) == 1 and shown[0].value == plan.label and "auto" in plan.label
         # the measurements behind the choice, on the page and in /ready (kept per CPU and model: a restart reads them)

@@ -156,7 +156,7 @@ def _service(bundle: Path, voice_dir: Path, prompt_cache: bool = True) -> TTSSer
     limits = Limits(max_sessions=2)
     model = Model.load(bundle, device="cpu", limits=limits, prompt_cache=prompt_cache)
     library = VoiceLibrary(voice_dir, model.frontend, model_dir=model.model_dir)
-    return TTSService(model, library, limits)
+    return TTSService(model, library, limits, prompt_cache_dir=library.dir / FOLDER)
 
 
 def _speak(service: TTSService, prompt_wav: Path, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
@@ -266,7 +266,7 @@ def test_a_batch_steps_column_reaches_the_take_and_its_provenance(tts, tmp_path:
 
 def test_a_long_form_project_speaks_at_its_steps(tts, short_prompt_wav: Path, tmp_path: Path, monkeypatch) -> None:
     """A project's ``steps`` setting is checked where it is set and goes with every take's request."""
-    from cosyvoice.longform import LongformStudio
+    from cosyvoice.context import StudioContext
 
     service = TTSService(tts.model, VoiceLibrary(tmp_path / "voices", tts.frontend, model_dir=tts.model_dir),
                          Limits(max_sessions=2))
@@ -280,7 +280,8 @@ def test_a_long_form_project_speaks_at_its_steps(tts, short_prompt_wav: Path, tm
         return session
 
     monkeypatch.setattr(service, "synthesize", recording)
-    studio = LongformStudio(service, tmp_path / "data")
+    context = StudioContext(service=service, data_dir=tmp_path / "data")
+    studio = context.studio()
     try:
         with pytest.raises(InvalidInputError) as caught:
             studio.create("Bad", "Hi there.", voice="Ann", steps=0)
@@ -294,16 +295,16 @@ def test_a_long_form_project_speaks_at_its_steps(tts, short_prompt_wav: Path, tm
         studio.wait(project.id, 300)
         assert asked == [6, tts.engine.default_steps]
     finally:
-        studio.close()
+        context.close()
 
 
 def test_the_pages_flow_steps_reach_the_take_and_come_back_with_it(tts, short_prompt_wav: Path,
                                                                    tmp_path: Path) -> None:
     """The web UI's advanced setting: a take made at 6 steps records them; "Use these settings" puts them back."""
-    from app.ui import Studio
+    from test_webui import studio_over
 
-    studio = Studio(TTSService(tts.model, VoiceLibrary(tmp_path / "voices", tts.frontend, model_dir=tts.model_dir)),
-                    demo=True)
+    studio = studio_over(TTSService(tts.model, VoiceLibrary(tmp_path / "voices", tts.frontend,
+                                                             model_dir=tts.model_dir)))
     list(studio.generate("take-steps", "zero_shot", "Hi there.", str(short_prompt_wav), TRANSCRIPT, "", None, 5, 1.0,
                          False, "wav", None, 6.0))
     (take,) = studio.store.takes()

@@ -14,12 +14,11 @@ import pytest
 from test_rest import Server
 from test_voice_storage import read_only_mount
 
-from cosyvoice.longform import LongformStudio
+from cosyvoice.context import StudioContext
 from cosyvoice.owners import ANONYMOUS
 from cosyvoice.server.rest import create_app
 from cosyvoice.service import TTSService
 from cosyvoice.settings import Limits, ServerSettings, default_data_dir
-from cosyvoice.takes.store import TakeStore
 from cosyvoice.voices import VoiceLibrary
 
 TRANSCRIPT = "Hello, this is a short prompt for testing."
@@ -41,12 +40,11 @@ def test_read_only_folders_are_served_read_only(tts, tmp_path: Path, short_promp
 
     made = service()  # made while writable: a saved voice, a take, a long-form project
     made.create_voice("Narrator", short_prompt_wav.read_bytes(), TRANSCRIPT)
-    store = TakeStore(data)
-    take = store.add_take(np.zeros(2400, np.float32), 24000, {"text": "kept"}, label="sysA", owner=ANONYMOUS)
-    store.close()
-    studio = LongformStudio(made, data)
-    project = studio.create("Kept", "One short sentence.", voice="Narrator", owner=ANONYMOUS)  # the client's own
-    studio.store.close()
+    context = StudioContext(service=made, data_dir=data)
+    take = context.takes.add_take(np.zeros(2400, np.float32), 24000, {"text": "kept"}, label="sysA",
+                                  owner=ANONYMOUS)
+    project = context.studio().create("Kept", "One short sentence.", voice="Narrator", owner=ANONYMOUS)  # the client's
+    context.close()
 
     with read_only_mount(root) as mounted:
         if not mounted:

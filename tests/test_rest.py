@@ -602,11 +602,12 @@ def test_each_router_serves_alone(service: TTSService, short_prompt_wav: Path) -
     """An API family is one router: mounted alone on a bare app (with the shared error mapping)."""
     from fastapi import FastAPI
 
+    from cosyvoice.context import StudioContext
     from cosyvoice.server import bridge
     from cosyvoice.server.common import ServerState, install_error_handlers
 
     app = FastAPI()
-    app.state.server = ServerState(ServerSettings())
+    app.state.server = ServerState(StudioContext(ServerSettings()))
     app.state.server.install(service)
     install_error_handlers(app)
     app.include_router(bridge.router)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import queue
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -220,16 +222,30 @@ def test_server_settings_from_env_and_flags() -> None:
         ServerSettings(api_keys=("k",), cors_origins=("*",))
 
 
+class TypedText:
+    """Text still being typed: the test ``put``s pieces, then ``end()``s it; the service's pump iterates it."""
+
+    def __init__(self) -> None:
+        self._pieces: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+
+    def put(self, piece: str) -> None:
+        self._pieces.put(piece)
+
+    def end(self) -> None:
+        self._pieces.put(None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._pieces.get, None)
+
+
 @pytest.mark.parametrize("voice_transcript", [TRANSCRIPT, ""])
 def test_text_stream_speaks_before_the_text_ends(service: TTSService, short_prompt_wav: Path,
                                                  voice_transcript: str, outcomes: list[Outcome]) -> None:
     """Zero-shot voices use the engine's text-stream input, transcript-less ones sentence by sentence."""
-    from cosyvoice.service import TextPieces
-
     name = "Streamer" if voice_transcript else "Plain"
     service.create_voice(name, short_prompt_wav.read_bytes(), voice_transcript)
     try:
-        pieces = TextPieces()
+        pieces = TypedText()
         pieces.put("Hello there, my friend. ")  # enough text for a first chunk (bi-streaming: 5 text : 15 speech)
         pieces.put("How are you doing today, and how")
         session = service.synthesize_text_stream(SynthesisRequest("", "sft", voice=name, seed=5), pieces)
@@ -246,7 +262,7 @@ def test_text_stream_speaks_before_the_text_ends(service: TTSService, short_prom
         if not voice_transcript:
             assert sum(c.final for c in chunks) == 2  # two sentences
         # cancelling while the text is still open ends the session and frees its slot
-        pieces = TextPieces()
+        pieces = TypedText()
         pieces.put("One more sentence, with a few more words. And")
         session = service.synthesize_text_stream(SynthesisRequest("", "sft", voice=name, seed=5), pieces)
         next(session)
@@ -285,7 +301,7 @@ def test_text_with_only_a_prompt_marker_names_the_field(service: TTSService, tex
 
 def test_admission_serves_threads_and_tasks_in_arrival_order() -> None:
     """One queue for threads and asyncio tasks: a freed slot goes to the longest waiter (no overtaking)."""
-    from cosyvoice.service import Admission
+    from cosyvoice.admission import Admission
 
     admission = Admission(max_active=1, max_waiting=3, timeout=30)
     admission.acquire()
@@ -324,7 +340,7 @@ def test_admission_serves_threads_and_tasks_in_arrival_order() -> None:
 
 
 def test_a_cancelled_async_wait_leaves_no_slot_behind() -> None:
-    from cosyvoice.service import Admission
+    from cosyvoice.admission import Admission
 
     admission = Admission(max_active=1, max_waiting=2, timeout=30)
 

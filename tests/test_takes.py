@@ -87,7 +87,7 @@ def old_data_folder(root: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
 
 def test_a_data_folder_from_before_opens_with_every_take_and_its_audio(tmp_path: Path) -> None:
     audio, old_pcm = old_data_folder(tmp_path)
-    projects = ProjectStore(tmp_path)
+    projects = ProjectStore(TakeStore(tmp_path))
     takes = projects.takes("p1")
     assert {sid: [t.id for t in found] for sid, found in takes.items()} == {"s1": ["t1", "t2"], "s2": ["t3"]}
     for found in takes.values():
@@ -113,7 +113,7 @@ def test_a_data_folder_from_before_opens_with_every_take_and_its_audio(tmp_path:
     db = sqlite3.connect(tmp_path / "longform.sqlite3")
     db.execute("PRAGMA user_version = 0")
     db.close()
-    again = ProjectStore(tmp_path)
+    again = ProjectStore(TakeStore(tmp_path))
     assert [t.id for t in again.take_store.takes()] == ["take-old", "t1", "t2", "t3"]
     assert {sid: [t.id for t in found] for sid, found in again.takes("p1").items()} == {"s1": ["t1", "t2"],
                                                                                        "s2": ["t3"]}

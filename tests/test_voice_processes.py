@@ -109,7 +109,7 @@ LOCK_HOLDER = """
 import sys, time
 from cosyvoice.voices import VoiceLibrary
 library = VoiceLibrary(sys.argv[1], None, model_dir=sys.argv[2])
-held = library._exclusive()  # hold the folder lock, as a save in progress does
+held = library.folder.exclusive()  # hold the folder lock, as a save in progress does
 held.__enter__()
 print("held", flush=True)
 time.sleep(120)

@@ -128,7 +128,7 @@ def small_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Smal
         finally:
             _umount(root)
         return
-    import cosyvoice.voices as voices
+    import cosyvoice.voices.folder as voices
 
     full = []
     real = voices.atomic_write

@@ -21,17 +21,26 @@ gr = pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra: pip 
 from app import ui  # noqa: E402
 from app.ui import Studio, build_ui, launch, load_studio  # noqa: E402
 from cosyvoice import bundle  # noqa: E402
+from cosyvoice.context import StudioContext  # noqa: E402
 from cosyvoice.frontend.prompts import zero_shot_prompt_text  # noqa: E402
 from cosyvoice.service import TTSService  # noqa: E402
-from cosyvoice.settings import VoicePolicy  # noqa: E402
+from cosyvoice.settings import ServerSettings, VoicePolicy  # noqa: E402
 from cosyvoice.voices import VoiceLibrary  # noqa: E402
 
 TEXT = "Hi there."  # short: the random tiny model speaks until its length limit, which grows with the text
 TRANSCRIPT = "Hello, this is a short prompt."
 
 
-def make_studio(tts, root: Path, builtin_prompt: Path | None = None) -> Studio:
-    """A studio on ``root`` (voices under it); with ``builtin_prompt``, one built-in voice 'Narrator'."""
+def studio_over(service: TTSService, api_keys: tuple[str, ...] = ()) -> Studio:
+    """A demo studio serving ``service``, its data folder beside the voices (as ``load_studio`` places it); with
+    ``api_keys``, nothing answers without one."""
+    settings = ServerSettings(voice_dir=str(service.voices.dir.parent), api_keys=api_keys)
+    return Studio(StudioContext(settings, service=service), demo=True)
+
+
+def make_studio(tts, root: Path, builtin_prompt: Path | None = None, api_keys: tuple[str, ...] = ()) -> Studio:
+    """A studio on ``root`` (voices under it); with ``builtin_prompt``, one built-in voice 'Narrator'; with
+    ``api_keys``, nothing answers without one."""
     builtin = None
     if builtin_prompt is not None:
         builtin = root / "builtin"
@@ -39,16 +48,16 @@ def make_studio(tts, root: Path, builtin_prompt: Path | None = None) -> Studio:
         shutil.copyfile(builtin_prompt, builtin / "Narrator.wav")
         (builtin / "Narrator.txt").write_text(TRANSCRIPT + "\n")
     library = VoiceLibrary(root / "voices", tts.frontend, model_dir=tts.model_dir, builtin_dir=builtin)
-    return Studio(TTSService(tts.model, library), demo=True)
+    return studio_over(TTSService(tts.model, library), api_keys)
 
 
 @contextlib.contextmanager
-def serving(studio: Studio, **kwargs: object) -> Iterator[str]:
+def serving(studio: Studio) -> Iterator[str]:
     """The app on a free loopback port, as ``webui.py`` serves it; yields its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    page = launch(studio, host="127.0.0.1", port=port, block=False, **kwargs)
+    page = launch(studio, host="127.0.0.1", port=port, block=False)
     try:
         yield f"http://127.0.0.1:{port}/"
     finally:
@@ -245,8 +254,8 @@ def test_a_voice_saved_after_connecting_is_usable_by_name_and_errors_are_plain(a
 
 def test_a_take_the_store_cannot_keep_is_still_downloadable(tts, tmp_path: Path, short_prompt_wav: Path) -> None:
     studio = make_studio(tts, tmp_path)
-    studio.data_dir = tmp_path / "not-a-folder"
-    studio.data_dir.write_text("a file where the data folder should be")  # the store cannot open
+    shutil.rmtree(studio.store.audio_dir)  # the store's audio folder is gone, a file in its place: writes fail
+    studio.store.audio_dir.write_text("a file where the takes' folder should be")
     with pytest.warns(UserWarning, match="could not be kept in the history"):
         *_, (status, download, count, generate, _) = _generate(studio, "cross_lingual", prompt=str(short_prompt_wav))
     assert status.startswith("Take ?:") and count == gr.skip() and generate["interactive"] is True

@@ -20,8 +20,8 @@ BEARER = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def keyed(tts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
-    studio = make_studio(tts, tmp_path_factory.mktemp("keyed"))
-    with serving(studio, api_keys=(KEY, "second-key")) as url:
+    studio = make_studio(tts, tmp_path_factory.mktemp("keyed"), api_keys=(KEY, "second-key"))
+    with serving(studio) as url:
         yield studio, url
 
 

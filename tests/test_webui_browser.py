@@ -420,11 +420,12 @@ def one_session_studio(tts, tmp_path: Path):
     """A studio whose service runs one session at a time, so a second take waits in the queue."""
     from dataclasses import replace
 
-    from app.ui import Studio
+    from test_webui import studio_over
+
     from cosyvoice.service import TTSService
 
     library = make_studio(tts, tmp_path).service.voices
-    return Studio(TTSService(tts.model, library, limits=replace(tts.limits, max_sessions=1)), demo=True)
+    return studio_over(TTSService(tts.model, library, limits=replace(tts.limits, max_sessions=1)))
 
 
 def test_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path: Path, short_prompt_wav: Path) -> None:
@@ -650,7 +651,7 @@ def test_signing_in_with_a_key(tts, browser, tmp_path: Path, short_prompt_wav: P
     """COSYVOICE_API_KEYS set: the page asks for a key first; with it, takes play live as usual."""
     ctx = browser(locale="en-US")
     try:
-        with serving(make_studio(tts, tmp_path), api_keys=("the-key",)) as url:
+        with serving(make_studio(tts, tmp_path, api_keys=("the-key",))) as url:
             page = ctx.new_page()
             page.goto(url)
             sync_api.expect(page.locator("#key")).to_be_visible()  # the sign-in page, nothing of the app

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from starlette.testclient import TestClient
 from test_rest import Server
 
+from cosyvoice.context import StudioContext
 from cosyvoice.owners import ANONYMOUS, Owners, key_owner
 from cosyvoice.server import common
 from cosyvoice.server.rest import create_app
@@ -176,7 +177,7 @@ RATER_ROUTES = {("GET", "/workbench/rate/{test_id}"), ("GET", "/workbench/api/te
 
 
 def test_rater_route_opens_exactly_the_rate_page_and_the_rater_api(tmp_path: Path) -> None:
-    router = workbench_router(tmp_path, lambda: pytest.fail("no service needed"))
+    router = workbench_router(StudioContext(data_dir=tmp_path))
     opened = {(method, route.path) for route in router.routes for method in route.methods
               if rater_route(method, re.sub(r"{[^}]+}", "x", route.path))}
     assert opened == RATER_ROUTES  # every other route of the router (owner, results, exports, takes) stays gated
@@ -192,7 +193,7 @@ def test_rater_route_opens_exactly_the_rate_page_and_the_rater_api(tmp_path: Pat
 @pytest.mark.parametrize("gate", ["rest", "webui"])
 def test_both_gates_let_a_rater_through_behind_a_proxy_prefix(gate: str, tmp_path: Path) -> None:
     app = FastAPI()
-    app.include_router(workbench_router(tmp_path, lambda: pytest.fail("no service needed")))
+    app.include_router(workbench_router(StudioContext(data_dir=tmp_path)))  # no service: raters need none
     if gate == "rest":
         app.add_middleware(common.ApiKeys, owners=Owners((KEY,)), public=rater_route)
     else:
@@ -219,8 +220,8 @@ def keyed(request: pytest.FixtureRequest, tts, tmp_path_factory: pytest.TempPath
         pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra")
         from test_webui import make_studio, serving
 
-        studio = make_studio(tts, root)
-        with serving(studio, api_keys=(KEY,)) as url:
+        studio = make_studio(tts, root, api_keys=(KEY,))
+        with serving(studio) as url:
             yield url.rstrip("/"), default_data_dir(studio.service.voices.dir.parent), True
 
 

@@ -260,14 +260,14 @@ def test_a_rater_without_a_key_finishes_a_test_on_the_web_ui_behind_keys(tts, br
     from cosyvoice.owners import key_owner
     from cosyvoice.settings import default_data_dir
 
-    studio = make_studio(tts, tmp_path)
+    studio = make_studio(tts, tmp_path, api_keys=("the-key",))
     store = TakeStore(default_data_dir(studio.service.voices.dir.parent))
     t = np.arange(7200) / 24000  # 0.3 s
     a, b = (store.add_take((0.2 * np.sin(2 * np.pi * f * t)).astype(np.float32), 24000, {"text": "one"}, label=label)
             for f, label in ((220, "sysA"), (330, "sysB")))
     test_id = listening.create_test(store, "ab", [{"takes": [a.id, b.id]}], title="Behind keys",
                                     owner=key_owner("the-key"))
-    with serving(studio, api_keys=("the-key",)) as url:
+    with serving(studio) as url:
         device = browser()
         refused: list[str] = []
         device.on("response", lambda r: refused.append(f"{r.status} {r.url}") if r.status >= 400 else None)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,19 +24,29 @@ def make_takes(store: TakeStore, labels: list[str], texts: list[str]) -> dict[tu
     return out
 
 
+class Clock:
+    """The store's wall clock, moved by the test: a take plays through in no time."""
+
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def listen(store: TakeStore, rater, position: int) -> None:
-    """Every slot of the item played through (plays overlap, so one wait covers them all)."""
+    """Every slot of the item played through (plays overlap, so one take's length covers them all)."""
     slots = [s["slot"] for s in rater.plan[position]["slots"]]
     for slot in slots:
         listening.record_play(store, rater, position, slot, "play")
-    time.sleep(SECONDS - listening.LISTEN_TOLERANCE_SECONDS + 0.05)
+    store.clock.now += SECONDS - listening.LISTEN_TOLERANCE_SECONDS + 0.05
     for slot in slots:
         listening.record_play(store, rater, position, slot, "ended")
 
 
 @pytest.fixture()
 def store(tmp_path: Path) -> TakeStore:
-    return TakeStore(tmp_path)
+    return TakeStore(tmp_path, clock=Clock())
 
 
 def test_played_through_needs_the_takes_length_on_the_servers_clock() -> None:

@@ -42,7 +42,7 @@ import torch
 from cosyvoice.backends.auto_store import AutoStore, machine_key
 from cosyvoice.backends.cpu import cpu_features, native_bf16
 from cosyvoice.errors import ConfigError
-from cosyvoice.utils.malloc import trim
+from cosyvoice.system.malloc import trim
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from cosyvoice.flow.dit import DiTCache
 from cosyvoice.flow.model import CausalMaskedDiffWithDiT, FlowStream, VoicePrefix
-from cosyvoice.utils.fs import atomic_write
+from cosyvoice.system.fs import atomic_write
 
 logger = logging.getLogger(__name__)
 

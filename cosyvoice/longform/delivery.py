@@ -32,7 +32,7 @@ from cosyvoice.encoding import AudioFormat, write_file
 from cosyvoice.errors import ConflictError, InvalidInputError, NotFoundError
 from cosyvoice.longform import finishing
 from cosyvoice.longform.store import Take
-from cosyvoice.utils.sqlite import require_writable
+from cosyvoice.system.sqlite import require_writable
 
 if TYPE_CHECKING:
     from cosyvoice.longform.projects import LongformStudio

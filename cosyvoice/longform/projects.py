@@ -16,7 +16,6 @@ import io
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
@@ -24,16 +23,15 @@ import numpy as np
 from cosyvoice.encoding import Chapter, file_format, write_file
 from cosyvoice.engine import CancelToken, ChunkSchedule
 from cosyvoice.errors import InvalidInputError, NotFoundError
-from cosyvoice.frontend.frontend import CosyVoiceFrontend
 from cosyvoice.jobs import Job, JobGone, JobState, Made, Task, release, runner, synthesize
 from cosyvoice.llm.model import CosyVoice3LM
 from cosyvoice.longform import documents, finishing, script
 from cosyvoice.longform.delivery import Deliveries, file_stem, tag_file, tag_text
 from cosyvoice.longform.store import Project, ProjectStore, Segment, Take
 from cosyvoice.service import SynthesisRequest, TTSService, check_text
-from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, default_data_dir, env_name
+from cosyvoice.settings import FLOW_STEPS_RANGE, SPEED_RANGE, env_name
+from cosyvoice.system.sqlite import require_writable
 from cosyvoice.takes.provenance import provenance
-from cosyvoice.utils.sqlite import require_writable
 
 SUSPECT_RETRIES = 0  # a project's default: suspect takes are flagged; a project may ask for new takes (new seeds)
 MAX_RETRIES = 5
@@ -84,20 +82,15 @@ def default_settings(**overrides: object) -> dict:
 
 
 class LongformStudio:
-    """Projects in ``data_dir`` (``longform.sqlite3`` + take audio), synthesised through ``service``."""
+    """The projects of ``store`` (``longform.sqlite3`` + the take store's audio), synthesised through ``service``."""
 
-    def __init__(self, service: TTSService, data_dir: str | Path | None = None) -> None:
+    def __init__(self, service: TTSService, store: ProjectStore) -> None:
         self.service = service
-        self.store = ProjectStore(data_dir if data_dir is not None else default_data_dir())
+        self.store = store
         self.sample_rate = service.sample_rate
         self.jobs = runner(self.store.root, service.limits.job_workers)
         self.jobs.register(KIND, self._tasks)
         self.delivery = Deliveries(self)
-
-    @property
-    def frontend(self) -> CosyVoiceFrontend:
-        """The model's own text frontend: THE splitter, so the table is what will be read."""
-        return self.service.model.frontend
 
     def close(self) -> None:
         """Stop this process's generation jobs (done takes stay) and close the store."""
@@ -108,7 +101,7 @@ class LongformStudio:
 
     def split(self, text: str) -> list[str]:
         """The frontend's split of one paragraph: normalised pieces, as the model reads them."""
-        return self.frontend.text.split(text)
+        return self.service.split_text(text)
 
     def create(self, name: str, text: str, *, voice: str | None = None, kind: str = "document",
                speakers: dict[str, str] | None = None, chapters: list[tuple[str | None, str]] | None = None,
@@ -480,7 +473,7 @@ class LongformStudio:
         speech tokens looping or at the model's length bounds for the text."""
         flags = finishing.check_take(made.pcm, self.sample_rate, segment.text, segment.speed)
         for text, tokens in zip(made.prepared.segments, made.speech_tokens, strict=False):
-            n_text = made.prepared.plan.head.shape[1] + len(self.frontend.encode(text))  # as the LLM counts
+            n_text = made.prepared.plan.head.shape[1] + self.service.count_text_tokens(text)  # as the LLM counts
             reason = (finishing.token_bounds(len(tokens), CosyVoice3LM.length_limits(n_text), n_text)
                       or finishing.token_loop(tokens))
             if reason:

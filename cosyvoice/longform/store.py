@@ -36,9 +36,9 @@ import numpy as np
 import soundfile as sf
 
 from cosyvoice.errors import NotFoundError
+from cosyvoice.system.sqlite import add_columns, open_store, write_transaction
 from cosyvoice.takes.store import Take as StoredTake
 from cosyvoice.takes.store import TakeStore, finite
-from cosyvoice.utils.sqlite import add_columns, open_store, write_transaction
 
 logger = logging.getLogger(__name__)
 
@@ -122,15 +122,17 @@ def new_id() -> str:
 
 
 class ProjectStore:
-    """Thread-safe: one connection, one lock, each change a transaction. A data folder this process cannot write
-    is served read-only: :attr:`read_only` says why, and every change raises it."""
+    """Thread-safe: one connection, one lock, each change a transaction. It stands on the process's one take store
+    (``takes``, made by :class:`cosyvoice.context.StudioContext`) and keeps its database in that store's folder. A
+    data folder this process cannot write is served read-only: :attr:`read_only` says why, and every change raises
+    it."""
 
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
+    def __init__(self, takes: TakeStore) -> None:
+        self.root = takes.root
         self.audio_root = self.root / "longform"
         self._lock = threading.RLock()
         self._db, self.read_only = open_store(self.root, DB_NAME, SCHEMA)
-        self.take_store = TakeStore(self.root)
+        self.take_store = takes
         if not self.read_only:
             with self.transaction() as db:
                 db.execute("UPDATE segments SET state = 'idle' WHERE state = 'running'")  # a job the last run left
@@ -155,9 +157,9 @@ class ProjectStore:
         return write_transaction(self._db, self._lock, self.read_only)
 
     def close(self) -> None:
+        """Close the database (the take store is its maker's to close)."""
         with self._lock:
             self._db.close()
-        self.take_store.close()
 
     # ------------------------------------------------------------------ projects
 

@@ -27,17 +27,17 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cosyvoice.context import StudioContext
 from cosyvoice.encoding import AudioEncoder, AudioFormat, audio_format, encode_audio
 from cosyvoice.errors import (
     CosyVoiceError,
     InvalidInputError,
 )
 from cosyvoice.owners import Caller, Owners, PublicRoute, no_public_route
-from cosyvoice.server.errors import CLIENT_GONE, HttpError, ModelNotReady, http_error, invalid_request, log_error
+from cosyvoice.server.errors import CLIENT_GONE, HttpError, http_error, invalid_request, log_error
 from cosyvoice.server.metrics import ServiceMetrics
 from cosyvoice.service import AsyncSynthesisSession, TTSService, allowed_path
 from cosyvoice.settings import ServerSettings, env_name
-from cosyvoice.utils.sqlite import data_folder_read_only
 
 logger = logging.getLogger(__name__)
 
@@ -108,37 +108,37 @@ def install_error_handlers(app: FastAPI) -> None:
 
 @dataclass
 class ServerState:
-    """One REST app's settings, callers, metrics and service (``None`` while the model loads)."""
+    """One REST app's settings, metrics and the process's :class:`StudioContext` (its service ``None`` while the
+    model loads)."""
 
-    settings: ServerSettings
+    context: StudioContext
     metrics: ServiceMetrics = field(default_factory=ServiceMetrics)
-    loaded: TTSService | None = None
-    load_error: str | None = None  # the log has it in full; only key holders see it in /health and /ready
-    data_dir: Path | None = None  # the workbench's and long-form's folder (None: none served)
-    data_read_only: str | None = None  # why nothing can be stored there (found once the service is installed)
-    owners: Owners = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.owners = self.settings.owners()
+    @property
+    def settings(self) -> ServerSettings:
+        return self.context.settings
+
+    @property
+    def owners(self) -> Owners:
+        return self.context.owners
+
+    @property
+    def loaded(self) -> TTSService | None:
+        return self.context.loaded
 
     def install(self, service: TTSService) -> None:
-        """Serve ``service``: its outcomes feed the metrics; its voice library follows the settings' policy."""
+        """Serve ``service``: its outcomes feed the metrics."""
         self.metrics.attach(service)
-        service.voices.policy = self.settings.voice_policy()
-        if self.data_dir is not None:  # the stores make the folder when first used, not the server's start
-            self.data_read_only = data_folder_read_only(self.data_dir, create=False)
-        self.loaded = service
+        self.context.install(service)
 
     def read_only(self) -> dict[str, str]:
         """The folders served read-only (``voices``, ``data``) and what that means for users."""
-        reasons = {"voices": self.loaded.voices.read_only if self.loaded else None, "data": self.data_read_only}
+        reasons = {"voices": self.loaded.voices_read_only if self.loaded else None,
+                   "data": self.context.takes.read_only}
         return {folder: why for folder, why in reasons.items() if why}
 
     def service(self) -> TTSService:
-        if self.loaded is None:
-            raise ModelNotReady("the model failed to load; the server log says why" if self.load_error else
-                                "the model is still loading; retry shortly")
-        return self.loaded
+        return self.context.service()
 
 
 def server_state(conn: HTTPConnection) -> ServerState:

@@ -23,6 +23,7 @@ import torch
 from pydantic import ValidationError
 from starlette.middleware.cors import CORSMiddleware
 
+from cosyvoice.context import StudioContext, load_service
 from cosyvoice.encoding import audio_format
 from cosyvoice.engine import CancelToken
 from cosyvoice.errors import ResourceLimitError
@@ -39,7 +40,7 @@ from cosyvoice.server.http_limits import check_json_depth, json_content, slow_bo
 from cosyvoice.server.memory import MemoryKeeper
 from cosyvoice.server.operations import readiness
 from cosyvoice.server.voices_api import voice_json
-from cosyvoice.service import TTSService, failure_reason, mode_label
+from cosyvoice.service import failure_reason, mode_label
 from cosyvoice.settings import ServerSettings, add_server_arguments, settings_from_args
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class EmbeddedBridge:
         args = parser.parse_args(argv)
         settings, self.limits = settings_from_args(args, {**CONTRACT_ADDRESS, **os.environ})
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self.state = ServerState(settings)
+        self.state = ServerState(StudioContext(settings, limits=self.limits))  # the process's one context
         # few malloc arenas and a trim when idle, as the REST server: each request runs on a thread of its own
         self._memory = contextlib.ExitStack()
         self._memory.enter_context(MemoryKeeper(lambda: self.state.loaded))
@@ -145,12 +146,11 @@ class EmbeddedBridge:
         started = time.perf_counter()
         s = self.settings
         try:
-            self.state.install(TTSService.load(s.model_dir, s.voice_dir, device=s.device, limits=self.limits,
-                                               precision=s.precision))
+            self.state.install(load_service(s, self.limits))
         except BaseException as exc:  # the server keeps answering: /health, /ready and requests say it failed
             logger.exception("loading the model failed")
-            self.state.load_error = f"{type(exc).__name__}: {exc}"
-            return self.state.load_error
+            self.state.context.load_error = f"{type(exc).__name__}: {exc}"
+            return self.state.context.load_error
         logger.info("loaded %s in %.1f s; serving", s.model_dir, time.perf_counter() - started)
         return None
 

@@ -20,6 +20,7 @@ from cosyvoice.errors import (
     ConflictError,
     CosyVoiceError,
     InvalidInputError,
+    ModelNotReady,
     NotFoundError,
     PermissionDeniedError,
     ResourceLimitError,
@@ -30,10 +31,6 @@ from cosyvoice.settings import ServerSettings
 CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by the client
 
 logger = logging.getLogger(__name__)
-
-
-class ModelNotReady(CosyVoiceError):
-    """Requests that arrive while the model is still loading (or failed to load)."""
 
 
 @dataclass(frozen=True)

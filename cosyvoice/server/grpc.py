@@ -45,6 +45,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cosyvoice.context import load_service
 from cosyvoice.encoding import to_pcm16
 from cosyvoice.errors import (
     ConfigError,
@@ -325,10 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stopped.set())
     logger.info("gRPC listening on %s; loading %s", server.address, settings.model_dir)
     try:
-        service = TTSService.load(settings.model_dir, settings.voice_dir, device=settings.device, limits=limits,
-                                  precision=settings.precision)
-        service.voices.policy = settings.voice_policy()
-        server.serve(service)
+        server.serve(load_service(settings, limits))
     except CosyVoiceError as exc:
         logger.error("cannot load the model: %s", exc)
         server.stop(0)

@@ -55,6 +55,7 @@ from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from cosyvoice.context import StudioContext
 from cosyvoice.encoding import encode_audio, file_format
 from cosyvoice.engine import CancelToken
 from cosyvoice.errors import ConflictError, InvalidInputError, NotFoundError, PermissionDeniedError
@@ -62,12 +63,10 @@ from cosyvoice.jobs import Cancelled
 from cosyvoice.longform import LongformStudio, documents
 from cosyvoice.longform.delivery import MAX_COVER_BYTES
 from cosyvoice.longform.store import Segment, Take
-from cosyvoice.owners import Caller, Owners
+from cosyvoice.owners import Caller
 from cosyvoice.server.errors import CLIENT_GONE, error_route
 from cosyvoice.server.routes import RouteTable
-from cosyvoice.service import TTSService
-from cosyvoice.settings import ServerSettings
-from cosyvoice.utils.fs import disk_full
+from cosyvoice.system.fs import disk_full
 
 logger = logging.getLogger(__name__)
 
@@ -169,28 +168,18 @@ class Imports:
 
 
 class Mount:
-    """One mount's studio (made on its first request: the model may load after start), who its callers are,
-    and the imports under way."""
+    """One mount's studio (the process's :class:`StudioContext`'s, there once the model is loaded), who its callers
+    are, and the imports under way."""
 
-    def __init__(self, studio: Callable[[], LongformStudio], owners: Owners) -> None:
-        self.studio, self.owners = studio, owners
+    def __init__(self, context: StudioContext) -> None:
+        self.studio, self.owners = context.studio, context.owners
         self.imports = Imports()
 
 
-def longform_router(get_service: Callable[[], TTSService], data_dir: str | Path | None = None,
-                    settings: ServerSettings | None = None, owners: Owners | None = None) -> APIRouter:
-    """The routes below over one :class:`LongformStudio`, mountable on any app (the REST server's, the web UI's);
-    ``owners``: who callers are (default: the settings')."""
-    settings = settings or ServerSettings.from_env()
-    owners = owners if owners is not None else settings.owners()
-    holder: dict[str, LongformStudio] = {}
-    lock = threading.Lock()
-
-    def studio() -> LongformStudio:
-        with lock:
-            if "studio" not in holder:
-                holder["studio"] = LongformStudio(get_service(), data_dir)
-            return holder["studio"]
+def longform_router(context: StudioContext) -> APIRouter:
+    """The routes below over the process's ``context`` (its long-form studio and owners), mountable on any app (the
+    REST server's, the web UI's)."""
+    owners, studio = context.owners, context.studio
 
     def visible_project(request: Request) -> None:
         """Every route under ``{project_id}``: another owner's project is not found (unless shared)."""
@@ -199,7 +188,7 @@ def longform_router(get_service: Callable[[], TTSService], data_dir: str | Path 
             raise NotFoundError(f"no project {project_id!r}", "project")
 
     router = APIRouter(dependencies=[Depends(visible_project)])
-    router.include_router(routes.install(Mount(studio, owners), route_class=error_route(settings)))
+    router.include_router(routes.install(Mount(context), route_class=error_route(context.settings)))
     return router
 
 
@@ -208,7 +197,7 @@ This = Annotated[Mount, Depends(routes.state)]
 
 
 def _studio(mount: This) -> LongformStudio:
-    """The mount's studio, made on its first request."""
+    """The mount's studio (:class:`ModelNotReady` while the model loads)."""
     return mount.studio()
 
 
@@ -233,8 +222,7 @@ def page(mount: This, request: Request) -> HTMLResponse:
 @routes.get("/v1/longform/voices")
 def voices(s: Studio) -> JSONResponse:
     """Voices a segment can use: built-in and saved ones."""
-    return JSONResponse([{"id": v.id, "name": v.name, "builtin": v.builtin} for v in s.service.voices.list()
-                         if v.name])
+    return JSONResponse([{"id": v.id, "name": v.name, "builtin": v.builtin} for v in s.service.list_voices()])
 
 
 @routes.get("/v1/longform/projects")
@@ -483,7 +471,7 @@ def detail(studio: LongformStudio, project_id: str) -> dict[str, Any]:
     """A project as the page shows it: settings, every segment with its status and takes, the progress."""
     project = studio.project(project_id)
     table = studio.table(project_id)
-    names = {v.id: v.name for v in studio.service.voices.list() if v.name}
+    names = {v.id: v.name for v in studio.service.list_voices()}
     pauses = project.settings["pauses"]
     return {"id": project.id, "name": project.name, "kind": project.kind, "settings": project.settings,
             "sample_rate": studio.sample_rate, "progress": studio.progress(project_id),

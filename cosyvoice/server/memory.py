@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from cosyvoice.utils.malloc import limit_arenas, trim
+from cosyvoice.system.malloc import limit_arenas, trim
 
 if TYPE_CHECKING:
     from cosyvoice.service import TTSService

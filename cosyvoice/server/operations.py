@@ -26,8 +26,8 @@ def _may_see_details(http: Request) -> bool:
 async def health(http: Request) -> JSONResponse:
     """Liveness: the process serves (503 only when the model failed to load)."""
     state = server_state(http)
-    if state.load_error:
-        body = {"status": "failed", "error": state.load_error if key_holder(http) else "see the server log"}
+    if state.context.load_error:
+        body = {"status": "failed", "error": state.context.load_error if key_holder(http) else "see the server log"}
         return JSONResponse(body, 503)
     return JSONResponse({"status": "ok"})
 
@@ -44,9 +44,9 @@ def readiness(state: ServerState, details: bool, holder: bool) -> tuple[dict[str
     """``/ready``'s body and status: the load counters and precision if ``details``, the model folder and a load
     failure's message only for a key ``holder``."""
     if state.loaded is None:
-        body: dict[str, object] = {"status": "failed" if state.load_error else "loading"}
-        if state.load_error:
-            body["error"] = state.load_error if holder else "see the server log"
+        body: dict[str, object] = {"status": "failed" if state.context.load_error else "loading"}
+        if state.context.load_error:
+            body["error"] = state.context.load_error if holder else "see the server log"
         return body, 503
     body = {"status": "ready"}
     if state.read_only():  # served, but what users make cannot be kept there

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import ray
@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict
 from ray import serve
 from starlette.datastructures import UploadFile
 
+from cosyvoice.context import load_service
 from cosyvoice.encoding import audio_format
 from cosyvoice.errors import InvalidInputError
 from cosyvoice.server.common import (
@@ -51,7 +52,7 @@ from cosyvoice.server.common import (
     whole_file,
     wire_fields,
 )
-from cosyvoice.service import SynthesisRequest, TTSService
+from cosyvoice.service import SynthesisRequest
 from cosyvoice.settings import Limits, ServerSettings
 from cosyvoice.voices import BUILTIN_VOICE_DIR
 
@@ -199,8 +200,8 @@ class CosyVoiceDeployment:
         self.settings = ServerSettings.from_env(**{"voice_dir": voice_dir, **(settings or {})})
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")  # CPU fallback without a GPU
         self.limits = Limits.from_env(**(limits or {}))
-        self.service = TTSService.load(model_dir, voice_dir, device=self.device, limits=self.limits)
-        self.service.voices.add_builtins(BUILTIN_VOICE_DIR)
+        self.service = load_service(replace(self.settings, model_dir=model_dir, device=self.device), self.limits,
+                                    builtin_dir=BUILTIN_VOICE_DIR)
         logger.info("CosyVoice3 replica ready on %s (%s)", self.device, model_dir)
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -27,6 +27,7 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import APIRouter, FastAPI
 
+from cosyvoice.context import StudioContext, load_service
 from cosyvoice.errors import command_line_errors
 from cosyvoice.server import bridge, official, openai, operations, voices_api, websocket
 from cosyvoice.server.common import (
@@ -41,7 +42,7 @@ from cosyvoice.server.longform import longform_router
 from cosyvoice.server.memory import MemoryKeeper
 from cosyvoice.server.workbench import rater_route, workbench_router
 from cosyvoice.service import TTSService
-from cosyvoice.settings import Limits, ServerSettings, add_server_arguments, default_data_dir, settings_from_args
+from cosyvoice.settings import Limits, ServerSettings, add_server_arguments, settings_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +55,10 @@ def create_app(settings: ServerSettings | None = None, service: TTSService | Non
     """The REST app over a ready ``service``, or one that ``loader`` makes in the background after start-up
     (``/health`` answers at once, ``/ready`` once the model is loaded); ``routers`` are the API families
     served (Ray Serve replicas serve their own), behind the one error mapping, API keys, body limit and CORS.
-    ``limits`` bound the workbench's inputs (default: the service's, else the environment's)."""
-    state = ServerState(settings or ServerSettings.from_env())
-    state.data_dir = default_data_dir(state.settings.voice_dir)  # the studio's services' data: beside the voices
+    ``limits`` bound the workbench's inputs (default: the service's, else the environment's). It builds the
+    process's :class:`~cosyvoice.context.StudioContext` (the take, project and job stores) once, here."""
+    # the process's one context: its stores beside the voices, open from the start; the service once loaded
+    state = ServerState(StudioContext(settings, service=service, limits=limits))
 
     def load() -> None:
         try:
@@ -64,7 +66,7 @@ def create_app(settings: ServerSettings | None = None, service: TTSService | Non
             logger.info("model loaded; serving")
         except BaseException as exc:  # the server keeps answering: /ready and requests say it failed
             logger.exception("loading the model failed")
-            state.load_error = f"{type(exc).__name__}: {exc}"
+            state.context.load_error = f"{type(exc).__name__}: {exc}"
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -75,14 +77,12 @@ def create_app(settings: ServerSettings | None = None, service: TTSService | Non
     app = FastAPI(title="CosyVoice3 Studio", lifespan=lifespan)
     app.state.server = state
     if service is not None:
-        state.install(service)
+        state.metrics.attach(service)
     install_error_handlers(app)
     for router in routers:
         app.include_router(router)
-    limits = limits or (service.limits if service is not None else None)
-    app.include_router(workbench_router(state.data_dir, state.service, limits, state.owners))  # /workbench
-    app.include_router(longform_router(state.service, state.data_dir, settings=state.settings,
-                                       owners=state.owners))  # /v1/longform
+    app.include_router(workbench_router(state.context))  # /workbench
+    app.include_router(longform_router(state.context))  # /v1/longform
     # middleware, outermost last
     app.add_middleware(BodyGuard, settings=state.settings)  # body timeouts, JSON nesting: inside the body bound
     app.add_middleware(BodyLimit, max_bytes=state.settings.max_body_bytes)
@@ -136,8 +136,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _load(settings: ServerSettings, limits: Limits) -> TTSService:
     started = time.perf_counter()
-    service = TTSService.load(settings.model_dir, settings.voice_dir, device=settings.device, limits=limits,
-                              precision=settings.precision)
+    service = load_service(settings, limits)
     logger.info("loaded %s in %.1f s", settings.model_dir, time.perf_counter() - started)
     return service
 

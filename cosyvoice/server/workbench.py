@@ -26,8 +26,7 @@ are listed, played, put in tests and deleted here like any other.
 from __future__ import annotations
 
 import io
-import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -36,26 +35,23 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 from starlette.routing import compile_path
 
+from cosyvoice.context import StudioContext
 from cosyvoice.encoding import encode_audio, file_format
 from cosyvoice.errors import InvalidInputError
-from cosyvoice.jobs import JobRunner, runner
-from cosyvoice.owners import Caller, Owners
+from cosyvoice.jobs import JobRunner
+from cosyvoice.owners import Caller
 from cosyvoice.server.errors import error_route
 from cosyvoice.server.routes import RouteTable
-from cosyvoice.service import TTSService
-from cosyvoice.settings import Limits
 from cosyvoice.takes.export import TAKES_CSV_COLUMNS, takes_csv_rows, write_csv
 from cosyvoice.takes.store import SCORE_METRICS, Take, TakeStore, test_take_ids
 from cosyvoice.workbench import listening
-from cosyvoice.workbench.batch import KIND as BATCH_KIND
 from cosyvoice.workbench.batch import (
-    batch_kind,
     batch_status,
     body_rows,
     check_precisions,
     submit_batch,
 )
-from cosyvoice.workbench.scorecard import Scorer, scorecard
+from cosyvoice.workbench.scorecard import scorecard
 
 STATIC = Path(__file__).resolve().parents[1] / "workbench" / "static"
 PAGES = {"owner": "owner.html", "results": "results.html", "rate": "rate.html"}
@@ -77,44 +73,21 @@ def rater_route(method: str, path: str) -> bool:
 
 
 class Workbench:
-    """What one mounted router serves: the store in ``data_dir`` (opened on first use), the service ``service()``
-    returns (called only for batches and scorecards, so rating works while a model loads), input ``limits`` and who
-    callers are (``owners``)."""
+    """What one mounted router serves, all of it the process's :class:`StudioContext`'s: the take store and the job
+    runner, the service (asked only for batches and scorecards, so rating works while a model loads), the scorecard's
+    models, input limits and who callers are."""
 
-    def __init__(self, data_dir: str | Path, service: Callable[[], TTSService], limits: Limits,
-                 owners: Owners) -> None:
-        self.data_dir, self.service, self.limits, self.owners = data_dir, service, limits, owners
-        self._lock = threading.RLock()  # scorer() opens the store while holding it
-        self._store: TakeStore | None = None
-        self._scorer: Scorer | None = None
-        self._jobs: JobRunner | None = None
+    def __init__(self, context: StudioContext) -> None:
+        self.context = context
+        self.service, self.scorer, self.limits, self.owners = (context.service, context.scorer, context.limits,
+                                                               context.owners)
 
     def store(self) -> TakeStore:
-        with self._lock:
-            if self._store is None:
-                self._store = TakeStore(self.data_dir)
-            return self._store
+        return self.context.takes
 
     def jobs(self) -> JobRunner:
-        """The job runner of the data folder (shared with long-form in this process)."""
-        with self._lock:
-            if self._jobs is None:
-                self._jobs = runner(self.data_dir, self.limits.job_workers)
-            return self._jobs
-
-    def batch_jobs(self, svc: TTSService) -> JobRunner:
-        """The runner, knowing how to make batch rows with ``svc``."""
-        found = self.jobs()
-        found.register(BATCH_KIND, batch_kind(svc, self.store()))
-        return found
-
-    def scorer(self) -> Scorer:
-        """The scorecard's models, loaded once (the bundle's CAM++; packaged encoders where installed)."""
-        with self._lock:
-            if self._scorer is None:
-                svc = self.service()
-                self._scorer = Scorer(self.store(), svc.status().model_dir, svc.voices.recording)
-            return self._scorer
+        """The job runner of the data folder (shared with long-form; it makes batch rows once the model is loaded)."""
+        return self.context.jobs
 
     def test_takes(self, test_id: str, caller: Caller) -> list[Take]:
         """Every take a test of ``caller``'s plays (its items' takes, references and anchors), each once."""
@@ -122,14 +95,10 @@ class Workbench:
         return [s.take(t) for t in test_take_ids(s.test(test_id, caller)["spec"])]
 
 
-def workbench_router(data_dir: str | Path, service: Callable[[], TTSService],
-                     limits: Limits | None = None, owners: Owners | None = None) -> APIRouter:
-    """The routes below over one :class:`Workbench` (its store in ``data_dir``, opened on first use; inputs bounded
-    by ``limits``, default the environment's; ``owners``: who callers are, default a server without keys, private
-    sharing), mountable on any app (the REST server's, the web UI's)."""
-    return routes.install(Workbench(data_dir, service, limits or Limits.from_env(), owners or Owners()),
-                          prefix="/workbench",
-                          tags=["workbench"], route_class=error_route())
+def workbench_router(context: StudioContext) -> APIRouter:
+    """The routes below over the process's ``context`` (its take store, jobs, service, limits and owners),
+    mountable on any app (the REST server's, the web UI's)."""
+    return routes.install(Workbench(context), prefix="/workbench", tags=["workbench"], route_class=error_route())
 
 
 class _Body(BaseModel):
@@ -279,7 +248,7 @@ async def start_batch(wb: Bench, who: Who, request: Request) -> Any:
     parsed = body_rows(await request.body(), request.headers.get("content-type", ""), wb.limits)
     svc = wb.service()
     check_precisions(svc, parsed)
-    batch_id = submit_batch(wb.batch_jobs(svc), wb.store(), parsed,
+    batch_id = submit_batch(wb.jobs(), wb.store(), parsed,
                             source="http", owner=owner)
     return JSONResponse({"id": batch_id, "rows": len(parsed)}, 202)
 
@@ -302,7 +271,8 @@ def cancel_batch(wb: Bench, who: Who, batch_id: str) -> Any:
 def resume_batch(wb: Bench, who: Who, batch_id: str) -> Any:
     """Continue an interrupted batch (its server stopped) from its first row without a take."""
     wb.store().batch(batch_id, who)
-    wb.batch_jobs(wb.service()).resume(batch_id)
+    wb.service()  # its rows are made with the model: refused while it loads
+    wb.jobs().resume(batch_id)
     return batch_status(wb.jobs(), wb.store(), batch_id)
 
 

@@ -33,7 +33,7 @@ def provenance(service: TTSService, request: SynthesisRequest, prepared: Prepare
         "final": prepared.schedule.final, "first_hop": prepared.schedule.first_hop,  # None: the reference's
         "settings": {"stream": prepared.stream},
         "model_id": model_id or bundle_digest(service.status().model_dir), "software": software or software_version(),
-        "precision": service.model.plan.label,  # what the LLM and the DiT computed in (a fast path or fp32)
+        "precision": service.precision.label,  # what the LLM and the DiT computed in (a fast path or fp32)
         "sample_rate": service.sample_rate,
         "timings": {**{k: None if v is None else round(v, 4) for k, v in timings.items()},
                     "audio_seconds": round(samples / service.sample_rate, 4)},

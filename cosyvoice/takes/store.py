@@ -21,6 +21,7 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +39,8 @@ from cosyvoice.errors import (
     PermissionDeniedError,
 )
 from cosyvoice.owners import LOCAL, Caller
-from cosyvoice.utils.fs import atomic_write
-from cosyvoice.utils.sqlite import add_columns, open_store, require_writable, write_transaction
+from cosyvoice.system.fs import atomic_write
+from cosyvoice.system.sqlite import add_columns, open_store, require_writable, write_transaction
 
 DB_NAME = "workbench.sqlite3"
 # the objective scorecard's measures of a take (cosyvoice.workbench.scorecard), kept with it for the exports
@@ -207,8 +208,9 @@ class TakeStore:
     """The database and audio folder under ``root`` (created if missing; reopened as it was). A folder this
     process cannot write is served read-only: :attr:`read_only` says why, and every write raises it."""
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, clock: Callable[[], float] = time.time) -> None:
         self.root = Path(root)
+        self.clock = clock  # the wall clock of every stored time (a listening test's plays are timed by it)
         self.audio_dir = self.root / AUDIO_DIR
         self.path = self.root / DB_NAME
         self._lock = threading.RLock()
@@ -242,7 +244,7 @@ class TakeStore:
         name = f"{take_id}.wav"
         data = float_wav(pcm, sample_rate)
         atomic_write(self.audio_dir / name, lambda tmp: Path(tmp).write_bytes(data))
-        created = time.time()
+        created = self.clock()
         with self._tx() as db:
             seq = db.execute("INSERT INTO takes (id, created, owner, batch, row, label, audio, sample_rate, samples, "
                              "provenance) VALUES (?,?,?,?,?,?,?,?,?,?)",
@@ -370,7 +372,7 @@ class TakeStore:
         batch_id = new_id("batch")
         with self._tx() as db:
             db.execute("INSERT INTO batches (id, created, source, total, pid, owner) VALUES (?,?,?,?,0,?)",
-                       (batch_id, time.time(), source, total, owner))
+                       (batch_id, self.clock(), source, total, owner))
         return batch_id
 
     def batch(self, batch_id: str, caller: Caller = LOCAL) -> dict[str, Any]:
@@ -385,7 +387,7 @@ class TakeStore:
         test_id = new_id("test", LINK_ID_BYTES)
         with self._tx() as db:
             db.execute("INSERT INTO tests (id, created, kind, title, instructions, spec, owner) VALUES (?,?,?,?,?,?,?)",
-                       (test_id, time.time(), kind, title, instructions, json.dumps(spec), owner))
+                       (test_id, self.clock(), kind, title, instructions, json.dumps(spec), owner))
         return test_id
 
     def test(self, test_id: str, caller: Caller = LOCAL) -> dict[str, Any]:
@@ -415,7 +417,7 @@ class TakeStore:
 
     def add_rater(self, test_id: str, name: str, seed: int, plan: list[dict[str, Any]]) -> Rater:
         """A new rater of ``test_id``; a name already taken in that test raises :class:`AlreadyExistsError`."""
-        rater = Rater(new_id("rater", LINK_ID_BYTES), test_id, name, time.time(), seed, plan)
+        rater = Rater(new_id("rater", LINK_ID_BYTES), test_id, name, self.clock(), seed, plan)
         try:
             with self._tx() as db:
                 db.execute("INSERT INTO raters (id, test, name, created, seed, plan) VALUES (?,?,?,?,?,?)",
@@ -436,7 +438,7 @@ class TakeStore:
     # ------------------------------------------------------------------ events and answers
 
     def add_event(self, rater_id: str, position: int, slot: str, kind: str) -> float:
-        at = time.time()
+        at = self.clock()
         with self._tx() as db:
             db.execute("INSERT INTO events (rater, position, slot, kind, at) VALUES (?,?,?,?,?)",
                        (rater_id, position, slot, kind, at))
@@ -477,7 +479,7 @@ class TakeStore:
         """Each take's scorecard (replacing an older one), in one transaction."""
         with self._tx() as db:
             db.executemany("INSERT OR REPLACE INTO scores (take, scores, created) VALUES (?,?,?)",
-                           [(take_id, json.dumps(values), time.time()) for take_id, values in scores.items()])
+                           [(take_id, json.dumps(values), self.clock()) for take_id, values in scores.items()])
 
     def scores(self) -> dict[str, dict[str, float | None]]:
         return {r["take"]: json.loads(r["scores"]) for r in self._rows("SELECT take, scores FROM scores")}

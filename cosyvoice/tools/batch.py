@@ -23,6 +23,7 @@ from pathlib import Path
 from cosyvoice.backends.precision import CHOICES as PRECISION_CHOICES
 from cosyvoice.backends.precision import check_name
 from cosyvoice.bundle import MODEL_IN_REPO
+from cosyvoice.context import StudioContext
 from cosyvoice.errors import CosyVoiceError, InvalidInputError, command_line_errors
 from cosyvoice.service import TTSService
 from cosyvoice.settings import default_data_dir, default_voice_dir, precision_from_env
@@ -51,7 +52,7 @@ class OneModel:
         self._refused: dict[str, str] = {}
 
     def __call__(self, precision: str) -> TTSService:
-        if self._service is not None and self._service.model.plan.runs(precision):
+        if self._service is not None and self._service.precision.runs(precision):
             return self._service
         if precision in self._refused:
             raise InvalidInputError(self._refused[precision], "precision")
@@ -65,7 +66,7 @@ class OneModel:
 
     def close(self) -> None:
         if self._service is not None:
-            self._service.model.close()
+            self._service.close()
             self._service = None
             gc.collect()  # the model's tensors go before the next model's arrive
 
@@ -104,9 +105,8 @@ def run(args: argparse.Namespace) -> int:
     def load(precision: str) -> TTSService:
         print(f"loading the model at precision {precision} ({groups.count(precision)} of the {len(rows)} rows)",
               file=sys.stderr, flush=True)
-        service = TTSService.load(model_dir, voice_dir, device=args.device, precision=precision)
-        service.voices.add_builtins(BUILTIN_VOICE_DIR)
-        return service
+        return TTSService.load(model_dir, voice_dir, device=args.device, precision=precision,
+                               builtin_dir=BUILTIN_VOICE_DIR)
 
     models = OneModel(load, load(groups[0]))  # before the run: a bad model folder is one error line, not each row's
     try:
@@ -116,7 +116,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, rows: list[Row], models: OneModel, voice_dir: Path) -> int:
-    store = TakeStore(args.data_dir or default_data_dir(voice_dir))
+    context = StudioContext(data_dir=args.data_dir or default_data_dir(voice_dir))  # its rows' models: ``models``
+    try:
+        return _made(args, rows, models, context.takes)
+    finally:
+        context.close()
+
+
+def _made(args: argparse.Namespace, rows: list[Row], models: OneModel, store: TakeStore) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     base = args.input.resolve().parent
 

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 from cosyvoice.bundle import MODEL_IN_REPO
+from cosyvoice.context import StudioContext
 from cosyvoice.encoding import file_format
 from cosyvoice.errors import InvalidInputError, command_line_errors
-from cosyvoice.longform import LongformStudio
 from cosyvoice.longform.documents import read_document
 from cosyvoice.longform.finishing import PRESETS, srt, vtt
 from cosyvoice.service import TTSService
@@ -71,10 +71,10 @@ def run(args: argparse.Namespace) -> int:
         if not sep or not label.strip() or not voice.strip():
             raise InvalidInputError(f"--speaker {item!r}: write it as LABEL=VOICE", "speaker")
         speakers[label.strip()] = voice.strip()
-    service = TTSService.load(model_dir_or_demo(args.model_dir)[0], args.voice_dir, device=args.device)
-    if args.builtin_dir and Path(args.builtin_dir).is_dir():
-        service.voices.add_builtins(args.builtin_dir)
-    studio = LongformStudio(service, args.data_dir or default_data_dir())
+    service = TTSService.load(model_dir_or_demo(args.model_dir)[0], args.voice_dir, device=args.device,
+                              builtin_dir=args.builtin_dir)
+    context = StudioContext(service=service, data_dir=args.data_dir or default_data_dir())
+    studio = context.studio()
     try:
         project = studio.create(args.name or stem, text, voice=args.voice, speakers=speakers, chapters=chapters,
                                 kind="dialogue" if args.dialogue else "document", preset=args.preset)
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
               f"{time.perf_counter() - started:.1f} s), segments.json, subtitles.srt, subtitles.vtt", file=sys.stderr)
         return 0
     finally:
-        studio.close()
+        context.close()
 
 
 if __name__ == "__main__":

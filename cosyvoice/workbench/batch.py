@@ -190,7 +190,7 @@ def by_precision(rows: list[Row], default: str) -> list[Row]:
 def check_precision(service: TTSService, precision: str) -> None:
     """A row asking for another precision than ``service`` runs is refused: a server runs one model, and a take
     is never made at another precision than its row names."""
-    plan = service.model.plan
+    plan = service.precision
     if precision and not plan.runs(precision):
         raise InvalidInputError(f"precision {precision} was asked for, but this server runs {plan.label}; a server "
                                 "runs one model: run a file of several precisions with the batch CLI (python -m "

@@ -18,7 +18,6 @@ import itertools
 import math
 import random
 import secrets
-import time
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -268,7 +267,7 @@ def submit(store: TakeStore, rater: Rater, position: object, payload: object) ->
         raise InvalidInputError("answer must be an object", "answer")
     answer, failed = _canonical(kind, entry, item, payload, bool(test["spec"].get("allow_none")))
     views = [at for s, k, at in events if k == "view"]
-    now = time.time()
+    now = store.clock()
     record = Answer(test["id"], rater.id, position, entry["item"], answer,  # type: ignore[arg-type]
                     round(now - (views[0] if views else now), 3), sum(k == "play" for _, k, _ in events), failed,
                     now)

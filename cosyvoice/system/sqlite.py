@@ -12,14 +12,14 @@ from pathlib import Path
 
 from cosyvoice.errors import ReadOnlyError, ResourceLimitError, StorageError
 from cosyvoice.settings import DATA_DIR_SETTING, STORE_BUSY_SETTING, store_busy_seconds
-from cosyvoice.utils.fs import DISK_FULL_MESSAGE, unwritable
+from cosyvoice.system.fs import DISK_FULL_MESSAGE, unwritable
 
 logger = logging.getLogger(__name__)
 
 
 def data_folder_read_only(folder: str | Path, *, create: bool = True) -> str | None:
     """Why nothing can be stored in the data folder ``folder`` (its setting named), or None where it can be
-    written. The folder is created if missing (``create=False``: see :func:`~cosyvoice.utils.fs.unwritable`)."""
+    written. The folder is created if missing (``create=False``: see :func:`~cosyvoice.system.fs.unwritable`)."""
     denied = unwritable(folder, create=create)
     if denied is None:
         return None
