@@ -152,7 +152,6 @@ MESSAGES = {
     "imported": ("Imported voice {name!r}", "已导入声音 {name!r}"),
     "deleted": ("Deleted voice {name!r}", "已删除声音 {name!r}"),
     "ask_delete": ("Delete the voice **{name}**? This cannot be undone.", "删除声音 **{name}**？此操作无法撤销。"),
-    "builtin_delete": ("{name!r} is a built-in voice and cannot be deleted", "{name!r} 是内置声音，无法删除"),
     "speed_not_streamed": ("this engine applies speed only without streaming: the take plays when it is complete",
                            "此引擎仅在非流式时调整语速：生成完成后播放"),
     "failed": ("Synthesis failed unexpectedly; the server log has the details.", "合成意外失败，详情见服务器日志。"),
@@ -183,6 +182,8 @@ MESSAGES = {
 # The service's most common refusals in Chinese, matched on its (English) wording: a Chinese page shows these
 # instead of the English detail; anything else keeps the English detail behind its Chinese lead-in.
 _ZH_FIELDS = {"text": "要朗读的文本", "transcript": "文字内容", "instruction": "指令"}
+_ZH_ACTIONS = {"rename": "重命名", "delete": "删除", "export": "导出"}
+_ZH_EDITORS = {"the one who saved it": "保存它的人", "an administrator": "管理员"}
 _ZH_SERVICE: tuple[tuple[re.Pattern[str], Callable[[re.Match[str]], str]], ...] = tuple(
     (re.compile(pattern), render) for pattern, render in (
         (r"^(text|transcript|instruction) is empty; type something to say$",
@@ -210,6 +211,9 @@ _ZH_SERVICE: tuple[tuple[re.Pattern[str], Callable[[re.Match[str]], str]], ...] 
         (r"^speed must be between ([\d.]+) and ([\d.]+)", lambda m: f"语速必须在 {m[1]} 到 {m[2]} 之间"),
         (r"^steps must be an integer from (\d+) to (\d+)", lambda m: f"步数必须是 {m[1]} 到 {m[2]} 之间的整数"),
         (r"^busy: ", lambda m: "所有合成通道都在使用中，请稍后重试"),
+        (r"^'(.*)' is a built-in voice and cannot be deleted", lambda m: f"'{m[1]}' 是内置声音，无法删除"),
+        (r"^you may not (rename|delete|export) the voice '(.*)': only (the one who saved it|an administrator) may",
+         lambda m: f"不能{_ZH_ACTIONS[m[1]]}声音 '{m[2]}'：只有{_ZH_EDITORS[m[3]]}可以"),
     ))
 
 

@@ -333,9 +333,7 @@ class Studio:
         try:
             if not key:
                 raise InvalidInputError(say(zh, "pick_delete"))
-            info = self.service.get_voice(key, owner=owner_of(request))
-            if info.builtin:
-                raise InvalidInputError(say(zh, "builtin_delete", name=info.name))
+            info = self.service.deletable_voice(key, owner=owner_of(request))
         except CosyVoiceError as exc:
             warn(_page_message(exc, zh))
             return gr.skip(), gr.skip()

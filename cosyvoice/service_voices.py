@@ -88,6 +88,12 @@ class ServiceVoices:
         with field_named("voice"):
             return self.voices.delete(key, owner=owner)
 
+    def deletable_voice(self, key: str, *, owner: str | None = None) -> VoiceInfo:
+        """The voice :meth:`delete_voice` would delete for ``owner``, or the error it would give (a page asks
+        "delete it?" only of what it may delete)."""
+        with field_named("voice"):
+            return self.voices.deletable(key, owner=owner)
+
     def export_voice(self, key: str, *, owner: str | None = None) -> tuple[str, bytes]:
         """(file name, bytes) of one portable voice file: features, transcript and recording."""
         with field_named("voice"):

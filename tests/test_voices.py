@@ -16,7 +16,7 @@ import soundfile as sf
 import torch
 from safetensors.torch import load_file, save_file
 
-from cosyvoice.errors import InvalidInputError, NotFoundError
+from cosyvoice.errors import AlreadyExistsError, InvalidInputError, NotFoundError
 from cosyvoice.frontend.prompts import zero_shot_prompt_text
 from cosyvoice.voices import IDENTITY_FILES, VoiceLibrary, model_identity
 
@@ -191,8 +191,10 @@ def test_rename_preview_export_import(tts, prompt_wav: Path, tmp_path: Path) -> 
 
     file_name, data = library.export("Alice B")
     assert file_name == "Alice_B.voice.safetensors"
-    with pytest.raises(InvalidInputError, match="exists already"):
-        library.import_voice(data)
+    for name in (None, "Another name"):  # the voice is there: said at once, whatever name it is offered under
+        with pytest.raises(AlreadyExistsError, match="saved already as 'Alice B'") as refused:
+            library.import_voice(data, name=name)
+        assert refused.value.field != "name"
     same_model, frontend = _library(tts, tmp_path / "b")
     info = same_model.import_voice(data)
     assert (info.name, info.transcript) == ("Alice B", "Hello, this is a short prompt for testing.")

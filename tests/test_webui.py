@@ -166,6 +166,9 @@ def test_voice_library_controls(studio: Studio, prompt_wav: Path, tmp_path: Path
     assert dropdown["choices"] == [] and row["visible"] is False
     dropdown, *_ = studio.import_voice(exported)
     assert dropdown["choices"][0][0] == "Alice Smith"
+    with pytest.warns(UserWarning, match="saved already as &#x27;Alice Smith&#x27;"):  # no other name asked for
+        _, _, import_name, import_again = studio.import_voice(exported)
+    assert import_name["visible"] is False and import_again["visible"] is False
     _generate(studio, voice="Alice Smith", stream=False)
     assert studio.history(None)[0]["voice"] == "Alice Smith"
 
@@ -339,8 +342,9 @@ def test_a_visitors_uploads_are_theirs_alone(studio: Studio, short_prompt_wav: P
     saved = studio.save_voice("Keyed", str(short_prompt_wav), TRANSCRIPT, key_a)["value"]
     with pytest.warns(UserWarning, match="无权操作") as warned:  # in the visitor's language
         assert studio.rename_voice(saved, "Taken over", key_b) == gr.skip()
+        assert studio.ask_delete(saved, key_b) == (gr.skip(), gr.skip())  # refused at once, never "delete it?"
         studio.delete_voice(saved, key_b)
-    assert len(warned) == 2
+    assert len(warned) == 3 and all("只有保存它的人可以" in str(w.message) for w in warned), warned
     assert studio.rename_voice(saved, "Renamed", visitor("p3", "key:aaaaaaaaaaaa"))["choices"]
 
 

@@ -172,10 +172,7 @@ class VoiceLibrary(PortableVoices):
         unsaved upload that others uploaded too is only forgotten for ``owner``: theirs stays."""
         with self.folder.exclusive():
             info = self._held(key, owner)
-            if info.builtin:
-                raise InvalidInputError(f"{info.name!r} is a built-in voice and cannot be deleted")
-            if info.name is not None:
-                self._check_editor(info, owner, "delete")
+            self._check_deletable(info, owner)
             others = tuple(o for o in info.owners if o != owner)
             try:
                 if info.name is None and owner is not None and others:
@@ -185,6 +182,19 @@ class VoiceLibrary(PortableVoices):
             except (OSError, StorageError) as exc:
                 raise storage_error(exc, "delete this voice") from exc
             return replace(info)
+
+    def deletable(self, key: str, *, owner: str | None = None) -> VoiceInfo:
+        """The voice ``owner`` would delete, or the error :meth:`delete` would give: asked before a page asks
+        "delete it?", so nobody confirms what will be refused."""
+        info = self.info(key, owner=owner)
+        self._check_deletable(info, owner)
+        return info
+
+    def _check_deletable(self, info: VoiceInfo, owner: str | None) -> None:
+        if info.builtin:
+            raise InvalidInputError(f"{info.name!r} is a built-in voice and cannot be deleted")
+        if info.name is not None:
+            self._check_editor(info, owner, "delete")
 
     def _entries(self) -> list[VoiceInfo]:
         return [*self.prompts.builtins(), *self.folder.index.values()]
@@ -214,6 +224,15 @@ class VoiceLibrary(PortableVoices):
         if holder is not None:
             raise AlreadyExistsError(f"a voice named {name!r} exists already; delete it or choose another name",
                                      "name")
+
+    def _check_unsaved(self, voice_id: str) -> None:
+        """A voice saved already is refused as such, whatever name it is offered under (never "choose another
+        name" first, which no name could satisfy)."""
+        with self.folder.lock:
+            self.folder.sync()
+            saved = self.folder.index.get(voice_id)
+        if saved is not None and saved.name is not None:
+            raise AlreadyExistsError(f"this voice is saved already as {saved.name!r}")
 
     # ------------------------------------------------------------------ entries
 

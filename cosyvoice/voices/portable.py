@@ -84,26 +84,29 @@ class PortableVoices:
         if not " ".join(str(name or meta.get("name") or "").split()):
             raise InvalidInputError("the voice file has no name; give it one")
         name = check_name(str(name or meta.get("name")))
-        self._check_free(name)
         prompt_text = " ".join(transcript.split())
         audio = None
         if has_audio:
             wav = (tensors["prompt_audio"].to(torch.float32) / 32768.0).reshape(1, -1)
             audio = (wav.numpy()[0], int(tensors["prompt_audio_rate"]))
-        if meta.get("model") != self.model_id:  # another model: featurise the recording anew
-            if audio is None:
-                raise InvalidInputError("this voice file was made by another model and holds no recording to "
-                                        "featurise again; export it from a library of this model")
-            return self.create(name, audio, prompt_text, owner=owner)
-        try:  # same model: the stored features are exactly ours
-            voice = self.prompts.plain(Voice(PromptFeatures.from_tensors(tensors),
-                                             tensors["prompt_text"].to(torch.int32)))
-        except KeyError as exc:
-            raise InvalidInputError(f"the voice file lacks {exc}") from exc
+        voice = None
+        if meta.get("model") == self.model_id:  # same model: the stored features are exactly ours
+            try:
+                voice = self.prompts.plain(Voice(PromptFeatures.from_tensors(tensors),
+                                                 tensors["prompt_text"].to(torch.int32)))
+            except KeyError as exc:
+                raise InvalidInputError(f"the voice file lacks {exc}") from exc
+        elif audio is None:
+            raise InvalidInputError("this voice file was made by another model and holds no recording to "
+                                    "featurise again; export it from a library of this model")
         if audio is not None:
             upload = self.prompts.decode(audio, prompt_text)  # the same checks an upload gets
         else:
             upload = Upload(self.features_id(voice), torch.zeros(1, 0), 0, prompt_text)
+        self._check_unsaved(upload.voice_id)  # before the name: no other name is asked for in vain
+        self._check_free(name)
+        if voice is None:  # another model: featurise the recording anew
+            return self.create(name, audio, prompt_text, owner=owner)
         upload.voice = voice
         return self._name_upload(upload, name, owner)
 
