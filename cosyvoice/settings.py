@@ -247,6 +247,8 @@ class ServerSettings:
     keep_alive_timeout_seconds: float = 5.0  # an idle keep-alive connection is closed after this
     max_connections: int = 512  # connections served at once; beyond, 503
     max_json_depth: int = 64  # a JSON body nesting arrays/objects deeper is refused (400) before it is parsed
+    # ... and one holding more values (array items, object members): a batch's 10,000 rows of 13 columns fit
+    max_json_values: int = 200_000
     default_voice: str = "en-allison"  # Ray Serve's voice when a body names none (or "qwen", the contract's alias)
     voice_editors: str = ""  # who may rename/export/delete saved voices (anyone|creator|admin; "": VoicePolicy's)
     admin_keys: tuple[str, ...] = ()  # keys whose holders see and edit everything (also accepted as API keys)
@@ -260,9 +262,10 @@ class ServerSettings:
             raise ConfigError("max_body_bytes, stream_idle_seconds and stream_start_seconds must be positive, "
                               "retry_after_seconds and shutdown_grace_seconds not negative")
         if (min(self.header_timeout_seconds, self.body_timeout_seconds, self.keep_alive_timeout_seconds) <= 0
-                or self.max_connections <= 0 or self.max_json_depth <= 0 or self.body_min_bytes_per_second < 0):
-            raise ConfigError("the HTTP timeouts, max_connections and max_json_depth must be positive, "
-                              "body_min_bytes_per_second not negative")
+                or self.max_connections <= 0 or min(self.max_json_depth, self.max_json_values) <= 0
+                or self.body_min_bytes_per_second < 0):
+            raise ConfigError("the HTTP timeouts, max_connections, max_json_depth and max_json_values must be "
+                              "positive, body_min_bytes_per_second not negative")
         if self.voice_editors and self.voice_editors not in VOICE_EDITORS:
             raise ConfigError(f"voice_editors must be one of {', '.join(VOICE_EDITORS)}, got {self.voice_editors!r}")
         if self.sharing not in SHARING:

@@ -2,16 +2,21 @@
 write lock another process holds (a backup tool, the ``sqlite3`` shell in a long transaction) makes a write wait
 ``COSYVOICE_STORE_BUSY_SECONDS``, then a 503 naming the lock and the setting, with nothing changed; reads go on
 meanwhile, and once the lock is let go the same write succeeds and nothing was lost. Two server processes
-deleting the same things at once delete each once. A full or read-only folder: tests/test_jobs.py and
+deleting the same things at once delete each once; one killed (``kill -9``) while it writes a delivery leaves the
+last one whole. A full or read-only folder: tests/test_jobs.py and
 tests/test_read_only_stores.py."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import signal
 import subprocess
 import sys
 import threading
 import time
+import zipfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -159,3 +164,46 @@ def test_two_servers_deleting_the_same_things_at_once(two_servers, tmp_path: Pat
     assert files(store.audio_dir) == sorted(t.audio for t in store.takes())
     for server in (a, b):
         assert "Traceback" not in server.log.read_text(), server.log.read_text()
+
+
+def test_a_server_killed_during_a_delivery_leaves_the_last_one_whole(two_servers, tmp_path: Path) -> None:
+    """``kill -9`` while the ACX delivery of a changed project is being written: the last delivery's ZIP and
+    check stay as they were (never half of the new one), another server on the folder serves the project and
+    makes the delivery again, and the dead process's part file is cleared then."""
+    (a,) = two_servers(1)
+    book = "\n\n".join(f"# Chapter {n}\n\nHi there, this is chapter {n}." for n in range(1, 7))
+    with httpx.Client(base_url=a.url, timeout=120) as client:
+        made = client.post("/v1/longform/projects", json={"text": book, "voice": "Narrator", "preset": "acx"})
+        assert made.status_code == 201, made.text
+        where = f"/v1/longform/projects/{made.json()['id']}"
+        assert client.post(f"{where}/generate", json={}).status_code == 200
+        until(lambda: client.get(f"{where}/progress").json()["running"] is False, 300, "the takes")
+        first = client.post(f"{where}/acx/delivery")
+        assert first.status_code == 200 and len(first.json()["files"]) == 6, first.text
+        assert client.patch(where, json={"narrator": "Someone Else"}).status_code == 200
+    folder = tmp_path / "data" / "longform" / "delivery"
+    zipped, checked = (folder / f"{made.json()['id']}{ext}" for ext in (".zip", ".json"))
+    kept = zipped.read_bytes(), checked.read_bytes()
+
+    def remake() -> None:
+        with contextlib.suppress(httpx.TransportError):
+            httpx.post(f"{a.url}{where}/acx/delivery", timeout=120)
+
+    writer = threading.Thread(target=remake, daemon=True)
+    writer.start()
+    until(lambda: list(folder.glob(".*.part")), 60, "the new delivery's part file")
+    a.process.send_signal(signal.SIGKILL)
+    a.process.wait(30)
+    writer.join(30)
+    assert (zipped.read_bytes(), checked.read_bytes()) == kept  # the last delivery, whole
+    assert list(folder.glob(".*.part"))  # what kill -9 left
+    (b,) = two_servers(1)
+    with httpx.Client(base_url=b.url, timeout=120) as client:
+        report = client.get(f"{where}/acx/delivery").json()
+        assert report["current"] is False and report["files"] == first.json()["files"], report
+        again = client.post(f"{where}/acx/delivery")
+        assert again.status_code == 200 and again.json()["current"], again.text
+        with zipfile.ZipFile(io.BytesIO(client.get(f"{where}/acx/delivery.zip").content)) as z:
+            assert z.testzip() is None and len(z.namelist()) == 6
+    assert not list(folder.glob(".*.part"))  # the dead process's part cleared
+    assert "Traceback" not in b.log.read_text(), b.log.read_text()

@@ -87,6 +87,10 @@ def screen_xml(name: str, kind: str, member: str, content: bytes, limits: Limits
     ``max_import_xml_depth``; the tree is dropped as it is read."""
     from lxml import etree
 
+    entities = refused(name, f"{member} declares XML entities (a DTD), which no word processor writes; entity "
+                             "expansion is not allowed")
+    deep = refused(name, f"{member} nests elements deeper than "
+                         f"{limit('max_import_xml_depth', limits.max_import_xml_depth)}")
     depth = 0
     events = etree.iterparse(io.BytesIO(content), events=("start", "end"), resolve_entities=False, load_dtd=False,
                              no_network=True, huge_tree=False)
@@ -100,10 +104,14 @@ def screen_xml(name: str, kind: str, member: str, content: bytes, limits: Limits
             if depth == 1:
                 dtd = element.getroottree().docinfo.internalDTD
                 if dtd is not None and any(True for _ in dtd.iterentities()):
-                    raise refused(name, f"{member} declares XML entities (a DTD), which no word processor "
-                                        "writes; entity expansion is not allowed")
+                    raise entities
             if depth > limits.max_import_xml_depth:
-                raise refused(name, f"{member} nests elements deeper than "
-                                    f"{limit('max_import_xml_depth', limits.max_import_xml_depth)}")
+                raise deep
     except etree.XMLSyntaxError as exc:
+        # libxml2 2.13+ reads ahead of the events and meets its own bounds first (nesting 256, entity expansion)
+        text = str(exc)
+        if "Excessive depth" in text:
+            raise deep from exc
+        if "entity" in text and ("amplification" in text or "loop" in text):
+            raise entities from exc
         raise refused(name, f"the {kind} could not be read: {member} is not well-formed XML: {exc}") from exc

@@ -427,6 +427,8 @@ class Deliveries:
         """Make the project's delivery (one MP3 per chapter), check every file as delivered, keep both; the
         check is returned. Refused while a segment has no take (nothing is written then)."""
         require_writable(self.studio.store.read_only)
+        for folder in (self.folder, self.covers):
+            _remove_orphans(folder)
         plan, finish = self.studio.plan(project_id)
         tags = self.tags(project_id)
         chapters = _chapters(plan, tags.title, self.studio.store.take_audio, finish)
@@ -491,6 +493,25 @@ def _chapters(plan: list, title: str, take_audio: Callable, finish: finishing.Fi
 
 def _finished(take_audio: Callable, take: Take, finish: finishing.Finish) -> np.ndarray:
     return finishing.finish_segment(take_audio(take), take.sample_rate, finish)
+
+
+def _remove_orphans(folder: Path) -> None:
+    """The part files (:func:`_replace`) of processes that died writing them (``kill -9``, a power cut): their
+    process no longer runs. The data folder's SQLite databases are one host's already (WAL), so a pid is."""
+    for part in folder.glob(".*.part"):
+        pid = part.name.rsplit(".", 3)[1]
+        if pid.isdigit() and not _running(int(pid)):
+            part.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: it runs
+        pass
+    return True
 
 
 def _replace(path: Path, write: Callable[[BinaryIO], object]) -> None:

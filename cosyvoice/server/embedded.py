@@ -36,7 +36,7 @@ from cosyvoice.server.common import (
     wire_fields,
 )
 from cosyvoice.server.errors import HttpError, http_error, invalid_body, log_error, undecodable_body
-from cosyvoice.server.http_limits import check_json_depth, json_content, slow_body, too_deep
+from cosyvoice.server.http_limits import check_json_shape, json_content, slow_body, too_deep
 from cosyvoice.server.memory import MemoryKeeper
 from cosyvoice.server.operations import readiness
 from cosyvoice.server.voices_api import voice_json
@@ -77,14 +77,15 @@ def _error_answer(error: HttpError) -> Answer:
     return Answer(error.status, headers, bytes(response.body))
 
 
-def parse_body(raw: bytes, content_type: str | None, max_json_depth: int) -> BridgeSynthesis:
+def parse_body(raw: bytes, content_type: str | None, settings: ServerSettings) -> BridgeSynthesis:
     """A ``POST /synthesize`` body, refused as the REST server refuses it (:func:`invalid_body`, and
-    :func:`~cosyvoice.server.http_limits.too_deep` before ``json.loads`` recurses into a deep one)."""
+    :func:`~cosyvoice.server.http_limits.check_json_shape` before ``json.loads`` recurses into a deep one or
+    builds millions of values)."""
     if not raw:
         raise invalid_body([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
     body: object = raw
     if json_content(content_type):
-        check_json_depth(raw, max_json_depth)
+        check_json_shape(raw, settings.max_json_depth, settings.max_json_values)
         try:
             body = json.loads(raw)
         except json.JSONDecodeError as exc:
@@ -159,7 +160,7 @@ class EmbeddedBridge:
         the server drains) stops the engine within one LLM step and frees the slot."""
         started, mode = time.perf_counter(), "unknown"
         try:
-            body = parse_body(raw, content_type, self.settings.max_json_depth)
+            body = parse_body(raw, content_type, self.settings)
             with wire_fields(BRIDGE_FIELDS):
                 request = contract_request(body, self.settings)
                 mode = mode_label(request.mode)

@@ -1,9 +1,10 @@
 """The HTTP bounds a hostile client meets, in the Python REST server as in the Rust front (rust/http-front):
 a request's head within ``header_timeout_seconds`` (uvicorn has no such bound: :func:`uvicorn_options` adds
 one), a body at no fewer than ``body_min_bytes_per_second`` and never silent for ``body_timeout_seconds``
-(:class:`BodyGuard`, 408), JSON nested at most ``max_json_depth`` levels, checked before a parser recurses
-into it (400), idle keep-alive connections closed after ``keep_alive_timeout_seconds`` and at most
-``max_connections`` served at once (uvicorn's own options, 503).
+(:class:`BodyGuard`, 408), JSON nested at most ``max_json_depth`` levels and holding at most
+``max_json_values`` values, checked before a parser recurses into it or builds millions of objects (400),
+idle keep-alive connections closed after ``keep_alive_timeout_seconds`` and at most ``max_connections``
+served at once (uvicorn's own options, 503).
 
 The refusals are the same :class:`HttpError` answers the Rust bridge sends (``EmbeddedBridge.config``).
 """
@@ -24,9 +25,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cosyvoice.errors import InvalidInputError
 from cosyvoice.server.errors import HttpError, http_error
-from cosyvoice.settings import ServerSettings
+from cosyvoice.settings import ServerSettings, env_name
 
-_JSON_TOKENS = re.compile(rb'[\[\]{}"\\]')
+_JSON_TOKENS = re.compile(rb'[\[\]{},"\\]')
 
 
 def json_content(content_type: str | None) -> bool:
@@ -40,16 +41,19 @@ def json_content(content_type: str | None) -> bool:
     return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
-class JsonDepth:
-    """The nesting of a JSON text fed in pieces (brackets inside strings do not count); only brackets,
-    quotes and backslashes are looked at, so a body that is mostly one base64 string costs little."""
+class JsonShape:
+    """The nesting and the number of values of a JSON text fed in pieces (brackets and commas inside strings do
+    not count; a value is an array or object, or an item after a comma); only brackets, commas, quotes and
+    backslashes are looked at, so a body that is mostly one base64 string costs little. Parsed, every value is
+    a Python object (a 65 MB body of small ones took 1.4 GB, and failing pydantic on 6 million took 8 GB)."""
 
-    def __init__(self, max_depth: int) -> None:
-        self.max_depth, self.depth, self.in_string = max_depth, 0, False
+    def __init__(self, max_depth: int, max_values: int) -> None:
+        self.max_depth, self.max_values, self.depth, self.values, self.in_string = max_depth, max_values, 0, 0, False
         self._escaped_at = -1  # 0: the next piece's first byte is escaped (this one ended in a backslash)
 
-    def feed(self, chunk: bytes) -> bool:
-        """Scan ``chunk``; whether the text so far nests deeper than ``max_depth``."""
+    def feed(self, chunk: bytes) -> InvalidInputError | None:
+        """Scan ``chunk``; the refusal once the text so far nests deeper than ``max_depth`` or holds more than
+        ``max_values`` values."""
         escaped_at = self._escaped_at
         for match in _JSON_TOKENS.finditer(chunk):
             token, at = match.group(), match.start()
@@ -62,24 +66,36 @@ class JsonDepth:
                     self.in_string = False
             elif token == b'"':
                 self.in_string = True
+            elif token == b",":
+                self.values += 1
+                if self.values > self.max_values:
+                    return too_many(self.max_values)
             elif token in (b"[", b"{"):
-                self.depth += 1
+                self.depth, self.values = self.depth + 1, self.values + 1
                 if self.depth > self.max_depth:
-                    return True
+                    return too_deep(self.max_depth)
             elif token in (b"]", b"}"):
                 self.depth = max(0, self.depth - 1)
         self._escaped_at = 0 if escaped_at == len(chunk) else -1
-        return False
+        return None
 
 
 def too_deep(max_depth: int) -> InvalidInputError:
     return InvalidInputError(f"the body nests JSON deeper than {max_depth} levels")
 
 
-def check_json_depth(raw: bytes, max_depth: int) -> None:
-    """Raise :func:`too_deep` when ``raw`` nests deeper than ``max_depth`` (before ``json.loads``)."""
-    if raw.count(b"[") + raw.count(b"{") > max_depth and JsonDepth(max_depth).feed(raw):
-        raise too_deep(max_depth)
+def too_many(max_values: int) -> InvalidInputError:
+    return InvalidInputError(f"the body holds more than {max_values:,} JSON values (array items and object members; "
+                             f"{env_name('max_json_values')})")
+
+
+def check_json_shape(raw: bytes, max_depth: int, max_values: int) -> None:
+    """Raise :func:`too_deep` or :func:`too_many` for ``raw`` (before ``json.loads``)."""
+    brackets = raw.count(b"[") + raw.count(b"{")
+    if brackets > max_depth or brackets + raw.count(b",") > max_values:
+        refused = JsonShape(max_depth, max_values).feed(raw)
+        if refused is not None:
+            raise refused
 
 
 def slow_body(settings: ServerSettings) -> HttpError:
@@ -147,7 +163,7 @@ class BodyGuard:
             return await self.app(scope, timed, send)
         try:
             body = await self._read_json(timed)
-        except (StarletteHTTPException, InvalidInputError) as exc:  # 413 from the body bound, 408, too deep
+        except (StarletteHTTPException, InvalidInputError) as exc:  # 413 from the body bound, 408, its shape
             error = slow_body(self.settings) if isinstance(exc, SlowBody) else http_error(exc, self.settings)
             return await error.response()(scope, receive, send)
         replayed = False
@@ -162,14 +178,15 @@ class BodyGuard:
         await self.app(scope, replay, send)
 
     async def _read_json(self, receive: Receive) -> bytes:
-        depth, parts = JsonDepth(self.settings.max_json_depth), []
+        shape, parts = JsonShape(self.settings.max_json_depth, self.settings.max_json_values), []
         while True:
             message = await receive()
             if message["type"] != "http.request":
                 raise HTTPException(400, "the client left before sending its body")
             chunk = message.get("body", b"")
-            if depth.feed(chunk):
-                raise too_deep(self.settings.max_json_depth)
+            refused = shape.feed(chunk)
+            if refused is not None:
+                raise refused
             parts.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(parts)
