@@ -24,6 +24,7 @@ import os
 import warnings
 from pathlib import Path
 
+import onnx
 import torch
 from torch import Tensor, nn
 
@@ -105,7 +106,7 @@ def ensure_step(backbone: Qwen2Backbone, model_root: Path, precision: str) -> Pa
     """The ``llm_step`` graph of ``precision`` in ``model_root/onnx``, exported (from ``backbone``, the float32
     weights of ``llm.pt``) and quantised first when missing or made from another ``llm.pt`` or CPU."""
     from cosyvoice.backends.cpu import cpu_features
-    from cosyvoice.backends.quant import int8_weights, quantize_llm_step
+    from cosyvoice.backends.quant import int8_weights, quantize_matmuls, weight_matmuls
 
     out = Path(model_root) / "onnx"
     record_path = out / f"{NAME}.json"
@@ -127,7 +128,8 @@ def ensure_step(backbone: Qwen2Backbone, model_root: Path, precision: str) -> Pa
         os.replace(tmp, fp32)
         have = {"fp32": "fp32"}
     if precision != "fp32":
-        have[precision] = quantize_llm_step(fp32, out / graph_file(NAME, precision), weights)
+        nodes = weight_matmuls(onnx.load(str(fp32), load_external_data=False))
+        have[precision] = quantize_matmuls(fp32, out / graph_file(NAME, precision), nodes, weights)
     record = {"format": FORMAT, "sources": source_hashes(Path(model_root), SOURCES), "graphs": have}
     record_path.write_text(json.dumps(record, indent=1), encoding="utf-8")
     return out / graph_file(NAME, precision)

@@ -35,37 +35,30 @@ def int8_weights(features: frozenset[str]) -> str:
     return "s8" if native_int8_dot(features) else "u8"
 
 
-def quantize_dit(src: Path, dst: Path, weights: str | None = None) -> str:
-    """Write the int8 variant of the DiT graph ``src`` to ``dst`` (atomically); ``weights``: ``u8`` or ``s8``
-    (None: :func:`int8_weights` of this CPU). Returns the weight type written."""
+def quantize_matmuls(src: Path, dst: Path, nodes: list[str], weights: str) -> str:
+    """Write ``src`` with its MatMul ``nodes`` int8 to ``dst`` (atomically): weights 8-bit per output channel,
+    ``weights`` u8 or s8 (:func:`int8_weights`), activations u8 per call. Returns ``weights``."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    weights = weights or int8_weights(cpu_features())
-    nodes = quantized_nodes(onnx.load(str(src), load_external_data=False))
     tmp = dst.with_suffix(f".tmp{os.getpid()}.onnx")
     quantize_dynamic(src, tmp, weight_type=QuantType.QInt8 if weights == "s8" else QuantType.QUInt8,
                      op_types_to_quantize=["MatMul"], per_channel=True, reduce_range=False, nodes_to_quantize=nodes)
     os.replace(tmp, dst)
     return weights
+
+
+def quantize_dit(src: Path, dst: Path, weights: str | None = None) -> str:
+    """Write the int8 variant of the DiT graph ``src`` to ``dst``: its :func:`quantized_nodes`; ``weights``: ``u8``
+    or ``s8`` (None: :func:`int8_weights` of this CPU). Returns the weight type written."""
+    nodes = quantized_nodes(onnx.load(str(src), load_external_data=False))
+    return quantize_matmuls(src, dst, nodes, weights or int8_weights(cpu_features()))
 
 
 def weight_matmuls(model: onnx.ModelProto) -> list[str]:
-    """The MatMul nodes whose second input is a stored weight (the attention products multiply activations)."""
+    """The MatMul nodes whose second input is a stored weight (the attention products multiply activations): the
+    LLM step graph's int8 nodes."""
     stored = {init.name for init in model.graph.initializer}
     return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in stored]
-
-
-def quantize_llm_step(src: Path, dst: Path, weights: str) -> str:
-    """Write the int8 variant of the LLM step graph ``src`` to ``dst`` (atomically): :func:`weight_matmuls` 8-bit
-    per output channel, ``weights`` u8 or s8 (:func:`int8_weights`), activations u8 per call. Returns ``weights``."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    nodes = weight_matmuls(onnx.load(str(src), load_external_data=False))
-    tmp = dst.with_suffix(f".tmp{os.getpid()}.onnx")
-    quantize_dynamic(src, tmp, weight_type=QuantType.QInt8 if weights == "s8" else QuantType.QUInt8,
-                     op_types_to_quantize=["MatMul"], per_channel=True, reduce_range=False, nodes_to_quantize=nodes)
-    os.replace(tmp, dst)
-    return weights
 
 
 def quantize_llm(llm: torch.nn.Module) -> torch.nn.Module:
