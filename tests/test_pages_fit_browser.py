@@ -167,6 +167,9 @@ def test_the_rater_page_fits_during_a_mushra_item(app: tuple, context) -> None:
     page.wait_for_function("() => window.wb && window.wb.ready")
     page.fill("#name", "Cleo" if page.evaluate("() => window.wbLang") == "en" else "小明")
     page.click("#start")
+    sync_api.expect(page.locator("#ready")).to_be_visible()  # the personal link, before the first item
+    assert page.evaluate(OVERFLOWS) == []
+    page.click("#begin")
     sync_api.expect(page.locator("#rating")).to_be_visible()
     sync_api.expect(page.locator("#controls input[type=range]")).to_have_count(3)  # hidden reference, two more
     sync_api.expect(page.locator("#rater-name")).not_to_be_empty()

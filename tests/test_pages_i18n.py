@@ -87,6 +87,9 @@ def test_a_chinese_browser_gets_every_page_in_chinese(app, browser) -> None:
     assert untranslated(page) == []
     page.fill("#name", "小明")
     page.click("#start")
+    sync_api.expect(page.locator("#begin")).to_have_text("开始第一项")
+    assert untranslated(page) == []
+    page.click("#begin")
     sync_api.expect(page.locator("#item-progress")).to_have_text("第 1 项，共 1 项")
     sync_api.expect(page.locator(".mushra .scale span")).to_have_text(["劣", "差", "中", "良", "优"])
     assert page.locator(".mushra .value").first.inner_text() == "未评分"

@@ -103,11 +103,15 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
 
 
 def join(context, url: str, name: str):
+    """A new rater: the personal link is shown before the first item, then the first item."""
     page = context.new_page()
     page.goto(url)
     page.wait_for_function("() => window.wb && window.wb.ready")
     page.fill("#name", name)
     page.click("#start")
+    sync_api.expect(page.locator("#ready")).to_be_visible()
+    assert page.input_value("#personal-link").endswith(f"?rater={page.evaluate('() => wb.rater')}")
+    page.click("#begin")
     sync_api.expect(page.locator("#rating, #done").locator("visible=true")).to_have_count(1)
     return page
 
@@ -448,3 +452,86 @@ def test_a_batch_on_a_full_disk_shows_its_error_and_the_page_stops_polling(tiny_
             device.close()
         finally:
             app.stop()
+
+
+@pytest.fixture(scope="module")
+def ab_two(setup) -> str:
+    """A two-item A/B test added beside the running server."""
+    app, _, _ = setup
+    store = TakeStore(app.env["COSYVOICE_DATA_DIR"])
+    test_id = listening.create_test(store, "ab", listening.design("ab", store.takes(), ["sysA", "sysB"])[:2],
+                                    title="Two items", owner=f"browser:{OWNER}")
+    store.close()
+    return test_id
+
+
+def test_the_personal_link_comes_first_and_a_reload_keeps_what_was_played(setup, ab_two, browser) -> None:
+    """The link is offered (and copied) before the first item, also after a reload there; a reload mid-item shows
+    the samples the server saw played to the end as played, so only the others are left to play."""
+    app, _, _ = setup
+    expect = sync_api.expect
+    device = browser()
+    device.grant_permissions(["clipboard-read", "clipboard-write"], origin=app.url)
+    page = device.new_page()
+    page.goto(f"{app.url}/workbench/rate/{ab_two}")
+    page.wait_for_function("() => window.wb && window.wb.ready")
+    expect(page.locator("#intro")).to_contain_text("with your personal link (you get it before the first item)")
+    page.fill("#name", "Dora")
+    page.click("#start")
+    expect(page.locator("#ready")).to_be_visible()
+    expect(page.locator("#rating")).to_be_hidden()
+    link = page.input_value("#personal-link")
+    page.click("#copy-link")
+    expect(page.locator("#copy-status")).to_have_text("Copied.")
+    assert page.evaluate("() => navigator.clipboard.readText()") == link
+    page.reload()  # no item seen yet: the link is offered again
+    page.wait_for_function("() => window.wb && window.wb.ready")
+    expect(page.locator("#ready")).to_be_visible()
+    page.click("#begin")
+    expect(page.locator("#item-progress")).to_have_text("Item 1 of 2")
+    page.click("button.play[data-slot='A']")
+    expect(page.locator(".slot[data-slot='A']")).to_have_class("slot played", timeout=15000)
+
+    page.reload()
+    page.wait_for_function("() => window.wb && window.wb.ready")
+    expect(page.locator("#ready")).to_be_hidden()
+    expect(page.locator("#item-progress")).to_have_text("Item 1 of 2")
+    expect(page.locator(".slot[data-slot='A']")).to_have_class("slot played")
+    expect(page.locator(".slot[data-slot='A'] .state")).to_have_text("✓ played to the end")
+    expect(page.locator(".slot[data-slot='B']")).to_have_class("slot")
+    page.check("input[value='A']")
+    expect(page.locator("#submit-hint")).to_have_text("Play every sample to the end first.")
+    page.click("button.play[data-slot='B']")
+    expect(page.locator(".slot[data-slot='B']")).to_have_class("slot played", timeout=15000)
+    expect(page.locator("#submit")).to_be_enabled()
+    page.click("#submit")
+    expect(page.locator("#item-progress")).to_have_text("Item 2 of 2")
+    device.close()
+
+
+def test_a_save_whose_reply_is_lost_as_the_server_dies_goes_on_once_it_is_back(setup, ab_two, browser) -> None:
+    """The server stores the answer and dies before its reply is whole: the page says it is reconnecting, sends
+    the answer again once the server is back (accepted as the same answer) and shows the next item, no error."""
+    app, _, _ = setup
+    expect = sync_api.expect
+    device = browser()
+    page = join(device, f"{app.url}/workbench/rate/{ab_two}", "Emil")
+    play_all(page)
+    page.check("input[value='B']")
+
+    def cut_off(route) -> None:
+        reply = route.fetch()  # the server saves the answer...
+        app.stop()  # ...and dies: the page gets half a reply
+        route.fulfill(status=200, content_type="application/json", body=reply.text()[:12])
+
+    page.route("**/answers", cut_off, times=1)
+    page.click("#submit")
+    expect(page.locator("#reconnecting")).to_be_visible(timeout=15000)
+    app.start()
+    expect(page.locator("#reconnecting")).to_be_hidden(timeout=60000)
+    expect(page.locator("#item-progress")).to_have_text("Item 2 of 2")
+    expect(page.locator("#error")).to_be_empty()
+    rows = list(csv.DictReader(io.StringIO(httpx.get(f"{app.url}/workbench/api/tests/{ab_two}/answers.csv",
+                                                     cookies={"cv-browser": OWNER}).text)))
+    assert [(r["rater"], r["position"], r["answer"]) for r in rows if r["rater"] == "Emil"] == [("Emil", "0", "B")]
+    device.close()

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cosyvoice.errors import AlreadyExistsError, InvalidInputError
+from cosyvoice.errors import AlreadyExistsError, ConflictError, InvalidInputError
 from cosyvoice.takes.store import Take, TakeStore
 from cosyvoice.workbench import listening
 
@@ -64,22 +64,30 @@ def test_ab_design_plans_and_gated_answers(store: TakeStore) -> None:
     assert listening.make_plan("ab", items, ann.seed) == ann.plan
     assert sorted(e["item"] for e in bob.plan) == [0, 1, 2, 3]
 
+    peek = listening.next_item(store, ann, view=False)  # the page before the first item: no clock started
+    assert (peek["viewed"], peek["played"]) == (False, []) and store.events(ann.id, 0) == []
     state = listening.next_item(store, ann)
     assert state["position"] == 0 and [s["slot"] for s in state["slots"]] == ["A", "B"]
     assert "take" not in str(state["slots"])  # the page never learns which take is where
+    assert listening.next_item(store, ann)["viewed"] is True
     with pytest.raises(InvalidInputError, match="to the end first"):
         listening.submit(store, ann, 0, {"choice": "A"})
     listening.record_play(store, ann, 0, "A", "play")
     listening.record_play(store, ann, 0, "A", "ended")  # at once: not played through
     with pytest.raises(InvalidInputError, match="play A, B to the end first"):
         listening.submit(store, ann, 0, {"choice": "A"})
+    assert listening.next_item(store, ann)["played"] == []
     listen(store, ann, 0)
+    assert listening.next_item(store, ann)["played"] == ["A", "B"]  # what a page reloaded now shows played
     with pytest.raises(InvalidInputError, match="choose A or B or no preference"):
         listening.submit(store, ann, 0, {"choice": "C"})
     answer = listening.submit(store, ann, 0, {"choice": "B"})
     assert answer.answer == {"choice": ann.plan[0]["slots"][1]["take"], "shown": "B"} and answer.plays == 3
-    with pytest.raises(InvalidInputError, match="answered already"):
+    # the same answer again (a page whose reply was lost) is accepted as it was; another one is refused
+    assert listening.submit(store, ann, 0, {"choice": "B"}) == answer
+    with pytest.raises(ConflictError, match="answered already"):
         listening.submit(store, ann, 0, {"choice": "A"})
+    assert len(store.answers(rater_id=ann.id)) == 1
     assert listening.next_item(store, ann)["position"] == 1
 
 

@@ -388,9 +388,10 @@ def join(wb: Bench, test_id: str, body: Joining) -> Any:
 
 
 @routes.get("/api/raters/{rater_id}/next")
-def next_item(wb: Bench, rater_id: str) -> Any:
+def next_item(wb: Bench, rater_id: str, view: bool = True) -> Any:
+    """The rater's next item; ``view=false`` looks without starting its clock (the page before the first item)."""
     s = wb.store()
-    return listening.next_item(s, s.rater(rater_id))
+    return listening.next_item(s, s.rater(rater_id), view=view)
 
 
 @routes.post("/api/raters/{rater_id}/events")

@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from cosyvoice.errors import AlreadyExistsError, InvalidInputError, NotFoundError
+from cosyvoice.errors import AlreadyExistsError, ConflictError, InvalidInputError, NotFoundError
 from cosyvoice.owners import LOCAL, Caller
 from cosyvoice.settings import Limits, env_name
 from cosyvoice.takes.store import SCORE_METRICS, Answer, Rater, Take, TakeStore
@@ -202,8 +202,10 @@ def entry_at(rater: Rater, position: object) -> dict[str, Any]:
     return rater.plan[position]
 
 
-def next_item(store: TakeStore, rater: Rater) -> dict[str, Any]:
-    """What the page shows next: the first unanswered item (its view is recorded: time spent starts), or done."""
+def next_item(store: TakeStore, rater: Rater, *, view: bool = True) -> dict[str, Any]:
+    """What the page shows next: the first unanswered item, or done. With ``view`` its view is recorded (time spent
+    starts); ``viewed`` says whether it was shown before, ``played`` which of its slots the server saw play to the
+    end (a page reloaded mid-item shows them played)."""
     test = store.test(rater.test)
     answered = {a.position for a in store.answers(rater_id=rater.id)}
     total = len(rater.plan)
@@ -211,11 +213,16 @@ def next_item(store: TakeStore, rater: Rater) -> dict[str, Any]:
              "answered": len(answered), "total": total, "allow_none": bool(test["spec"].get("allow_none"))}
     for position, entry in enumerate(rater.plan):
         if position not in answered:
-            if not any(kind == "view" for _, kind, _ in store.events(rater.id, position)):
+            events = store.events(rater.id, position)
+            viewed = any(kind == "view" for _, kind, _ in events)
+            if view and not viewed:
                 store.add_event(rater.id, position, "", "view")
             lo, hi = SCALES.get(test["kind"], (None, None))
             slots = [{"slot": s["slot"], "rated": s["role"] != "reference"} for s in entry["slots"]]
-            return {**state, "done": False, "position": position, "slots": slots, "scale": [lo, hi]}
+            played = [s["slot"] for s in entry["slots"]
+                      if played_through(events, s["slot"], store.take(s["take"]).seconds)]
+            return {**state, "done": False, "position": position, "slots": slots, "scale": [lo, hi],
+                    "viewed": viewed, "played": played}
     return {**state, "done": True}
 
 
@@ -254,7 +261,8 @@ def played_through(events: list[tuple[str, str, float]], slot: str, seconds: flo
 
 
 def submit(store: TakeStore, rater: Rater, position: object, payload: object) -> Answer:
-    """Check listen-gating and the answer's range, convert it to canonical form, store it (one transaction)."""
+    """Check listen-gating and the answer's range, convert it to canonical form, store it (one transaction). The
+    same answer sent again is accepted as it was (idempotent)."""
     entry = entry_at(rater, position)
     test = store.test(rater.test)
     kind, item = test["kind"], test["spec"]["items"][entry["item"]]
@@ -267,6 +275,11 @@ def submit(store: TakeStore, rater: Rater, position: object, payload: object) ->
     if not isinstance(payload, dict):
         raise InvalidInputError("answer must be an object", "answer")
     answer, failed = _canonical(kind, entry, item, payload, bool(test["spec"].get("allow_none")))
+    saved = next((a for a in store.answers(rater_id=rater.id) if a.position == position), None)
+    if saved is not None:  # a page retrying a save whose reply it lost gets the same reply; a changed answer is refused
+        if saved.answer != answer:
+            raise ConflictError("this item is answered already; answers are final", "position")
+        return saved
     views = [at for s, k, at in events if k == "view"]
     now = time.time()
     record = Answer(test["id"], rater.id, position, entry["item"], answer,  # type: ignore[arg-type]

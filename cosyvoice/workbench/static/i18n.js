@@ -14,8 +14,15 @@
     // rater page
     "Listening test": "听音测试",
     "Instructions": "说明",
-    "Use headphones in a quiet room. Each sample must be played to its end before your answer counts. Your answers are saved after every item: you can close the page and come back later, on any device, with the same name or your personal link.":
-      "请在安静的房间里佩戴耳机。每个样本都要完整播放到结尾，您的回答才会计入。每一项回答后都会保存：您可以关闭页面，稍后用您的个人链接在任何设备上继续。",
+    "Use headphones in a quiet room. Each sample must be played to its end before your answer counts. Your answers are saved after every item: you can close the page and come back later, on any device, with your personal link (you get it before the first item).":
+      "请在安静的房间里佩戴耳机。每个样本都要完整播放到结尾，您的回答才会计入。每一项回答后都会保存：您可以关闭页面，稍后用您的个人链接（在第一项之前给出）在任何设备上继续。",
+    "Your personal link": "您的个人链接",
+    "Keep this link: it is the only way back to your answers, in this browser or on any other device. Your name alone does not resume the test.":
+      "请保存此链接：无论在本浏览器还是其他设备上，它都是回到您的回答的唯一途径。仅凭名字无法继续测试。",
+    "Copy link": "复制链接",
+    "Copied.": "已复制。",
+    "Select the link and copy it.": "请选中链接并复制。",
+    "Start the first item": "开始第一项",
     "Your name": "您的名字",
     "Start": "开始",
     "· rating as": "· 评分人",
