@@ -156,6 +156,7 @@ def test_two_raters_finish_ab_and_mos_one_resuming_after_a_restart(setup, browse
             body: JSON.stringify({position: wb.state.position, answer: {choice: "A"}})});
         return [r.status, (await r.json()).error.message]; }""")
     assert refused[0] == 400 and "to the end first" in refused[1]
+    sync_api.expect(ann.locator(".slot[data-slot='A']")).to_have_class("slot played", timeout=15000)
     ann.screenshot(path=str(ARTIFACTS / "workbench-rater.png"), full_page=True)
 
     answer_item(ann, "A")
@@ -534,4 +535,78 @@ def test_a_save_whose_reply_is_lost_as_the_server_dies_goes_on_once_it_is_back(s
     rows = list(csv.DictReader(io.StringIO(httpx.get(f"{app.url}/workbench/api/tests/{ab_two}/answers.csv",
                                                      cookies={"cv-browser": OWNER}).text)))
     assert [(r["rater"], r["position"], r["answer"]) for r in rows if r["rater"] == "Emil"] == [("Emil", "0", "B")]
+    device.close()
+
+
+@pytest.fixture(scope="module")
+def long_abx(setup) -> str:
+    """An ABX test over two 2.5 s takes: long enough to pause, switch and loop a region mid-sample."""
+    app, _, _ = setup
+    store = TakeStore(app.env["COSYVOICE_DATA_DIR"])
+    t = np.arange(int(24000 * 2.5)) / 24000
+    a, b = (store.add_take((0.2 * np.sin(2 * np.pi * f * t)).astype(np.float32), 24000, {"text": "long"}, label=label,
+                           owner=f"browser:{OWNER}") for f, label in ((300, "longA"), (450, "longB")))
+    test_id = listening.create_test(store, "abx", [{"takes": [a.id, b.id]}], title="Player", owner=f"browser:{OWNER}")
+    store.close()
+    return test_id
+
+
+def test_the_player_pauses_shows_the_position_switches_at_the_same_position_and_loops_a_region(
+        setup, long_abx, browser) -> None:
+    """Keys A/B/X switch samples (the new one starts where the last stopped), space pauses (also with the
+    Play/pause button focused: one toggle), a loop region repeats; none of those plays counts as played to the end,
+    and only whole plays from the start unlock saving."""
+    app, _, _ = setup
+    expect = sync_api.expect
+    device = browser()
+    page = join(device, f"{app.url}/workbench/rate/{long_abx}", "Finn")
+    now = "(s) => wb.player.samples.get(s).audio.currentTime"
+    page.keyboard.press("a")
+    page.wait_for_function(f"() => ({now})('A') > 0.6")
+    page.focus("#playpause")
+    page.keyboard.press(" ")
+    expect(page.locator(".slot[data-slot='A'] .state")).to_have_text("paused")
+    expect(page.locator("button.play[data-slot='A']")).to_have_text("▶ Play")
+    paused_at = page.evaluate(now, "A")
+    expect(page.locator("#position")).to_have_text(f"{paused_at:.2f} / 2.50 s")
+    expect(page.locator("#now-playing")).to_have_text("Sample A")
+    page.keyboard.press(" ")  # resumes A where it was
+    page.wait_for_function("() => !wb.player.samples.get('A').audio.paused")
+    page.keyboard.press("b")  # B takes over at A's position
+    page.wait_for_function("() => !wb.player.samples.get('B').audio.paused")
+    assert page.evaluate("() => wb.player.samples.get('A').audio.paused")
+    assert page.evaluate(now, "B") >= paused_at
+    expect(page.locator(".slot[data-slot='B'] .state")).to_have_text("playing a segment…")
+    expect(page.locator(".slot[data-slot='B'] .state")).to_have_text("not played yet", timeout=15000)  # it ended
+    expect(page.locator(".slot.played")).to_have_count(0)  # A interrupted, B from the middle: neither counts
+
+    # a loop region: X repeats 1.0..1.4 s (two wraps seen) and never counts
+    page.fill("#seg-from", "1")
+    page.fill("#seg-to", "1.4")
+    page.check("#loop")
+    page.evaluate("""() => { window.seeks = 0;
+        wb.player.samples.get('X').audio.addEventListener('seeked', () => window.seeks++); }""")
+    page.keyboard.press("x")
+    page.wait_for_function("() => window.seeks >= 3", timeout=15000)  # the start of the region, then two wraps
+    assert 0.95 <= page.evaluate(now, "X") <= 1.7
+    expect(page.locator(".slot[data-slot='X'] .state")).to_have_text("playing a segment…")
+    page.keyboard.press(" ")
+    expect(page.locator(".slot.played")).to_have_count(0)
+    expect(page.locator("#submit-hint")).to_have_text("Play every sample to the end first.")
+
+    page.fill("#seg-from", "")
+    page.fill("#seg-to", "")
+    page.click("#rewind")
+    page.keyboard.press("a")  # the whole sample looped: its first pass from the start counts, it plays on
+    expect(page.locator(".slot[data-slot='A']")).to_have_class("slot played", timeout=15000)
+    page.wait_for_function("() => !wb.player.samples.get('A').audio.paused")
+    page.keyboard.press(" ")
+    page.uncheck("#loop")
+    page.click("#rewind")  # B would take over where A paused: back to the start first
+    for slot in "BX":  # whole plays from the start count
+        page.click(f"button.play[data-slot='{slot}']")
+        expect(page.locator(f".slot[data-slot='{slot}']")).to_have_class("slot played", timeout=15000)
+    page.check("input[value='A']")
+    page.click("#submit")
+    expect(page.locator("#done")).to_be_visible()
     device.close()

@@ -59,7 +59,8 @@ from cosyvoice.workbench.scorecard import Scorer, scorecard
 
 STATIC = Path(__file__).resolve().parents[1] / "workbench" / "static"
 PAGES = {"owner": "owner.html", "results": "results.html", "rate": "rate.html"}
-ASSETS = {"workbench.css": "text/css", "common.js": "text/javascript", "i18n.js": "text/javascript"}
+ASSETS = {"workbench.css": "text/css", "common.js": "text/javascript", "i18n.js": "text/javascript",
+          "player.js": "text/javascript"}
 # What a rater with only a test's link reaches (method, route under /workbench): the rate page and what it loads,
 # the test's rater view (no take ids), joining, and the rater's own items, events, answers and audio. Not the owner
 # and results pages, results, exports, scorecards, takes, batches, nor the list or creation of tests.

@@ -27,13 +27,18 @@
     "Start": "开始",
     "· rating as": "· 评分人",
     "Loop": "循环",
-    "Segment from": "片段：从",
+    "Region from": "区间：从",
+    "Play / pause": "播放 / 暂停",
+    "↺ To the start": "↺ 回到开头",
+    "❚❚ Pause": "❚❚ 暂停",
+    "paused": "已暂停",
+    "Keys: 1–9, A, B, X and R play that sample (switching keeps the position); space pauses and resumes. A sample counts as played to the end after one play from its start to its end: pausing is fine, a switch, a region or a jump are not. Replays count as extra listening.":
+      "按键：1–9、A、B、X 和 R 播放对应样本（切换时保持播放位置）；空格键暂停和继续。一个样本从开头一次播放到结尾才算播放完整：暂停没有关系，切换样本、设定区间或跳转则不算。重放算作额外聆听。",
+    "space": "空格键",
     "to": "到",
     "s": "秒",
     "start": "开始",
     "end": "结束",
-    "(replays count as extra listening; only a play from the start to the end unlocks saving)":
-      "（重放算作额外聆听；只有从头播放到结尾才能解锁保存）",
     "Save and continue": "保存并继续",
     "Reconnecting to the server… your answer is kept on this device and will be saved as soon as the server answers again. Please keep this page open.":
       "正在重新连接服务器……您的回答已保存在本设备上，服务器恢复后会立即提交。请不要关闭此页面。",
@@ -277,6 +282,7 @@
   const PATTERNS = [
     [/^Item (\d+) of (\d+)$/, "第 $1 项，共 $2 项"],
     [/^Sample (\S+)$/, "样本 $1"],
+    [/^([\d.]+) \/ ([\d.]+) s$/, "$1 / $2 秒"],
     [/^(\d+) (Excellent|Good|Fair|Poor|Bad)$/, (m, n, b) => `${n} ${ZH[b]}`],
     [/^Move every slider to your rating \((\d+) not rated yet; click a value to keep it as it is\)\.$/,
      "请把每个滑块拖到您的评分（还有 $1 个未评分；点击分值可保留当前值）。"],
