@@ -97,9 +97,9 @@ def setup(tiny_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     with sync_api.sync_playwright() as playwright:
         # each call: a fresh profile, i.e. another device (no local storage shared)
-        yield lambda: playwright.chromium.launch_persistent_context(
+        yield lambda locale="en-US": playwright.chromium.launch_persistent_context(
             str(tmp_path_factory.mktemp("chromium-profile")), executable_path=str(CHROMIUM), headless=True,
-            args=FLAGS, viewport={"width": 1100, "height": 900}, locale="en-US")
+            args=FLAGS, viewport={"width": 1100, "height": 900}, locale=locale)
 
 
 def join(context, url: str, name: str):
@@ -128,12 +128,22 @@ def answer_item(page, choice: str) -> None:
     expect(page.locator("#submit")).to_be_enabled()
     page.click("#submit")
     page.wait_for_function("""(before) => !document.getElementById("done").hidden ||
+        !document.getElementById("questionnaire").hidden ||
         document.getElementById("item-progress").textContent !== before""", arg=progress)  # next item, or the end
 
 
 def finish(page, choice: str, items: int) -> None:
     for _ in range(items):
         answer_item(page, choice)
+    answer_questionnaire(page)
+
+
+def answer_questionnaire(page, device: str = "headphones", language: str = "English") -> None:
+    """The end-of-test questions, answered; then the thank-you."""
+    sync_api.expect(page.locator("#questionnaire")).to_be_visible()
+    page.check(f"input[name=device][value='{device}']")
+    page.fill("#native-language", language)
+    page.click("#send-questionnaire")
     sync_api.expect(page.locator("#done")).to_be_visible()
 
 
@@ -325,7 +335,7 @@ def test_abx_and_mushra_items_and_an_answer_sent_while_the_server_restarts(setup
     assert page.locator("button.play").evaluate_all("bs => bs.map(b => b.dataset.slot)") == ["A", "B", "X"]
     answer_item(page, "A")
     answer_item(page, "B")
-    expect(page.locator("#done")).to_be_visible()
+    answer_questionnaire(page)
     rows = list(csv.DictReader(io.StringIO(httpx.get(f"{app.url}/workbench/api/tests/{abx}/answers.csv",
                                                      cookies={"cv-browser": OWNER}).text)))
     assert len(rows) == 2
@@ -608,5 +618,56 @@ def test_the_player_pauses_shows_the_position_switches_at_the_same_position_and_
         expect(page.locator(f".slot[data-slot='{slot}']")).to_have_class("slot played", timeout=15000)
     page.check("input[value='A']")
     page.click("#submit")
-    expect(page.locator("#done")).to_be_visible()
+    answer_questionnaire(page)
     device.close()
+
+
+def test_training_examples_come_first_the_questionnaire_last_and_the_owners_words_stay_as_written(
+        setup, browser) -> None:
+    """A test made over REST with a training page, in a Chinese browser: the owner's title, instructions and
+    example labels (words the page's own table translates) stay as written, the page's own words are Chinese;
+    the examples play before the first item, the questionnaire comes after the last, and raters.csv has it."""
+    app, _, _ = setup
+    expect = sync_api.expect
+    store = TakeStore(app.env["COSYVOICE_DATA_DIR"])
+    one = {t.label: t.id for t in store.takes() if t.provenance.get("text") == "one"}
+    store.close()
+    made = httpx.post(f"{app.url}/workbench/api/tests", cookies={"cv-browser": OWNER}, json={
+        "kind": "ab", "items": [{"takes": [one["sysA"], one["sysB"]]}], "title": "Start", "instructions": "Excellent",
+        "training": [{"take": one["sysA"], "label": "Excellent"}, {"take": one["sysB"], "label": "Bad"}]})
+    assert made.status_code == 201, made.text
+    test_id = made.json()["id"]
+    refused = httpx.post(f"{app.url}/workbench/api/tests", cookies={"cv-browser": OWNER}, json={
+        "kind": "ab", "items": [{"takes": [one["sysA"], one["sysB"]]}],
+        "training": [{"take": "take-nope", "label": "x"}]})
+    assert refused.status_code == 400 and "training example 1: no take" in refused.json()["error"]["message"]
+
+    device = browser("zh-CN")
+    page = device.new_page()
+    page.goto(f"{app.url}/workbench/rate/{test_id}")
+    page.wait_for_function("() => window.wb && window.wb.ready")
+    expect(page.locator("#title")).to_have_text("Start")
+    expect(page.locator("#instructions")).to_have_text("Excellent")
+    assert page.title() == "Start" and page.inner_text("#start") == "开始"
+    page.fill("#name", "小红")
+    page.click("#start")
+    expect(page.locator("#training h2")).to_have_text("示例")
+    expect(page.locator("#training-examples b")).to_have_text(["Excellent", "Bad"])
+    audio = page.evaluate("""async () => {
+        const r = await fetch(document.querySelector("#training-examples audio").src);
+        return [r.status, r.headers.get("content-type"), r.headers.get("etag"),
+                (await r.arrayBuffer()).byteLength]; }""")
+    assert audio[:3] == [200, "audio/wav", None] and audio[3] > 1000
+    page.click("#begin")
+    expect(page.locator("#item-progress")).to_have_text("第 1 项，共 1 项")
+    answer_item(page, "A")
+    expect(page.locator("#questionnaire h2")).to_have_text("最后两个问题")
+    page.click("#send-questionnaire")
+    expect(page.locator("#error")).to_contain_text("say what you listened with")
+    answer_questionnaire(page, "earbuds", "中文")
+    expect(page.locator("#done h2")).to_have_text("谢谢！")
+    device.close()
+    rows = list(csv.DictReader(io.StringIO(httpx.get(f"{app.url}/workbench/api/tests/{test_id}/raters.csv",
+                                                     cookies={"cv-browser": OWNER}).text)))
+    assert [(r["rater"], r["answered"], r["total"], r["listening_device"], r["native_language"]) for r in rows] == \
+        [("小红", "1", "1", "earbuds", "中文")]

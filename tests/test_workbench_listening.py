@@ -219,3 +219,42 @@ def test_raters_see_the_public_title_never_the_owners_name(store: TakeStore) -> 
     assert (titled["title"], listening.owner_name(titled)) == ("Which voice do you prefer?", "AB test")
     rater = listening.join(store, named["id"], "Ann")
     assert listening.next_item(store, rater)["title"] == listening.PUBLIC_TITLE
+
+
+def test_training_examples_and_the_end_of_test_questionnaire(store: TakeStore) -> None:
+    takes = make_takes(store, ["sysA", "sysB"], ["one"])
+    good, bad = takes[("sysA", "one")].id, takes[("sysB", "one")].id
+    for examples, message in (({"take": good}, "a list"), ([{"take": good}], "needs 'take'"),
+                              ([{"take": "take-nope", "label": "x"}], "no take 'take-nope'"),
+                              ([{"take": good, "label": "x" * 201}], "201 characters")):
+        with pytest.raises(InvalidInputError, match=message):
+            listening.check_training(examples, store)
+    training = listening.check_training([{"take": good, "label": " Clean "}, {"take": bad, "label": "Noisy"}], store)
+    assert training == [{"take": good, "label": "Clean"}, {"take": bad, "label": "Noisy"}]
+    test_id = listening.create_test(store, "mos", [{"takes": [good]}], training=training)
+    assert store.test(test_id)["spec"]["training"] == training
+    with pytest.raises(ConflictError, match="used by"):  # a training example is a take the test uses
+        store.delete_take(bad)
+    ann = listening.join(store, test_id, "Ann")
+    with pytest.raises(InvalidInputError, match="answer every item first"):
+        listening.answer_questionnaire(store, ann, {"listening_device": "headphones", "native_language": "German"})
+    listen(store, ann, 0)
+    state = listening.submit(store, ann, 0, {"score": 4}) and listening.next_item(store, ann)
+    assert state["done"] and state["questionnaire"] == "pending"
+    with pytest.raises(InvalidInputError, match="say what you listened with"):
+        listening.answer_questionnaire(store, ann, {"listening_device": "ears", "native_language": "German"})
+    with pytest.raises(InvalidInputError, match="native language"):
+        listening.answer_questionnaire(store, ann, {"listening_device": "earbuds", "native_language": "  "})
+    given = {"listening_device": "earbuds", "native_language": " Swiss  German "}
+    assert listening.answer_questionnaire(store, ann, given)["questionnaire"] == "given"
+    ann = store.rater(ann.id)
+    assert listening.answer_questionnaire(store, ann, given)["questionnaire"] == "given"  # a retry: the same
+    with pytest.raises(ConflictError, match="answered already"):
+        listening.answer_questionnaire(store, ann, {**given, "listening_device": "headphones"})
+    [row] = listening.rater_rows(store, test_id)
+    assert set(row) == set(listening.RATER_COLUMNS)
+    assert (row["rater"], row["answered"], row["total"], row["listening_device"], row["native_language"]) == \
+        ("Ann", 1, 1, "earbuds", "Swiss German")
+    untold = listening.create_test(store, "mos", [{"takes": [good]}], questionnaire=False)
+    with pytest.raises(InvalidInputError, match="no questionnaire"):
+        listening.answer_questionnaire(store, listening.join(store, untold, "Bob"), given)

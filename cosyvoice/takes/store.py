@@ -90,6 +90,7 @@ CREATE TABLE IF NOT EXISTS raters (
     created REAL NOT NULL,
     seed INTEGER NOT NULL,                  -- drew this rater's order and sides
     plan TEXT NOT NULL,                     -- JSON: the items in this rater's order, stimuli on their slots
+    questionnaire TEXT,                     -- JSON: the end-of-test answers (listening device, language); NULL: none
     UNIQUE (test, name)
 );
 CREATE TABLE IF NOT EXISTS events (
@@ -175,6 +176,7 @@ class Rater:
     created: float
     seed: int
     plan: list[dict[str, Any]]
+    questionnaire: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,7 @@ class TakeStore:
             with self._tx() as db:  # a database from before owners: its batches and tests are the local owner's
                 for table in ("batches", "tests"):
                     add_columns(db, table, {"owner": "TEXT"})
+                add_columns(db, "raters", {"questionnaire": "TEXT"})
 
     def close(self) -> None:
         with self._lock:
@@ -414,6 +417,11 @@ class TakeStore:
             raise NotFoundError("no such rater: use the test's link to start again", "rater")
         return _rater(rows[0])
 
+    def set_questionnaire(self, rater_id: str, answers: dict[str, Any]) -> None:
+        """The rater's end-of-test answers (kept with the rater: one per rater, exported in raters.csv)."""
+        with self._tx() as db:
+            db.execute("UPDATE raters SET questionnaire=? WHERE id=?", (json.dumps(answers), rater_id))
+
     def raters(self, test_id: str) -> list[Rater]:
         return [_rater(r) for r in self._rows("SELECT * FROM raters WHERE test=? ORDER BY created", test_id)]
 
@@ -468,9 +476,11 @@ class TakeStore:
 
 
 def test_take_ids(spec: dict[str, Any]) -> list[str]:
-    """Every take a test's items name (rated, reference and anchor), each once, in the items' order."""
-    return list(dict.fromkeys(t for item in spec["items"]
-                              for t in [*item["takes"], *(item[k] for k in ("reference", "anchor") if item.get(k))]))
+    """Every take a test plays (its items' rated, reference and anchor takes, then its training examples), each
+    once, in the items' order."""
+    return list(dict.fromkeys([*(t for item in spec["items"]
+                                 for t in [*item["takes"], *(item[k] for k in ("reference", "anchor") if item.get(k))]),
+                               *(x["take"] for x in spec.get("training", []))]))
 
 
 def _test_users(db: sqlite3.Connection, take_ids: list[str]) -> dict[str, list[str]]:
@@ -495,5 +505,6 @@ def _take(row: sqlite3.Row) -> Take:
 
 
 def _rater(row: sqlite3.Row) -> Rater:
-    return Rater(row["id"], row["test"], row["name"], row["created"], row["seed"], json.loads(row["plan"]))
+    return Rater(row["id"], row["test"], row["name"], row["created"], row["seed"], json.loads(row["plan"]),
+                 json.loads(row["questionnaire"]) if row["questionnaire"] else None)
 

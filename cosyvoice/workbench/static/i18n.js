@@ -2,7 +2,9 @@
 // pages are written, Chinese from the tables below (?lang=en or ?lang=zh overrides the browser). The pages stay
 // written in English; every text node, placeholder, title and label is looked up when it appears (a
 // MutationObserver follows what the scripts draw), whole strings first, then the patterns of strings with numbers.
-// What the server says (error messages) stays as the server wrote it.
+// What the server says (error messages) stays as the server wrote it, and what users wrote (a test's title,
+// instructions, labels) is never rewritten: the pages mark it translate="no", and nothing under such a mark is
+// looked up (a title like "Start" stays "Start").
 (() => {
   const asked = new URLSearchParams(location.search).get("lang");
   const lang = asked || (navigator.languages && navigator.languages[0]) || navigator.language || "en";
@@ -23,6 +25,15 @@
     "Copied.": "已复制。",
     "Select the link and copy it.": "请选中链接并复制。",
     "Start the first item": "开始第一项",
+    "Examples": "示例",
+    "Listen to these labelled examples first: they show what to listen for. They are not rated.":
+      "请先听这些带标注的示例：它们说明要注意听什么。示例不评分。",
+    "Two last questions": "最后两个问题",
+    "What did you listen with?": "您用什么设备收听？",
+    "Headphones": "头戴式耳机", "Earbuds": "入耳式耳机", "Loudspeakers": "音箱",
+    "A laptop's or phone's speaker": "笔记本电脑或手机的扬声器",
+    "Your native language": "您的母语",
+    "Send and finish": "提交并结束",
     "Your name": "您的名字",
     "Start": "开始",
     "· rating as": "· 评分人",
@@ -130,6 +141,10 @@
     "Anchor / attention check": "锚点 / 注意力检查",
     "allow \"no preference\" (A/B)": "允许“没有偏好”（A/B）",
     "Instructions for raters (empty: the standard wording of the kind)": "给评分人的说明（留空：使用该类型的标准说明）",
+    "Training examples raters hear before the first item (optional), one per line: take id = what it shows":
+      "评分人在第一项之前听的训练示例（可选），每行一个：录音 id = 它示范的内容",
+    "ask each rater at the end what they listened with and their native language (raters.csv)":
+      "结束时询问每位评分人使用的收听设备和母语（raters.csv）",
     "Create test": "创建测试",
     "3. Tests": "3. 测试",
     "test": "测试",
@@ -157,6 +172,8 @@
     "Download answers.csv": "下载 answers.csv",
     "(one row per answer: test, rater, item, take ids, conditions, answer, time spent, play count, attention check)":
       "（每个回答一行：测试、评分人、项目、录音 id、条件、回答、用时、播放次数、注意力检查）",
+    "Download raters.csv": "下载 raters.csv",
+    "(one row per rater: answered, listening device, native language)": "（每位评分人一行：已答数、收听设备、母语）",
     "Per rater": "按评分人",
     "Objective scorecard": "客观评分卡",
     "Speaker similarity, predicted quality, duration and loudness per condition, computed on this machine from the takes (no listener). With the demo model these numbers mean nothing.":
@@ -327,14 +344,15 @@
   }
 
   const SKIP = new Set(["SCRIPT", "STYLE", "TEXTAREA", "CODE"]);
+  const kept = (element) => element && element.closest("[translate=no]");
   function visit(node) {
     if (node.nodeType === Node.TEXT_NODE) {
-      if (node.parentNode && SKIP.has(node.parentNode.nodeName)) return;
+      if (node.parentNode && SKIP.has(node.parentNode.nodeName) || kept(node.parentElement)) return;
       const done = translate(node.data);
       if (done !== node.data) node.data = done;
       return;
     }
-    if (node.nodeType !== Node.ELEMENT_NODE) return;
+    if (node.nodeType !== Node.ELEMENT_NODE || kept(node)) return;
     for (const attr of ["placeholder", "title", "aria-label"]) {
       const value = node.getAttribute(attr);
       if (value) {
@@ -354,7 +372,7 @@
         else if (change.type === "attributes") visit(change.target);
         else change.addedNodes.forEach(visit);
       }
-      const title = translate(document.title);
+      const title = kept(document.querySelector("title")) ? document.title : translate(document.title);
       if (title !== document.title) document.title = title;
     }).observe(document.body, {childList: true, subtree: true, characterData: true, attributes: true,
                                attributeFilter: ["placeholder", "title", "aria-label"]});
