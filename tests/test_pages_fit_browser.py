@@ -1,6 +1,7 @@
 """The workbench, rater, results and long-form pages at 1,280 px (a laptop) with realistic content, in Debian's
 chromium: nothing is wider than the window, no player, table or control sticks out of its card, and counts read as
-whole numbers. Full-page screenshots go to ``test-artifacts/`` (kept by CI, ignored by git) for a person to look at.
+whole numbers; and a MUSHRA item finished on a 390 px phone. Full-page screenshots go to ``test-artifacts/`` (kept
+by CI, ignored by git) for a person to look at; ``docs/screenshots/`` holds copies of them.
 """
 
 from __future__ import annotations
