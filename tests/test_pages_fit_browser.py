@@ -240,6 +240,8 @@ def test_a_mushra_item_is_finished_on_a_phone(app: tuple, context) -> None:
     lang = page.evaluate("() => window.wbLang")
     page.fill("#name", f"Phone {lang}")
     page.click("#start")
+    sync_api.expect(page.locator("#ready")).to_be_visible()
+    assert page.evaluate(OVERFLOWS) == []  # the personal link and its Copy button fit the phone too
     page.click("#begin")
     expect(page.locator("#controls input[type=range]")).to_have_count(3)
     ARTIFACTS.mkdir(exist_ok=True)
