@@ -662,8 +662,9 @@ def test_training_examples_come_first_the_questionnaire_last_and_the_owners_word
     expect(page.locator("#item-progress")).to_have_text("第 1 项，共 1 项")
     answer_item(page, "A")
     expect(page.locator("#questionnaire h2")).to_have_text("最后两个问题")
-    page.click("#send-questionnaire")
-    expect(page.locator("#error")).to_contain_text("say what you listened with")
+    page.check("input[name=device][value='earbuds']")  # Send waits for the language too, saying so in Chinese
+    expect(page.locator("#send-questionnaire")).to_be_disabled()
+    expect(page.locator("#questionnaire-hint")).to_have_text("请选择您的收听设备并填写您的母语。")
     answer_questionnaire(page, "earbuds", "中文")
     expect(page.locator("#done h2")).to_have_text("谢谢！")
     device.close()

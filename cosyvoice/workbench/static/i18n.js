@@ -34,6 +34,7 @@
     "A laptop's or phone's speaker": "笔记本电脑或手机的扬声器",
     "Your native language": "您的母语",
     "Send and finish": "提交并结束",
+    "Choose what you listened with and enter your native language.": "请选择您的收听设备并填写您的母语。",
     "Your name": "您的名字",
     "Start": "开始",
     "· rating as": "· 评分人",
