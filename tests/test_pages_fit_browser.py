@@ -1,6 +1,7 @@
 """The workbench, rater, results and long-form pages at 1,280 px (a laptop) with realistic content, in Debian's
 chromium: nothing is wider than the window, no player, table or control sticks out of its card, and counts read as
-whole numbers. Full-page screenshots go to ``test-artifacts/`` (kept by CI, ignored by git) for a person to look at.
+whole numbers; and a MUSHRA item finished on a 390 px phone. Full-page screenshots go to ``test-artifacts/`` (kept
+by CI, ignored by git) for a person to look at; ``docs/screenshots/`` holds copies of them.
 """
 
 from __future__ import annotations
@@ -166,6 +167,9 @@ def test_the_rater_page_fits_during_a_mushra_item(app: tuple, context) -> None:
     page.wait_for_function("() => window.wb && window.wb.ready")
     page.fill("#name", "Cleo" if page.evaluate("() => window.wbLang") == "en" else "小明")
     page.click("#start")
+    sync_api.expect(page.locator("#ready")).to_be_visible()  # the personal link, before the first item
+    assert page.evaluate(OVERFLOWS) == []
+    page.click("#begin")
     sync_api.expect(page.locator("#rating")).to_be_visible()
     sync_api.expect(page.locator("#controls input[type=range]")).to_have_count(3)  # hidden reference, two more
     sync_api.expect(page.locator("#rater-name")).not_to_be_empty()
@@ -198,4 +202,63 @@ def test_the_long_form_page_fits_with_a_project_open(app: tuple, context) -> Non
     sync_api.expect(page.locator("#segments audio")).to_have_count(segments)
     sync_api.expect(page.locator("#segments select.takes").first.locator("option")).to_have_count(3)
     fits(page, "longform")
+    page.close()
+
+
+PHONE = {"width": 390, "height": 844}
+# A MUSHRA row on a phone: the slider's width, the scale labels' (do they fit, do they overlap, their font size),
+# and how far each sample's Play button is from its own slider.
+MUSHRA_LAYOUT = """() => {
+  const spans = [...document.querySelectorAll(".mushra .scale span")].map(s => s.getBoundingClientRect());
+  const labels = [...document.querySelectorAll(".mushra .scale span")];
+  return {
+    sliders: [...document.querySelectorAll(".mushra input[type=range]")].map(s => s.getBoundingClientRect().width),
+    labelsFit: labels.every(s => s.scrollWidth <= s.clientWidth + 0.5),
+    labelsApart: spans.every((r, i) => i === 0 || r.left >= spans[i - 1].right - 0.5),
+    labelPx: Math.min(...labels.map(s => parseFloat(getComputedStyle(s).fontSize))),
+    gaps: [...document.querySelectorAll(".mushra-row:not(.legend)")].map(row => {
+      const button = row.querySelector("button.play").getBoundingClientRect();
+      const slider = row.querySelector("input[type=range]").getBoundingClientRect();
+      return Math.max(0, slider.top - button.bottom, button.top - slider.bottom);
+    }),
+  };
+}"""
+
+
+def test_a_mushra_item_is_finished_on_a_phone(app: tuple, context) -> None:
+    """At 390 px the sliders take the width, the scale labels stay apart and readable, each Play button sits right
+    above its slider, nothing sticks out; a rater plays every sample, rates with a click on each slider and saves."""
+    url, mushra, _ = app
+    expect = sync_api.expect
+    page = context.new_page()
+    page.set_viewport_size(PHONE)
+    page.goto(f"{url}workbench/rate/{mushra}")
+    page.evaluate("() => localStorage.clear()")  # a new rater, not the one this browser started before
+    page.goto(f"{url}workbench/rate/{mushra}")
+    page.wait_for_function("() => window.wb && window.wb.ready")
+    lang = page.evaluate("() => window.wbLang")
+    page.fill("#name", f"Phone {lang}")
+    page.click("#start")
+    sync_api.expect(page.locator("#ready")).to_be_visible()
+    assert page.evaluate(OVERFLOWS) == []  # the personal link and its Copy button fit the phone too
+    page.click("#begin")
+    expect(page.locator("#controls input[type=range]")).to_have_count(3)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"fit-390-rater-{lang}.png"), full_page=True)
+    layout = page.evaluate(MUSHRA_LAYOUT)
+    assert min(layout["sliders"]) >= 0.75 * (PHONE["width"] - 40), layout  # was ~45 px
+    assert layout["labelsFit"] and layout["labelsApart"] and layout["labelPx"] >= 12, layout
+    assert max(layout["gaps"]) <= 32, layout  # each Play button right by its own slider
+    assert page.evaluate(OVERFLOWS) == []
+    for button in page.locator("button.play").all():
+        slot = button.get_attribute("data-slot")
+        button.click()
+        expect(page.locator(f".slot[data-slot='{slot}']")).to_have_class("slot played", timeout=15000)
+    for k, slider in enumerate(page.locator("#controls input[type=range]").all()):
+        box = slider.bounding_box()
+        slider.click(position={"x": box["width"] * (0.3 + 0.3 * k), "y": box["height"] / 2})
+    expect(page.locator(".mushra .value.untouched")).to_have_count(0)
+    assert page.evaluate(OVERFLOWS) == []
+    page.click("#submit")
+    expect(page.locator("#item-progress")).to_have_text("Item 2 of 4" if lang == "en" else "第 2 项，共 4 项")
     page.close()

@@ -87,11 +87,29 @@ def test_a_chinese_browser_gets_every_page_in_chinese(app, browser) -> None:
     assert untranslated(page) == []
     page.fill("#name", "小明")
     page.click("#start")
+    sync_api.expect(page.locator("#begin")).to_have_text("开始第一项")
+    assert untranslated(page) == []
+    page.click("#begin")
     sync_api.expect(page.locator("#item-progress")).to_have_text("第 1 项，共 1 项")
     sync_api.expect(page.locator(".mushra .scale span")).to_have_text(["劣", "差", "中", "良", "优"])
     assert page.locator(".mushra .value").first.inner_text() == "未评分"
     assert untranslated(page) == []
     page.screenshot(path=str(ARTIFACTS / "zh-rater.png"), full_page=True)
+    for button in page.locator("button.play").all():  # the item played, rated and saved: the questionnaire
+        button.click()
+        sync_api.expect(page.locator(f".slot[data-slot='{button.get_attribute('data-slot')}']")).to_have_class(
+            "slot played", timeout=15000)
+    assert untranslated(page) == []  # the states after playing ("✓ played to the end", the position)
+    for value in page.locator(".mushra .value").all():
+        value.click()
+    page.click("#submit")
+    sync_api.expect(page.locator("#questionnaire")).to_be_visible()
+    assert untranslated(page) == []
+    page.check("input[name=device][value='headphones']")
+    page.fill("#native-language", "中文")
+    page.click("#send-questionnaire")
+    sync_api.expect(page.locator("#done")).to_be_visible()
+    assert untranslated(page) == []
 
     for path, ready, heading in (("workbench/", "() => window.wb && window.wb.ready", "听音测试工作台"),
                                  (f"workbench/tests/{test_id}", "() => window.wbReady", "汇总"),

@@ -173,7 +173,9 @@ RATER_ROUTES = {("GET", "/workbench/rate/{test_id}"), ("GET", "/workbench/api/te
                 ("POST", "/workbench/api/tests/{test_id}/raters"), ("GET", "/workbench/api/raters/{rater_id}/next"),
                 ("POST", "/workbench/api/raters/{rater_id}/events"),
                 ("POST", "/workbench/api/raters/{rater_id}/answers"),
-                ("GET", "/workbench/api/raters/{rater_id}/audio/{position}/{slot}")}
+                ("GET", "/workbench/api/raters/{rater_id}/audio/{position}/{slot}"),
+                ("GET", "/workbench/api/tests/{test_id}/training/{n}"),
+                ("POST", "/workbench/api/raters/{rater_id}/questionnaire")}
 
 
 def test_rater_route_opens_exactly_the_rate_page_and_the_rater_api(tmp_path: Path) -> None:
@@ -186,7 +188,8 @@ def test_rater_route_opens_exactly_the_rate_page_and_the_rater_api(tmp_path: Pat
                          ("DELETE", "/workbench/api/tests/x"), ("GET", "/workbench/api/tests"),
                          ("GET", "/workbench/api/tests/"), ("GET", "/workbench/api/tests/x/results"),
                          ("GET", "/workbench/rate/x/extra"), ("GET", "/workbench/api/raters/x/audio/0"),
-                         ("GET", "/other/workbench/rate/x"), ("GET", "/workbench/rate/")]:
+                         ("GET", "/other/workbench/rate/x"), ("GET", "/workbench/rate/"),
+                         ("GET", "/workbench/api/tests/x/raters.csv")]:
         assert not rater_route(method, path), (method, path)
 
 

@@ -97,17 +97,21 @@ def setup(tiny_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     with sync_api.sync_playwright() as playwright:
         # each call: a fresh profile, i.e. another device (no local storage shared)
-        yield lambda: playwright.chromium.launch_persistent_context(
+        yield lambda locale="en-US": playwright.chromium.launch_persistent_context(
             str(tmp_path_factory.mktemp("chromium-profile")), executable_path=str(CHROMIUM), headless=True,
-            args=FLAGS, viewport={"width": 1100, "height": 900}, locale="en-US")
+            args=FLAGS, viewport={"width": 1100, "height": 900}, locale=locale)
 
 
 def join(context, url: str, name: str):
+    """A new rater: the personal link is shown before the first item, then the first item."""
     page = context.new_page()
     page.goto(url)
     page.wait_for_function("() => window.wb && window.wb.ready")
     page.fill("#name", name)
     page.click("#start")
+    sync_api.expect(page.locator("#ready")).to_be_visible()
+    assert page.input_value("#personal-link").endswith(f"?rater={page.evaluate('() => wb.rater')}")
+    page.click("#begin")
     sync_api.expect(page.locator("#rating, #done").locator("visible=true")).to_have_count(1)
     return page
 
@@ -124,12 +128,22 @@ def answer_item(page, choice: str) -> None:
     expect(page.locator("#submit")).to_be_enabled()
     page.click("#submit")
     page.wait_for_function("""(before) => !document.getElementById("done").hidden ||
+        !document.getElementById("questionnaire").hidden ||
         document.getElementById("item-progress").textContent !== before""", arg=progress)  # next item, or the end
 
 
 def finish(page, choice: str, items: int) -> None:
     for _ in range(items):
         answer_item(page, choice)
+    answer_questionnaire(page)
+
+
+def answer_questionnaire(page, device: str = "headphones", language: str = "English") -> None:
+    """The end-of-test questions, answered; then the thank-you."""
+    sync_api.expect(page.locator("#questionnaire")).to_be_visible()
+    page.check(f"input[name=device][value='{device}']")
+    page.fill("#native-language", language)
+    page.click("#send-questionnaire")
     sync_api.expect(page.locator("#done")).to_be_visible()
 
 
@@ -152,6 +166,7 @@ def test_two_raters_finish_ab_and_mos_one_resuming_after_a_restart(setup, browse
             body: JSON.stringify({position: wb.state.position, answer: {choice: "A"}})});
         return [r.status, (await r.json()).error.message]; }""")
     assert refused[0] == 400 and "to the end first" in refused[1]
+    sync_api.expect(ann.locator(".slot[data-slot='A']")).to_have_class("slot played", timeout=15000)
     ann.screenshot(path=str(ARTIFACTS / "workbench-rater.png"), full_page=True)
 
     answer_item(ann, "A")
@@ -320,7 +335,7 @@ def test_abx_and_mushra_items_and_an_answer_sent_while_the_server_restarts(setup
     assert page.locator("button.play").evaluate_all("bs => bs.map(b => b.dataset.slot)") == ["A", "B", "X"]
     answer_item(page, "A")
     answer_item(page, "B")
-    expect(page.locator("#done")).to_be_visible()
+    answer_questionnaire(page)
     rows = list(csv.DictReader(io.StringIO(httpx.get(f"{app.url}/workbench/api/tests/{abx}/answers.csv",
                                                      cookies={"cv-browser": OWNER}).text)))
     assert len(rows) == 2
@@ -448,3 +463,212 @@ def test_a_batch_on_a_full_disk_shows_its_error_and_the_page_stops_polling(tiny_
             device.close()
         finally:
             app.stop()
+
+
+@pytest.fixture(scope="module")
+def ab_two(setup) -> str:
+    """A two-item A/B test added beside the running server."""
+    app, _, _ = setup
+    store = TakeStore(app.env["COSYVOICE_DATA_DIR"])
+    test_id = listening.create_test(store, "ab", listening.design("ab", store.takes(), ["sysA", "sysB"])[:2],
+                                    title="Two items", owner=f"browser:{OWNER}")
+    store.close()
+    return test_id
+
+
+def test_the_personal_link_comes_first_and_a_reload_keeps_what_was_played(setup, ab_two, browser) -> None:
+    """The link is offered (and copied) before the first item, also after a reload there; a reload mid-item shows
+    the samples the server saw played to the end as played, so only the others are left to play."""
+    app, _, _ = setup
+    expect = sync_api.expect
+    device = browser()
+    device.grant_permissions(["clipboard-read", "clipboard-write"], origin=app.url)
+    page = device.new_page()
+    page.goto(f"{app.url}/workbench/rate/{ab_two}")
+    page.wait_for_function("() => window.wb && window.wb.ready")
+    expect(page.locator("#intro")).to_contain_text("with your personal link (you get it before the first item)")
+    page.fill("#name", "Dora")
+    page.click("#start")
+    expect(page.locator("#ready")).to_be_visible()
+    expect(page.locator("#rating")).to_be_hidden()
+    link = page.input_value("#personal-link")
+    page.click("#copy-link")
+    expect(page.locator("#copy-status")).to_have_text("Copied.")
+    assert page.evaluate("() => navigator.clipboard.readText()") == link
+    page.reload()  # no item seen yet: the link is offered again
+    page.wait_for_function("() => window.wb && window.wb.ready")
+    expect(page.locator("#ready")).to_be_visible()
+    page.click("#begin")
+    expect(page.locator("#item-progress")).to_have_text("Item 1 of 2")
+    page.click("button.play[data-slot='A']")
+    expect(page.locator(".slot[data-slot='A']")).to_have_class("slot played", timeout=15000)
+
+    page.reload()
+    page.wait_for_function("() => window.wb && window.wb.ready")
+    expect(page.locator("#ready")).to_be_hidden()
+    expect(page.locator("#item-progress")).to_have_text("Item 1 of 2")
+    expect(page.locator(".slot[data-slot='A']")).to_have_class("slot played")
+    expect(page.locator(".slot[data-slot='A'] .state")).to_have_text("✓ played to the end")
+    expect(page.locator(".slot[data-slot='B']")).to_have_class("slot")
+    page.check("input[value='A']")
+    expect(page.locator("#submit-hint")).to_have_text("Play every sample to the end first.")
+    page.click("button.play[data-slot='B']")
+    expect(page.locator(".slot[data-slot='B']")).to_have_class("slot played", timeout=15000)
+    expect(page.locator("#submit")).to_be_enabled()
+    page.click("#submit")
+    expect(page.locator("#item-progress")).to_have_text("Item 2 of 2")
+    device.close()
+
+
+def test_a_save_whose_reply_is_lost_as_the_server_dies_goes_on_once_it_is_back(setup, ab_two, browser) -> None:
+    """The server stores the answer and dies before its reply is whole: the page says it is reconnecting, sends
+    the answer again once the server is back (accepted as the same answer) and shows the next item, no error."""
+    app, _, _ = setup
+    expect = sync_api.expect
+    device = browser()
+    page = join(device, f"{app.url}/workbench/rate/{ab_two}", "Emil")
+    play_all(page)
+    page.check("input[value='B']")
+
+    def cut_off(route) -> None:
+        reply = route.fetch()  # the server saves the answer...
+        app.stop()  # ...and dies: the page gets half a reply
+        route.fulfill(status=200, content_type="application/json", body=reply.text()[:12])
+
+    page.route("**/answers", cut_off, times=1)
+    page.click("#submit")
+    expect(page.locator("#reconnecting")).to_be_visible(timeout=15000)
+    app.start()
+    expect(page.locator("#reconnecting")).to_be_hidden(timeout=60000)
+    expect(page.locator("#item-progress")).to_have_text("Item 2 of 2")
+    expect(page.locator("#error")).to_be_empty()
+    rows = list(csv.DictReader(io.StringIO(httpx.get(f"{app.url}/workbench/api/tests/{ab_two}/answers.csv",
+                                                     cookies={"cv-browser": OWNER}).text)))
+    assert [(r["rater"], r["position"], r["answer"]) for r in rows if r["rater"] == "Emil"] == [("Emil", "0", "B")]
+    device.close()
+
+
+@pytest.fixture(scope="module")
+def long_abx(setup) -> str:
+    """An ABX test over two 2.5 s takes: long enough to pause, switch and loop a region mid-sample."""
+    app, _, _ = setup
+    store = TakeStore(app.env["COSYVOICE_DATA_DIR"])
+    t = np.arange(int(24000 * 2.5)) / 24000
+    a, b = (store.add_take((0.2 * np.sin(2 * np.pi * f * t)).astype(np.float32), 24000, {"text": "long"}, label=label,
+                           owner=f"browser:{OWNER}") for f, label in ((300, "longA"), (450, "longB")))
+    test_id = listening.create_test(store, "abx", [{"takes": [a.id, b.id]}], title="Player", owner=f"browser:{OWNER}")
+    store.close()
+    return test_id
+
+
+def test_the_player_pauses_shows_the_position_switches_at_the_same_position_and_loops_a_region(
+        setup, long_abx, browser) -> None:
+    """Keys A/B/X switch samples (the new one starts where the last stopped), space pauses (also with the
+    Play/pause button focused: one toggle), a loop region repeats; none of those plays counts as played to the end,
+    and only whole plays from the start unlock saving."""
+    app, _, _ = setup
+    expect = sync_api.expect
+    device = browser()
+    page = join(device, f"{app.url}/workbench/rate/{long_abx}", "Finn")
+    now = "(s) => wb.player.samples.get(s).audio.currentTime"
+    page.keyboard.press("a")
+    page.wait_for_function(f"() => ({now})('A') > 0.6")
+    page.focus("#playpause")
+    page.keyboard.press(" ")
+    expect(page.locator(".slot[data-slot='A'] .state")).to_have_text("paused")
+    expect(page.locator("button.play[data-slot='A']")).to_have_text("▶ Play")
+    paused_at = page.evaluate(now, "A")
+    expect(page.locator("#position")).to_have_text(f"{paused_at:.2f} / 2.50 s")
+    expect(page.locator("#now-playing")).to_have_text("Sample A")
+    page.keyboard.press(" ")  # resumes A where it was
+    page.wait_for_function("() => !wb.player.samples.get('A').audio.paused")
+    page.keyboard.press("b")  # B takes over at A's position
+    page.wait_for_function("() => !wb.player.samples.get('B').audio.paused")
+    assert page.evaluate("() => wb.player.samples.get('A').audio.paused")
+    assert page.evaluate(now, "B") >= paused_at
+    expect(page.locator(".slot[data-slot='B'] .state")).to_have_text("playing a segment…")
+    expect(page.locator(".slot[data-slot='B'] .state")).to_have_text("not played yet", timeout=15000)  # it ended
+    expect(page.locator(".slot.played")).to_have_count(0)  # A interrupted, B from the middle: neither counts
+
+    # a loop region: X repeats 1.0..1.4 s (two wraps seen) and never counts
+    page.fill("#seg-from", "1")
+    page.fill("#seg-to", "1.4")
+    page.check("#loop")
+    page.evaluate("""() => { window.seeks = 0;
+        wb.player.samples.get('X').audio.addEventListener('seeked', () => window.seeks++); }""")
+    page.keyboard.press("x")
+    page.wait_for_function("() => window.seeks >= 3", timeout=15000)  # the start of the region, then two wraps
+    assert 0.95 <= page.evaluate(now, "X") <= 1.7
+    expect(page.locator(".slot[data-slot='X'] .state")).to_have_text("playing a segment…")
+    page.keyboard.press(" ")
+    expect(page.locator(".slot.played")).to_have_count(0)
+    expect(page.locator("#submit-hint")).to_have_text("Play every sample to the end first.")
+
+    page.fill("#seg-from", "")
+    page.fill("#seg-to", "")
+    page.click("#rewind")
+    page.keyboard.press("a")  # the whole sample looped: its first pass from the start counts, it plays on
+    expect(page.locator(".slot[data-slot='A']")).to_have_class("slot played", timeout=15000)
+    page.wait_for_function("() => !wb.player.samples.get('A').audio.paused")
+    page.keyboard.press(" ")
+    page.uncheck("#loop")
+    page.click("#rewind")  # B would take over where A paused: back to the start first
+    for slot in "BX":  # whole plays from the start count
+        page.click(f"button.play[data-slot='{slot}']")
+        expect(page.locator(f".slot[data-slot='{slot}']")).to_have_class("slot played", timeout=15000)
+    page.check("input[value='A']")
+    page.click("#submit")
+    answer_questionnaire(page)
+    device.close()
+
+
+def test_training_examples_come_first_the_questionnaire_last_and_the_owners_words_stay_as_written(
+        setup, browser) -> None:
+    """A test made over REST with a training page, in a Chinese browser: the owner's title, instructions and
+    example labels (words the page's own table translates) stay as written, the page's own words are Chinese;
+    the examples play before the first item, the questionnaire comes after the last, and raters.csv has it."""
+    app, _, _ = setup
+    expect = sync_api.expect
+    store = TakeStore(app.env["COSYVOICE_DATA_DIR"])
+    one = {t.label: t.id for t in store.takes() if t.provenance.get("text") == "one"}
+    store.close()
+    made = httpx.post(f"{app.url}/workbench/api/tests", cookies={"cv-browser": OWNER}, json={
+        "kind": "ab", "items": [{"takes": [one["sysA"], one["sysB"]]}], "title": "Start", "instructions": "Excellent",
+        "training": [{"take": one["sysA"], "label": "Excellent"}, {"take": one["sysB"], "label": "Bad"}]})
+    assert made.status_code == 201, made.text
+    test_id = made.json()["id"]
+    refused = httpx.post(f"{app.url}/workbench/api/tests", cookies={"cv-browser": OWNER}, json={
+        "kind": "ab", "items": [{"takes": [one["sysA"], one["sysB"]]}],
+        "training": [{"take": "take-nope", "label": "x"}]})
+    assert refused.status_code == 400 and "training example 1: no take" in refused.json()["error"]["message"]
+
+    device = browser("zh-CN")
+    page = device.new_page()
+    page.goto(f"{app.url}/workbench/rate/{test_id}")
+    page.wait_for_function("() => window.wb && window.wb.ready")
+    expect(page.locator("#title")).to_have_text("Start")
+    expect(page.locator("#instructions")).to_have_text("Excellent")
+    assert page.title() == "Start" and page.inner_text("#start") == "开始"
+    page.fill("#name", "小红")
+    page.click("#start")
+    expect(page.locator("#training h2")).to_have_text("示例")
+    expect(page.locator("#training-examples b")).to_have_text(["Excellent", "Bad"])
+    audio = page.evaluate("""async () => {
+        const r = await fetch(document.querySelector("#training-examples audio").src);
+        return [r.status, r.headers.get("content-type"), r.headers.get("etag"),
+                (await r.arrayBuffer()).byteLength]; }""")
+    assert audio[:3] == [200, "audio/wav", None] and audio[3] > 1000
+    page.click("#begin")
+    expect(page.locator("#item-progress")).to_have_text("第 1 项，共 1 项")
+    answer_item(page, "A")
+    expect(page.locator("#questionnaire h2")).to_have_text("最后两个问题")
+    page.check("input[name=device][value='earbuds']")  # Send waits for the language too, saying so in Chinese
+    expect(page.locator("#send-questionnaire")).to_be_disabled()
+    expect(page.locator("#questionnaire-hint")).to_have_text("请选择您的收听设备并填写您的母语。")
+    answer_questionnaire(page, "earbuds", "中文")
+    expect(page.locator("#done h2")).to_have_text("谢谢！")
+    device.close()
+    rows = list(csv.DictReader(io.StringIO(httpx.get(f"{app.url}/workbench/api/tests/{test_id}/raters.csv",
+                                                     cookies={"cv-browser": OWNER}).text)))
+    assert [(r["rater"], r["answered"], r["total"], r["listening_device"], r["native_language"]) for r in rows] == \
+        [("小红", "1", "1", "earbuds", "中文")]

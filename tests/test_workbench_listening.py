@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cosyvoice.errors import AlreadyExistsError, InvalidInputError
+from cosyvoice.errors import AlreadyExistsError, ConflictError, InvalidInputError
 from cosyvoice.takes.store import Take, TakeStore
 from cosyvoice.workbench import listening
 
@@ -73,22 +73,30 @@ def test_ab_design_plans_and_gated_answers(store: TakeStore) -> None:
     assert listening.make_plan("ab", items, ann.seed) == ann.plan
     assert sorted(e["item"] for e in bob.plan) == [0, 1, 2, 3]
 
+    peek = listening.next_item(store, ann, view=False)  # the page before the first item: no clock started
+    assert (peek["viewed"], peek["played"]) == (False, []) and store.events(ann.id, 0) == []
     state = listening.next_item(store, ann)
     assert state["position"] == 0 and [s["slot"] for s in state["slots"]] == ["A", "B"]
     assert "take" not in str(state["slots"])  # the page never learns which take is where
+    assert listening.next_item(store, ann)["viewed"] is True
     with pytest.raises(InvalidInputError, match="to the end first"):
         listening.submit(store, ann, 0, {"choice": "A"})
     listening.record_play(store, ann, 0, "A", "play")
     listening.record_play(store, ann, 0, "A", "ended")  # at once: not played through
     with pytest.raises(InvalidInputError, match="play A, B to the end first"):
         listening.submit(store, ann, 0, {"choice": "A"})
+    assert listening.next_item(store, ann)["played"] == []
     listen(store, ann, 0)
+    assert listening.next_item(store, ann)["played"] == ["A", "B"]  # what a page reloaded now shows played
     with pytest.raises(InvalidInputError, match="choose A or B or no preference"):
         listening.submit(store, ann, 0, {"choice": "C"})
     answer = listening.submit(store, ann, 0, {"choice": "B"})
     assert answer.answer == {"choice": ann.plan[0]["slots"][1]["take"], "shown": "B"} and answer.plays == 3
-    with pytest.raises(InvalidInputError, match="answered already"):
+    # the same answer again (a page whose reply was lost) is accepted as it was; another one is refused
+    assert listening.submit(store, ann, 0, {"choice": "B"}) == answer
+    with pytest.raises(ConflictError, match="answered already"):
         listening.submit(store, ann, 0, {"choice": "A"})
+    assert len(store.answers(rater_id=ann.id)) == 1
     assert listening.next_item(store, ann)["position"] == 1
 
 
@@ -220,3 +228,42 @@ def test_raters_see_the_public_title_never_the_owners_name(store: TakeStore) -> 
     assert (titled["title"], listening.owner_name(titled)) == ("Which voice do you prefer?", "AB test")
     rater = listening.join(store, named["id"], "Ann")
     assert listening.next_item(store, rater)["title"] == listening.PUBLIC_TITLE
+
+
+def test_training_examples_and_the_end_of_test_questionnaire(store: TakeStore) -> None:
+    takes = make_takes(store, ["sysA", "sysB"], ["one"])
+    good, bad = takes[("sysA", "one")].id, takes[("sysB", "one")].id
+    for examples, message in (({"take": good}, "a list"), ([{"take": good}], "needs 'take'"),
+                              ([{"take": "take-nope", "label": "x"}], "no take 'take-nope'"),
+                              ([{"take": good, "label": "x" * 201}], "201 characters")):
+        with pytest.raises(InvalidInputError, match=message):
+            listening.check_training(examples, store)
+    training = listening.check_training([{"take": good, "label": " Clean "}, {"take": bad, "label": "Noisy"}], store)
+    assert training == [{"take": good, "label": "Clean"}, {"take": bad, "label": "Noisy"}]
+    test_id = listening.create_test(store, "mos", [{"takes": [good]}], training=training)
+    assert store.test(test_id)["spec"]["training"] == training
+    with pytest.raises(ConflictError, match="used by"):  # a training example is a take the test uses
+        store.delete_take(bad)
+    ann = listening.join(store, test_id, "Ann")
+    with pytest.raises(InvalidInputError, match="answer every item first"):
+        listening.answer_questionnaire(store, ann, {"listening_device": "headphones", "native_language": "German"})
+    listen(store, ann, 0)
+    state = listening.submit(store, ann, 0, {"score": 4}) and listening.next_item(store, ann)
+    assert state["done"] and state["questionnaire"] == "pending"
+    with pytest.raises(InvalidInputError, match="say what you listened with"):
+        listening.answer_questionnaire(store, ann, {"listening_device": "ears", "native_language": "German"})
+    with pytest.raises(InvalidInputError, match="native language"):
+        listening.answer_questionnaire(store, ann, {"listening_device": "earbuds", "native_language": "  "})
+    given = {"listening_device": "earbuds", "native_language": " Swiss  German "}
+    assert listening.answer_questionnaire(store, ann, given)["questionnaire"] == "given"
+    ann = store.rater(ann.id)
+    assert listening.answer_questionnaire(store, ann, given)["questionnaire"] == "given"  # a retry: the same
+    with pytest.raises(ConflictError, match="answered already"):
+        listening.answer_questionnaire(store, ann, {**given, "listening_device": "headphones"})
+    [row] = listening.rater_rows(store, test_id)
+    assert set(row) == set(listening.RATER_COLUMNS)
+    assert (row["rater"], row["answered"], row["total"], row["listening_device"], row["native_language"]) == \
+        ("Ann", 1, 1, "earbuds", "Swiss German")
+    untold = listening.create_test(store, "mos", [{"takes": [good]}], questionnaire=False)
+    with pytest.raises(InvalidInputError, match="no questionnaire"):
+        listening.answer_questionnaire(store, listening.join(store, untold, "Bob"), given)

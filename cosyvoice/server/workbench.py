@@ -37,7 +37,7 @@ from starlette.routing import compile_path
 
 from cosyvoice.context import StudioContext
 from cosyvoice.encoding import encode_audio, file_format
-from cosyvoice.errors import InvalidInputError
+from cosyvoice.errors import InvalidInputError, NotFoundError
 from cosyvoice.jobs import JobRunner
 from cosyvoice.owners import Caller
 from cosyvoice.server.errors import error_route
@@ -55,14 +55,17 @@ from cosyvoice.workbench.scorecard import scorecard
 
 STATIC = Path(__file__).resolve().parents[1] / "workbench" / "static"
 PAGES = {"owner": "owner.html", "results": "results.html", "rate": "rate.html"}
-ASSETS = {"workbench.css": "text/css", "common.js": "text/javascript", "i18n.js": "text/javascript"}
+ASSETS = {"workbench.css": "text/css", "common.js": "text/javascript", "i18n.js": "text/javascript",
+          "player.js": "text/javascript"}
 # What a rater with only a test's link reaches (method, route under /workbench): the rate page and what it loads,
 # the test's rater view (no take ids), joining, and the rater's own items, events, answers and audio. Not the owner
 # and results pages, results, exports, scorecards, takes, batches, nor the list or creation of tests.
 RATER_ROUTES = (("GET", "/rate/{test_id}"), *(("GET", f"/static/{name}") for name in ASSETS),
-                ("GET", "/api/tests/{test_id}"), ("POST", "/api/tests/{test_id}/raters"),
+                ("GET", "/api/tests/{test_id}"), ("GET", "/api/tests/{test_id}/training/{n}"),
+                ("POST", "/api/tests/{test_id}/raters"),
                 ("GET", "/api/raters/{rater_id}/next"), ("POST", "/api/raters/{rater_id}/events"),
-                ("POST", "/api/raters/{rater_id}/answers"), ("GET", "/api/raters/{rater_id}/audio/{position}/{slot}"))
+                ("POST", "/api/raters/{rater_id}/answers"), ("GET", "/api/raters/{rater_id}/audio/{position}/{slot}"),
+                ("POST", "/api/raters/{rater_id}/questionnaire"))
 _RATER_PATTERNS = tuple((method, compile_path("/workbench" + route)[0]) for method, route in RATER_ROUTES)
 
 
@@ -118,6 +121,8 @@ class NewTest(_Body):
     conditions: list[str] | None = None
     reference: str | None = None
     anchor: str | None = None
+    training: list[Any] | None = None  # labelled examples before the first item: [{"take": id, "label": text}]
+    questionnaire: bool = True  # ask each rater's listening device and native language at the end
 
 
 class Joining(_Body):
@@ -133,6 +138,11 @@ class PlayEvent(_Body):
 class Rating(_Body):
     position: int
     answer: Any = None
+
+
+class Questionnaire(_Body):
+    listening_device: str = ""
+    native_language: str = ""
 
 
 def _csv_file(rows: list[dict[str, Any]], columns: Iterable[str], name: str) -> Response:
@@ -298,9 +308,11 @@ def create_test(wb: Bench, who: Who, spec: NewTest) -> Any:
                                  reference=spec.reference, anchor=spec.anchor)
     else:
         raise InvalidInputError("give 'conditions' (take labels) or 'items'", "conditions")
+    training = listening.check_training(spec.training, s, who, wb.limits) if spec.training else None
     test_id = listening.create_test(s, spec.kind, items, name=spec.name, title=spec.title,
                                     instructions=spec.instructions,
-                                    allow_none=spec.allow_none, limits=wb.limits, owner=who.owner)
+                                    allow_none=spec.allow_none, limits=wb.limits, owner=who.owner,
+                                    training=training, questionnaire=spec.questionnaire)
     return JSONResponse({"id": test_id, "items": len(items), "rate_url": f"/workbench/rate/{test_id}",
                          "results_url": f"/workbench/tests/{test_id}"}, 201)
 
@@ -318,6 +330,13 @@ def results(wb: Bench, who: Who, test_id: str) -> Any:
 def answers_csv(wb: Bench, who: Who, test_id: str) -> Any:
     wb.store().test(test_id, who)
     return _csv_file(listening.export_rows(wb.store(), test_id), listening.EXPORT_COLUMNS, f"{test_id}-answers.csv")
+
+
+@routes.get("/api/tests/{test_id}/raters.csv")
+def raters_csv(wb: Bench, who: Who, test_id: str) -> Any:
+    """One row per rater: progress and the end-of-test questionnaire's answers."""
+    wb.store().test(test_id, who)
+    return _csv_file(listening.rater_rows(wb.store(), test_id), listening.RATER_COLUMNS, f"{test_id}-raters.csv")
 
 
 @routes.get("/api/tests/{test_id}/scorecard")
@@ -348,7 +367,22 @@ def test_info(wb: Bench, test_id: str) -> Any:
     """What a rater may see before starting: no take ids."""
     t = wb.store().test(test_id)
     return {"id": t["id"], "kind": t["kind"], "title": t["title"], "instructions": t["instructions"],
-            "items": len(t["spec"]["items"]), "allow_none": t["spec"].get("allow_none", False)}
+            "items": len(t["spec"]["items"]), "allow_none": t["spec"].get("allow_none", False),
+            "training": [x["label"] for x in t["spec"].get("training", [])],
+            "questionnaire": t["spec"].get("questionnaire", False),
+            # the page translates only the wording the server filled in, never the owner's own words
+            "standard_title": t["title"] == listening.PUBLIC_TITLE,
+            "standard_instructions": t["instructions"] == listening.DEFAULT_INSTRUCTIONS[t["kind"]]}
+
+
+@routes.get("/api/tests/{test_id}/training/{n}")
+def training_audio(wb: Bench, test_id: str, n: int) -> Any:
+    """The test's ``n``-th training example (0-based), blind like the items' samples."""
+    s = wb.store()
+    examples = s.test(test_id)["spec"].get("training", [])
+    if not 0 <= n < len(examples):
+        raise NotFoundError(f"no training example {n}", "n")
+    return _blind_audio(s, s.take(examples[n]["take"]))
 
 
 @routes.post("/api/tests/{test_id}/raters")
@@ -358,9 +392,10 @@ def join(wb: Bench, test_id: str, body: Joining) -> Any:
 
 
 @routes.get("/api/raters/{rater_id}/next")
-def next_item(wb: Bench, rater_id: str) -> Any:
+def next_item(wb: Bench, rater_id: str, view: bool = True) -> Any:
+    """The rater's next item; ``view=false`` looks without starting its clock (the page before the first item)."""
     s = wb.store()
-    return listening.next_item(s, s.rater(rater_id))
+    return listening.next_item(s, s.rater(rater_id), view=view)
 
 
 @routes.post("/api/raters/{rater_id}/events")
@@ -368,6 +403,12 @@ def event(wb: Bench, rater_id: str, body: PlayEvent) -> Any:
     s = wb.store()
     listening.record_play(s, s.rater(rater_id), body.position, body.slot, body.event)
     return Response(status_code=204)
+
+
+@routes.post("/api/raters/{rater_id}/questionnaire")
+def questionnaire(wb: Bench, rater_id: str, body: Questionnaire) -> Any:
+    s = wb.store()
+    return listening.answer_questionnaire(s, s.rater(rater_id), body.model_dump())
 
 
 @routes.post("/api/raters/{rater_id}/answers")
@@ -382,5 +423,8 @@ def rater_audio(wb: Bench, rater_id: str, position: int, slot: str) -> Any:
     """A slot's audio, blind: the bytes only, no file name, date or ETag (a take's creation time or a stable tag
     would let a rater tell conditions apart across items), and never cached."""
     s = wb.store()
-    take = listening.slot_take(s, s.rater(rater_id), position, slot)
-    return Response(s.audio_path(take).read_bytes(), media_type="audio/wav", headers={"Cache-Control": "no-store"})
+    return _blind_audio(s, listening.slot_take(s, s.rater(rater_id), position, slot))
+
+
+def _blind_audio(store: TakeStore, take: Take) -> Response:
+    return Response(store.audio_path(take).read_bytes(), media_type="audio/wav", headers={"Cache-Control": "no-store"})

@@ -34,6 +34,7 @@ class Rater:
     created: float
     seed: int
     plan: list[dict[str, Any]]
+    questionnaire: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,11 @@ class RatingRecords:
             raise NotFoundError("no such rater: use the test's link to start again", "rater")
         return _rater(rows[0])
 
+    def set_questionnaire(self, rater_id: str, answers: dict[str, Any]) -> None:
+        """The rater's end-of-test answers (kept with the rater: one per rater, exported in raters.csv)."""
+        with self._tx() as db:
+            db.execute("UPDATE raters SET questionnaire=? WHERE id=?", (json.dumps(answers), rater_id))
+
     def raters(self, test_id: str) -> list[Rater]:
         return [_rater(r) for r in self._rows("SELECT * FROM raters WHERE test=? ORDER BY created", test_id)]
 
@@ -160,4 +166,5 @@ class RatingRecords:
 
 
 def _rater(row: sqlite3.Row) -> Rater:
-    return Rater(row["id"], row["test"], row["name"], row["created"], row["seed"], json.loads(row["plan"]))
+    return Rater(row["id"], row["test"], row["name"], row["created"], row["seed"], json.loads(row["plan"]),
+                 json.loads(row["questionnaire"]) if row["questionnaire"] else None)

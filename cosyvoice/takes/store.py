@@ -85,6 +85,7 @@ CREATE TABLE IF NOT EXISTS raters (
     created REAL NOT NULL,
     seed INTEGER NOT NULL,                  -- drew this rater's order and sides
     plan TEXT NOT NULL,                     -- JSON: the items in this rater's order, stimuli on their slots
+    questionnaire TEXT,                     -- JSON: the end-of-test answers (listening device, language); NULL: none
     UNIQUE (test, name)
 );
 CREATE TABLE IF NOT EXISTS events (
@@ -186,6 +187,7 @@ class TakeStore(RatingRecords):
             with self._tx() as db:  # a database from before owners: its batches and tests are the local owner's
                 for table in ("batches", "tests"):
                     add_columns(db, table, {"owner": "TEXT"})
+                add_columns(db, "raters", {"questionnaire": "TEXT"})
 
     def close(self) -> None:
         with self._lock:
@@ -348,9 +350,11 @@ class TakeStore(RatingRecords):
         return {k: rows[0][k] for k in ("id", "created", "source", "total")}
 
 def test_take_ids(spec: dict[str, Any]) -> list[str]:
-    """Every take a test's items name (rated, reference and anchor), each once, in the items' order."""
-    return list(dict.fromkeys(t for item in spec["items"]
-                              for t in [*item["takes"], *(item[k] for k in ("reference", "anchor") if item.get(k))]))
+    """Every take a test plays (its items' rated, reference and anchor takes, then its training examples), each
+    once, in the items' order."""
+    return list(dict.fromkeys([*(t for item in spec["items"]
+                                 for t in [*item["takes"], *(item[k] for k in ("reference", "anchor") if item.get(k))]),
+                               *(x["take"] for x in spec.get("training", []))]))
 
 
 def _test_users(db: sqlite3.Connection, take_ids: list[str]) -> dict[str, list[str]]:

@@ -22,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from cosyvoice.errors import AlreadyExistsError, InvalidInputError, NotFoundError
+from cosyvoice.errors import AlreadyExistsError, ConflictError, InvalidInputError, NotFoundError
 from cosyvoice.owners import LOCAL, Caller
 from cosyvoice.settings import Limits, env_name
 from cosyvoice.takes.store import SCORE_METRICS, Answer, Rater, Take, TakeStore
@@ -37,6 +37,11 @@ LISTEN_TOLERANCE_SECONDS = 0.3  # play start to end may fall this much short of 
 EXPORT_COLUMNS = ("test", "kind", "rater", "rater_id", "item", "position", "take_ids", "conditions", "shown",
                   "answer", "answer_take", "answer_condition", "score", "seconds", "plays", "check", "check_failed",
                   "answered_at", *(f"obj_{m}" for m in SCORE_METRICS))
+MAX_TRAINING = 20  # labelled examples on a test's training page
+# the end-of-test questionnaire: what the rater listened with, and their native language (exported in raters.csv)
+LISTENING_DEVICES = ("headphones", "earbuds", "loudspeakers", "laptop or phone speaker")
+RATER_COLUMNS = ("test", "rater", "rater_id", "started", "answered", "total", "listening_device", "native_language",
+                 "questionnaire_at")
 DEFAULT_INSTRUCTIONS = {
     "ab": "Listen to both samples, A and B, to the end. Then choose the one that sounds better overall.",
     "abx": "Listen to A, B and X to the end. X is the same recording as either A or B: say which.",
@@ -132,6 +137,30 @@ def check_items(kind: str, items: object, store: TakeStore, caller: Caller = LOC
     return out
 
 
+def check_training(examples: object, store: TakeStore, caller: Caller = LOCAL,
+                   limits: Limits | None = None) -> list[dict[str, str]]:
+    """A test's training page: labelled examples (``{"take": id, "label": text}``) raters hear before the first
+    item, each take stored and visible to ``caller``, each label a short text."""
+    bound = (limits or Limits.from_env()).max_test_title_chars
+    if not isinstance(examples, list) or len(examples) > MAX_TRAINING:
+        raise InvalidInputError(f"training must be a list of at most {MAX_TRAINING} examples", "training")
+    out = []
+    for n, example in enumerate(examples, 1):
+        if not isinstance(example, dict) or not isinstance(example.get("take"), str) or \
+                not isinstance(example.get("label"), str) or not example["label"].strip():
+            raise InvalidInputError(f"training example {n} needs 'take' (a take id) and 'label' (what it shows)",
+                                    "training")
+        if len(example["label"]) > bound:
+            raise InvalidInputError(f"training example {n}: the label has {len(example['label'])} characters; at "
+                                    f"most {bound} are allowed ({env_name('max_test_title_chars')})", "training")
+        try:
+            store.take(example["take"], caller)
+        except NotFoundError as exc:
+            raise InvalidInputError(f"training example {n}: no take {example['take']!r}", "training") from exc
+        out.append({"take": example["take"], "label": example["label"].strip()})
+    return out
+
+
 def _check_kind(kind: str) -> None:
     if kind not in KINDS:
         raise InvalidInputError(f"unknown test kind {kind!r}; use one of {', '.join(KINDS)}", "kind")
@@ -201,8 +230,10 @@ def entry_at(rater: Rater, position: object) -> dict[str, Any]:
     return rater.plan[position]
 
 
-def next_item(store: TakeStore, rater: Rater) -> dict[str, Any]:
-    """What the page shows next: the first unanswered item (its view is recorded: time spent starts), or done."""
+def next_item(store: TakeStore, rater: Rater, *, view: bool = True) -> dict[str, Any]:
+    """What the page shows next: the first unanswered item, or done. With ``view`` its view is recorded (time spent
+    starts); ``viewed`` says whether it was shown before, ``played`` which of its slots the server saw play to the
+    end (a page reloaded mid-item shows them played)."""
     test = store.test(rater.test)
     answered = {a.position for a in store.answers(rater_id=rater.id)}
     total = len(rater.plan)
@@ -210,12 +241,39 @@ def next_item(store: TakeStore, rater: Rater) -> dict[str, Any]:
              "answered": len(answered), "total": total, "allow_none": bool(test["spec"].get("allow_none"))}
     for position, entry in enumerate(rater.plan):
         if position not in answered:
-            if not any(kind == "view" for _, kind, _ in store.events(rater.id, position)):
+            events = store.events(rater.id, position)
+            viewed = any(kind == "view" for _, kind, _ in events)
+            if view and not viewed:
                 store.add_event(rater.id, position, "", "view")
             lo, hi = SCALES.get(test["kind"], (None, None))
             slots = [{"slot": s["slot"], "rated": s["role"] != "reference"} for s in entry["slots"]]
-            return {**state, "done": False, "position": position, "slots": slots, "scale": [lo, hi]}
-    return {**state, "done": True}
+            played = [s["slot"] for s in entry["slots"]
+                      if played_through(events, s["slot"], store.take(s["take"]).seconds)]
+            return {**state, "done": False, "position": position, "slots": slots, "scale": [lo, hi],
+                    "viewed": viewed, "played": played}
+    asked = test["spec"].get("questionnaire", False)
+    return {**state, "done": True,
+            "questionnaire": None if not asked else "given" if rater.questionnaire is not None else "pending"}
+
+
+def answer_questionnaire(store: TakeStore, rater: Rater, payload: object) -> dict[str, Any]:
+    """The end-of-test questionnaire, once every item is answered; the same answers again are accepted, others
+    refused (like answers, they are final)."""
+    if not store.test(rater.test)["spec"].get("questionnaire", False):
+        raise InvalidInputError("this test has no questionnaire", "questionnaire")
+    if len(store.answers(rater_id=rater.id)) < len(rater.plan):
+        raise InvalidInputError("answer every item first; the questionnaire comes at the end", "questionnaire")
+    if not isinstance(payload, dict) or payload.get("listening_device") not in LISTENING_DEVICES:
+        raise InvalidInputError(f"say what you listened with: {', '.join(LISTENING_DEVICES)}", "listening_device")
+    language = payload.get("native_language")
+    if not isinstance(language, str) or not language.strip() or len(language) > 80:
+        raise InvalidInputError("enter your native language (at most 80 characters)", "native_language")
+    answers = {"listening_device": payload["listening_device"], "native_language": " ".join(language.split())}
+    if rater.questionnaire is not None and {k: rater.questionnaire[k] for k in answers} != answers:
+        raise ConflictError("the questionnaire is answered already", "questionnaire")
+    if rater.questionnaire is None:
+        store.set_questionnaire(rater.id, {**answers, "at": round(store.clock(), 3)})
+    return next_item(store, store.rater(rater.id))
 
 
 def slot_take(store: TakeStore, rater: Rater, position: object, slot: object) -> Take:
@@ -253,7 +311,8 @@ def played_through(events: list[tuple[str, str, float]], slot: str, seconds: flo
 
 
 def submit(store: TakeStore, rater: Rater, position: object, payload: object) -> Answer:
-    """Check listen-gating and the answer's range, convert it to canonical form, store it (one transaction)."""
+    """Check listen-gating and the answer's range, convert it to canonical form, store it (one transaction). The
+    same answer sent again is accepted as it was (idempotent)."""
     entry = entry_at(rater, position)
     test = store.test(rater.test)
     kind, item = test["kind"], test["spec"]["items"][entry["item"]]
@@ -266,6 +325,11 @@ def submit(store: TakeStore, rater: Rater, position: object, payload: object) ->
     if not isinstance(payload, dict):
         raise InvalidInputError("answer must be an object", "answer")
     answer, failed = _canonical(kind, entry, item, payload, bool(test["spec"].get("allow_none")))
+    saved = next((a for a in store.answers(rater_id=rater.id) if a.position == position), None)
+    if saved is not None:  # a page retrying a save whose reply it lost gets the same reply; a changed answer is refused
+        if saved.answer != answer:
+            raise ConflictError("this item is answered already; answers are final", "position")
+        return saved
     views = [at for s, k, at in events if k == "view"]
     now = store.clock()
     record = Answer(test["id"], rater.id, position, entry["item"], answer,  # type: ignore[arg-type]
@@ -380,6 +444,21 @@ def _check_text(check: dict[str, Any]) -> str:
     return ";".join(f"{k}={v}" for k, v in check.items())
 
 
+def rater_rows(store: TakeStore, test_id: str) -> list[dict[str, Any]]:
+    """``raters.csv``: one row per rater (``RATER_COLUMNS``) with the questionnaire's answers (empty: not given)."""
+    answered: dict[str, int] = defaultdict(int)
+    for a in store.answers(test_id=test_id):
+        answered[a.rater] += 1
+    rows = []
+    for rater in store.raters(test_id):
+        given = rater.questionnaire or {}
+        rows.append({"test": test_id, "rater": rater.name, "rater_id": rater.id, "started": round(rater.created, 3),
+                     "answered": answered[rater.id], "total": len(rater.plan),
+                     "listening_device": given.get("listening_device", ""),
+                     "native_language": given.get("native_language", ""), "questionnaire_at": given.get("at", "")})
+    return rows
+
+
 def progress(store: TakeStore, test_id: str) -> list[dict[str, Any]]:
     """Per rater: answered of total, attention checks failed, last answer time."""
     answers = store.answers(test_id=test_id)
@@ -478,11 +557,14 @@ def _num(x: float) -> float | None:
 
 def create_test(store: TakeStore, kind: str, items: list[dict[str, Any]], *, title: str = "",
                 instructions: str = "", allow_none: bool = False, name: str = "",
-                limits: Limits | None = None, owner: str | None = None) -> str:
+                limits: Limits | None = None, owner: str | None = None,
+                training: list[dict[str, str]] | None = None, questionnaire: bool = True) -> str:
     """Store ``owner``'s test over ``items`` (from :func:`design` or :func:`check_items`). ``title`` and
     ``instructions`` are what raters see (a neutral title and the kind's standard wording by default: the owner's
     working ``name``, which often names the systems compared, is never shown to them). All three are bounded by
-    ``limits``: every rater's page carries the title and instructions."""
+    ``limits``: every rater's page carries the title and instructions. ``training``: labelled examples raters hear
+    before the first item (from :func:`check_training`); ``questionnaire``: ask each rater at the end what they
+    listened with and their native language (``raters.csv``)."""
     _check_kind(kind)
     if not all(isinstance(x, str) for x in (title, instructions, name)):
         raise InvalidInputError("name, title and instructions must be text", "title")
@@ -495,7 +577,8 @@ def create_test(store: TakeStore, kind: str, items: list[dict[str, Any]], *, tit
                                     f"({env_name(setting)})", field)
     return store.add_test(kind, title.strip() or PUBLIC_TITLE, instructions.strip() or DEFAULT_INSTRUCTIONS[kind],
                           {"allow_none": bool(allow_none) and kind == "ab", "items": items,
-                           "name": name.strip() or f"{kind.upper()} test"}, owner)
+                           "name": name.strip() or f"{kind.upper()} test", "training": training or [],
+                           "questionnaire": bool(questionnaire)}, owner)
 
 
 def owner_name(test: dict[str, Any]) -> str:

@@ -2,7 +2,9 @@
 // pages are written, Chinese from the tables below (?lang=en or ?lang=zh overrides the browser). The pages stay
 // written in English; every text node, placeholder, title and label is looked up when it appears (a
 // MutationObserver follows what the scripts draw), whole strings first, then the patterns of strings with numbers.
-// What the server says (error messages) stays as the server wrote it.
+// What the server says (error messages) stays as the server wrote it, and what users wrote (a test's title,
+// instructions, labels) is never rewritten: the pages mark it translate="no", and nothing under such a mark is
+// looked up (a title like "Start" stays "Start").
 (() => {
   const asked = new URLSearchParams(location.search).get("lang");
   const lang = asked || (navigator.languages && navigator.languages[0]) || navigator.language || "en";
@@ -14,19 +16,41 @@
     // rater page
     "Listening test": "听音测试",
     "Instructions": "说明",
-    "Use headphones in a quiet room. Each sample must be played to its end before your answer counts. Your answers are saved after every item: you can close the page and come back later, on any device, with the same name or your personal link.":
-      "请在安静的房间里佩戴耳机。每个样本都要完整播放到结尾，您的回答才会计入。每一项回答后都会保存：您可以关闭页面，稍后用您的个人链接在任何设备上继续。",
+    "Use headphones in a quiet room. Each sample must be played to its end before your answer counts. Your answers are saved after every item: you can close the page and come back later, on any device, with your personal link (you get it before the first item).":
+      "请在安静的房间里佩戴耳机。每个样本都要完整播放到结尾，您的回答才会计入。每一项回答后都会保存：您可以关闭页面，稍后用您的个人链接（在第一项之前给出）在任何设备上继续。",
+    "Your personal link": "您的个人链接",
+    "Keep this link: it is the only way back to your answers, in this browser or on any other device. Your name alone does not resume the test.":
+      "请保存此链接：无论在本浏览器还是其他设备上，它都是回到您的回答的唯一途径。仅凭名字无法继续测试。",
+    "Copy link": "复制链接",
+    "Copied.": "已复制。",
+    "Select the link and copy it.": "请选中链接并复制。",
+    "Start the first item": "开始第一项",
+    "Examples": "示例",
+    "Listen to these labelled examples first: they show what to listen for. They are not rated.":
+      "请先听这些带标注的示例：它们说明要注意听什么。示例不评分。",
+    "Two last questions": "最后两个问题",
+    "What did you listen with?": "您用什么设备收听？",
+    "Headphones": "头戴式耳机", "Earbuds": "入耳式耳机", "Loudspeakers": "音箱",
+    "A laptop's or phone's speaker": "笔记本电脑或手机的扬声器",
+    "Your native language": "您的母语",
+    "Send and finish": "提交并结束",
+    "Choose what you listened with and enter your native language.": "请选择您的收听设备并填写您的母语。",
     "Your name": "您的名字",
     "Start": "开始",
     "· rating as": "· 评分人",
     "Loop": "循环",
-    "Segment from": "片段：从",
+    "Region from": "区间：从",
+    "Play / pause": "播放 / 暂停",
+    "↺ To the start": "↺ 回到开头",
+    "❚❚ Pause": "❚❚ 暂停",
+    "paused": "已暂停",
+    "Keys: 1–9, A, B, X and R play that sample (switching keeps the position); space pauses and resumes. A sample counts as played to the end after one play from its start to its end: pausing is fine, a switch, a region or a jump are not. Replays count as extra listening.":
+      "按键：1–9、A、B、X 和 R 播放对应样本（切换时保持播放位置）；空格键暂停和继续。一个样本从开头一次播放到结尾才算播放完整：暂停没有关系，切换样本、设定区间或跳转则不算。重放算作额外聆听。",
+    "space": "空格键",
     "to": "到",
     "s": "秒",
     "start": "开始",
     "end": "结束",
-    "(replays count as extra listening; only a play from the start to the end unlocks saving)":
-      "（重放算作额外聆听；只有从头播放到结尾才能解锁保存）",
     "Save and continue": "保存并继续",
     "Reconnecting to the server… your answer is kept on this device and will be saved as soon as the server answers again. Please keep this page open.":
       "正在重新连接服务器……您的回答已保存在本设备上，服务器恢复后会立即提交。请不要关闭此页面。",
@@ -118,6 +142,10 @@
     "Anchor / attention check": "锚点 / 注意力检查",
     "allow \"no preference\" (A/B)": "允许“没有偏好”（A/B）",
     "Instructions for raters (empty: the standard wording of the kind)": "给评分人的说明（留空：使用该类型的标准说明）",
+    "Training examples raters hear before the first item (optional), one per line: take id = what it shows":
+      "评分人在第一项之前听的训练示例（可选），每行一个：录音 id = 它示范的内容",
+    "ask each rater at the end what they listened with and their native language (raters.csv)":
+      "结束时询问每位评分人使用的收听设备和母语（raters.csv）",
     "Create test": "创建测试",
     "3. Tests": "3. 测试",
     "test": "测试",
@@ -145,6 +173,8 @@
     "Download answers.csv": "下载 answers.csv",
     "(one row per answer: test, rater, item, take ids, conditions, answer, time spent, play count, attention check)":
       "（每个回答一行：测试、评分人、项目、录音 id、条件、回答、用时、播放次数、注意力检查）",
+    "Download raters.csv": "下载 raters.csv",
+    "(one row per rater: answered, listening device, native language)": "（每位评分人一行：已答数、收听设备、母语）",
     "Per rater": "按评分人",
     "Objective scorecard": "客观评分卡",
     "Speaker similarity, predicted quality, duration and loudness per condition, computed on this machine from the takes (no listener). With the demo model these numbers mean nothing.":
@@ -276,6 +306,7 @@
   const PATTERNS = [
     [/^Item (\d+) of (\d+)$/, "第 $1 项，共 $2 项"],
     [/^Sample (\S+)$/, "样本 $1"],
+    [/^([\d.]+) \/ ([\d.]+) s$/, "$1 / $2 秒"],
     [/^(\d+) (Excellent|Good|Fair|Poor|Bad)$/, (m, n, b) => `${n} ${ZH[b]}`],
     [/^Move every slider to your rating \((\d+) not rated yet; click a value to keep it as it is\)\.$/,
      "请把每个滑块拖到您的评分（还有 $1 个未评分；点击分值可保留当前值）。"],
@@ -335,16 +366,16 @@
 
   const SKIP = new Set(["SCRIPT", "STYLE", "TEXTAREA", "CODE"]);
   // what a person typed or named (a voice, a speaker, a test's title) is marked translate="no" (HTML's own
-  // attribute, inherited): it is shown as they wrote it, even where it reads like one of the page's strings
+  // attribute): it is shown as they wrote it, even where it reads like one of the page's strings
+  const kept = (element) => element && element.closest("[translate=no]");
   function visit(node) {
     if (node.nodeType === Node.TEXT_NODE) {
-      if (node.parentNode && SKIP.has(node.parentNode.nodeName)) return;
-      if (node.parentElement && !node.parentElement.translate) return;
+      if (node.parentNode && SKIP.has(node.parentNode.nodeName) || kept(node.parentElement)) return;
       const done = translate(node.data);
       if (done !== node.data) node.data = done;
       return;
     }
-    if (node.nodeType !== Node.ELEMENT_NODE || !node.translate) return;
+    if (node.nodeType !== Node.ELEMENT_NODE || kept(node)) return;
     for (const attr of ["placeholder", "title", "aria-label"]) {
       const value = node.getAttribute(attr);
       if (value) {
@@ -364,7 +395,7 @@
         else if (change.type === "attributes") visit(change.target);
         else change.addedNodes.forEach(visit);
       }
-      const title = translate(document.title);
+      const title = kept(document.querySelector("title")) ? document.title : translate(document.title);
       if (title !== document.title) document.title = title;
     }).observe(document.body, {childList: true, subtree: true, characterData: true, attributes: true,
                                attributeFilter: ["placeholder", "title", "aria-label"]});
