@@ -10,7 +10,8 @@ page and the log say so). Built-in voices come from assets/voices (<name>.wav + 
 where the servers keep them (COSYVOICE_VOICE_DIR, else pretrained_models/.voices), so all of them share one
 library. With API keys (COSYVOICE_API_KEYS=k1,k2 or --api-key) nothing answers without one: browsers sign in
 with a key on a small page, clients send "Authorization: Bearer KEY". Each visitor sees only their own
-takes, tests and projects (COSYVOICE_SHARING=team shares them; COSYVOICE_ADMIN_KEYS see everything).
+takes, tests and projects (COSYVOICE_SHARING=team shares them; COSYVOICE_ADMIN_KEYS see everything); on
+127.0.0.1 without keys, also this machine's own (the batch CLI's).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.api_keys:
         settings = replace(settings, api_keys=tuple(args.api_keys))
     studio.service.voices.policy = settings.voice_policy()
-    launch(studio, host=args.host, port=args.port, owners=settings.owners())
+    launch(studio, host=args.host, port=args.port, owners=settings.owners(host=args.host))
 
 
 if __name__ == "__main__":
