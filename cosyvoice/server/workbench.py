@@ -25,6 +25,7 @@ are listed, played, put in tests and deleted here like any other.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import threading
 from collections.abc import Callable, Iterable
@@ -37,7 +38,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.routing import compile_path
 
 from cosyvoice.encoding import encode_audio, file_format
-from cosyvoice.errors import InvalidInputError
+from cosyvoice.errors import InvalidInputError, NotFoundError
 from cosyvoice.jobs import JobRunner, runner
 from cosyvoice.owners import Caller, Owners
 from cosyvoice.server.errors import error_route
@@ -229,12 +230,13 @@ def takes(wb: Bench, who: Who, after: int = 0, batch: str | None = None, mine: b
 @routes.get("/api/takes/page")
 def take_page(wb: Bench, who: Who, offset: int = 0, limit: int = 50, batch: str = "", label: str = "",
               text: str = "") -> Any:
-    """The owner page's take table: one page, newest first, filtered; with the total and every label."""
+    """The owner page's take table: one page, newest first, filtered; with the total, every label, and whether
+    the caller sees this machine's own takes (the batch CLI's), so the page can say how to see them."""
     store = wb.store()
     items, total = store.take_page(who, offset=max(0, offset), limit=max(1, min(limit, 500)), batch=batch,
                                    label=label, text=text)
     return {"takes": [t.json() for t in items], "total": total, "offset": max(0, offset),
-            "labels": store.take_labels(who)}
+            "labels": store.take_labels(who), "machine": who.sees_all or who.local}
 
 
 @routes.get("/api/takes.csv")
@@ -282,6 +284,17 @@ async def start_batch(wb: Bench, who: Who, request: Request) -> Any:
     batch_id = submit_batch(wb.batch_jobs(svc), wb.store(), parsed,
                             source="http", owner=owner)
     return JSONResponse({"id": batch_id, "rows": len(parsed)}, 202)
+
+
+@routes.get("/api/batches")
+def batches(wb: Bench, who: Who) -> Any:
+    """The caller's newest batches with their states, newest first: after a reload or a restart the owner page
+    finds a running or interrupted batch here."""
+    store, jobs, found = wb.store(), wb.jobs(), []
+    for batch_id in store.batches(who):
+        with contextlib.suppress(NotFoundError):  # a batch from before jobs existed has no state to show
+            found.append(batch_status(jobs, store, batch_id))
+    return {"batches": found}
 
 
 @routes.get("/api/batches/{batch_id}")

@@ -367,6 +367,12 @@ class TakeStore:
             raise NotFoundError(f"no batch {batch_id!r}", "batch")
         return {k: rows[0][k] for k in ("id", "created", "source", "total")}
 
+    def batches(self, caller: Caller, limit: int = 20) -> list[str]:
+        """The ids of the ``limit`` newest batches ``caller`` may see, newest first (the owner page's list)."""
+        seen, args = _seen_by(caller)
+        return [r["id"] for r in self._rows(f"SELECT id FROM batches WHERE {seen} ORDER BY created DESC LIMIT ?",
+                                            *args, limit)]
+
     # ------------------------------------------------------------------ tests and raters
 
     def add_test(self, kind: str, title: str, instructions: str, spec: dict[str, Any], owner: str | None = None) -> str:

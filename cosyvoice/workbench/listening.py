@@ -70,6 +70,10 @@ def design(kind: str, takes: Sequence[Take], conditions: Sequence[str], *, refer
     for take in sorted(takes, key=lambda t: t.seq):
         by_text[take.provenance.get("text", "")][condition(take)].append(take)
     conditions = list(dict.fromkeys(conditions))
+    if len(conditions) < (2 if kind in PAIRED else 1):
+        raise InvalidInputError(f"choose {'two' if kind in PAIRED else 'one'} or more conditions (take labels) to "
+                                f"compare{': this kind compares two at a time' if kind in PAIRED else ''}",
+                                "conditions")
     if kind in ("cmos", "mushra") and not reference:
         raise InvalidInputError(f"a {kind} test needs a reference condition", "reference")
     items: list[dict[str, Any]] = []

@@ -72,12 +72,27 @@
     "Choose an answer.": "请选择一个答案。",
     // workbench owner page
     "Listening-test workbench": "听音测试工作台",
-    "Make takes in batches (each with its provenance), build blind tests from them, send raters their link, read the results. Takes made by the batch CLI, the REST API or this page all appear here.":
-      "批量生成录音（每条都带有来源记录），用它们构建盲测，把链接发给评分人，查看结果。批处理命令行、REST API 或本页生成的录音都会出现在这里。",
+    "Make takes in batches (each with its provenance), build blind tests from them, send raters their link, read the results.":
+      "批量生成录音（每条都带有来源记录），用它们构建盲测，把链接发给评分人，查看结果。",
+    "← Studio": "← 工作室",
+    "Long-form": "长文本",
+    "Takes made by the batch CLI, or over REST without a key, on the server's machine are not shown here: on this server each visitor sees only what they made. To see them, run the web UI or REST server on that machine bound to 127.0.0.1 (the default) without API keys, or set COSYVOICE_SHARING=team; or run the same file with \"Run batch\" above.":
+      "服务器所在机器上用批处理命令行或不带密钥的 REST 生成的录音不在这里显示：在此服务器上，每位访客只能看到自己生成的内容。要看到它们，请在那台机器上以 127.0.0.1（默认）且不设 API 密钥运行网页界面或 REST 服务器，或设置 COSYVOICE_SHARING=team；也可以用上面的“运行批处理”运行同一文件。",
+    "batch": "批次",
+    "state": "状态",
+    "rows": "行",
+    "Resume": "继续",
+    "waiting": "等待中",
+    "stopped": "已停止",
+    "interrupted: its server stopped": "已中断：其服务器停止了",
+    "The server does not answer (restarting?); trying again every second…": "服务器没有响应（正在重启？）；每秒重试一次……",
+    "The server does not answer: check that it is running, then try again.": "服务器没有响应：请确认它在运行，然后重试。",
     "1. Batch takes": "1. 批量生成",
     "A CSV (header": "CSV 文件（表头",
-    ") or JSONL file.": "）或 JSONL 文件。",
+    "; only text and voice are needed) or JSONL file.": "；只有 text 和 voice 是必需的）或 JSONL 文件。",
     "is a saved voice's id or name (built-ins included);": "是已保存声音的 id 或名称（包括内置声音）；",
+    "the flow's Euler steps (default 10; fewer are faster and coarser);": "是流模型的欧拉步数（默认 10；越少越快、越粗糙）；",
+    "must be the one this server runs (the batch CLI runs several);": "必须是此服务器运行的精度（批处理命令行可运行多种）；",
     "is the condition a row belongs to.": "是该行所属的条件。",
     "Run batch": "运行批处理",
     "…or texts × voices × speeds (one take each; the label is the voice, plus the speed when several are given):":
@@ -129,8 +144,8 @@
     "results": "结果",
     "none yet": "暂无",
     "(none)": "（无）",
-    "choose a CSV or JSONL file first": "请先选择 CSV 或 JSONL 文件",
-    "give at least one text and one voice": "请至少给出一段文本和一个声音",
+    "Choose a CSV or JSONL file first.": "请先选择 CSV 或 JSONL 文件。",
+    "Give at least one text and one voice.": "请至少给出一段文本和一个声音。",
     // results page
     "Test results": "测试结果",
     "← workbench": "← 工作台",
@@ -145,6 +160,10 @@
     "Download answers.csv": "下载 answers.csv",
     "(one row per answer: test, rater, item, take ids, conditions, answer, time spent, play count, attention check)":
       "（每个回答一行：测试、评分人、项目、录音 id、条件、回答、用时、播放次数、注意力检查）",
+    "Studio": "工作室",
+    "No such test": "没有这个测试",
+    "This link names no test you can see: it may be mistyped, the test deleted, or it belongs to another visitor (only a test's owner sees its results). Your own tests are listed on the workbench.":
+      "此链接没有指向您可以查看的测试：链接可能有误、测试已删除，或者它属于另一位访客（只有测试的所有者能看到结果）。您自己的测试列在工作台上。",
     "Per rater": "按评分人",
     "Objective scorecard": "客观评分卡",
     "Speaker similarity, predicted quality, duration and loudness per condition, computed on this machine from the takes (no listener). With the demo model these numbers mean nothing.":
@@ -275,6 +294,8 @@
      "请把每个滑块拖到您的评分（还有 $1 个未评分；点击分值可保留当前值）。"],
     [/^Created with (\d+) items\. Send raters $/, "已创建，共 $1 项。把此链接发给评分人："],
     [/^(\d+) of (\d+) rows$/, "$1 / $2 行"],
+    [/^Started: (\d+) rows\.$/, "已开始：$1 行。"],
+    [/^(\d+) items$/, "$1 项"],
     [/^, about (\d+) s left$/, "，约剩 $1 秒"],
     [/^(.*) \((\w+), (\d+) items\)$/, "$1（$2，$3 项）"],
     [/^(\d+) of (\d+)$/, "$1 / $2"],
@@ -314,14 +335,15 @@
   }
 
   const SKIP = new Set(["SCRIPT", "STYLE", "TEXTAREA", "CODE"]);
+  const KEEP = '[translate="no"]';  // users' data (names, labels, texts) as they wrote it, even if it reads like a UI string
   function visit(node) {
     if (node.nodeType === Node.TEXT_NODE) {
-      if (node.parentNode && SKIP.has(node.parentNode.nodeName)) return;
+      if (node.parentNode && (SKIP.has(node.parentNode.nodeName) || node.parentElement?.closest(KEEP))) return;
       const done = translate(node.data);
       if (done !== node.data) node.data = done;
       return;
     }
-    if (node.nodeType !== Node.ELEMENT_NODE) return;
+    if (node.nodeType !== Node.ELEMENT_NODE || node.closest(KEEP)) return;
     for (const attr of ["placeholder", "title", "aria-label"]) {
       const value = node.getAttribute(attr);
       if (value) {
