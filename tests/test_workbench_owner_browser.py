@@ -21,6 +21,7 @@ sync_api, CHROMIUM = require_browser()
 
 from test_jobs import until  # noqa: E402
 from test_workbench_browser import ARTIFACTS, REPO, App  # noqa: E402
+from test_workbench_screening import screened_test  # noqa: E402
 
 from cosyvoice.takes.store import TakeStore  # noqa: E402
 
@@ -173,3 +174,26 @@ def test_the_takes_fit_a_laptop_and_a_phone_with_whole_players_and_long_texts_fo
         page.screenshot(path=str(ARTIFACTS / f"workbench-owner-{width}.png"), full_page=True)
     text.click()  # the whole text, on request
     assert text.bounding_box()["height"] > 300
+
+
+def test_the_results_show_each_raters_screening_and_leave_the_flagged_out_on_request(app: App, page) -> None:
+    """Five raters of a MUSHRA test (the CLI's, shown on this laptop server): a straight-liner, one who rates the
+    hidden reference low and one who rates the anchor high are flagged; the statistics change when asked."""
+    store = TakeStore(app.env["COSYVOICE_DATA_DIR"])
+    test_id = screened_test(store, None)
+    store.close()
+    page.set_viewport_size({"width": 1280, "height": 900})
+    page.goto(f"{app.url}/workbench/tests/{test_id}")
+    page.wait_for_function("() => window.wbReady")
+    expect(page.locator("#raters tr")).to_have_count(5)
+    flags = dict(zip(page.locator("#raters tr td:first-child").all_inner_texts(),
+                     page.locator("#raters td.flags").all_inner_texts(), strict=True))
+    assert flags["Ann"] == flags["Bob"] == "accepted", flags
+    assert "vary too little" in flags["Cy"] and "hidden reference below 90" in flags["Di"], flags
+    assert "mid anchor above 90" in flags["Eve"], flags
+    expect(page.locator("#screening-note")).to_have_text("3 of 5 raters flagged")
+    mean = page.locator("#summary tr", has_text="sysA").locator("td").nth(1)
+    expect(mean).to_have_text("80.00")  # every rater
+    page.check("#exclude-flagged")
+    expect(mean).to_have_text("75.00")  # Ann and Bob only
+    page.screenshot(path=str(ARTIFACTS / "workbench-results-screened.png"), full_page=True)

@@ -47,7 +47,7 @@ from cosyvoice.service import TTSService
 from cosyvoice.settings import Limits
 from cosyvoice.takes.export import TAKES_CSV_COLUMNS, takes_csv_rows, write_csv
 from cosyvoice.takes.store import SCORE_METRICS, Take, TakeStore, test_take_ids
-from cosyvoice.workbench import listening
+from cosyvoice.workbench import listening, screening
 from cosyvoice.workbench.batch import KIND as BATCH_KIND
 from cosyvoice.workbench.batch import (
     batch_kind,
@@ -348,19 +348,31 @@ def create_test(wb: Bench, who: Who, spec: NewTest) -> Any:
                          "results_url": f"/workbench/tests/{test_id}"}, 201)
 
 
+def _screened(s: TakeStore, test: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A test's answer rows and its raters' screening (:mod:`cosyvoice.workbench.screening`)."""
+    rows = listening.export_rows(s, test["id"])
+    return rows, screening.screen(rows, listening.progress(s, test["id"]), listening.SCALES.get(test["kind"]))
+
+
 @routes.get("/api/tests/{test_id}/results")
 def results(wb: Bench, who: Who, test_id: str) -> Any:
+    """Progress, each rater's screening, and the statistics with every rater (``summary``) and without those
+    screening flagged (``screened_summary``): the page applies the screening when the owner asks."""
     s = wb.store()
     test = s.test(test_id, who)
+    screened = _screened(s, test)[1]
     return {"id": test_id, "kind": test["kind"], "name": listening.owner_name(test), "title": test["title"],
-            "items": len(test["spec"]["items"]),
-            "progress": listening.progress(s, test_id), "summary": listening.summary(s, test_id)}
+            "items": len(test["spec"]["items"]), "progress": listening.progress(s, test_id),
+            "screening": {"rules": screening.RULES, "raters": screened}, "summary": listening.summary(s, test_id),
+            "screened_summary": listening.summary(s, test_id, exclude=screening.flagged(screened))}
 
 
 @routes.get("/api/tests/{test_id}/answers.csv")
 def answers_csv(wb: Bench, who: Who, test_id: str) -> Any:
-    wb.store().test(test_id, who)
-    return _csv_file(listening.export_rows(wb.store(), test_id), listening.EXPORT_COLUMNS, f"{test_id}-answers.csv")
+    """One row per answer, with its rater's screening flags and acceptance."""
+    rows, screened = _screened(wb.store(), wb.store().test(test_id, who))
+    return _csv_file(screening.with_flags(rows, screened), (*listening.EXPORT_COLUMNS, *screening.COLUMNS),
+                     f"{test_id}-answers.csv")
 
 
 @routes.get("/api/tests/{test_id}/scorecard")

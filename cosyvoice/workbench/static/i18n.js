@@ -158,9 +158,18 @@
     "seed": "种子",
     "Summary": "汇总",
     "Download answers.csv": "下载 answers.csv",
-    "(one row per answer: test, rater, item, take ids, conditions, answer, time spent, play count, attention check)":
-      "（每个回答一行：测试、评分人、项目、录音 id、条件、回答、用时、播放次数、注意力检查）",
+    "(one row per answer: test, rater, item, take ids, conditions, answer, time spent, play count, attention check, the rater's screening flags)":
+      "（每个回答一行：测试、评分人、项目、录音 id、条件、回答、用时、播放次数、注意力检查、评分人的筛查标记）",
     "Studio": "工作室",
+    "screening": "筛查",
+    "accepted": "已接受",
+    "Leave the raters screening flagged out of the statistics": "统计时排除被筛查标记的评分人",
+    // the screening rules (cosyvoice/workbench/screening.py RULES)
+    "rated the hidden reference below 90 on more than 15% of items": "在超过 15% 的项目中给隐藏参考的评分低于 90",
+    "rated the mid anchor above 90 on more than 15% of items": "在超过 15% 的项目中给中间锚点的评分高于 90",
+    "failed an attention-check (gold) item": "未通过注意力检查（黄金）项目",
+    "ratings vary too little (variance on a 1–5 scale below 0.15)": "评分变化太小（1–5 分制下方差低于 0.15）",
+    "has not answered every item": "尚未回答所有项目",
     "No such test": "没有这个测试",
     "This link names no test you can see: it may be mistyped, the test deleted, or it belongs to another visitor (only a test's owner sees its results). Your own tests are listed on the workbench.":
       "此链接没有指向您可以查看的测试：链接可能有误、测试已删除，或者它属于另一位访客（只有测试的所有者能看到结果）。您自己的测试列在工作台上。",
@@ -296,6 +305,7 @@
     [/^(\d+) of (\d+) rows$/, "$1 / $2 行"],
     [/^Started: (\d+) rows\.$/, "已开始：$1 行。"],
     [/^(\d+) items$/, "$1 项"],
+    [/^(\d+) of (\d+) raters flagged$/, "$2 位评分人中 $1 位被标记"],
     [/^, about (\d+) s left$/, "，约剩 $1 秒"],
     [/^(.*) \((\w+), (\d+) items\)$/, "$1（$2，$3 项）"],
     [/^(\d+) of (\d+)$/, "$1 / $2"],
