@@ -197,3 +197,20 @@ def test_the_results_show_each_raters_screening_and_leave_the_flagged_out_on_req
     page.check("#exclude-flagged")
     expect(mean).to_have_text("75.00")  # Ann and Bob only
     page.screenshot(path=str(ARTIFACTS / "workbench-results-screened.png"), full_page=True)
+
+
+def test_a_test_is_closed_from_the_page_and_its_design_imported_again(app: App, page, tmp_path: Path) -> None:
+    open_owner_page(page, app)
+    row = page.locator("#tests tr").first
+    row.locator("button.close-test").click()
+    expect(row).to_contain_text("closed")
+    expect(row.locator("button.close-test")).to_have_text("Open again")
+    design = httpx.get(app.url + row.locator("a", has_text="design").get_attribute("href"),
+                       cookies={"cv-browser": page.context.cookies()[0]["value"]})
+    assert design.status_code == 200, design.text
+    (tmp_path / "design.json").write_bytes(design.content)
+    page.set_input_files("#design-file", str(tmp_path / "design.json"))
+    expect(page.locator("#create-status")).to_contain_text(f"Created with {len(design.json()['items'])} items")
+    (tmp_path / "broken.json").write_text("{not json")
+    page.set_input_files("#design-file", str(tmp_path / "broken.json"))
+    expect(page.locator("#create-status")).to_contain_text("broken.json is not JSON")

@@ -47,7 +47,7 @@ from cosyvoice.service import TTSService
 from cosyvoice.settings import Limits
 from cosyvoice.takes.export import TAKES_CSV_COLUMNS, takes_csv_rows, write_csv
 from cosyvoice.takes.store import SCORE_METRICS, Take, TakeStore, test_take_ids
-from cosyvoice.workbench import listening, screening
+from cosyvoice.workbench import assignment, listening, screening
 from cosyvoice.workbench.batch import KIND as BATCH_KIND
 from cosyvoice.workbench.batch import (
     batch_kind,
@@ -150,6 +150,15 @@ class NewTest(_Body):
     conditions: list[str] | None = None
     reference: str | None = None
     anchor: str | None = None
+    items_per_rater: int = 0  # each rater gets this many items, balanced (0: all; cosyvoice.workbench.assignment)
+    max_raters: int = 0  # 0: no cap
+
+
+class TestChange(_Body):
+    """What an owner may change on a running test: close it (or open it again), cap its raters."""
+
+    closed: bool | None = None
+    max_raters: int | None = None
 
 
 class Joining(_Body):
@@ -326,8 +335,9 @@ def resume_batch(wb: Bench, who: Who, batch_id: str) -> Any:
 def tests(wb: Bench, who: Who) -> Any:
     s = wb.store()
     return {"tests": [{"id": t["id"], "kind": t["kind"], "name": listening.owner_name(t), "title": t["title"],
-                       "created": t["created"],
-                       "items": len(t["spec"]["items"]), "raters": listening.progress(s, t["id"])}
+                       "created": t["created"], "items": len(t["spec"]["items"]),
+                       "raters": listening.progress(s, t["id"]), "closed": bool(t["spec"].get("closed")),
+                       **{k: t["spec"].get(k, 0) for k in assignment.SETTINGS}}
                       for t in s.tests(who)]}
 
 
@@ -343,7 +353,8 @@ def create_test(wb: Bench, who: Who, spec: NewTest) -> Any:
         raise InvalidInputError("give 'conditions' (take labels) or 'items'", "conditions")
     test_id = listening.create_test(s, spec.kind, items, name=spec.name, title=spec.title,
                                     instructions=spec.instructions,
-                                    allow_none=spec.allow_none, limits=wb.limits, owner=who.owner)
+                                    allow_none=spec.allow_none, limits=wb.limits, owner=who.owner,
+                                    settings={"items_per_rater": spec.items_per_rater, "max_raters": spec.max_raters})
     return JSONResponse({"id": test_id, "items": len(items), "rate_url": f"/workbench/rate/{test_id}",
                          "results_url": f"/workbench/tests/{test_id}"}, 201)
 
@@ -352,6 +363,31 @@ def _screened(s: TakeStore, test: dict[str, Any]) -> tuple[list[dict[str, Any]],
     """A test's answer rows and its raters' screening (:mod:`cosyvoice.workbench.screening`)."""
     rows = listening.export_rows(s, test["id"])
     return rows, screening.screen(rows, listening.progress(s, test["id"]), listening.SCALES.get(test["kind"]))
+
+
+@routes.patch("/api/tests/{test_id}")
+def change_test(wb: Bench, who: Who, test_id: str, change: TestChange) -> Any:
+    """Close a test to new raters (or open it again) and cap its raters; by its owner."""
+    changes = change.model_dump(exclude_none=True)
+    if change.max_raters is not None:
+        changes["max_raters"] = assignment.check_settings({"max_raters": change.max_raters})["max_raters"]
+    test = wb.store().update_test(test_id, who, changes)
+    return {"id": test_id, "closed": bool(test["spec"].get("closed")), "max_raters": test["spec"].get("max_raters", 0)}
+
+
+@routes.get("/api/tests/{test_id}/design.json")
+def test_design(wb: Bench, who: Who, test_id: str) -> Any:
+    """The test's design (kind, texts raters see, settings, items with their takes' labels): a body that
+    ``POST /api/tests`` takes back, on a data folder holding the takes (this one, or a copy)."""
+    s = wb.store()
+    test = s.test(test_id, who)
+    labels = s.existing(test_take_ids(test["spec"]))
+    design = {"kind": test["kind"], "name": listening.owner_name(test), "title": test["title"],
+              "instructions": test["instructions"], "allow_none": bool(test["spec"].get("allow_none")),
+              **{k: test["spec"].get(k, 0) for k in assignment.SETTINGS},
+              "items": [{**item, "labels": {t: labels[t].label for t in test_take_ids({"items": [item]})
+                                            if t in labels}} for item in test["spec"]["items"]]}
+    return JSONResponse(design, headers={"Content-Disposition": f'attachment; filename="{test_id}-design.json"'})
 
 
 @routes.get("/api/tests/{test_id}/results")

@@ -27,7 +27,7 @@ from cosyvoice.errors import AlreadyExistsError, InvalidInputError, NotFoundErro
 from cosyvoice.owners import LOCAL, Caller
 from cosyvoice.settings import Limits, env_name
 from cosyvoice.takes.store import SCORE_METRICS, Answer, Rater, Take, TakeStore
-from cosyvoice.workbench import stats
+from cosyvoice.workbench import assignment, stats
 
 KINDS = ("ab", "abx", "mos", "cmos", "mushra", "mushra_noref")
 PAIRED = ("ab", "abx")  # kinds whose items are two takes compared with each other
@@ -192,8 +192,10 @@ def join(store: TakeStore, test_id: str, name: object) -> Rater:
         raise InvalidInputError("enter your name to start", "name")
     name = " ".join(name.split())[:80]
     seed = secrets.randbelow(2**31)
+    cap, chosen = assignment.admit(test), assignment.items_for(store, test, seed)
+    plan = [e for e in make_plan(test["kind"], test["spec"]["items"], seed) if chosen is None or e["item"] in chosen]
     try:
-        return store.add_rater(test_id, name, seed, make_plan(test["kind"], test["spec"]["items"], seed))
+        return store.add_rater(test_id, name, seed, plan, max_raters=cap)
     except AlreadyExistsError as exc:
         raise AlreadyExistsError(f"a rater named {name!r} has started this test already: to go on, open your "
                                  "personal link (or this page in the browser you started in); otherwise choose "
@@ -484,12 +486,15 @@ def _num(x: float) -> float | None:
 
 def create_test(store: TakeStore, kind: str, items: list[dict[str, Any]], *, title: str = "",
                 instructions: str = "", allow_none: bool = False, name: str = "",
-                limits: Limits | None = None, owner: str | None = None) -> str:
+                limits: Limits | None = None, owner: str | None = None,
+                settings: dict[str, Any] | None = None) -> str:
     """Store ``owner``'s test over ``items`` (from :func:`design` or :func:`check_items`). ``title`` and
     ``instructions`` are what raters see (a neutral title and the kind's standard wording by default: the owner's
     working ``name``, which often names the systems compared, is never shown to them). All three are bounded by
-    ``limits``: every rater's page carries the title and instructions."""
+    ``limits``: every rater's page carries the title and instructions. ``settings``: who joins and which items
+    each rater gets (:mod:`cosyvoice.workbench.assignment`)."""
     _check_kind(kind)
+    chosen = assignment.check_settings(settings or {})
     if not all(isinstance(x, str) for x in (title, instructions, name)):
         raise InvalidInputError("name, title and instructions must be text", "title")
     limits = limits or Limits.from_env()
@@ -501,7 +506,7 @@ def create_test(store: TakeStore, kind: str, items: list[dict[str, Any]], *, tit
                                     f"({env_name(setting)})", field)
     return store.add_test(kind, title.strip() or PUBLIC_TITLE, instructions.strip() or DEFAULT_INSTRUCTIONS[kind],
                           {"allow_none": bool(allow_none) and kind == "ab", "items": items,
-                           "name": name.strip() or f"{kind.upper()} test"}, owner)
+                           "name": name.strip() or f"{kind.upper()} test", **chosen}, owner)
 
 
 def owner_name(test: dict[str, Any]) -> str:
