@@ -214,3 +214,15 @@ def test_a_test_is_closed_from_the_page_and_its_design_imported_again(app: App, 
     (tmp_path / "broken.json").write_text("{not json")
     page.set_input_files("#design-file", str(tmp_path / "broken.json"))
     expect(page.locator("#create-status")).to_contain_text("broken.json is not JSON")
+
+
+def test_the_chinese_page_keeps_users_words_that_read_like_its_own(app: App, page) -> None:
+    """The translator leaves user data alone: a test named "Create test" stays so beside the translated button."""
+    made = httpx.post(f"{app.url}/workbench/api/tests", cookies={"cv-browser": page.context.cookies()[0]["value"]},
+                      json={"kind": "ab", "conditions": ["cliA", "cliB"], "name": "Create test"})
+    assert made.status_code == 201, made.text
+    page.goto(f"{app.url}/workbench/?lang=zh")
+    page.wait_for_function("() => window.wb && window.wb.ready")
+    expect(page.locator("#create-test")).to_have_text("创建测试")
+    expect(page.locator("#tests tr").last.locator("td").first).to_have_text("Create test")
+    expect(page.locator("#tests tr").last.locator("td").nth(1)).to_have_text("A/B 偏好")  # the kind, in words
