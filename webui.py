@@ -10,7 +10,8 @@ page and the log say so). Built-in voices come from assets/voices (<name>.wav + 
 where the servers keep them (COSYVOICE_VOICE_DIR, else pretrained_models/.voices), so all of them share one
 library. With API keys (COSYVOICE_API_KEYS=k1,k2 or --api-key) nothing answers without one: browsers sign in
 with a key on a small page, clients send "Authorization: Bearer KEY". Each visitor sees only their own
-takes, tests and projects (COSYVOICE_SHARING=team shares them; COSYVOICE_ADMIN_KEYS see everything).
+takes, tests and projects (COSYVOICE_SHARING=team shares them; COSYVOICE_ADMIN_KEYS see everything); on
+127.0.0.1 without keys, also this machine's own (the batch CLI's).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with command_line_errors():  # a bad setting or model folder: one line, exit 2
-        settings = ServerSettings.from_env()
+        # the web UI's own address: a keyless page on loopback also shows this machine's own work (auto sharing)
+        settings = replace(ServerSettings.from_env(), host=args.host)
         if args.api_keys:
             settings = replace(settings, api_keys=tuple(args.api_keys))
         studio = load_studio(args.model_dir, voice_dir=args.voice_dir, demo_dir=args.demo_dir,

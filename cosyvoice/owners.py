@@ -13,9 +13,14 @@ take, batch, listening test, long-form project):
   existed carry no owner either: they count as this local owner's, so admins, in-process callers and ``team``
   sharing see them, and a ``private`` server's visitors do not.
 
-What a caller sees is the server's ``sharing`` (``COSYVOICE_SHARING``): ``private`` (the default, also without
-keys, so a public Space shows each visitor only their own work), or ``team`` (every caller sees and uses every
-object, as one team). Holders of an admin key (``COSYVOICE_ADMIN_KEYS``) see everything. Deleting stays with an
+What a caller sees is the server's ``sharing`` (``COSYVOICE_SHARING``): ``private`` (each caller only their own
+work, also without keys, so a public Space shows each visitor only theirs), ``team`` (every caller sees and uses
+every object, as one team), or ``auto`` (the servers' default): ``private``, except that on a server without keys
+that only this machine reaches (bound to a loopback address: a laptop's ``127.0.0.1``) every caller also sees and
+deletes this machine's own work, the local owner's and ``anonymous``'s (the batch CLI's takes, a keyless
+``curl``'s), since whoever can reach such a server can read its data folder anyway. Browsers stay apart from
+each other there too. (A proxy that serves a loopback-bound server to others must set ``private``.)
+Holders of an admin key (``COSYVOICE_ADMIN_KEYS``) see everything. Deleting stays with an
 object's owner and the admins whatever the sharing. Saved voices are visible to everyone; who may change them is
 the voice library's own rule (:class:`cosyvoice.settings.VoicePolicy`).
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import re
 import secrets
 import threading
@@ -33,7 +39,7 @@ from typing import Any, Protocol, TypeVar
 
 from cosyvoice.errors import ConfigError
 
-SHARING = ("private", "team")
+SHARING = ("auto", "private", "team")
 BROWSER_COOKIE = "cv-browser"  # the browser identity (app/history.js makes it; pages without it get one)
 BROWSER_ID = re.compile(r"[0-9a-f]{32}")
 SESSION_COOKIE = "cosyvoice-session"  # the web UI's sign-in (app/auth.py), an opaque token for a key's owner
@@ -81,32 +87,54 @@ class Caller:
     owner: str | None
     admin: bool = False  # an admin key's holder, or an in-process caller: sees and may delete everything
     team: bool = False  # COSYVOICE_SHARING=team: sees (and uses) everyone's objects
+    local: bool = False  # on a keyless server only this machine reaches: also this machine's own work (MACHINE)
 
     @property
     def sees_all(self) -> bool:
         return self.admin or self.team
 
+    @property
+    def seen_owners(self) -> tuple[str | None, ...]:
+        """The owners whose objects this caller sees unless it sees all: its own, and on a local server the
+        machine's."""
+        return (self.owner, *MACHINE) if self.local else (self.owner,)
+
     def sees(self, owner: str | None) -> bool:
         """Whether this caller may see (read, play, export, use) an object ``owner`` made."""
-        return self.sees_all or (owner is not None and owner == self.owner)
+        return self.sees_all or self.owns(owner)
 
     def owns(self, owner: str | None) -> bool:
-        """Whether this caller may delete an object ``owner`` made: its owner and the admins, whatever the sharing."""
-        return self.admin or (owner is not None and owner == self.owner)
+        """Whether this caller may delete an object ``owner`` made: its owner and the admins, whatever the sharing
+        (on a local server, the machine's objects are every caller's)."""
+        return self.admin or (owner is not None and owner == self.owner) or (self.local and owner in MACHINE)
 
 
 LOCAL = Caller(None, admin=True)  # the Python API and the CLIs
+MACHINE = (None, ANONYMOUS)  # the owners of a machine's own work: its CLIs, and keyless clients without a cookie
+
+
+def loopback(host: str) -> bool:
+    """Whether a server bound to ``host`` is reached from this machine only (``127.0.0.1``, ``::1``,
+    ``localhost``); ``0.0.0.0`` and any other address serve other machines."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 class Owners:
     """A server's keys, admin keys and sharing, and the web UI's sign-in sessions."""
 
     def __init__(self, api_keys: tuple[str, ...] = (), admin_keys: tuple[str, ...] = (),
-                 sharing: str = "private") -> None:
+                 sharing: str = "private", host: str = "") -> None:
+        """``host``: the address the server is bound to (``auto`` sharing reads it)."""
         if sharing not in SHARING:
             raise ConfigError(f"COSYVOICE_SHARING must be one of {', '.join(SHARING)}, got {sharing!r}")
-        self.sharing = sharing
         self._keys = tuple(k.encode() for k in (*api_keys, *admin_keys))  # admin keys are API keys too
+        self.local = sharing == "auto" and not self._keys and loopback(host)
+        self.sharing = "team" if sharing == "team" else "private"  # what auto is, but for the machine's own work
         self.admin_owners = frozenset(key_owner(k) for k in admin_keys)
         self._sessions: dict[str, str] = {}  # sign-in cookie value -> owner
         self._lock = threading.Lock()
@@ -165,7 +193,7 @@ class Owners:
 
     def of(self, owner: str) -> Caller:
         """The caller whose owner string is ``owner`` (one a gate has identified)."""
-        return Caller(owner, admin=owner in self.admin_owners, team=self.sharing == "team")
+        return Caller(owner, admin=owner in self.admin_owners, team=self.sharing == "team", local=self.local)
 
     def introduce(self, conn: Connection, page: PageT) -> PageT:
         """``page`` (a Starlette response), giving a browser that has no identity one on a server without keys,

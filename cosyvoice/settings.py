@@ -252,7 +252,9 @@ class ServerSettings:
     default_voice: str = "en-allison"  # Ray Serve's voice when a body names none (or "qwen", the contract's alias)
     voice_editors: str = ""  # who may rename/export/delete saved voices (anyone|creator|admin; "": VoicePolicy's)
     admin_keys: tuple[str, ...] = ()  # keys whose holders see and edit everything (also accepted as API keys)
-    sharing: str = "private"  # who sees stored objects: private (owner + admins) | team (everyone; cosyvoice.owners)
+    # who sees stored objects: private (owner + admins) | team (everyone) | auto: private, but a keyless server on
+    # loopback also shows this machine's own work (the batch CLI's takes; cosyvoice.owners)
+    sharing: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -283,9 +285,10 @@ class ServerSettings:
         """The voice library's :class:`VoicePolicy` of these settings (``library.policy = ...``)."""
         return VoicePolicy.from_env({}, editors=self.voice_editors or None, admin_keys=self.admin_keys)
 
-    def owners(self) -> Owners:
-        """Who callers are under these settings (:mod:`cosyvoice.owners`)."""
-        return Owners(self.api_keys, self.admin_keys, self.sharing)
+    def owners(self, host: str | None = None) -> Owners:
+        """Who callers are under these settings (:mod:`cosyvoice.owners`), on a server bound to ``host`` (default
+        :attr:`host`; the web UI has its own)."""
+        return Owners(self.api_keys, self.admin_keys, self.sharing, host=self.host if host is None else host)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:

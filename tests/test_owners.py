@@ -83,9 +83,32 @@ def test_who_a_caller_is() -> None:
     private, team = keyless.identify(cookies={"cv-browser": ANN}), Owners(sharing="team").identify()
     assert private.sees(f"browser:{ANN}") and not private.sees(f"browser:{BEN}") and not private.sees(None)
     assert team.sees(f"browser:{BEN}") and team.sees(None) and not team.owns(f"browser:{BEN}")
-    with pytest.raises(ConfigError, match="sharing must be one of private, team"):
+    with pytest.raises(ConfigError, match="sharing must be one of auto, private, team"):
         ServerSettings(sharing="public")
     assert ServerSettings.from_env({"COSYVOICE_SHARING": "team"}).owners().sharing == "team"
+
+
+def test_auto_sharing_shows_a_laptops_own_work_to_its_browsers_and_a_public_servers_to_nobody(tmp_path: Path) -> None:
+    """README step 1: on a keyless server bound to loopback, the batch CLI's takes (and a keyless curl's) are the
+    visitor's too; browsers stay apart; a server others reach (a Space on 0.0.0.0), one with keys, or an explicit
+    ``private`` shows them to no visitor."""
+    store = TakeStore(tmp_path)
+    cli, curl, ben = (store.add_take(TONE, 24000, {"text": owner or "cli"}, label="x", owner=owner)
+                      for owner in (None, ANONYMOUS, f"browser:{BEN}"))
+    assert ServerSettings().owners().local and not ServerSettings(host="0.0.0.0").owners().local
+    assert not ServerSettings().owners(host="0.0.0.0").local and ServerSettings(host="0.0.0.0").owners("::1").local
+    ann = ServerSettings().owners().identify(cookies={"cv-browser": ANN})
+    assert ann.sees(None) and ann.sees(ANONYMOUS) and ann.owns(None) and not ann.sees(f"browser:{BEN}")
+    assert {t.id for t in store.visible_takes(ann)} == {cli.id, curl.id}
+    assert store.take_page(ann)[1] == 2 and store.take_labels(ann) == ["x"]
+    assert store.visible_takes(ann, mine=True) == []  # the studio's "This browser" stays the browser's
+    assert [t.id for t in store.visible_takes(ServerSettings().owners().identify())] == [cli.id, curl.id]
+    for public in (ServerSettings(host="0.0.0.0"), ServerSettings(sharing="private"),
+                   ServerSettings(host="localhost", api_keys=(ALICE,))):
+        owners = public.owners()
+        visitor = owners.identify(f"Bearer {ALICE}" if owners.keyed else "", {"cv-browser": ANN})
+        assert not visitor.sees(None) and store.visible_takes(visitor) == [] and store.take_page(visitor)[1] == 0
+    assert {t.id for t in store.visible_takes(Owners(sharing="team").identify())} == {cli.id, curl.id, ben.id}
 
 
 def test_no_key_reaches_another_keys_projects_tests_answers_or_takes(served, tmp_path: Path) -> None:

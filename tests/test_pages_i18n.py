@@ -25,7 +25,8 @@ from cosyvoice.workbench import listening  # noqa: E402
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 # what stays as it is in any language: names, units, formats, file names, the test's data
 KEPT = re.compile(r"^(CosyVoice3 Studio|MUSHRA|ACX|RMS dB|wav|mp3|flac|opus|m4b|mp4|takes\.csv|subtitles\.(srt|vtt)|"
-                  r"segments\.json|text,voice,mode,instruction,seed,speed,label|voice|label|en-allison, fr-june|"
+                  r"segments\.json|text,voice,mode,instruction,seed,speed,steps,precision,label|"
+                  r"voice|steps|precision|label|en-allison, fr-june|"
                   r"# Title|\[pause:1\.5s\]|Alice: line|Alice \(whispering\): line|Alice = voice name|sysA|sysB|"
                   r"one|A|B|X|ref|take-\w+|test-\w+|[A-Z_]+ test|ab|abx|mos|cmos|mushra|mushra_noref|"
                   r"[\d.,:/ ()·%–-]+|http\S+)$")

@@ -227,13 +227,14 @@ def test_two_raters_finish_ab_and_mos_one_resuming_after_a_restart(setup, browse
     owner.fill("#grid-texts", "Hello there.\nGood morning.")
     owner.fill("#grid-voices", "nobody")
     owner.click("#grid-run")
-    sync_api.expect(owner.locator("#batch-status")).to_contain_text("2 of 2 rows · failed: row 1: unknown voice",
-                                                                    timeout=60000)
+    batch = owner.locator("#batches tr").first
+    sync_api.expect(batch).to_contain_text("2 of 2 rows", timeout=60000)
+    sync_api.expect(batch).to_contain_text("row 1: unknown voice")
     owner.screenshot(path=str(ARTIFACTS / "workbench-owner.png"), full_page=True)
     # deleting: a take a test uses is refused with the reason; the test made from the page goes
     owner.on("dialog", lambda dialog: dialog.accept())
     owner.locator("#takes tr").first.locator("button.delete-take").click()
-    sync_api.expect(owner.locator("#error")).to_contain_text("used by the listening test")
+    sync_api.expect(owner.locator("#takes-status")).to_contain_text("used by the listening test")
     sync_api.expect(owner.locator("#takes tr")).to_have_count(8)
     owner.locator("#tests tr").last.locator("button.delete-test").click()
     sync_api.expect(owner.locator("#tests tr")).to_have_count(2)
@@ -428,8 +429,8 @@ def test_a_thousand_takes_are_paged_and_filtered_and_the_forms_come_first(setup,
 def test_a_batch_on_a_full_disk_shows_its_error_and_the_page_stops_polling(tiny_bundle_dir: Path, browser,
                                                                           short_prompt_wav: Path,
                                                                           tmp_path: Path) -> None:
-    """Defect 2 where the owner looks: the batch's error is on the page (status line and error banner), the Stop
-    button goes away and the page asks for the batch no more."""
+    """Defect 2 where the owner looks: the batch's error is in its row of the batch list, its Stop button goes
+    away and the page asks for the batches no more."""
     from test_jobs import fill, tmpfs
 
     with tmpfs(tmp_path / "data" / "takes") as takes:
@@ -447,16 +448,17 @@ def test_a_batch_on_a_full_disk_shows_its_error_and_the_page_stops_polling(tiny_
             device.add_cookies([{"name": "cv-browser", "value": OWNER, "url": app.url}])
             page = device.new_page()
             polls: list[str] = []
-            page.on("request", lambda r: polls.append(r.url) if "/workbench/api/batches/" in r.url else None)
+            page.on("request", lambda r: polls.append(r.url) if "/workbench/api/batches" in r.url else None)
             page.goto(f"{app.url}/workbench/")
             page.wait_for_function("() => window.wb && window.wb.ready")
             page.fill("#grid-texts", "Hello there.\nAnd again.")
             page.fill("#grid-voices", "Narrator")
             page.click("#grid-run")
             expect = sync_api.expect
-            expect(page.locator("#error")).to_contain_text("disk full", timeout=60_000)
-            expect(page.locator("#batch-status")).to_contain_text("disk full")
-            expect(page.locator("#batch-cancel")).to_be_hidden()
+            batch = page.locator("#batches tr").first
+            expect(batch).to_have_attribute("data-state", "failed", timeout=60_000)
+            expect(batch).to_contain_text("disk full")
+            expect(batch.locator("button")).to_have_count(0)  # neither Stop nor Resume
             asked = len(polls)
             page.wait_for_timeout(3000)  # the page polled every second while the batch ran
             assert len(polls) == asked, polls[asked:]

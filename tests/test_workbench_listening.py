@@ -179,6 +179,11 @@ def test_bad_designs_and_names_are_refused(store: TakeStore) -> None:
         listening.design("cmos", store.takes(), ["sysA"])
     with pytest.raises(InvalidInputError, match="no items"):
         listening.design("ab", store.takes(), ["sysA", "nope"])
+    for kind in ("ab", "abx"):  # one condition ticked: the reason is the missing second one, not "no items"
+        with pytest.raises(InvalidInputError, match="choose two or more conditions"):
+            listening.design(kind, store.takes(), ["sysA", "sysA"])
+    with pytest.raises(InvalidInputError, match="choose one or more conditions"):
+        listening.design("mos", store.takes(), [])
     with pytest.raises(InvalidInputError, match="no take 'take-x'"):
         listening.check_items("mos", [{"takes": ["take-x"]}], store)
     test_id = listening.create_test(store, "mos", [{"takes": [store.takes()[0].id]}])

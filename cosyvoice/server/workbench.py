@@ -25,6 +25,7 @@ are listed, played, put in tests and deleted here like any other.
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections.abc import Iterable
 from pathlib import Path
@@ -44,7 +45,7 @@ from cosyvoice.server.errors import error_route
 from cosyvoice.server.routes import RouteTable
 from cosyvoice.takes.export import TAKES_CSV_COLUMNS, takes_csv_rows, write_csv
 from cosyvoice.takes.store import SCORE_METRICS, Take, TakeStore, test_take_ids
-from cosyvoice.workbench import listening
+from cosyvoice.workbench import assignment, listening, screening
 from cosyvoice.workbench.batch import (
     batch_status,
     body_rows,
@@ -123,6 +124,15 @@ class NewTest(_Body):
     anchor: str | None = None
     training: list[Any] | None = None  # labelled examples before the first item: [{"take": id, "label": text}]
     questionnaire: bool = True  # ask each rater's listening device and native language at the end
+    items_per_rater: int = 0  # each rater gets this many items, balanced (0: all; cosyvoice.workbench.assignment)
+    max_raters: int = 0  # 0: no cap
+
+
+class TestChange(_Body):
+    """What an owner may change on a running test: close it (or open it again), cap its raters."""
+
+    closed: bool | None = None
+    max_raters: int | None = None
 
 
 class Joining(_Body):
@@ -208,12 +218,13 @@ def takes(wb: Bench, who: Who, after: int = 0, batch: str | None = None, mine: b
 @routes.get("/api/takes/page")
 def take_page(wb: Bench, who: Who, offset: int = 0, limit: int = 50, batch: str = "", label: str = "",
               text: str = "") -> Any:
-    """The owner page's take table: one page, newest first, filtered; with the total and every label."""
+    """The owner page's take table: one page, newest first, filtered; with the total, every label, and whether
+    the caller sees this machine's own takes (the batch CLI's), so the page can say how to see them."""
     store = wb.store()
     items, total = store.take_page(who, offset=max(0, offset), limit=max(1, min(limit, 500)), batch=batch,
                                    label=label, text=text)
     return {"takes": [t.json() for t in items], "total": total, "offset": max(0, offset),
-            "labels": store.take_labels(who)}
+            "labels": store.take_labels(who), "machine": who.sees_all or who.local}
 
 
 @routes.get("/api/takes.csv")
@@ -263,6 +274,17 @@ async def start_batch(wb: Bench, who: Who, request: Request) -> Any:
     return JSONResponse({"id": batch_id, "rows": len(parsed)}, 202)
 
 
+@routes.get("/api/batches")
+def batches(wb: Bench, who: Who) -> Any:
+    """The caller's newest batches with their states, newest first: after a reload or a restart the owner page
+    finds a running or interrupted batch here."""
+    store, jobs, found = wb.store(), wb.jobs(), []
+    for batch_id in store.batches(who):
+        with contextlib.suppress(NotFoundError):  # a batch from before jobs existed has no state to show
+            found.append(batch_status(jobs, store, batch_id))
+    return {"batches": found}
+
+
 @routes.get("/api/batches/{batch_id}")
 def batch(wb: Bench, who: Who, batch_id: str) -> Any:
     wb.store().batch(batch_id, who)
@@ -293,8 +315,9 @@ def resume_batch(wb: Bench, who: Who, batch_id: str) -> Any:
 def tests(wb: Bench, who: Who) -> Any:
     s = wb.store()
     return {"tests": [{"id": t["id"], "kind": t["kind"], "name": listening.owner_name(t), "title": t["title"],
-                       "created": t["created"],
-                       "items": len(t["spec"]["items"]), "raters": listening.progress(s, t["id"])}
+                       "created": t["created"], "items": len(t["spec"]["items"]),
+                       "raters": listening.progress(s, t["id"]), "closed": bool(t["spec"].get("closed")),
+                       **{k: t["spec"].get(k, 0) for k in assignment.SETTINGS}}
                       for t in s.tests(who)]}
 
 
@@ -312,24 +335,63 @@ def create_test(wb: Bench, who: Who, spec: NewTest) -> Any:
     test_id = listening.create_test(s, spec.kind, items, name=spec.name, title=spec.title,
                                     instructions=spec.instructions,
                                     allow_none=spec.allow_none, limits=wb.limits, owner=who.owner,
-                                    training=training, questionnaire=spec.questionnaire)
+                                    training=training, questionnaire=spec.questionnaire,
+                                    settings={"items_per_rater": spec.items_per_rater, "max_raters": spec.max_raters})
     return JSONResponse({"id": test_id, "items": len(items), "rate_url": f"/workbench/rate/{test_id}",
                          "results_url": f"/workbench/tests/{test_id}"}, 201)
 
 
-@routes.get("/api/tests/{test_id}/results")
-def results(wb: Bench, who: Who, test_id: str) -> Any:
+def _screened(s: TakeStore, test: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A test's answer rows and its raters' screening (:mod:`cosyvoice.workbench.screening`)."""
+    rows = listening.export_rows(s, test["id"])
+    return rows, screening.screen(rows, listening.progress(s, test["id"]), listening.SCALES.get(test["kind"]))
+
+
+@routes.patch("/api/tests/{test_id}")
+def change_test(wb: Bench, who: Who, test_id: str, change: TestChange) -> Any:
+    """Close a test to new raters (or open it again) and cap its raters; by its owner."""
+    changes = change.model_dump(exclude_none=True)
+    if change.max_raters is not None:
+        changes["max_raters"] = assignment.check_settings({"max_raters": change.max_raters})["max_raters"]
+    test = wb.store().update_test(test_id, who, changes)
+    return {"id": test_id, "closed": bool(test["spec"].get("closed")), "max_raters": test["spec"].get("max_raters", 0)}
+
+
+@routes.get("/api/tests/{test_id}/design.json")
+def test_design(wb: Bench, who: Who, test_id: str) -> Any:
+    """The test's design (kind, texts raters see, settings, items with their takes' labels): a body that
+    ``POST /api/tests`` takes back, on a data folder holding the takes (this one, or a copy)."""
     s = wb.store()
     test = s.test(test_id, who)
+    labels = s.existing(test_take_ids(test["spec"]))
+    design = {"kind": test["kind"], "name": listening.owner_name(test), "title": test["title"],
+              "instructions": test["instructions"], "allow_none": bool(test["spec"].get("allow_none")),
+              "training": test["spec"].get("training", []), "questionnaire": bool(test["spec"].get("questionnaire")),
+              **{k: test["spec"].get(k, 0) for k in assignment.SETTINGS},
+              "items": [{**item, "labels": {t: labels[t].label for t in test_take_ids({"items": [item]})
+                                            if t in labels}} for item in test["spec"]["items"]]}
+    return JSONResponse(design, headers={"Content-Disposition": f'attachment; filename="{test_id}-design.json"'})
+
+
+@routes.get("/api/tests/{test_id}/results")
+def results(wb: Bench, who: Who, test_id: str) -> Any:
+    """Progress, each rater's screening, and the statistics with every rater (``summary``) and without those
+    screening flagged (``screened_summary``): the page applies the screening when the owner asks."""
+    s = wb.store()
+    test = s.test(test_id, who)
+    screened = _screened(s, test)[1]
     return {"id": test_id, "kind": test["kind"], "name": listening.owner_name(test), "title": test["title"],
-            "items": len(test["spec"]["items"]),
-            "progress": listening.progress(s, test_id), "summary": listening.summary(s, test_id)}
+            "items": len(test["spec"]["items"]), "progress": listening.progress(s, test_id),
+            "screening": {"rules": screening.RULES, "raters": screened}, "summary": listening.summary(s, test_id),
+            "screened_summary": listening.summary(s, test_id, exclude=screening.flagged(screened))}
 
 
 @routes.get("/api/tests/{test_id}/answers.csv")
 def answers_csv(wb: Bench, who: Who, test_id: str) -> Any:
-    wb.store().test(test_id, who)
-    return _csv_file(listening.export_rows(wb.store(), test_id), listening.EXPORT_COLUMNS, f"{test_id}-answers.csv")
+    """One row per answer, with its rater's screening flags and acceptance."""
+    rows, screened = _screened(wb.store(), wb.store().test(test_id, who))
+    return _csv_file(screening.with_flags(rows, screened), (*listening.EXPORT_COLUMNS, *screening.COLUMNS),
+                     f"{test_id}-answers.csv")
 
 
 @routes.get("/api/tests/{test_id}/raters.csv")

@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-from cosyvoice.errors import AlreadyExistsError, InvalidInputError, NotFoundError, PermissionDeniedError
+from cosyvoice.errors import AlreadyExistsError, ConflictError, InvalidInputError, NotFoundError, PermissionDeniedError
 from cosyvoice.owners import LOCAL, Caller
 
 # test and rater ids are the only secret of a rater's link (the API-key gates let raters in without a key):
@@ -77,6 +77,16 @@ class RatingRecords:
         return [{**dict(r), "spec": json.loads(r["spec"])} for r in self._rows("SELECT * FROM tests ORDER BY created")
                 if caller.sees(r["owner"])]
 
+    def update_test(self, test_id: str, caller: Caller, changes: dict[str, Any]) -> dict[str, Any]:
+        """Change settings of a test that ``caller`` owns (merged into its spec); the test as it is then."""
+        test = self.test(test_id, caller)
+        if not caller.owns(test["owner"]):
+            raise PermissionDeniedError("only the test's owner (or an admin) may change it", "test")
+        spec = {**test["spec"], **changes}
+        with self._tx() as db:
+            db.execute("UPDATE tests SET spec=? WHERE id=?", (json.dumps(spec), test_id))
+        return {**test, "spec": spec}
+
     def delete_test(self, test_id: str, caller: Caller = LOCAL) -> dict[str, Any]:
         """Delete a test that ``caller`` owns, with its raters, their play events and answers (its takes stay)."""
         test = self.test(test_id, caller)
@@ -90,11 +100,15 @@ class RatingRecords:
             db.execute("DELETE FROM tests WHERE id=?", (test_id,))
         return test
 
-    def add_rater(self, test_id: str, name: str, seed: int, plan: list[dict[str, Any]]) -> Rater:
-        """A new rater of ``test_id``; a name already taken in that test raises :class:`AlreadyExistsError`."""
+    def add_rater(self, test_id: str, name: str, seed: int, plan: list[dict[str, Any]], max_raters: int = 0) -> Rater:
+        """A new rater of ``test_id``; a name already taken in that test raises :class:`AlreadyExistsError`, a test
+        that has ``max_raters`` (0: no cap) already a :class:`ConflictError` (counted in the same transaction)."""
         rater = Rater(new_id("rater", LINK_ID_BYTES), test_id, name, self.clock(), seed, plan)
         try:
             with self._tx() as db:
+                if max_raters and db.execute("SELECT COUNT(*) FROM raters WHERE test=?", (test_id,)).fetchone()[0] \
+                        >= max_raters:
+                    raise ConflictError(f"this test has all the raters it takes ({max_raters})", "test")
                 db.execute("INSERT INTO raters (id, test, name, created, seed, plan) VALUES (?,?,?,?,?,?)",
                            (rater.id, test_id, name, rater.created, seed, json.dumps(plan)))
         except sqlite3.IntegrityError as exc:

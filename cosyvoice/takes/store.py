@@ -231,16 +231,17 @@ class TakeStore(RatingRecords):
                       limit: int = 1000) -> list[Take]:
         """:meth:`takes` that ``caller`` may see (``mine``: only its own takes made one at a time, whatever the
         sharing: the studio page's history, without its batches and long-form projects)."""
-        return self.takes(owner=caller.owner, any_owner=caller.sees_all and not mine, after=after, batch=batch,
-                          limit=limit, single=mine)
+        if mine:
+            return self.takes(owner=caller.owner, any_owner=False, after=after, batch=batch, limit=limit, single=True)
+        where, args = _seen_by(caller)
+        return self._select_takes(where, args, after=after, batch=batch, limit=limit)
 
     def take_page(self, caller: Caller, *, offset: int = 0, limit: int = 50, batch: str = "", label: str = "",
                   text: str = "") -> tuple[list[Take], int]:
         """One page of the takes ``caller`` may see, newest first, with how many match: filtered by batch id,
         label (exact) and text (contained, any case), so the owner page stays light at thousands of takes."""
-        where, args = ["1"], []
-        if not caller.sees_all:
-            where, args = ["owner IS ?"], [caller.owner]
+        seen, args = _seen_by(caller)
+        where = [seen]
         for column, value in (("batch", batch), ("label", label)):
             if value:
                 where, args = [*where, f"{column} = ?"], [*args, value]
@@ -255,9 +256,8 @@ class TakeStore(RatingRecords):
 
     def take_labels(self, caller: Caller) -> list[str]:
         """The labels (conditions) of the takes ``caller`` may see: what a new test can compare."""
-        sql, args = "SELECT DISTINCT label FROM takes WHERE label != ''", []
-        if not caller.sees_all:
-            sql, args = sql + " AND owner IS ?", [caller.owner]
+        seen, args = _seen_by(caller)
+        sql = f"SELECT DISTINCT label FROM takes WHERE label != '' AND {seen}"
         return [r[0] for r in self._rows(sql + " ORDER BY label", *args)]
 
     def delete_take(self, take_id: str, caller: Caller = LOCAL) -> Take:
@@ -309,9 +309,13 @@ class TakeStore(RatingRecords):
         """Takes in the order they were made, those with ``seq > after`` (a page fetches only what is new);
         ``any_owner=False`` keeps only ``owner``'s (a browser's history); ``single``: only takes made one at a
         time (no batch row, no long-form segment), which a browser's history numbers."""
-        sql, args = "SELECT * FROM takes WHERE seq > ?", [after]
-        if not any_owner:
-            sql, args = sql + " AND owner IS ?", [*args, owner]
+        where, args = ("1", []) if any_owner else ("owner IS ?", [owner])
+        return self._select_takes(where, args, after=after, batch=batch, limit=limit, single=single)
+
+    def _select_takes(self, where: str, args: list[Any], *, after: int, batch: str | None, limit: int,
+                      single: bool = False) -> list[Take]:
+        """:meth:`takes` whose owner meets the SQL condition ``where`` (with its ``args``)."""
+        sql, args = f"SELECT * FROM takes WHERE {where} AND seq > ?", [*args, after]
         if batch is not None:
             sql, args = sql + " AND batch = ?", [*args, batch]
         if single:
@@ -349,6 +353,12 @@ class TakeStore(RatingRecords):
             raise NotFoundError(f"no batch {batch_id!r}", "batch")
         return {k: rows[0][k] for k in ("id", "created", "source", "total")}
 
+    def batches(self, caller: Caller, limit: int = 20) -> list[str]:
+        """The ids of the ``limit`` newest batches ``caller`` may see, newest first (the owner page's list)."""
+        seen, args = _seen_by(caller)
+        return [r["id"] for r in self._rows(f"SELECT id FROM batches WHERE {seen} ORDER BY created DESC LIMIT ?",
+                                            *args, limit)]
+
 def test_take_ids(spec: dict[str, Any]) -> list[str]:
     """Every take a test plays (its items' rated, reference and anchor takes, then its training examples), each
     once, in the items' order."""
@@ -371,6 +381,14 @@ def _delete_rows(db: sqlite3.Connection, take_ids: list[str]) -> None:
     ids = json.dumps(take_ids)
     db.execute("DELETE FROM scores WHERE take IN (SELECT value FROM json_each(?))", (ids,))
     db.execute("DELETE FROM takes WHERE id IN (SELECT value FROM json_each(?))", (ids,))
+
+
+def _seen_by(caller: Caller) -> tuple[str, list[str | None]]:
+    """The SQL condition (and its arguments) on ``owner`` of the rows ``caller`` may see."""
+    if caller.sees_all:
+        return "1", []
+    owners = list(caller.seen_owners)
+    return "(" + " OR ".join(["owner IS ?"] * len(owners)) + ")", owners
 
 
 def _take(row: sqlite3.Row) -> Take:

@@ -19,14 +19,14 @@ import math
 import random
 import secrets
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from cosyvoice.errors import AlreadyExistsError, ConflictError, InvalidInputError, NotFoundError
 from cosyvoice.owners import LOCAL, Caller
 from cosyvoice.settings import Limits, env_name
 from cosyvoice.takes.store import SCORE_METRICS, Answer, Rater, Take, TakeStore
-from cosyvoice.workbench import stats
+from cosyvoice.workbench import assignment, stats
 
 KINDS = ("ab", "abx", "mos", "cmos", "mushra", "mushra_noref")
 PAIRED = ("ab", "abx")  # kinds whose items are two takes compared with each other
@@ -74,6 +74,10 @@ def design(kind: str, takes: Sequence[Take], conditions: Sequence[str], *, refer
     for take in sorted(takes, key=lambda t: t.seq):
         by_text[take.provenance.get("text", "")][condition(take)].append(take)
     conditions = list(dict.fromkeys(conditions))
+    if len(conditions) < (2 if kind in PAIRED else 1):
+        raise InvalidInputError(f"choose {'two' if kind in PAIRED else 'one'} or more conditions (take labels) to "
+                                f"compare{': this kind compares two at a time' if kind in PAIRED else ''}",
+                                "conditions")
     if kind in ("cmos", "mushra") and not reference:
         raise InvalidInputError(f"a {kind} test needs a reference condition", "reference")
     items: list[dict[str, Any]] = []
@@ -216,8 +220,10 @@ def join(store: TakeStore, test_id: str, name: object) -> Rater:
         raise InvalidInputError("enter your name to start", "name")
     name = " ".join(name.split())[:80]
     seed = secrets.randbelow(2**31)
+    cap, chosen = assignment.admit(test), assignment.items_for(store, test, seed)
+    plan = [e for e in make_plan(test["kind"], test["spec"]["items"], seed) if chosen is None or e["item"] in chosen]
     try:
-        return store.add_rater(test_id, name, seed, make_plan(test["kind"], test["spec"]["items"], seed))
+        return store.add_rater(test_id, name, seed, plan, max_raters=cap)
     except AlreadyExistsError as exc:
         raise AlreadyExistsError(f"a rater named {name!r} has started this test already: to go on, open your "
                                  "personal link (or this page in the browser you started in); otherwise choose "
@@ -471,11 +477,12 @@ def progress(store: TakeStore, test_id: str) -> list[dict[str, Any]]:
     return out
 
 
-def summary(store: TakeStore, test_id: str) -> dict[str, Any]:
+def summary(store: TakeStore, test_id: str, exclude: Collection[str] = ()) -> dict[str, Any]:
     """Per-condition statistics, per-rater tables and agreement, from the export rows (attention-check items are
-    left out of the condition statistics; their failures are counted in ``progress``)."""
+    left out of the condition statistics; their failures are counted in ``progress``), without the raters whose
+    ids are in ``exclude`` (those screening flagged, on request)."""
     test = store.test(test_id)
-    rows = [r for r in export_rows(store, test_id) if r["check"] == ""]
+    rows = [r for r in export_rows(store, test_id) if r["check"] == "" and r["rater_id"] not in exclude]
     out: dict[str, Any] = {"kind": test["kind"], "answers": len(rows), "conditions": [], "pairs": [],
                            "bradley_terry": None, "per_rater": [], "agreement": None,
                            "scale": list(SCALES[test["kind"]]) if test["kind"] in SCALES else None}
@@ -558,14 +565,17 @@ def _num(x: float) -> float | None:
 def create_test(store: TakeStore, kind: str, items: list[dict[str, Any]], *, title: str = "",
                 instructions: str = "", allow_none: bool = False, name: str = "",
                 limits: Limits | None = None, owner: str | None = None,
-                training: list[dict[str, str]] | None = None, questionnaire: bool = True) -> str:
+                training: list[dict[str, str]] | None = None, questionnaire: bool = True,
+                settings: dict[str, Any] | None = None) -> str:
     """Store ``owner``'s test over ``items`` (from :func:`design` or :func:`check_items`). ``title`` and
     ``instructions`` are what raters see (a neutral title and the kind's standard wording by default: the owner's
     working ``name``, which often names the systems compared, is never shown to them). All three are bounded by
     ``limits``: every rater's page carries the title and instructions. ``training``: labelled examples raters hear
     before the first item (from :func:`check_training`); ``questionnaire``: ask each rater at the end what they
-    listened with and their native language (``raters.csv``)."""
+    listened with and their native language (``raters.csv``); ``settings``: who joins and which items each rater
+    gets (:mod:`cosyvoice.workbench.assignment`)."""
     _check_kind(kind)
+    chosen = assignment.check_settings(settings or {})
     if not all(isinstance(x, str) for x in (title, instructions, name)):
         raise InvalidInputError("name, title and instructions must be text", "title")
     limits = limits or Limits.from_env()
@@ -578,7 +588,7 @@ def create_test(store: TakeStore, kind: str, items: list[dict[str, Any]], *, tit
     return store.add_test(kind, title.strip() or PUBLIC_TITLE, instructions.strip() or DEFAULT_INSTRUCTIONS[kind],
                           {"allow_none": bool(allow_none) and kind == "ab", "items": items,
                            "name": name.strip() or f"{kind.upper()} test", "training": training or [],
-                           "questionnaire": bool(questionnaire)}, owner)
+                           "questionnaire": bool(questionnaire), **chosen}, owner)
 
 
 def owner_name(test: dict[str, Any]) -> str:

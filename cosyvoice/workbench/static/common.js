@@ -28,3 +28,10 @@ function number(x, digits = 2) {
   if (typeof x !== "number") return x ?? "–";
   return Number.isInteger(x) ? String(x) : fmt(x, digits);
 }
+// What went wrong, for the page: the server's message, or (no answer at all) what a fetch's "Failed to fetch" means.
+function problem(e) {
+  return e.status === undefined ? "The server does not answer: check that it is running, then try again." : e.message;
+}
+// The test kinds as the owner's pages name them
+const KINDS = {ab: "A/B preference", abx: "ABX", mos: "MOS", cmos: "CMOS", mushra: "MUSHRA",
+               mushra_noref: "MUSHRA without reference"};
