@@ -87,7 +87,6 @@ def app(tts, tmp_path_factory: pytest.TempPathFactory, short_prompt_wav: Path) -
             listening.submit(store, rater, position, {"scores": scores})
     listening.create_test(store, "ab", listening.design("ab", store.takes(), ["sysA", "sysB"]),
                           name="AB sysA vs sysB", title="Which sounds better?", owner=f"browser:{OWNER}")
-    store.close()
     with serving(studio) as url:
         yield url, mushra, book(url)
 
