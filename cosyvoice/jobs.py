@@ -16,13 +16,11 @@ in the service's admission FIFO (``TTSService.synthesize(wait=True)``), never in
 from __future__ import annotations
 
 import contextlib
-import enum
 import itertools
 import json
 import logging
 import os
 import socket
-import sqlite3
 import threading
 import time
 import uuid
@@ -34,63 +32,20 @@ from typing import Any
 import numpy as np
 
 from cosyvoice.engine import CancelToken
-from cosyvoice.errors import CosyVoiceError, InvalidInputError, NotFoundError, ResourceLimitError, StorageError
+from cosyvoice.errors import CosyVoiceError, InvalidInputError, ResourceLimitError, StorageError
+from cosyvoice.job_records import DB_NAME, SCHEMA, Job, JobRecords, JobState
 from cosyvoice.service import PreparedRequest, SynthesisRequest, TTSService
 from cosyvoice.system.fs import disk_full
-from cosyvoice.system.sqlite import open_store, write_transaction
+from cosyvoice.system.sqlite import open_store
 
 logger = logging.getLogger(__name__)
 
-DB_NAME = "jobs.sqlite3"
+# a job as the features read it, and its state, from the rows it is kept in
+__all__ = ["MODEL_ERROR", "WATCH_SECONDS", "Cancelled", "Interrupted", "Job", "JobGone", "JobRunner", "JobState",
+           "Kind", "Made", "Task", "describe", "release", "runner", "synthesize"]
+
 WATCH_SECONDS = 0.5  # how soon a cancel written by another process reaches the job's running process
 MODEL_ERROR = "model error, see server log"
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id TEXT PRIMARY KEY,
-    kind TEXT NOT NULL,                     -- which registered kind makes its tasks (batch, longform)
-    subject TEXT NOT NULL,                  -- what it works on (a batch, a project): one running job per subject
-    owner TEXT,
-    state TEXT NOT NULL,                    -- JobState
-    params TEXT NOT NULL,                   -- JSON: what the kind needs to make the tasks again (resume)
-    total INTEGER NOT NULL,                 -- items
-    position INTEGER NOT NULL DEFAULT 0,    -- items handled: a resumed job starts here
-    done INTEGER NOT NULL DEFAULT 0,
-    failed INTEGER NOT NULL DEFAULT 0,
-    units_total REAL NOT NULL,              -- the ETA's weights (a row: 1; a segment: its characters)
-    units_done REAL NOT NULL DEFAULT 0,
-    work_seconds REAL NOT NULL DEFAULT 0,   -- time spent on handled items: units_done / work_seconds is the rate
-    current TEXT,                           -- the item being made
-    error TEXT,                             -- why the job failed or stopped
-    cancel INTEGER NOT NULL DEFAULT 0,      -- asked to stop (by any process)
-    host TEXT NOT NULL,                     -- the process that runs it (host, pid)
-    pid INTEGER NOT NULL,
-    created REAL NOT NULL,
-    started REAL,
-    finished REAL
-);
-CREATE INDEX IF NOT EXISTS jobs_by_subject ON jobs (subject, state);
-CREATE TABLE IF NOT EXISTS job_errors (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,   -- one row per failed item: appending never rewrites earlier ones
-    job TEXT NOT NULL,
-    item TEXT NOT NULL,
-    field TEXT,
-    message TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS job_errors_by_job ON job_errors (job, id);
-"""
-
-
-class JobState(str, enum.Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    INTERRUPTED = "interrupted"  # its process died while it ran; resume() continues it
-
-    @property
-    def active(self) -> bool:
-        return self in (JobState.QUEUED, JobState.RUNNING)
 
 
 class Cancelled(Exception):
@@ -117,38 +72,6 @@ class Task:
 
 
 Kind = Callable[["Job"], Iterator[Task]]  # every task of a job, from its first item (the runner skips handled ones)
-
-
-@dataclass(frozen=True)
-class Job:
-    id: str
-    kind: str
-    subject: str
-    owner: str | None
-    state: JobState
-    params: dict[str, Any]
-    total: int
-    position: int
-    done: int
-    failed: int
-    units_total: float
-    units_done: float
-    work_seconds: float
-    current: str | None
-    error: str | None
-    cancel: bool
-    created: float
-    started: float | None
-    finished: float | None
-
-    @property
-    def eta_seconds(self) -> float | None:
-        """Seconds left at the rate measured so far (None before the first item, 0 once it ended)."""
-        if not self.state.active:
-            return 0.0
-        if not self.units_done:
-            return None
-        return round(self.work_seconds / self.units_done * max(0.0, self.units_total - self.units_done), 1)
 
 
 @dataclass(frozen=True)
@@ -217,7 +140,7 @@ def describe(exc: BaseException) -> str:
     return MODEL_ERROR
 
 
-class JobRunner:
+class JobRunner(JobRecords):
     """The jobs of one data folder in this process: at most ``workers`` run at once. Use :func:`runner` to
     share one per folder between the features of a process."""
 
@@ -276,24 +199,6 @@ class JobRunner:
                        (JobState.QUEUED.value, self._host, self._pid, job_id))
         self._start()
         return self.job(job_id)
-
-    # ------------------------------------------------------------------ reading
-
-    def job(self, job_id: str) -> Job:
-        rows = self._rows("SELECT * FROM jobs WHERE id=?", job_id)
-        if not rows:
-            raise NotFoundError(f"no job {job_id!r}", "job")
-        return _job(rows[0])
-
-    def jobs(self, subject: str, *, active: bool = False) -> list[Job]:
-        """The jobs of ``subject``, oldest first (``active``: only queued and running ones)."""
-        sql = "SELECT * FROM jobs WHERE subject=?" + (" AND state IN ('queued', 'running')" if active else "")
-        return [_job(r) for r in self._rows(sql + " ORDER BY created", subject)]
-
-    def errors(self, job_id: str, limit: int = 1000) -> list[dict[str, Any]]:
-        """The job's item errors in order: ``{item, field, message}``."""
-        return [dict(r) for r in self._rows("SELECT item, field, message FROM job_errors WHERE job=? ORDER BY id "
-                                            "LIMIT ?", job_id, limit)]
 
     def wait(self, job_id: str, timeout: float | None = None) -> Job:
         """Until the job is no longer queued or running in this process (tests, the CLI), or ``timeout``."""
@@ -464,31 +369,6 @@ class JobRunner:
                     running[row["id"]].cancel()
             time.sleep(WATCH_SECONDS)
 
-    # ------------------------------------------------------------------ database
-
-    def _interrupt_dead(self) -> None:
-        """Jobs left running or queued by a process of this host that is gone are interrupted (resumable)."""
-        rows = self._rows("SELECT id, pid FROM jobs WHERE state IN ('queued', 'running') AND host=?", self._host)
-        dead = [r["id"] for r in rows if r["pid"] != self._pid and not _alive(r["pid"])]
-        for job_id in dead:
-            self._update(job_id, state=JobState.INTERRUPTED.value, current=None)
-
-    def _local(self, job: Job) -> bool:
-        row = self._rows("SELECT host, pid FROM jobs WHERE id=?", job.id)[0]
-        return (row["host"], row["pid"]) == (self._host, self._pid)
-
-    def _update(self, job_id: str, **values: object) -> None:
-        with self._tx() as db:
-            db.execute(f"UPDATE jobs SET {', '.join(f'{k}=?' for k in values)} WHERE id=?", (*values.values(), job_id))
-
-    def _tx(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
-        return write_transaction(self._db, self._lock, self.read_only)
-
-    def _rows(self, sql: str, *args: object) -> list[sqlite3.Row]:
-        with self._lock:
-            return self._db.execute(sql, args).fetchall()
-
-
 _runners: dict[Path, JobRunner] = {}
 _runners_lock = threading.Lock()
 
@@ -514,19 +394,3 @@ def release(jobs: JobRunner) -> None:
         _runners.pop(jobs.root, None)
     jobs.close()
 
-
-def _job(row: sqlite3.Row) -> Job:
-    return Job(row["id"], row["kind"], row["subject"], row["owner"], JobState(row["state"]), json.loads(row["params"]),
-               row["total"], row["position"], row["done"], row["failed"], row["units_total"], row["units_done"],
-               row["work_seconds"], row["current"], row["error"], bool(row["cancel"]), row["created"], row["started"],
-               row["finished"])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True

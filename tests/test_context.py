@@ -5,13 +5,14 @@ UI's loader and page, the batch and long-form command lines in process."""
 
 from __future__ import annotations
 
-import time
+import threading
 from pathlib import Path
 
 import httpx
 import pytest
 from test_rest import Server
 
+from cosyvoice.context import StudioContext
 from cosyvoice.server.rest import create_app
 from cosyvoice.service import TTSService
 from cosyvoice.settings import Limits, ServerSettings, default_data_dir
@@ -34,20 +35,9 @@ def opened(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     return folders
 
 
-def _until(client: httpx.Client, path: str, done: str) -> dict:
-    """Poll ``path`` until its ``state``/``status`` is ``done`` (a job or the model's load: bounded, no sleep-wait
-    for a fixed time)."""
-    deadline = time.monotonic() + 120
-    while True:
-        body = client.get(path).json()
-        if done in (body.get("state"), body.get("status")):
-            return body
-        assert time.monotonic() < deadline, body
-        time.sleep(0.05)
-
-
-def _use_every_feature(client: httpx.Client) -> None:
-    """A take listed, a long-form project made and generated, a batch run: every store of the data folder used."""
+def _use_every_feature(client: httpx.Client, context: StudioContext) -> None:
+    """A take listed, a long-form project made and generated, a batch run: every store of the data folder used
+    (waiting on the jobs' own ends, not polling)."""
     assert client.get("/workbench/api/takes").status_code == 200
     made = client.post("/v1/longform/projects", json={"name": "Book", "text": "Hi there.", "voice": "en-allison"})
     assert made.status_code == 201, made.text
@@ -55,11 +45,9 @@ def _use_every_feature(client: httpx.Client) -> None:
     assert client.post(f"/v1/longform/projects/{project}/generate").status_code in (200, 202)
     batch_id = client.post("/workbench/api/batches", json={"rows": [{"text": "Hi.", "voice": "en-allison",
                                                                     "seed": 1}]}).json()["id"]
-    assert _until(client, f"/workbench/api/batches/{batch_id}", "done")["done"] == 1
-    deadline = time.monotonic() + 120
-    while client.get(f"/v1/longform/projects/{project}/progress").json()["running"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    context.jobs.wait(batch_id, 120)
+    assert client.get(f"/workbench/api/batches/{batch_id}").json()["done"] == 1
+    assert context.studio().wait(project, 120)["done"] == 1
     takes = client.get("/workbench/api/takes").json()["takes"]
     assert {"batch", "long-form"} <= {t["source"] for t in takes}, takes
 
@@ -72,11 +60,14 @@ def test_the_rest_server_opens_the_take_store_once(tts, tmp_path: Path, opened: 
                                                   builtin_dir=BUILTIN_VOICE_DIR),
                           Limits(max_sessions=2, queue_timeout_seconds=60))
 
-    server = Server(create_app(ServerSettings(voice_dir=str(voices)), loader=load))
+    app = create_app(ServerSettings(voice_dir=str(voices)), loader=load)
+    server = Server(app)
     try:
+        for loading in [t for t in threading.enumerate() if t.name == "cosyvoice-load"]:
+            loading.join(120)  # the model's load, started with the server
         with httpx.Client(base_url=server.url, timeout=120) as client:
-            _until(client, "/ready", "ready")
-            _use_every_feature(client)
+            assert client.get("/ready").json()["status"] == "ready"
+            _use_every_feature(client, app.state.server.context)
     finally:
         server.stop()
     assert opened == [default_data_dir(voices)]
@@ -94,7 +85,7 @@ def test_the_web_ui_opens_the_take_store_once(tiny_bundle_dir: Path, tmp_path: P
                          False, "wav"))  # the page's Generate: a take in the history
     assert len(studio.store.takes()) == 1
     with serving(studio) as url, httpx.Client(base_url=url.rstrip("/"), timeout=120) as client:
-        _use_every_feature(client)
+        _use_every_feature(client, studio.context)
     studio.service.close()
     assert opened == [default_data_dir(tmp_path / "voices")]
 
