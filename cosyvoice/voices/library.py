@@ -18,7 +18,6 @@ from cosyvoice.errors import (
     AlreadyExistsError,
     InvalidInputError,
     NotFoundError,
-    PermissionDeniedError,
     StorageError,
 )
 from cosyvoice.frontend.audio import AudioSource
@@ -29,11 +28,12 @@ from cosyvoice.voices.entries import Upload, VoiceInfo, check_name, model_identi
 from cosyvoice.voices.folder import VoiceFolder
 from cosyvoice.voices.portable import PortableVoices
 from cosyvoice.voices.prompts import PromptVoices
+from cosyvoice.voices.rules import VoiceRules
 
 logger = logging.getLogger(__name__)
 
 
-class VoiceLibrary(PortableVoices):
+class VoiceLibrary(PortableVoices, VoiceRules):
     """Prompt voices of one model, persisted under ``root``; safe to share between threads and processes.
 
     A folder this process may not write is served read-only (:attr:`read_only` says why); one it cannot use
@@ -183,22 +183,6 @@ class VoiceLibrary(PortableVoices):
                 raise storage_error(exc, "delete this voice") from exc
             return replace(info)
 
-    def deletable(self, key: str, *, owner: str | None = None) -> VoiceInfo:
-        """The voice ``owner`` would delete, or the error :meth:`delete` would give: asked before a page asks
-        "delete it?", so nobody confirms what will be refused."""
-        info = self.info(key, owner=owner)
-        self._check_deletable(info, owner)
-        return info
-
-    def _check_deletable(self, info: VoiceInfo, owner: str | None) -> None:
-        if info.builtin:
-            raise InvalidInputError(f"{info.name!r} is a built-in voice and cannot be deleted")
-        if info.name is not None:
-            self._check_editor(info, owner, "delete")
-
-    def _entries(self) -> list[VoiceInfo]:
-        return [*self.prompts.builtins(), *self.folder.index.values()]
-
     def _find(self, key: str, owner: str | None) -> VoiceInfo | None:
         """By id first, then by name (names never look like ids); entries ``owner`` may not see are not found."""
         entries = [i for i in self._entries() if i.visible_to(owner)]
@@ -211,28 +195,6 @@ class VoiceLibrary(PortableVoices):
         if info is None:
             return self.info(key, owner=owner)  # raises NotFoundError with the names
         return info
-
-    def _check_editor(self, info: VoiceInfo, owner: str | None, action: str) -> None:
-        if not self.policy.may_edit(owner, info.creator):
-            who = {"creator": "the one who saved it", "admin": "an administrator"}[self.policy.editors]
-            raise PermissionDeniedError(f"you may not {action} the voice {info.name!r}: only {who} may")
-
-    def _check_free(self, name: str) -> None:
-        with self.folder.lock:
-            self.folder.sync()
-            holder = next((i for i in self._entries() if i.name == name), None)
-        if holder is not None:
-            raise AlreadyExistsError(f"a voice named {name!r} exists already; delete it or choose another name",
-                                     "name")
-
-    def _check_unsaved(self, voice_id: str) -> None:
-        """A voice saved already is refused as such, whatever name it is offered under (never "choose another
-        name" first, which no name could satisfy)."""
-        with self.folder.lock:
-            self.folder.sync()
-            saved = self.folder.index.get(voice_id)
-        if saved is not None and saved.name is not None:
-            raise AlreadyExistsError(f"this voice is saved already as {saved.name!r}")
 
     # ------------------------------------------------------------------ entries
 
