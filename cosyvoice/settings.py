@@ -187,6 +187,7 @@ class Limits:
     max_batch_field_chars: int = 65536
     max_test_title_chars: int = 200
     max_test_instructions_chars: int = 5000
+    max_test_items: int = 2000  # a listening test's items: every rater's plan holds them all
     job_workers: int = 1  # long jobs (batches, long-form renders) running at once per process (cosyvoice.jobs)
     # a long-form project's book (cosyvoice/longform/documents.py): the file as uploaded; an archive's (EPUB,
     # DOCX) members, of which only text is inflated (images never), each and all together, and each XML member's
