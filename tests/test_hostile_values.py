@@ -17,7 +17,7 @@ from test_rest import Server, _ws_url
 
 from cosyvoice.server.rest import create_app
 from cosyvoice.service import TTSService
-from cosyvoice.settings import ServerSettings
+from cosyvoice.settings import ServerSettings, env_name
 from cosyvoice.voices import VoiceLibrary
 
 NAN, INF = float("nan"), float("inf")
@@ -204,3 +204,32 @@ def test_the_batch_cli_names_each_hostile_row_and_exits_2(tiny_bundle_dir, tmp_p
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
         assert all(w in refused.stderr.strip().splitlines()[-1] for w in words), refused.stderr[-3000:]
         assert "loading the model" not in refused.stderr
+
+
+def test_a_websocket_message_too_deep_or_of_millions_of_values_is_refused_before_it_is_parsed(url: str) -> None:
+    """A frame is JSON as a body is, bounded the same way before ``json.loads`` recurses into it or builds its
+    values: as the start message, or as a text message mid-stream."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    settings = ServerSettings()
+    deep, many = "[" * 100_000, "[" + ",".join(["{}"] * 2_000_000) + "]"
+    for start, frame, words in ((deep, None, f"deeper than {settings.max_json_depth}"),
+                                (many, None, env_name("max_json_values")),
+                                (None, many, env_name("max_json_values"))):
+        with connect(_ws_url(url), max_size=None) as ws:
+            if start is None:
+                ws.send(json.dumps({"type": "start", "voice": "Narrator"}))
+                assert json.loads(ws.recv(timeout=60))["type"] == "started"
+            ws.send(start or frame)
+            error = {"type": "audio"}
+            while error["type"] == "audio":  # what was said before the frame may still come
+                message = ws.recv(timeout=60)
+                error = {"type": "audio"} if isinstance(message, bytes) else json.loads(message)
+            assert error["type"] == "error" and words in error["error"]["message"], error
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(timeout=10)
+            assert closed.value.rcvd.code == 1008
+    with connect(_ws_url(url)) as ws:
+        ws.send(json.dumps({"type": "start", "voice": "Narrator", "steps": 2}))
+        assert json.loads(ws.recv(timeout=60))["type"] == "started"
