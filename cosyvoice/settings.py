@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from cosyvoice.backends.precision import check_name
 from cosyvoice.errors import ConfigError, InvalidInputError
 from cosyvoice.owners import SHARING, Owners, key_owner
 
@@ -136,7 +137,16 @@ def precision_from_env(environ: dict[str, str] | None = None) -> str:
     """``COSYVOICE_PRECISION``: what the LLM and the DiT compute in on a CPU (fp32, bf16, int8, auto; see
     :mod:`cosyvoice.backends.precision`); ``fp32`` (bit-equal to the golden fixtures) when unset."""
     env = os.environ if environ is None else environ
-    return env.get("COSYVOICE_PRECISION") or "fp32"
+    return precision_setting(env.get("COSYVOICE_PRECISION") or "fp32")
+
+
+def precision_setting(name: str) -> str:
+    """A precision a deployment names (``COSYVOICE_PRECISION`` or ``--precision``), refused at start, naming the
+    setting, rather than when the model loads (a server would start, then fail in the background)."""
+    try:
+        return check_name(name)
+    except ConfigError as exc:
+        raise ConfigError(f"COSYVOICE_PRECISION (--precision): {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -177,6 +187,7 @@ class Limits:
     max_batch_field_chars: int = 65536
     max_test_title_chars: int = 200
     max_test_instructions_chars: int = 5000
+    max_test_items: int = 2000  # a listening test's items: every rater's plan holds them all
     job_workers: int = 1  # long jobs (batches, long-form renders) running at once per process (cosyvoice.jobs)
     # a long-form project's book (cosyvoice/longform/documents.py): the file as uploaded; an archive's (EPUB,
     # DOCX) members, of which only text is inflated (images never), each and all together, and each XML member's
@@ -259,6 +270,8 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
+        if self.precision is not None:
+            precision_setting(self.precision)
         if (self.max_body_bytes <= 0 or self.retry_after_seconds < 0 or self.stream_idle_seconds <= 0
                 or self.stream_start_seconds <= 0 or self.shutdown_grace_seconds < 0):
             raise ConfigError("max_body_bytes, stream_idle_seconds and stream_start_seconds must be positive, "

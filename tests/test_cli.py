@@ -103,7 +103,9 @@ def test_a_missing_model_folder_is_a_missing_folder_with_the_download_hint(tmp_p
     (["-m", "cosyvoice.server.rest"], {"COSYVOICE_MAX_SESSIONS": "many"}, ["COSYVOICE_MAX_SESSIONS='many'"]),
     (["-m", "cosyvoice.server.grpc", "--port", "0"], {}, ["port must be in 1..65535, got 0"]),
     (["webui.py"], {"COSYVOICE_RETRY_AFTER_SECONDS": "soon"}, ["COSYVOICE_RETRY_AFTER_SECONDS='soon'"]),
-], ids=["rest-port", "rest-env", "grpc-port", "webui-env"])
+    (["-m", "cosyvoice.server.rest"], {"COSYVOICE_PRECISION": "NaN"}, ["COSYVOICE_PRECISION", "got 'NaN'"]),
+    (["-m", "cosyvoice.server.grpc", "--precision", "-1"], {}, ["--precision", "got '-1'"]),
+], ids=["rest-port", "rest-env", "grpc-port", "webui-env", "rest-precision", "grpc-precision"])
 def test_a_bad_server_setting_is_one_line(tmp_path: Path, args: list[str], env: dict[str, str],
                                           names: list[str]) -> None:
     if "cosyvoice.server.grpc" in args:

@@ -415,6 +415,8 @@ def test_dialogue_scripts_are_bounded_in_turns_and_speakers(served: Served) -> N
     _check(served, dialogue("S1: Hi.", speakers=labels), env_name("max_dialogue_speakers"))
     _check(served, lambda: _upload(served.client, "play.txt", b"S1: Hi.", kind="dialogue", speakers='["Narrator"]'),
            "speakers must map")
+    _check(served, lambda: _upload(served.client, "play.txt", b"S1: Hi.", kind="dialogue", speakers="[" * 100_000),
+           "speakers must be a JSON object")  # a form field, which no body bound looks inside
 
 
 def test_the_server_answers_afterwards_and_nothing_was_lost(served: Served) -> None:

@@ -17,13 +17,14 @@ from test_rest import Server, _ws_url
 
 from cosyvoice.server.rest import create_app
 from cosyvoice.service import TTSService
-from cosyvoice.settings import ServerSettings
+from cosyvoice.settings import ServerSettings, env_name
 from cosyvoice.voices import VoiceLibrary
 
 NAN, INF = float("nan"), float("inf")
 STEPS = [-1, 0, 33, 10**12, "ten", 1.5, NAN, INF, [10]]  # (pydantic's bodies read JSON true as 1, as Python does)
 SPEEDS = [-1, 0, 100, 1e308, "fast", NAN, INF, -INF, [1.0]]
 SEEDS = [2**64, "x", 1.5, NAN, [1]]
+DEEP_ROW = '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}"  # a JSONL line: no body bound sees inside a file
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +133,10 @@ def test_a_batch_row_with_hostile_numbers_fails_naming_its_field(url: str) -> No
             time.sleep(0.05)
     assert (status["done"], status["failed"]) == (0, len(rows)), status
     assert [e["field"] for e in sorted(status["errors"], key=lambda e: e["row"])] == [row_field(r) for r in rows]
+    with httpx.Client(base_url=url, timeout=60) as client:
+        deep = client.post("/workbench/api/batches", content=DEEP_ROW, headers={"content-type": "application/x-ndjson"})
+    _refused(deep, "input")
+    assert "line 1 nests JSON too deeply" in deep.json()["error"]["message"]
 
 
 def row_field(row: dict) -> str:
@@ -185,6 +190,7 @@ def test_the_batch_cli_names_each_hostile_row_and_exits_2(tiny_bundle_dir, tmp_p
     rows = [{"text": "Hi.", "voice": "en-allison", **row} for row in [*hostile, {"steps": 2, "seed": 1}]]
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
     (tmp_path / "precision.csv").write_text("text,voice,precision\nHi.,en-allison,NaN\n", encoding="utf-8")
+    (tmp_path / "deep.jsonl").write_text(DEEP_ROW, encoding="utf-8")
 
     def batch(name: str, *flags: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "cosyvoice.tools.batch", str(tmp_path / name), "--out",
@@ -199,8 +205,38 @@ def test_the_batch_cli_names_each_hostile_row_and_exits_2(tiny_bundle_dir, tmp_p
                       for i, row in enumerate(hostile, 1)], done.stderr[-3000:]
     assert "1 takes in" in done.stderr
     for flags, words in ((("precision.csv",), ("row 1: precision must be one of", "'NaN'")),
-                         (("rows.jsonl", "--precision", "NaN"), ("argument --precision: invalid choice: 'NaN'",))):
+                         (("rows.jsonl", "--precision", "NaN"), ("argument --precision: invalid choice: 'NaN'",)),
+                         (("deep.jsonl",), ("line 1 nests JSON too deeply",))):
         refused = batch(*flags)
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
         assert all(w in refused.stderr.strip().splitlines()[-1] for w in words), refused.stderr[-3000:]
         assert "loading the model" not in refused.stderr
+
+
+def test_a_websocket_message_too_deep_or_of_millions_of_values_is_refused_before_it_is_parsed(url: str) -> None:
+    """A frame is JSON as a body is, bounded the same way before ``json.loads`` recurses into it or builds its
+    values: as the start message, or as a text message mid-stream."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    settings = ServerSettings()
+    deep, many = "[" * 100_000, "[" + ",".join(["{}"] * 2_000_000) + "]"
+    for start, frame, words in ((deep, None, f"deeper than {settings.max_json_depth}"),
+                                (many, None, env_name("max_json_values")),
+                                (None, many, env_name("max_json_values"))):
+        with connect(_ws_url(url), max_size=None) as ws:
+            if start is None:
+                ws.send(json.dumps({"type": "start", "voice": "Narrator"}))
+                assert json.loads(ws.recv(timeout=60))["type"] == "started"
+            ws.send(start or frame)
+            error = {"type": "audio"}
+            while error["type"] == "audio":  # what was said before the frame may still come
+                message = ws.recv(timeout=60)
+                error = {"type": "audio"} if isinstance(message, bytes) else json.loads(message)
+            assert error["type"] == "error" and words in error["error"]["message"], error
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(timeout=10)
+            assert closed.value.rcvd.code == 1008
+    with connect(_ws_url(url)) as ws:
+        ws.send(json.dumps({"type": "start", "voice": "Narrator", "steps": 2}))
+        assert json.loads(ws.recv(timeout=60))["type"] == "started"

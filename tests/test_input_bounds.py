@@ -27,7 +27,7 @@ from cosyvoice.takes.store import TakeStore
 from cosyvoice.voices import VoiceLibrary
 
 LIMITS = Limits(max_sessions=2, queue_timeout_seconds=60, max_batch_rows=3, max_batch_field_chars=1000,
-                max_test_title_chars=40, max_test_instructions_chars=300)
+                max_test_title_chars=40, max_test_instructions_chars=300, max_test_items=5)
 FORMULAS = ("=HYPERLINK(\"http://evil.example\",\"click\")", "+cmd|' /C calc'!A0", "-2+3", "@SUM(A1:A9)",
             "\tindented", "\rreturn")
 
@@ -97,7 +97,7 @@ def test_malformed_bodies_are_400s_naming_the_problem(served: tuple, caplog: pyt
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
 
 
-def test_a_tests_title_and_instructions_are_bounded(served: tuple) -> None:
+def test_a_tests_title_instructions_and_items_are_bounded(served: tuple) -> None:
     url, data_dir, _ = served
     store = TakeStore(data_dir)
     a, b = (store.add_take(np.zeros(2400, np.float32), 24000, {"text": "one"}, label=label, owner=ANONYMOUS)
@@ -110,6 +110,9 @@ def test_a_tests_title_and_instructions_are_bounded(served: tuple) -> None:
         huge = client.post("/workbench/api/tests", json={**spec, "instructions": "i" * 5_000_000})  # 5 MB
         assert _refused(huge, "at most 300", "COSYVOICE_MAX_TEST_INSTRUCTIONS_CHARS")
         assert huge.json()["error"]["field"] == "instructions"
+        many = client.post("/workbench/api/tests", json={**spec, "items": spec["items"] * 6})
+        assert _refused(many, "6 items; at most 5", "COSYVOICE_MAX_TEST_ITEMS") and many.json()["error"]["field"] \
+            == "items"
         made = client.post("/workbench/api/tests", json={**spec, "title": "t" * 40, "instructions": "i" * 300})
         assert made.status_code == 201
         assert client.get(f"/workbench/api/tests/{made.json()['id']}").json()["title"] == "t" * 40

@@ -263,7 +263,7 @@ async def upload(mount: This, s: Studio, who: Who, request: Request, file: Annot
     filename = file.filename or "upload.txt"
     try:
         mapping = json.loads(speakers) if speakers.strip() else None
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # a form field: no body bound sees inside it
         raise InvalidInputError("speakers must be a JSON object of label -> voice", "speakers") from exc
 
     def make(cancel: CancelToken, report: Callable[[str, int, int], None]) -> dict[str, Any]:

@@ -131,7 +131,7 @@ async def read_body(http: Request) -> dict[str, Any]:
                 for key, value in form.multi_items()}
     try:
         return json.loads(await http.body())
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: a body not sent as JSON, so not screened as JSON
         raise InvalidInputError(f"the body is not valid JSON ({exc})", "body") from exc
 
 

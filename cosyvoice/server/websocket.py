@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from typing import Any
 
@@ -25,6 +26,7 @@ from cosyvoice.server.common import (
     service_of,
     wire_fields,
 )
+from cosyvoice.server.http_limits import check_json_shape
 from cosyvoice.service import AsyncSynthesisSession, SynthesisRequest
 from cosyvoice.settings import ServerSettings
 
@@ -59,12 +61,23 @@ def socket_request(start: Any) -> SynthesisRequest:
                             format=start.get("format", "pcm"))
 
 
+async def receive_json(ws: WebSocket) -> Any:
+    """The next text frame as JSON, its nesting and values bounded as a JSON body's are before it is parsed
+    (a frame of 100,000 brackets made ``json.loads`` raise RecursionError)."""
+    text = await ws.receive_text()
+    settings = server_state(ws).settings
+    check_json_shape(text.encode(), settings.max_json_depth, settings.max_json_values)
+    return json.loads(text)
+
+
 async def receive_start(ws: WebSocket, seconds: float) -> SynthesisRequest:
     """The start message, within ``seconds`` of the connection."""
     try:
-        message = await asyncio.wait_for(ws.receive_json(), seconds)
+        message = await asyncio.wait_for(receive_json(ws), seconds)
     except asyncio.TimeoutError:
         raise InvalidInputError(f"no start message within {seconds:g} s; send {START} first", "type") from None
+    except InvalidInputError:  # too deep, too many values
+        raise
     except (ValueError, KeyError, TypeError) as exc:  # not JSON, or not a text frame
         raise InvalidInputError(f"the first message must be JSON: {START}", "type") from exc
     return socket_request(message)
@@ -81,7 +94,7 @@ async def read_pieces(ws: WebSocket, session: AsyncSynthesisSession, problems: l
     try:
         while True:
             try:
-                message = await asyncio.wait_for(ws.receive_json(), max(0.0, last_text + idle_seconds - loop.time()))
+                message = await asyncio.wait_for(receive_json(ws), max(0.0, last_text + idle_seconds - loop.time()))
             except asyncio.TimeoutError:
                 logger.info("WebSocket text stream without text for %g s: ending its text", idle_seconds)
                 session.writer.close()

@@ -325,7 +325,7 @@ def tests(wb: Bench, who: Who) -> Any:
 def create_test(wb: Bench, who: Who, spec: NewTest) -> Any:
     s = wb.store()
     if spec.items is not None:
-        items = listening.check_items(spec.kind, spec.items, s, who)
+        items = listening.check_items(spec.kind, spec.items, s, who, wb.limits)
     elif spec.conditions is not None:
         items = listening.design(spec.kind, s.visible_takes(who, limit=1_000_000), spec.conditions,
                                  reference=spec.reference, anchor=spec.anchor)

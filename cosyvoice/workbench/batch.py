@@ -129,6 +129,9 @@ def _json(text: str, what: str) -> object:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidInputError(f"{what} is not JSON: {exc.msg} (at character {exc.pos + 1})", "input") from exc
+    except RecursionError:  # a JSONL line (no body bound sees it) nested thousands deep; a row never nests
+        raise InvalidInputError(f"{what} nests JSON too deeply; a row is one object of plain values",
+                                "input") from None
 
 
 def _csv_records(text: str, limits: Limits) -> list[object]:

@@ -115,12 +115,14 @@ def design(kind: str, takes: Sequence[Take], conditions: Sequence[str], *, refer
     return items
 
 
-def check_items(kind: str, items: object, store: TakeStore, caller: Caller = LOCAL) -> list[dict[str, Any]]:
-    """Explicit items (REST), validated: the right number of takes per kind, every take stored and visible to
-    ``caller`` (nobody builds a test from another's takes)."""
+def check_items(kind: str, items: object, store: TakeStore, caller: Caller = LOCAL,
+                limits: Limits | None = None) -> list[dict[str, Any]]:
+    """Explicit items (REST), validated: at most ``limits.max_test_items``, the right number of takes per kind,
+    every take stored and visible to ``caller`` (nobody builds a test from another's takes)."""
     _check_kind(kind)
     if not isinstance(items, list) or not items:
         raise InvalidInputError("items must be a non-empty list", "items")
+    _bounded(items, limits or Limits.from_env())
     out = []
     for n, item in enumerate(items, 1):
         if not isinstance(item, dict) or not isinstance(item.get("takes"), list) or not item["takes"]:
@@ -163,6 +165,12 @@ def check_training(examples: object, store: TakeStore, caller: Caller = LOCAL,
             raise InvalidInputError(f"training example {n}: no take {example['take']!r}", "training") from exc
         out.append({"take": example["take"], "label": example["label"].strip()})
     return out
+
+
+def _bounded(items: list, limits: Limits) -> None:
+    if len(items) > limits.max_test_items:
+        raise InvalidInputError(f"the test has {len(items):,} items; at most {limits.max_test_items:,} are allowed "
+                                f"({env_name('max_test_items')})", "items")
 
 
 def _check_kind(kind: str) -> None:
@@ -569,16 +577,18 @@ def create_test(store: TakeStore, kind: str, items: list[dict[str, Any]], *, tit
                 settings: dict[str, Any] | None = None) -> str:
     """Store ``owner``'s test over ``items`` (from :func:`design` or :func:`check_items`). ``title`` and
     ``instructions`` are what raters see (a neutral title and the kind's standard wording by default: the owner's
-    working ``name``, which often names the systems compared, is never shown to them). All three are bounded by
-    ``limits``: every rater's page carries the title and instructions. ``training``: labelled examples raters hear
-    before the first item (from :func:`check_training`); ``questionnaire``: ask each rater at the end what they
-    listened with and their native language (``raters.csv``); ``settings``: who joins and which items each rater
-    gets (:mod:`cosyvoice.workbench.assignment`)."""
+    working ``name``, which often names the systems compared, is never shown to them). These three and the
+    number of items are bounded by ``limits``: every rater's page carries the title and instructions, every
+    rater's plan the items. ``training``: labelled examples raters hear before the first item (from
+    :func:`check_training`); ``questionnaire``: ask each rater at the end what they listened with and their native
+    language (``raters.csv``); ``settings``: who joins and which items each rater gets
+    (:mod:`cosyvoice.workbench.assignment`)."""
     _check_kind(kind)
     chosen = assignment.check_settings(settings or {})
     if not all(isinstance(x, str) for x in (title, instructions, name)):
         raise InvalidInputError("name, title and instructions must be text", "title")
     limits = limits or Limits.from_env()
+    _bounded(items, limits)  # designed from labels, as listed
     for field, value, setting in (("name", name, "max_test_title_chars"), ("title", title, "max_test_title_chars"),
                                   ("instructions", instructions, "max_test_instructions_chars")):
         bound = getattr(limits, setting)
