@@ -814,8 +814,9 @@ def build_ui(studio: Studio) -> gr.Blocks:
                 voice = gr.Dropdown(label=t("voice"), choices=studio.voice_choices(None, uploads=False), value=None,
                                     info=t("voice_info"), elem_id="voice")
                 preview = gr.Audio(label=t("preview"), interactive=False, elem_id="preview")
+                # no Download or Share buttons: their links name the server's temporary path of the upload
                 prompt = gr.Audio(label=t("prompt"), sources=["upload", "microphone"], type="filepath",
-                                  elem_id="prompt")
+                                  elem_id="prompt", buttons=[])
                 with gr.Row():
                     save_as = gr.Textbox(label=t("save_as"), placeholder=t("save_placeholder"), elem_id="save-as",
                                          scale=3)

@@ -108,7 +108,7 @@ def open_page(context, url: str, *, new_visitor: bool = True):
 
 def upload_prompt(page, path: Path) -> None:
     page.set_input_files("#prompt input[type=file]", str(path))
-    sync_api.expect(page.locator("#prompt [data-testid='download-link']")).to_be_attached(timeout=15000)
+    sync_api.expect(page.locator("#prompt [data-testid='waveform-controls']")).to_be_attached(timeout=15000)
 
 
 def toast(page, text: str) -> None:
@@ -582,6 +582,10 @@ def test_uploads_and_messages_as_a_visitor_sees_them(context, app: tuple, tmp_pa
     upload_prompt(page, webm)
     page.wait_for_timeout(1000)  # the server's check of the upload
     assert page.get_by_test_id("toast-text").count() == 0, page.get_by_test_id("toast-text").all_inner_texts()
+    # the uploaded recording plays, and no link or attribute of it shows where the server keeps the file
+    sync_api.expect(page.locator("#prompt [data-testid='waveform-controls']")).to_be_visible()
+    assert page.evaluate("""() => [...document.querySelectorAll('#prompt *')].flatMap(e => [...e.attributes])
+        .filter(a => /file=|\\/tmp\\//.test(a.value)).map(a => a.value)""") == []
 
     page.locator("#prompt button[aria-label='Clear']").click()
     page.locator("#prompt button[aria-label='Record audio']").click()  # this machine has no microphone
