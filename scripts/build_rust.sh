@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Builds the Rust workspace (rust/): the bridge server rust/target/release/cosyvoice-server and the HTTP front
-# its servers share (rust/http-front), then runs the crates' unit tests.
+# Builds the Rust workspace (rust/): the bridge server rust/target/release/cosyvoice-server, the HTTP front
+# its servers share (rust/http-front) and the native engine (rust/native-server, candle), then runs the crates'
+# tests, among them the native engine's parity tests against the golden fixtures (../shared/golden beside the
+# repository, or COSYVOICE_GOLDEN_DIR; where absent they pass without checking, and this script says so).
 #
 # The toolchain is rustup's cargo (1.75 or newer: hyper 1 and tokio need it; Debian's /usr/bin/cargo 1.63 is
 # too old). Crates come from crates.io at the versions rust/Cargo.lock pins: `cargo fetch` downloads what the
@@ -54,4 +56,6 @@ cd rust
 "$CARGO" fetch --locked || log "WARNING: cargo fetch failed (no network?): building from the local crate cache"
 export PYO3_PYTHON="$PY"
 "$CARGO" build --release --offline --locked
+golden=${COSYVOICE_GOLDEN_DIR:-../../shared/golden}
+[ -f "$golden/manifest.json" ] || log "WARNING: no golden fixtures at $golden: the native engine's parity tests check nothing"
 "$CARGO" test --release --offline --locked --quiet

@@ -1,0 +1,31 @@
+//! A model folder in the official layout: `cosyvoice3.yaml`, `llm.pt`, `flow.pt`, `hift.pt` and
+//! `CosyVoice-BlankEN/`, read as it is (no conversion step).
+
+use std::path::{Path, PathBuf};
+
+use crate::checkpoint::Checkpoint;
+use crate::config::{ModelConfig, QwenConfig};
+use crate::error::Result;
+use crate::llm::CosyVoice3Lm;
+
+/// An opened model folder: its settings, and loaders for its networks.
+pub struct Bundle {
+    dir: PathBuf,
+    pub qwen: QwenConfig,
+    pub config: ModelConfig,
+}
+
+impl Bundle {
+    /// Reads the folder's settings; the networks load on demand.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let qwen = QwenConfig::read(&dir.join("CosyVoice-BlankEN").join("config.json"))?;
+        let config = ModelConfig::read(&dir.join("cosyvoice3.yaml"), &qwen)?;
+        Ok(Self { dir: dir.to_owned(), qwen, config })
+    }
+
+    /// The speech-token LM from `llm.pt`.
+    pub fn llm(&self) -> Result<CosyVoice3Lm> {
+        let checkpoint = Checkpoint::load(&self.dir.join("llm.pt"), None)?;
+        CosyVoice3Lm::load(&checkpoint, &self.qwen, &self.config.llm)
+    }
+}

@@ -1,0 +1,206 @@
+//! The bundle's settings: `cosyvoice3.yaml` (hyperpyyaml) read as plain data, and the Qwen2
+//! `CosyVoice-BlankEN/config.json`.
+//!
+//! hyperpyyaml tags would import and run Python; a model folder is untrusted input, so tags are dropped to
+//! their data and `!ref <key>` is resolved against the document, with `+ - * /` between numbers (the
+//! official file writes `!ref <chunk_size> * <token_mel_ratio>`), as `cosyvoice/config.py` does.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use serde_yaml::Value;
+
+use crate::error::{Error, Result};
+
+/// The Qwen2 sizes CosyVoice3's LLM is built from (`config.json` of `CosyVoice-BlankEN`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct QwenConfig {
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub vocab_size: usize,
+}
+
+impl QwenConfig {
+    /// Reads `config.json`.
+    pub fn read(path: &Path) -> Result<Self> {
+        let text = read_text(path)?;
+        let cfg: Self = serde_json::from_str(&text).map_err(|e| config_error(path, e.to_string()))?;
+        if cfg.num_attention_heads == 0
+            || cfg.num_key_value_heads == 0
+            || cfg.hidden_size % cfg.num_attention_heads != 0
+            || cfg.num_attention_heads % cfg.num_key_value_heads != 0
+        {
+            return Err(config_error(path, "heads must divide hidden_size and kv heads divide heads".into()));
+        }
+        Ok(cfg)
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_attention_heads
+    }
+}
+
+/// The LM's repetition-aware sampler settings (`llm.sampling`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingConfig {
+    pub top_p: f64,
+    pub top_k: usize,
+    pub win_size: usize,
+    pub tau_r: f64,
+}
+
+/// `llm:` of the yaml.
+#[derive(Debug, Clone)]
+pub struct LlmConfig {
+    pub input_size: usize,
+    pub output_size: usize,
+    pub speech_token_size: usize,
+    pub sampling: SamplingConfig,
+}
+
+/// Everything inference reads from `cosyvoice3.yaml`.
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub sample_rate: usize,
+    pub llm: LlmConfig,
+}
+
+impl ModelConfig {
+    /// Reads `cosyvoice3.yaml` and checks it against the Qwen2 sizes.
+    pub fn read(path: &Path, qwen: &QwenConfig) -> Result<Self> {
+        let doc: Value = serde_yaml::from_str(&read_text(path)?).map_err(|e| config_error(path, e.to_string()))?;
+        let doc = Yaml { path: path.to_owned(), resolved: resolve(&doc, &doc, path, 0)? };
+        let sampling = |key: &str| doc.num(&["llm", "sampling", key]);
+        let llm = LlmConfig {
+            input_size: doc.size(&["llm", "llm_input_size"])?,
+            output_size: doc.size(&["llm", "llm_output_size"])?,
+            speech_token_size: doc.size(&["llm", "speech_token_size"])?,
+            sampling: SamplingConfig {
+                top_p: sampling("top_p")?,
+                top_k: doc.size(&["llm", "sampling", "top_k"])?,
+                win_size: doc.size(&["llm", "sampling", "win_size"])?,
+                tau_r: sampling("tau_r")?,
+            },
+        };
+        if llm.input_size != qwen.hidden_size || llm.output_size != qwen.hidden_size {
+            return Err(config_error(
+                path,
+                format!(
+                    "llm_input_size/llm_output_size ({}/{}) must equal the Qwen2 hidden_size ({})",
+                    llm.input_size, llm.output_size, qwen.hidden_size
+                ),
+            ));
+        }
+        Ok(Self { sample_rate: doc.size(&["sample_rate"])?, llm })
+    }
+}
+
+/// A resolved yaml document and where it came from.
+struct Yaml {
+    path: PathBuf,
+    resolved: Value,
+}
+
+impl Yaml {
+    fn get(&self, keys: &[&str]) -> Result<&Value> {
+        let mut node = &self.resolved;
+        for key in keys {
+            node = node.get(*key).ok_or_else(|| config_error(&self.path, format!("no '{}'", keys.join("."))))?;
+        }
+        Ok(node)
+    }
+
+    fn num(&self, keys: &[&str]) -> Result<f64> {
+        let node = self.get(keys)?;
+        as_number(node).ok_or_else(|| config_error(&self.path, format!("'{}' is not a number", keys.join("."))))
+    }
+
+    fn size(&self, keys: &[&str]) -> Result<usize> {
+        match self.get(keys)?.as_u64() {
+            Some(n) if n > 0 => Ok(n as usize),
+            _ => Err(config_error(&self.path, format!("'{}' must be a positive integer", keys.join(".")))),
+        }
+    }
+}
+
+fn as_number(value: &Value) -> Option<f64> {
+    match value {
+        Value::Number(n) => n.as_f64(),
+        Value::String(s) => s.trim().parse().ok(), // yaml 1.1 floats such as `1e-06` may arrive as text
+        _ => None,
+    }
+}
+
+/// `value` with tags dropped to their data and every `!ref` replaced by what it points at.
+fn resolve(value: &Value, doc: &Value, path: &Path, depth: usize) -> Result<Value> {
+    if depth > 64 {
+        return Err(config_error(path, "!ref chain too deep (a cycle?)".into()));
+    }
+    Ok(match value {
+        Value::Tagged(tagged) if tagged.tag == "ref" => {
+            let expr = tagged.value.as_str().ok_or_else(|| config_error(path, "!ref needs a string".into()))?;
+            resolve_ref(expr, doc, path, depth)?
+        }
+        Value::Tagged(tagged) => resolve(&tagged.value, doc, path, depth + 1)?,
+        Value::Mapping(map) => Value::Mapping(
+            map.iter().map(|(k, v)| Ok((k.clone(), resolve(v, doc, path, depth + 1)?))).collect::<Result<_>>()?,
+        ),
+        Value::Sequence(items) => {
+            Value::Sequence(items.iter().map(|v| resolve(v, doc, path, depth + 1)).collect::<Result<_>>()?)
+        }
+        other => other.clone(),
+    })
+}
+
+/// `<a>` alone is the value at `a` (dotted path); otherwise references and numbers joined by `+ - * /`,
+/// evaluated left to right (the official files use one operator).
+fn resolve_ref(expr: &str, doc: &Value, path: &Path, depth: usize) -> Result<Value> {
+    let lookup = |name: &str| -> Result<Value> {
+        let mut node = doc;
+        for part in name.split('.') {
+            node = node.get(part).ok_or_else(|| config_error(path, format!("!ref <{name}> points at nothing")))?;
+        }
+        resolve(node, doc, path, depth + 1)
+    };
+    let trimmed = expr.trim();
+    if let Some(name) = trimmed.strip_prefix('<').and_then(|s| s.strip_suffix('>')) {
+        if !name.contains('<') {
+            return lookup(name);
+        }
+    }
+    let mut total: Option<f64> = None;
+    let mut op = '+';
+    for token in trimmed.split_whitespace() {
+        if matches!(token, "+" | "-" | "*" | "/") {
+            op = token.chars().next().unwrap_or('+');
+            continue;
+        }
+        let operand = match token.strip_prefix('<').and_then(|s| s.strip_suffix('>')) {
+            Some(name) => as_number(&lookup(name)?),
+            None => token.parse().ok(),
+        }
+        .ok_or_else(|| config_error(path, format!("!ref '{expr}': '{token}' is not a number")))?;
+        total = Some(match (total, op) {
+            (None, _) => operand,
+            (Some(t), '+') => t + operand,
+            (Some(t), '-') => t - operand,
+            (Some(t), '*') => t * operand,
+            (Some(t), _) => t / operand,
+        });
+    }
+    let total = total.ok_or_else(|| config_error(path, format!("empty !ref '{expr}'")))?;
+    Ok(if total.fract() == 0.0 && total >= 0.0 { Value::from(total as u64) } else { Value::from(total) })
+}
+
+fn read_text(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_owned(), source })
+}
+
+fn config_error(path: &Path, message: String) -> Error {
+    Error::Config { path: path.to_owned(), message }
+}

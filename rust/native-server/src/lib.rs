@@ -1,0 +1,12 @@
+//! CosyVoice3 inference in Rust on candle (CPU), reading the official model folder as it is: no Python at
+//! run time. Each stage is checked against the official reference's golden fixtures (tests/).
+
+pub mod bundle;
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod llm;
+mod nn;
+
+pub use bundle::Bundle;
+pub use error::{Error, Result};
