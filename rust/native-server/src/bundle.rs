@@ -3,9 +3,12 @@
 
 use std::path::{Path, PathBuf};
 
+use candle_core::Tensor;
+
 use crate::checkpoint::Checkpoint;
 use crate::config::{ModelConfig, QwenConfig};
 use crate::error::Result;
+use crate::flow::Flow;
 use crate::llm::CosyVoice3Lm;
 
 /// An opened model folder: its settings, and loaders for its networks.
@@ -27,5 +30,11 @@ impl Bundle {
     pub fn llm(&self) -> Result<CosyVoice3Lm> {
         let checkpoint = Checkpoint::load(&self.dir.join("llm.pt"), None)?;
         CosyVoice3Lm::load(&checkpoint, &self.qwen, &self.config.llm)
+    }
+
+    /// The flow from `flow.pt`, starting every utterance from `noise` [1, mel, L] (see [`Flow::load`]).
+    pub fn flow(&self, noise: Tensor) -> Result<Flow> {
+        let checkpoint = Checkpoint::load(&self.dir.join("flow.pt"), None)?;
+        Flow::load(&checkpoint, &self.config.flow, noise)
     }
 }

@@ -63,11 +63,44 @@ pub struct LlmConfig {
     pub sampling: SamplingConfig,
 }
 
+/// The DiT velocity estimator (`flow.decoder.estimator`).
+#[derive(Debug, Clone)]
+pub struct DitConfig {
+    pub dim: usize,
+    pub depth: usize,
+    pub heads: usize,
+    pub dim_head: usize,
+    pub ff_mult: usize,
+    pub mel_dim: usize,
+    pub mu_dim: usize,
+    pub spk_dim: usize,
+    /// Mel frames per chunk of the chunk-causal attention mask.
+    pub static_chunk_size: usize,
+}
+
+/// `flow:` of the yaml: token embedding, look-ahead layer, CFM decoder.
+#[derive(Debug, Clone)]
+pub struct FlowConfig {
+    pub input_size: usize,
+    pub output_size: usize,
+    pub spk_embed_dim: usize,
+    pub vocab_size: usize,
+    pub token_mel_ratio: usize,
+    pub pre_lookahead_len: usize,
+    pub pre_lookahead_channels: usize,
+    pub dit: DitConfig,
+    /// Classifier-free guidance strength at inference.
+    pub cfg_rate: f64,
+    /// Euler steps of the ODE (the reference's default; the yaml does not set it).
+    pub n_timesteps: usize,
+}
+
 /// Everything inference reads from `cosyvoice3.yaml`.
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
     pub sample_rate: usize,
     pub llm: LlmConfig,
+    pub flow: FlowConfig,
 }
 
 impl ModelConfig {
@@ -96,8 +129,39 @@ impl ModelConfig {
                 ),
             ));
         }
-        Ok(Self { sample_rate: doc.size(&["sample_rate"])?, llm })
+        let flow = read_flow(&doc)?;
+        if flow.vocab_size != llm.speech_token_size {
+            return Err(config_error(path, "llm.speech_token_size must equal flow.vocab_size".into()));
+        }
+        Ok(Self { sample_rate: doc.size(&["sample_rate"])?, llm, flow })
     }
+}
+
+fn read_flow(doc: &Yaml) -> Result<FlowConfig> {
+    let flow = |key: &str| doc.size(&["flow", key]);
+    let est = |key: &str| doc.size(&["flow", "decoder", "estimator", key]);
+    Ok(FlowConfig {
+        input_size: flow("input_size")?,
+        output_size: flow("output_size")?,
+        spk_embed_dim: flow("spk_embed_dim")?,
+        vocab_size: flow("vocab_size")?,
+        token_mel_ratio: flow("token_mel_ratio")?,
+        pre_lookahead_len: flow("pre_lookahead_len")?,
+        pre_lookahead_channels: doc.size(&["flow", "pre_lookahead_layer", "channels"])?,
+        dit: DitConfig {
+            dim: est("dim")?,
+            depth: est("depth")?,
+            heads: est("heads")?,
+            dim_head: est("dim_head")?,
+            ff_mult: est("ff_mult")?,
+            mel_dim: est("mel_dim")?,
+            mu_dim: est("mu_dim")?,
+            spk_dim: est("spk_dim")?,
+            static_chunk_size: est("static_chunk_size")?,
+        },
+        cfg_rate: doc.num(&["flow", "decoder", "cfm_params", "content", "inference_cfg_rate"])?,
+        n_timesteps: 10,
+    })
 }
 
 /// A resolved yaml document and where it came from.

@@ -4,7 +4,9 @@
 pub mod bundle;
 pub mod checkpoint;
 pub mod config;
+pub mod dit;
 pub mod error;
+pub mod flow;
 pub mod llm;
 mod nn;
 

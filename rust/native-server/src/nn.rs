@@ -1,5 +1,6 @@
-//! Layers the networks share, built from checkpoint tensors with their shapes checked.
+//! Layers the three networks share, built from checkpoint tensors with their shapes checked.
 
+use candle_core::{Device, Tensor};
 use candle_nn::Linear;
 
 use crate::checkpoint::Checkpoint;
@@ -10,4 +11,56 @@ pub(crate) fn linear(ckpt: &Checkpoint, prefix: &str, shape: [usize; 2], bias: b
     let weight = ckpt.get_shaped(&format!("{prefix}.weight"), &shape)?;
     let bias = if bias { Some(ckpt.get_shaped(&format!("{prefix}.bias"), &shape[..1])?) } else { None };
     Ok(Linear::new(weight, bias))
+}
+
+/// An unpadded 1-d convolution (`torch.nn.Conv1d` with padding 0): callers pad as the reference does.
+pub(crate) struct Conv1d {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    groups: usize,
+}
+
+impl Conv1d {
+    /// `prefix.weight` [out, in / groups, kernel] and `prefix.bias` [out].
+    pub(crate) fn load(ckpt: &Checkpoint, prefix: &str, shape: [usize; 3], groups: usize) -> Result<Self> {
+        Ok(Self {
+            weight: ckpt.get_shaped(&format!("{prefix}.weight"), &shape)?,
+            bias: Some(ckpt.get_shaped(&format!("{prefix}.bias"), &shape[..1])?),
+            groups,
+        })
+    }
+
+    /// `kernel - 1`: the input frames each output reads beyond its own.
+    pub(crate) fn context(&self) -> usize {
+        self.weight.dim(2).unwrap_or(1) - 1
+    }
+
+    /// [B, in, L] -> [B, out, L - context].
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = x.conv1d(&self.weight, 0, 1, 1, self.groups)?;
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(&b.reshape((1, b.dim(0)?, 1))?)?,
+            None => y,
+        })
+    }
+}
+
+/// `x` [.., L] with `left` and `right` zero frames added on the last axis.
+pub(crate) fn pad_zeros(x: &Tensor, left: usize, right: usize) -> Result<Tensor> {
+    Ok(x.pad_with_zeros(candle_core::D::Minus1, left, right)?)
+}
+
+/// Layer norm over the last axis without affine parameters (`F.layer_norm(x, (C,), eps=eps)`).
+pub(crate) fn layer_norm(x: &Tensor, eps: f32) -> Result<Tensor> {
+    let width = x.dim(candle_core::D::Minus1)?;
+    let ones = Tensor::ones(width, x.dtype(), &Device::Cpu)?;
+    let zeros = Tensor::zeros(width, x.dtype(), &Device::Cpu)?;
+    Ok(candle_nn::ops::layer_norm(x, &ones, &zeros, eps)?)
+}
+
+/// Mish: x * tanh(softplus(x)), softplus linear above 20 as torch's.
+pub(crate) fn mish(x: &Tensor) -> Result<Tensor> {
+    let softplus = (x.exp()? + 1.0)?.log()?;
+    let softplus = x.gt(20.0)?.where_cond(x, &softplus)?;
+    Ok((x * softplus.tanh()?)?)
 }
