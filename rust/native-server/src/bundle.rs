@@ -9,7 +9,9 @@ use crate::checkpoint::Checkpoint;
 use crate::config::{ModelConfig, QwenConfig};
 use crate::error::Result;
 use crate::flow::Flow;
+use crate::hift::Hift;
 use crate::llm::CosyVoice3Lm;
+use crate::rng::SineGenNoise;
 
 /// An opened model folder: its settings, and loaders for its networks.
 pub struct Bundle {
@@ -36,5 +38,12 @@ impl Bundle {
     pub fn flow(&self, noise: Tensor) -> Result<Flow> {
         let checkpoint = Checkpoint::load(&self.dir.join("flow.pt"), None)?;
         Flow::load(&checkpoint, &self.config.flow, noise)
+    }
+
+    /// The vocoder from `hift.pt` (every `generator.` removed from its keys, as the official loader does), with
+    /// SineGen2's fixed buffers replayed for this bundle's dims.
+    pub fn hift(&self) -> Result<Hift> {
+        let checkpoint = Checkpoint::load(&self.dir.join("hift.pt"), Some("generator."))?;
+        Hift::load(&checkpoint, &self.config.hift, SineGenNoise::for_model(&self.config)?)
     }
 }

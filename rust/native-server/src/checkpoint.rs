@@ -62,6 +62,22 @@ impl Checkpoint {
         Ok(tensor)
     }
 
+    /// The effective weight of a weight-normed layer, `g * v / ||v||` (the norm over every dim but the first),
+    /// computed in `dtype`. Reads the parametrization keys (`parametrizations.weight.original0` = g, `original1`
+    /// = v) or the legacy `weight_g` / `weight_v`, as torch's load hook accepts both.
+    pub fn weight_norm(&self, prefix: &str, dtype: DType) -> Result<Tensor> {
+        let current = format!("{prefix}.parametrizations.weight.original0");
+        let (g, v) = if self.contains(&current) {
+            (self.get(&current)?, self.get(&format!("{prefix}.parametrizations.weight.original1"))?)
+        } else {
+            (self.get(&format!("{prefix}.weight_g"))?, self.get(&format!("{prefix}.weight_v"))?)
+        };
+        let (g, v) = (g.to_dtype(dtype)?, v.to_dtype(dtype)?);
+        let dims: Vec<usize> = (1..v.rank()).collect();
+        let norm = v.sqr()?.sum_keepdim(dims)?.sqrt()?;
+        Ok(v.broadcast_mul(&g.broadcast_div(&norm)?)?)
+    }
+
     /// The file this state dict came from (for error messages).
     pub fn path(&self) -> &Path {
         &self.path

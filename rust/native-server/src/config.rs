@@ -95,12 +95,52 @@ pub struct FlowConfig {
     pub n_timesteps: usize,
 }
 
+/// The vocoder's F0 predictor (`hift.f0_predictor`).
+#[derive(Debug, Clone)]
+pub struct F0PredictorConfig {
+    pub num_class: usize,
+    pub in_channels: usize,
+    pub cond_channels: usize,
+}
+
+/// `hift:` of the yaml: the causal HiFT vocoder.
+#[derive(Debug, Clone)]
+pub struct HiftConfig {
+    pub in_channels: usize,
+    pub base_channels: usize,
+    pub nb_harmonics: usize,
+    pub sampling_rate: usize,
+    pub nsf_alpha: f64,
+    pub nsf_sigma: f64,
+    pub nsf_voiced_threshold: f64,
+    pub upsample_rates: Vec<usize>,
+    pub upsample_kernel_sizes: Vec<usize>,
+    pub n_fft: usize,
+    pub hop_len: usize,
+    pub resblock_kernel_sizes: Vec<usize>,
+    pub resblock_dilation_sizes: Vec<Vec<usize>>,
+    pub source_resblock_kernel_sizes: Vec<usize>,
+    pub source_resblock_dilation_sizes: Vec<Vec<usize>>,
+    pub lrelu_slope: f64,
+    pub audio_limit: f64,
+    pub conv_pre_look_right: usize,
+    pub f0_predictor: F0PredictorConfig,
+}
+
+impl HiftConfig {
+    /// Waveform samples per mel frame (480 for the released model).
+    pub fn upsample_scale(&self) -> usize {
+        self.hop_len * self.upsample_rates.iter().product::<usize>()
+    }
+}
+
 /// Everything inference reads from `cosyvoice3.yaml`.
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
     pub sample_rate: usize,
     pub llm: LlmConfig,
     pub flow: FlowConfig,
+    pub hift: HiftConfig,
 }
 
 impl ModelConfig {
@@ -133,7 +173,7 @@ impl ModelConfig {
         if flow.vocab_size != llm.speech_token_size {
             return Err(config_error(path, "llm.speech_token_size must equal flow.vocab_size".into()));
         }
-        Ok(Self { sample_rate: doc.size(&["sample_rate"])?, llm, flow })
+        Ok(Self { sample_rate: doc.size(&["sample_rate"])?, llm, flow, hift: read_hift(&doc)? })
     }
 }
 
@@ -164,6 +204,43 @@ fn read_flow(doc: &Yaml) -> Result<FlowConfig> {
     })
 }
 
+fn read_hift(doc: &Yaml) -> Result<HiftConfig> {
+    let size = |key: &str| doc.size(&["hift", key]);
+    let num = |key: &str| doc.num(&["hift", key]);
+    let sizes = |key: &str| doc.sizes(doc.get(&["hift", key])?, key);
+    let nested = |key: &str| -> Result<Vec<Vec<usize>>> {
+        let node = doc.get(&["hift", key])?;
+        let rows = node.as_sequence().ok_or_else(|| config_error(&doc.path, format!("'hift.{key}' is not a list")))?;
+        rows.iter().map(|row| doc.sizes(row, key)).collect()
+    };
+    let f0 = |key: &str| doc.size(&["hift", "f0_predictor", key]);
+    Ok(HiftConfig {
+        in_channels: size("in_channels")?,
+        base_channels: size("base_channels")?,
+        nb_harmonics: size("nb_harmonics")?,
+        sampling_rate: size("sampling_rate")?,
+        nsf_alpha: num("nsf_alpha")?,
+        nsf_sigma: num("nsf_sigma")?,
+        nsf_voiced_threshold: num("nsf_voiced_threshold")?,
+        upsample_rates: sizes("upsample_rates")?,
+        upsample_kernel_sizes: sizes("upsample_kernel_sizes")?,
+        n_fft: doc.size(&["hift", "istft_params", "n_fft"])?,
+        hop_len: doc.size(&["hift", "istft_params", "hop_len"])?,
+        resblock_kernel_sizes: sizes("resblock_kernel_sizes")?,
+        resblock_dilation_sizes: nested("resblock_dilation_sizes")?,
+        source_resblock_kernel_sizes: sizes("source_resblock_kernel_sizes")?,
+        source_resblock_dilation_sizes: nested("source_resblock_dilation_sizes")?,
+        lrelu_slope: num("lrelu_slope")?,
+        audio_limit: num("audio_limit")?,
+        conv_pre_look_right: size("conv_pre_look_right")?,
+        f0_predictor: F0PredictorConfig {
+            num_class: f0("num_class")?,
+            in_channels: f0("in_channels")?,
+            cond_channels: f0("cond_channels")?,
+        },
+    })
+}
+
 /// A resolved yaml document and where it came from.
 struct Yaml {
     path: PathBuf,
@@ -182,6 +259,13 @@ impl Yaml {
     fn num(&self, keys: &[&str]) -> Result<f64> {
         let node = self.get(keys)?;
         as_number(node).ok_or_else(|| config_error(&self.path, format!("'{}' is not a number", keys.join("."))))
+    }
+
+    /// A list of positive integers (`what` names it in errors).
+    fn sizes(&self, node: &Value, what: &str) -> Result<Vec<usize>> {
+        let bad = || config_error(&self.path, format!("'{what}' must be a list of positive integers"));
+        let items = node.as_sequence().ok_or_else(bad)?;
+        items.iter().map(|v| v.as_u64().filter(|n| *n > 0).map(|n| n as usize).ok_or_else(bad)).collect()
     }
 
     fn size(&self, keys: &[&str]) -> Result<usize> {

@@ -15,7 +15,7 @@ use crate::checkpoint::Checkpoint;
 use crate::config::FlowConfig;
 use crate::dit::Dit;
 use crate::error::{Error, Result};
-use crate::nn::{linear, pad_zeros, Conv1d};
+use crate::nn::{linear, pad_zeros, repeat_frames, Conv1d};
 
 /// The flow model of `flow.pt` with its start noise.
 pub struct Flow {
@@ -69,9 +69,7 @@ impl Flow {
         let [conv1, conv2] = &self.lookahead_convs;
         let h = candle_nn::ops::leaky_relu(&conv1.forward(&padded)?, 0.01)?;
         let h = (conv2.forward(&pad_zeros(&h, conv2.context(), 0)?)? + x)?;
-        let (b, c, t) = h.dims3()?;
-        let ratio = self.cfg.token_mel_ratio;
-        Ok(h.transpose(1, 2)?.unsqueeze(2)?.broadcast_as((b, t, ratio, c))?.reshape((b, t * ratio, c))?)
+        Ok(repeat_frames(&h, self.cfg.token_mel_ratio)?.transpose(1, 2)?)
     }
 
     /// The velocity estimator.

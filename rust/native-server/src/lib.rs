@@ -7,8 +7,12 @@ pub mod config;
 pub mod dit;
 pub mod error;
 pub mod flow;
+pub mod hift;
 pub mod llm;
 mod nn;
+pub mod rng;
+pub mod source;
+pub mod stft;
 
 pub use bundle::Bundle;
 pub use error::{Error, Result};
