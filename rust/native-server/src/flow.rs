@@ -72,6 +72,16 @@ impl Flow {
         Ok(repeat_frames(&h, self.cfg.token_mel_ratio)?.transpose(1, 2)?)
     }
 
+    /// Tokens after a chunk that the look-ahead layer reads (`pre_lookahead_len`).
+    pub fn lookahead(&self) -> usize {
+        self.cfg.pre_lookahead_len
+    }
+
+    /// Mel frames per speech token.
+    pub fn token_mel_ratio(&self) -> usize {
+        self.cfg.token_mel_ratio
+    }
+
     /// The velocity estimator.
     pub fn dit(&self) -> &Dit {
         &self.dit

@@ -13,6 +13,7 @@ mod nn;
 pub mod rng;
 pub mod source;
 pub mod stft;
+pub mod t2w;
 
 pub use bundle::Bundle;
 pub use error::{Error, Result};
