@@ -11,6 +11,7 @@ pub mod hift;
 pub mod llm;
 mod nn;
 pub mod rng;
+pub mod sampling;
 pub mod source;
 pub mod stft;
 pub mod t2w;

@@ -12,6 +12,11 @@ use crate::checkpoint::Checkpoint;
 use crate::config::{LlmConfig, QwenConfig, SamplingConfig};
 use crate::error::{Error, Result};
 use crate::nn::linear;
+use crate::sampling::Sampler;
+
+/// Speech tokens the official decoding loop stops passing on after `MAX_SILENT_RUN` of them in a row.
+pub const SILENT_TOKENS: [u32; 11] = [1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323];
+pub const MAX_SILENT_RUN: usize = 5;
 
 /// Rows of the speech tables past the real speech tokens: sos, eos, task_id, fill, then unused stop ids.
 pub const N_EXTRA_TOKENS: usize = 200;
@@ -262,6 +267,42 @@ impl CosyVoice3Lm {
     /// Hidden states [T, H] of `embeds` [T, H] after `cache`'s positions (see [`Qwen2::forward`]).
     pub fn forward(&self, embeds: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         self.qwen.forward(embeds, cache)
+    }
+
+    /// The official decoding loop: the prompt `lm_input` [L, H], then one speech token per step until a stop
+    /// id (not emitted) or `max_len` tokens. As the reference, only index `speech_token_size` (sos, not eos) is
+    /// banned before `min_len`, so the other stop ids can end generation early; silent tokens are fed back but
+    /// not passed on after `MAX_SILENT_RUN` in a row. Returns the tokens passed on.
+    pub fn generate(
+        &self,
+        lm_input: &Tensor,
+        min_len: usize,
+        max_len: usize,
+        sampler: &mut dyn Sampler,
+    ) -> Result<Vec<u32>> {
+        let mut cache = KvCache::default();
+        let (mut decoded, mut emitted) = (Vec::new(), Vec::new());
+        let mut silent_run = 0;
+        let mut x = lm_input.clone();
+        for step in 0..max_len {
+            let hidden = self.forward(&x, &mut cache)?;
+            let last = hidden.narrow(0, hidden.dim(0)? - 1, 1)?;
+            let mut scores = self.log_probs(&last)?.squeeze(0)?.to_vec1::<f32>()?;
+            if step < min_len {
+                scores[self.sos() as usize] = f32::NEG_INFINITY;
+            }
+            let token = sampler.sample(&scores, &decoded);
+            if self.is_stop(token) {
+                break;
+            }
+            decoded.push(token);
+            silent_run = if SILENT_TOKENS.contains(&token) { silent_run + 1 } else { 0 };
+            if silent_run <= MAX_SILENT_RUN {
+                emitted.push(token);
+            }
+            x = self.speech_embeddings(&[token])?;
+        }
+        Ok(emitted)
     }
 
     /// Log-probabilities [T, speech_token_size + 200] of the next token for hidden states [T, H].
