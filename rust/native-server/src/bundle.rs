@@ -12,6 +12,7 @@ use crate::flow::Flow;
 use crate::hift::Hift;
 use crate::llm::CosyVoice3Lm;
 use crate::rng::SineGenNoise;
+use crate::tokenizer::CosyVoice3Tokenizer;
 
 /// An opened model folder: its settings, and loaders for its networks.
 pub struct Bundle {
@@ -45,5 +46,10 @@ impl Bundle {
     pub fn hift(&self) -> Result<Hift> {
         let checkpoint = Checkpoint::load(&self.dir.join("hift.pt"), Some("generator."))?;
         Hift::load(&checkpoint, &self.config.hift, SineGenNoise::for_model(&self.config)?)
+    }
+
+    /// The text tokenizer of `CosyVoice-BlankEN/`.
+    pub fn tokenizer(&self) -> Result<CosyVoice3Tokenizer> {
+        CosyVoice3Tokenizer::load(&self.dir.join("CosyVoice-BlankEN"))
     }
 }

@@ -345,10 +345,10 @@ fn resolve_ref(expr: &str, doc: &Value, path: &Path, depth: usize) -> Result<Val
     Ok(if total.fract() == 0.0 && total >= 0.0 { Value::from(total as u64) } else { Value::from(total) })
 }
 
-fn read_text(path: &Path) -> Result<String> {
+pub(crate) fn read_text(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_owned(), source })
 }
 
-fn config_error(path: &Path, message: String) -> Error {
+pub(crate) fn config_error(path: &Path, message: String) -> Error {
     Error::Config { path: path.to_owned(), message }
 }

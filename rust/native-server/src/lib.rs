@@ -15,6 +15,7 @@ pub mod sampling;
 pub mod source;
 pub mod stft;
 pub mod t2w;
+pub mod tokenizer;
 
 pub use bundle::Bundle;
 pub use error::{Error, Result};
