@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod dit;
 pub mod error;
+pub mod features;
 pub mod flow;
 pub mod hift;
 pub mod llm;

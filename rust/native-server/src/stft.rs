@@ -4,6 +4,7 @@
 use candle_core::{Device, Tensor};
 
 use crate::error::Result;
+use crate::features::reflect_pad;
 
 /// One STFT size: its window and DFT tables.
 pub struct Stft {
@@ -33,21 +34,8 @@ impl Stft {
 
     /// Real and imaginary parts [1, bins, samples / hop + 1] of `signal`, reflect-padded by n_fft / 2.
     pub fn forward(&self, signal: &[f32]) -> Result<(Tensor, Tensor)> {
-        let pad = self.n_fft / 2;
         let len = signal.len();
-        let padded: Vec<f32> = (0..len + 2 * pad)
-            .map(|i| {
-                let j = i as isize - pad as isize;
-                let j = if j < 0 {
-                    -j
-                } else if j >= len as isize {
-                    2 * (len as isize - 1) - j
-                } else {
-                    j
-                };
-                signal[j as usize]
-            })
-            .collect();
+        let padded = reflect_pad(signal, self.n_fft / 2, self.n_fft / 2);
         let frames = len / self.hop + 1;
         let bins = self.bins();
         let (mut re, mut im) = (vec![0f32; bins * frames], vec![0f32; bins * frames]);
