@@ -16,6 +16,7 @@ pub mod sampling;
 pub mod source;
 pub mod stft;
 pub mod t2w;
+pub mod text;
 pub mod tokenizer;
 
 pub use bundle::Bundle;
