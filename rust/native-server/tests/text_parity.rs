@@ -10,8 +10,7 @@ use cosyvoice_native::Bundle;
 #[test]
 fn text_frontend_matches_reference_without_numbers() {
     let Some(dir) = common::golden_dir() else { return };
-    let golden: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("text_frontend.json")).unwrap()).unwrap();
+    let golden = common::json(&dir, "text_frontend.json");
     let tokenizer = Bundle::open(&dir.join("tiny_bundle")).unwrap().tokenizer().unwrap();
     let frontend = TextFrontend::new(&tokenizer);
     let (mut checked, mut with_digits) = (0, 0);

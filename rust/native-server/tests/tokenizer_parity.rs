@@ -8,8 +8,7 @@ use cosyvoice_native::Bundle;
 #[test]
 fn tokenizer_matches_reference() {
     let Some(dir) = common::golden_dir() else { return };
-    let golden: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("text_frontend.json")).unwrap()).unwrap();
+    let golden = common::json(&dir, "text_frontend.json");
     let tokenizer = Bundle::open(&dir.join("tiny_bundle")).unwrap().tokenizer().unwrap();
     let ids = |v: &serde_json::Value| -> Vec<u32> {
         v.as_array().unwrap().iter().map(|i| i.as_u64().unwrap() as u32).collect()

@@ -25,11 +25,14 @@ pub fn load(dir: &std::path::Path, file: &str) -> HashMap<String, Tensor> {
     candle_core::safetensors::load(dir.join(file), &Device::Cpu).unwrap()
 }
 
+/// A golden JSON file, parsed.
+pub fn json(dir: &std::path::Path, file: &str) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join(file)).unwrap()).unwrap()
+}
+
 /// A scalar of the manifest (`manifest[file].scalars[name].value`).
 pub fn scalar(dir: &std::path::Path, file: &str, name: &str) -> serde_json::Value {
-    let text = std::fs::read_to_string(dir.join("manifest.json")).unwrap();
-    let manifest: serde_json::Value = serde_json::from_str(&text).unwrap();
-    manifest[file]["scalars"][name]["value"].clone()
+    json(dir, "manifest.json")[file]["scalars"][name]["value"].clone()
 }
 
 /// An integer array as token ids.
