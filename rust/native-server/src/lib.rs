@@ -1,6 +1,7 @@
 //! CosyVoice3 inference in Rust on candle (CPU), reading the official model folder as it is: no Python at
 //! run time. Each stage is checked against the official reference's golden fixtures (tests/).
 
+pub mod audio;
 pub mod bundle;
 pub mod checkpoint;
 pub mod config;

@@ -1,9 +1,10 @@
 //! Prompt-audio features against the official frontend (golden `frontend.safetensors` on `prompt_24k.wav`):
-//! the 16 kHz resampling, the flow's 24 kHz mel, Whisper's log-mel and Kaldi's fbank.
+//! the WAV decoded and resampled to 16 kHz, the flow's 24 kHz mel, Whisper's log-mel and Kaldi's fbank.
 
 mod common;
 
 use candle_core::{Device, Tensor};
+use cosyvoice_native::audio::decode_wav;
 use cosyvoice_native::features::{kaldi_fbank, prompt_mel, resample, whisper_log_mel};
 
 // golden README section 9 / cosyvoice/tools/parity/tolerances.py: |ours - ref| <= atol + rtol * |ref|
@@ -14,17 +15,6 @@ const RTOL: f64 = 1e-5;
 // from the reference's; our Python path in float32 comes closer only on MKL's bit-compatible FFT path
 // (MKL_CBWR=COMPATIBLE). Whisper's log-mel floors such bins, so it keeps the README's 1e-4.
 const LOG_SPECTRUM_ATOL: f64 = 1e-3;
-
-/// The samples of a mono 16-bit PCM WAV file as float32 (int16 / 32768).
-fn read_wav(path: &std::path::Path) -> Vec<f32> {
-    let bytes = std::fs::read(path).unwrap();
-    let mut at = 12;
-    while &bytes[at..at + 4] != b"data" {
-        at += 8 + u32::from_le_bytes(bytes[at + 4..at + 8].try_into().unwrap()) as usize;
-    }
-    let size = u32::from_le_bytes(bytes[at + 4..at + 8].try_into().unwrap()) as usize;
-    bytes[at + 8..at + 8 + size].chunks_exact(2).map(|b| i16::from_le_bytes([b[0], b[1]]) as f32 / 32768.0).collect()
-}
 
 fn check(name: &str, ours: &Tensor, theirs: &Tensor, atol: f64) -> f64 {
     let ours = ours.flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -43,7 +33,9 @@ fn check(name: &str, ours: &Tensor, theirs: &Tensor, atol: f64) -> f64 {
 fn features_match_reference() {
     let Some(dir) = common::golden_dir() else { return };
     let g = common::load(&dir, "frontend.safetensors");
-    let wav = read_wav(&dir.join("prompt_24k.wav"));
+    let audio = decode_wav(&std::fs::read(dir.join("prompt_24k.wav")).unwrap()).unwrap();
+    assert_eq!(audio.sample_rate, 24000);
+    let wav = audio.samples;
     let wav_16k = resample(&wav, 24000, 16000);
     let resample_err = check("wav_16k", &Tensor::new(wav_16k.as_slice(), &Device::Cpu).unwrap(), &g["wav_16k"], ATOL);
     let mel = prompt_mel(&wav, 24000, 1920, 480, 80).unwrap().transpose(1, 2).unwrap();
