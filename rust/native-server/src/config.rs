@@ -32,8 +32,8 @@ impl QwenConfig {
         let cfg: Self = serde_json::from_str(&text).map_err(|e| config_error(path, e.to_string()))?;
         if cfg.num_attention_heads == 0
             || cfg.num_key_value_heads == 0
-            || cfg.hidden_size % cfg.num_attention_heads != 0
-            || cfg.num_attention_heads % cfg.num_key_value_heads != 0
+            || !cfg.hidden_size.is_multiple_of(cfg.num_attention_heads)
+            || !cfg.num_attention_heads.is_multiple_of(cfg.num_key_value_heads)
         {
             return Err(config_error(path, "heads must divide hidden_size and kv heads divide heads".into()));
         }

@@ -35,7 +35,7 @@ pub fn resample(wav: &[f32], orig_sr: usize, new_sr: usize) -> Vec<f32> {
         .collect();
     let mut padded = vec![0f32; width];
     padded.extend_from_slice(wav);
-    padded.extend(std::iter::repeat(0.0).take(width + orig));
+    padded.extend(std::iter::repeat_n(0.0, width + orig));
     let blocks = (padded.len() - (2 * width + orig)) / orig + 1;
     let target = (new * wav.len()).div_ceil(orig);
     let mut out = Vec::with_capacity(blocks * new);

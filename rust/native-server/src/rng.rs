@@ -74,7 +74,7 @@ impl TorchGenerator {
         for start in (0..=n - 16).step_by(16) {
             box_muller_16(&mut data[start..start + 16]);
         }
-        if n % 16 != 0 {
+        if !n.is_multiple_of(16) {
             let tail = n - 16;
             data[tail..].copy_from_slice(&self.uniform(16));
             box_muller_16(&mut data[tail..]);
