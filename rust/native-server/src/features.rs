@@ -208,3 +208,10 @@ pub fn kaldi_fbank(wav_16k: &[f32], n_mels: usize) -> Result<Tensor> {
     let banks = Tensor::from_vec(banks, (n_mels, bins), &Device::Cpu)?;
     Ok(power.matmul(&banks.t()?)?.clamp(f32::EPSILON, f32::MAX)?.log()?)
 }
+
+/// The prompt mel [1, T, mels] and its speech tokens trimmed to exactly `ratio` mel frames per token, as the
+/// flow reads them: n = min(T / ratio, tokens) tokens and n * ratio frames.
+pub fn align_prompt(mel: &Tensor, tokens: &[u32], ratio: usize) -> Result<(Tensor, Vec<u32>)> {
+    let n = (mel.dim(1)? / ratio).min(tokens.len());
+    Ok((mel.narrow(1, 0, n * ratio)?, tokens[..n].to_vec()))
+}

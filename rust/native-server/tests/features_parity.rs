@@ -5,7 +5,7 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use cosyvoice_native::audio::decode_wav;
-use cosyvoice_native::features::{kaldi_fbank, prompt_mel, resample, whisper_log_mel};
+use cosyvoice_native::features::{align_prompt, kaldi_fbank, prompt_mel, resample, whisper_log_mel};
 
 // golden README section 9 / cosyvoice/tools/parity/tolerances.py: |ours - ref| <= atol + rtol * |ref|
 const ATOL: f64 = 1e-4;
@@ -49,6 +49,10 @@ fn features_match_reference() {
         &g["kaldi_fbank80_raw"],
         LOG_SPECTRUM_ATOL,
     );
+    // zero-shot: the mel and the speech tokens trimmed to two frames per token, exactly as the reference
+    let (feat, tokens) = align_prompt(&g["speech_feat_mel80"], &common::ids(&g["speech_tokens"]), 2).unwrap();
+    assert_eq!(common::max_abs_diff(&feat, &g["zs_prompt_speech_feat"]), 0.0, "aligned prompt mel");
+    assert_eq!(tokens, common::ids(&g["zs_flow_prompt_speech_token"]), "aligned prompt tokens");
     println!(
         "parity features: wav_16k {resample_err:.2e}, mel80 {mel_err:.2e}, whisper {whisper_err:.2e}, fbank {fbank_err:.2e}"
     );
