@@ -12,6 +12,7 @@ pub mod flow;
 pub mod hift;
 pub mod llm;
 mod nn;
+pub mod prompts;
 pub mod rng;
 pub mod sampling;
 pub mod source;

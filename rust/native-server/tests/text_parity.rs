@@ -4,7 +4,9 @@
 
 mod common;
 
+use cosyvoice_native::prompts::{instruct_text, prefixed};
 use cosyvoice_native::text::TextFrontend;
+use cosyvoice_native::tokenizer::END_OF_PROMPT;
 use cosyvoice_native::Bundle;
 
 #[test]
@@ -31,4 +33,20 @@ fn text_frontend_matches_reference_without_numbers() {
     }
     assert!(checked >= 12, "only {checked} cases without digits");
     println!("parity text: {checked} cases equal (normalised and split); {with_digits} with digits kept as digits");
+}
+
+#[test]
+fn prompt_text_reaches_the_llm_verbatim() {
+    let Some(dir) = common::golden_dir() else { return };
+    let tokenizer = Bundle::open(&dir.join("tiny_bundle")).unwrap().tokenizer().unwrap();
+    let frontend = TextFrontend::new(&tokenizer);
+    let end_of_prompt = tokenizer.token_to_id(END_OF_PROMPT).unwrap();
+    for text in
+        [prefixed("I have 3 cats."), prefixed("今天是2024年。"), instruct_text("Speak 2 times faster.").unwrap()]
+    {
+        assert_eq!(frontend.normalize(&text), text, "markup skips normalisation");
+        assert_eq!(frontend.split(&text).unwrap(), vec![text.clone()], "and splitting");
+        let ids = tokenizer.encode(&text).unwrap();
+        assert_eq!(ids.iter().filter(|&&id| id == end_of_prompt).count(), 1, "{text}");
+    }
 }
