@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# Builds the Rust workspace (rust/): the bridge server rust/target/release/cosyvoice-server and the HTTP front
-# its servers share (rust/http-front), then runs the crates' unit tests.
+# Builds the Rust workspace (rust/): the bridge server rust/target/release/cosyvoice-server, the HTTP front
+# its servers share (rust/http-front) and the native engine (rust/native-server, candle), then runs the crates'
+# tests, among them the native engine's parity tests against the golden fixtures (../shared/golden beside the
+# repository, or COSYVOICE_GOLDEN_DIR; where absent they pass without checking, and this script says so).
 #
-# The toolchain is rustup's cargo (1.75 or newer: hyper 1 and tokio need it; Debian's /usr/bin/cargo 1.63 is
-# too old). Crates come from crates.io at the versions rust/Cargo.lock pins: `cargo fetch` downloads what the
-# local cache (~/.cargo/registry) lacks, once; the build itself runs offline, so a machine that fetched once
-# builds without a network. PyO3 links the Python of the project's venv (COSYVOICE_VENV, default .venv: run
-# scripts/setup.sh first) and records its library folder as the binary's run path, so the binary starts from
-# any folder without a wrapper. Used by scripts/test.sh (and so .ci/run). `--packages` only installs the
-# missing apt packages (a C linker, and the venv Python's shared library where its base lacks it; apt cannot
-# run twice at once: scripts/test.sh installs them before its parallel builds).
+# The toolchain is rustup's cargo (1.88 or newer: the pinned tokio needs 1.85, the zip reader candle opens
+# torch checkpoints with 1.88; Debian's /usr/bin/cargo 1.63 is too old). Crates come from crates.io at the
+# versions rust/Cargo.lock pins: `cargo fetch` downloads what the local cache (~/.cargo/registry) lacks, once;
+# the build itself runs offline, so a machine that fetched once builds without a network. PyO3 links the
+# Python of the project's venv (COSYVOICE_VENV, default .venv: run scripts/setup.sh first) and records its
+# library folder as the binary's run path, so the binary starts from any folder without a wrapper. Used by
+# scripts/test.sh (and so .ci/run). `--packages` only installs the missing apt packages (a C linker, and the
+# venv Python's shared library where its base lacks it; apt cannot run twice at once: scripts/test.sh
+# installs them before its parallel builds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${COSYVOICE_VENV:-.venv}
-MIN_RUST=1.75
+MIN_RUST=1.88
 log() { echo "[build_rust] $*" >&2; }
 
 # the venv's base Python: its shared library is what PyO3 links
@@ -54,4 +57,6 @@ cd rust
 "$CARGO" fetch --locked || log "WARNING: cargo fetch failed (no network?): building from the local crate cache"
 export PYO3_PYTHON="$PY"
 "$CARGO" build --release --offline --locked
+golden=${COSYVOICE_GOLDEN_DIR:-../../shared/golden}
+[ -f "$golden/manifest.json" ] || log "WARNING: no golden fixtures at $golden: the native engine's parity tests check nothing"
 "$CARGO" test --release --offline --locked --quiet
