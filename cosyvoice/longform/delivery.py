@@ -24,18 +24,15 @@ import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO, Protocol
 
 import numpy as np
 
 from cosyvoice.encoding import AudioFormat, write_file
 from cosyvoice.errors import ConflictError, InvalidInputError, NotFoundError
 from cosyvoice.longform import finishing
-from cosyvoice.longform.store import Take
+from cosyvoice.longform.store import Project, ProjectStore, Segment, Take
 from cosyvoice.system.sqlite import require_writable
-
-if TYPE_CHECKING:
-    from cosyvoice.longform.projects import LongformStudio
 
 ACX_SAMPLE_RATE = 44_100
 ACX_BIT_RATE = 192_000
@@ -385,12 +382,24 @@ def book_result(files: list[FileReport]) -> dict:
 # ----------------------------------------------------------------------------- a project's delivery
 
 
+class Projects(Protocol):
+    """What a delivery reads of the long-form studio (:class:`~cosyvoice.longform.projects.LongformStudio`),
+    named here so that the studio may own its deliveries without an import running back to it."""
+
+    store: ProjectStore
+    sample_rate: int
+
+    def project(self, project_id: str) -> Project: ...
+
+    def plan(self, project_id: str) -> tuple[list[tuple[Segment, Take, float]], finishing.Finish]: ...
+
+
 class Deliveries:
     """Projects' ACX deliveries in the data folder: ``longform/delivery/<project>.zip`` (a chapter MP3 per file)
     with its check beside it (``.json``), kept until the project changes (a delivery of takes, settings or tags
     no longer the project's is refused, not served); covers in ``longform/covers/<project>``."""
 
-    def __init__(self, studio: LongformStudio) -> None:
+    def __init__(self, studio: Projects) -> None:
         self.studio = studio
         self.folder = studio.store.audio_root / "delivery"
         self.covers = studio.store.audio_root / "covers"
