@@ -49,6 +49,7 @@ import json
 import os
 import platform
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -218,6 +219,14 @@ def profile(tts: CosyVoice3, prompt_wav: Path, fixed: int) -> dict[str, float]:
     out["vocoder_s_per_audio_s"] = (time.perf_counter() - start) / (wav.shape[-1] / tts.sample_rate)
     torch.set_num_threads(llm_threads + t2w_threads)
     return out
+
+
+def _ended(returncode: int) -> str:
+    """How a row's process ended when it said nothing: a signal (the kernel's OOM killer sends SIGKILL) or a code."""
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        return f"killed by {name}" + (" (out of memory? see dmesg)" if name == "SIGKILL" else "")
+    return f"exited with code {returncode}"
 
 
 def thread_layouts(repeats: int = 2) -> list[dict[str, object]]:
@@ -689,7 +698,7 @@ def main(argv: list[str] | None = None) -> dict:
                                   capture_output=True, text=True)
             lines = done.stdout.strip().splitlines()
             results[row] = json.loads(lines[-1]) if done.returncode == 0 and lines else {
-                "failed": done.stderr.strip().splitlines()[-1:]}
+                "failed": done.stderr.strip().splitlines()[-1:] or [_ended(done.returncode)]}
         print(row, json.dumps(results[row]), flush=True)
     settings["load_after"] = load_average()
     report.update(profile=prof, threads=layouts, rows=results)
