@@ -111,7 +111,10 @@ class VoiceLibrary(PortableVoices, VoiceRules):
         name = check_name(name)
         self.folder.writable()  # before featurising: a refusal or a taken name fails fast
         self._check_free(name)
-        upload = self.prompts.decode(prompt_wav, prompt_text)
+        return self._save_upload(self.prompts.decode(prompt_wav, prompt_text), name, owner)
+
+    def _save_upload(self, upload: Upload, name: str, owner: str | None) -> VoiceInfo:
+        """A decoded recording featurised (unless cached) and saved under ``name``."""
         with self.prompts.featurising(upload.voice_id):
             self._load_or_featurise(upload)
             return self._name_upload(upload, name, owner)

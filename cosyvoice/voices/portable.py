@@ -105,8 +105,9 @@ class PortableVoices:
             upload = Upload(self.features_id(voice), torch.zeros(1, 0), 0, prompt_text)
         self._check_unsaved(upload.voice_id)  # before the name: no other name is asked for in vain
         self._check_free(name)
-        if voice is None:  # another model: featurise the recording anew
-            return self.create(name, audio, prompt_text, owner=owner)
+        if voice is None:  # another model: featurise the recording (decoded above) anew
+            self.folder.writable()  # before featurising, as a new voice's save
+            return self._save_upload(upload, name, owner)
         upload.voice = voice
         return self._name_upload(upload, name, owner)
 
