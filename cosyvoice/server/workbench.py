@@ -341,10 +341,11 @@ def create_test(wb: Bench, who: Who, spec: NewTest) -> Any:
                          "results_url": f"/workbench/tests/{test_id}"}, 201)
 
 
-def _screened(s: TakeStore, test: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """A test's answer rows and its raters' screening (:mod:`cosyvoice.workbench.screening`)."""
-    rows = listening.export_rows(s, test["id"])
-    return rows, screening.screen(rows, listening.progress(s, test["id"]), listening.SCALES.get(test["kind"]))
+def _screened(s: TakeStore, test: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
+                                                           list[dict[str, Any]]]:
+    """A test's answer rows, its raters' progress and their screening (:mod:`cosyvoice.workbench.screening`)."""
+    rows, progress = listening.export_rows(s, test["id"]), listening.progress(s, test["id"])
+    return rows, progress, screening.screen(rows, progress, listening.SCALES.get(test["kind"]))
 
 
 @routes.patch("/api/tests/{test_id}")
@@ -379,17 +380,18 @@ def results(wb: Bench, who: Who, test_id: str) -> Any:
     screening flagged (``screened_summary``): the page applies the screening when the owner asks."""
     s = wb.store()
     test = s.test(test_id, who)
-    screened = _screened(s, test)[1]
+    rows, progress, screened = _screened(s, test)  # read once: both summaries are of these rows
     return {"id": test_id, "kind": test["kind"], "name": listening.owner_name(test), "title": test["title"],
-            "items": len(test["spec"]["items"]), "progress": listening.progress(s, test_id),
-            "screening": {"rules": screening.RULES, "raters": screened}, "summary": listening.summary(s, test_id),
-            "screened_summary": listening.summary(s, test_id, exclude=screening.flagged(screened))}
+            "items": len(test["spec"]["items"]), "progress": progress,
+            "screening": {"rules": screening.RULES, "raters": screened},
+            "summary": listening.summary(s, test_id, rows=rows),
+            "screened_summary": listening.summary(s, test_id, exclude=screening.flagged(screened), rows=rows)}
 
 
 @routes.get("/api/tests/{test_id}/answers.csv")
 def answers_csv(wb: Bench, who: Who, test_id: str) -> Any:
     """One row per answer, with its rater's screening flags and acceptance."""
-    rows, screened = _screened(wb.store(), wb.store().test(test_id, who))
+    rows, _, screened = _screened(wb.store(), wb.store().test(test_id, who))
     return _csv_file(screening.with_flags(rows, screened), (*listening.EXPORT_COLUMNS, *screening.COLUMNS),
                      f"{test_id}-answers.csv")
 

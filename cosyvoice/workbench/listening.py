@@ -485,12 +485,15 @@ def progress(store: TakeStore, test_id: str) -> list[dict[str, Any]]:
     return out
 
 
-def summary(store: TakeStore, test_id: str, exclude: Collection[str] = ()) -> dict[str, Any]:
-    """Per-condition statistics, per-rater tables and agreement, from the export rows (attention-check items are
-    left out of the condition statistics; their failures are counted in ``progress``), without the raters whose
-    ids are in ``exclude`` (those screening flagged, on request)."""
+def summary(store: TakeStore, test_id: str, exclude: Collection[str] = (),
+            rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Per-condition statistics, per-rater tables and agreement, from the export rows (``rows``: the test's
+    :func:`export_rows`, when the caller has read them; attention-check items are left out of the condition
+    statistics, their failures are counted in ``progress``), without the raters whose ids are in ``exclude`` (those
+    screening flagged, on request)."""
     test = store.test(test_id)
-    rows = [r for r in export_rows(store, test_id) if r["check"] == "" and r["rater_id"] not in exclude]
+    rows = [r for r in (export_rows(store, test_id) if rows is None else rows)
+            if r["check"] == "" and r["rater_id"] not in exclude]
     out: dict[str, Any] = {"kind": test["kind"], "answers": len(rows), "conditions": [], "pairs": [],
                            "bradley_terry": None, "per_rater": [], "agreement": None,
                            "scale": list(SCALES[test["kind"]]) if test["kind"] in SCALES else None}
