@@ -41,8 +41,23 @@ def app(tiny_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory, short_p
     saved = httpx.post(f"{served.url}/v1/voices", data={"name": "Narrator", "transcript": TRANSCRIPT},
                        files={"audio": ("a.wav", short_prompt_wav.read_bytes(), "audio/wav")}, timeout=60)
     assert saved.status_code == 201, saved.text
+    batch_cli_takes(served, tiny_bundle_dir, tmp_path_factory.mktemp("cli"))
     yield served
     served.stop()
+
+
+def batch_cli_takes(app: App, tiny_bundle_dir: Path, work: Path) -> None:
+    """README step 1: the batch CLI, as another process, writes two takes (conditions cliA and cliB) into the
+    server's data folder; every test of the page starts from them."""
+    rows = work / "rows.csv"
+    rows.write_text("text,voice,seed,label\n"
+                    "Good morning to you.,Narrator,1,cliA\nGood morning to you.,Narrator,2,cliB\n")
+    root = Path(app.env["COSYVOICE_DATA_DIR"]).parent
+    made = subprocess.run([sys.executable, "-m", "cosyvoice.tools.batch", str(rows), "--out", str(work / "out"),
+                           "--model-dir", str(tiny_bundle_dir), "--voice-dir", str(root / "voices"),
+                           "--data-dir", str(root / "data"), "--device", "cpu"],
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
 
 
 @pytest.fixture(scope="module")
@@ -69,18 +84,8 @@ def open_owner_page(page, app: App) -> None:
     page.wait_for_function("() => window.wb && window.wb.ready")
 
 
-def test_the_batch_clis_takes_reach_the_workbench_of_a_keyless_local_server(app: App, page, tiny_bundle_dir: Path,
-                                                                            tmp_path: Path) -> None:
-    """README step 1 then step 2: the CLI writes into the server's data folder; the browser lists its takes."""
-    rows = tmp_path / "rows.csv"
-    rows.write_text("text,voice,seed,label\n"
-                    "Good morning to you.,Narrator,1,cliA\nGood morning to you.,Narrator,2,cliB\n")
-    root = Path(app.env["COSYVOICE_DATA_DIR"]).parent
-    made = subprocess.run([sys.executable, "-m", "cosyvoice.tools.batch", str(rows), "--out", str(tmp_path / "out"),
-                           "--model-dir", str(tiny_bundle_dir), "--voice-dir", str(root / "voices"),
-                           "--data-dir", str(root / "data"), "--device", "cpu"],
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
-    assert made.returncode == 0, made.stderr
+def test_the_batch_clis_takes_reach_the_workbench_of_a_keyless_local_server(app: App, page) -> None:
+    """README step 2, after the CLI's run (the ``app`` fixture): the browser lists the CLI's takes."""
     open_owner_page(page, app)
     expect(page.locator("#takes tr")).to_have_count(2)
     expect(page.locator("#takes")).to_contain_text("Good morning to you.")
