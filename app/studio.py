@@ -52,7 +52,8 @@ class Heard:
 class Studio(VoiceHandlers):
     """What all browser sessions share: the process's context (the service: engine + voice library; the take store
     that keeps every take, the history of each browser; who visitors are and what they see), the take recorder
-    with its live-audio hub, and the files handed to the page."""
+    with its live-audio hub, and the files handed to the page. Its methods are the page's handlers, the voice
+    column's inherited from :class:`~app.voices.VoiceHandlers`; ``api`` serves the named endpoints."""
 
     def __init__(self, context: StudioContext, demo: bool = False) -> None:
         super().__init__(context.service(), PageFiles())
@@ -83,10 +84,12 @@ class Studio(VoiceHandlers):
 
     @property
     def _running(self) -> dict[str, tuple[TakeSession, queue.Queue]]:
+        """The takes running now (the recorder's), by take id."""
         return self.recorder.running
 
     @property
     def _stopped_early(self) -> set[str]:
+        """Takes stopped while they waited, which will not start (the recorder's)."""
         return self.recorder.stopped_early
 
     @property
