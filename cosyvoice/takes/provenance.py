@@ -1,13 +1,17 @@
 """How a take was made, stored with it: one record every adapter that synthesises a take (the web UI, batches,
-long-form) writes through :func:`provenance`, so a take of any of them can be compared, re-made and exported alike."""
+long-form) writes through :func:`provenance`, so a take of any of them can be compared, re-made and exported alike;
+:func:`keep_take` stores a take with it."""
 
 from __future__ import annotations
 
 from importlib import metadata
 from typing import Any
 
+import numpy as np
+
 from cosyvoice.bundle import bundle_digest
 from cosyvoice.service import PreparedRequest, SynthesisRequest, TTSService
+from cosyvoice.takes.store import Take, TakeStore
 
 
 def software_version() -> str:
@@ -38,3 +42,17 @@ def provenance(service: TTSService, request: SynthesisRequest, prepared: Prepare
         "timings": {**{k: None if v is None else round(v, 4) for k, v in timings.items()},
                     "audio_seconds": round(samples / service.sample_rate, 4)},
     }
+
+
+def keep_take(store: TakeStore, service: TTSService, request: SynthesisRequest, prepared: PreparedRequest,
+              pcm: np.ndarray, timings: dict[str, float | None], *, model_id: str | None = None,
+              software: str | None = None, settings: dict[str, Any] | None = None, form: dict[str, Any] | None = None,
+              label: str = "", owner: str | None = None, batch: str | None = None, row: int | None = None) -> Take:
+    """Keep ``pcm``, what ``request`` made, in ``store`` with its :func:`provenance`: the one way a take made for a
+    person or a batch row is recorded (the web page, its named API, batches), so its record always describes the
+    samples stored at the service's rate. ``settings``: more of how it was made (the page's download format);
+    ``form``: what the adapter's form said (the page's tab and voice label)."""
+    record = provenance(service, request, prepared, pcm.size, timings, model_id=model_id, software=software)
+    record["settings"].update(settings or {})
+    record.update(form or {})
+    return store.add_take(pcm, service.sample_rate, record, label=label, owner=owner, batch=batch, row=row)

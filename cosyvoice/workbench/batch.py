@@ -34,7 +34,7 @@ from cosyvoice.errors import InvalidInputError
 from cosyvoice.jobs import Job, JobRunner, JobState, Kind, Task, release, runner, synthesize
 from cosyvoice.service import SynthesisRequest, TTSService
 from cosyvoice.settings import Limits, env_name
-from cosyvoice.takes.provenance import provenance, software_version
+from cosyvoice.takes.provenance import keep_take, software_version
 from cosyvoice.takes.store import Take, TakeStore
 
 COLUMNS = ("text", "voice", "prompt_audio", "prompt_text", "mode", "instruction", "seed", "speed", "steps", "final",
@@ -325,9 +325,7 @@ def _run_row(services: Services, store: TakeStore, row: Row, batch_id: str, owne
     service = services(row.values.get("precision", ""))
     model_id = bundle_digest(service.model_dir)
     made = synthesize(service, request, token, owner)  # the batch's owner's voices
-    return store.add_take(made.pcm, service.sample_rate,
-                          provenance(service, request, made.prepared, made.pcm.size, made.timings, model_id=model_id,
-                                     software=software),
-                          label=row.values.get("label", ""), owner=owner, batch=batch_id, row=row.number)
+    return keep_take(store, service, request, made.prepared, made.pcm, made.timings, model_id=model_id,
+                     software=software, label=row.values.get("label", ""), owner=owner, batch=batch_id, row=row.number)
 
 
