@@ -58,9 +58,8 @@ cd rust
 "$CARGO" fetch --locked || log "WARNING: cargo fetch failed (no network?): building from the local crate cache"
 export PYO3_PYTHON="$PY"
 "$CARGO" build --release --offline --locked
-# the PyO3 module cosyvoice_rust_backend (rust/python-backend: the native engine's stages for the parity tests),
-# an extension module (libpython left to the interpreter that imports it), installed into the venv
-"$CARGO" build --release --offline --locked -p cosyvoice-python-backend --features extension-module
+# the PyO3 module cosyvoice_rust_backend (rust/python-backend: the native engine's stages, for the parity tests
+# from Python), installed into the venv
 site=$("$PY" -c 'import sysconfig; print(sysconfig.get_path("platlib"))')
 module="cosyvoice_rust_backend$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
 install -m 755 target/release/libcosyvoice_rust_backend.so "$site/$module"
