@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the Rust workspace (rust/): the bridge server rust/target/release/cosyvoice-server, the HTTP front
-# its servers share (rust/http-front) and the native engine (rust/native-server, candle), then runs the crates'
+# its servers share (rust/http-front), the native engine (rust/native-server, candle) and its PyO3 module
+# `cosyvoice_rust_backend` (rust/python-backend, installed into the venv's site-packages), then runs the crates'
 # tests, among them the native engine's parity tests against the golden fixtures (../shared/golden beside the
 # repository, or COSYVOICE_GOLDEN_DIR; where absent they pass without checking, and this script says so).
 #
@@ -57,6 +58,13 @@ cd rust
 "$CARGO" fetch --locked || log "WARNING: cargo fetch failed (no network?): building from the local crate cache"
 export PYO3_PYTHON="$PY"
 "$CARGO" build --release --offline --locked
+# the PyO3 module cosyvoice_rust_backend (rust/python-backend: the native engine's stages, for the parity tests
+# from Python), installed into the venv
+site=$("$PY" -c 'import sysconfig; print(sysconfig.get_path("platlib"))')
+module="cosyvoice_rust_backend$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+install -m 755 target/release/libcosyvoice_rust_backend.so "$site/$module"
+(cd / && "$PY" -c 'import cosyvoice_rust_backend') || { log "ERROR: $site/$module does not import"; exit 1; }
+log "installed $site/$module"
 golden=${COSYVOICE_GOLDEN_DIR:-../../shared/golden}
 [ -f "$golden/manifest.json" ] || log "WARNING: no golden fixtures at $golden: the native engine's parity tests check nothing"
 "$CARGO" test --release --offline --locked --quiet

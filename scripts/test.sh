@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs what is missing (scripts/setup.sh), builds the Rust bridge server (scripts/build_rust.sh), then runs
-# the whole test suite in the project's virtual environment: exactly the command CI runs and the README shows.
+# Installs what is missing (scripts/setup.sh), builds the Rust servers and the Rust engine's Python module
+# (scripts/build_rust.sh), then runs the whole test suite in the project's virtual environment: exactly the
+# command CI runs and the README shows.
 # Arguments go to pytest (e.g. -x -k voices). Where the Rust build fails the suite still runs and its Rust
 # tests skip, saying why; CI sets COSYVOICE_REQUIRE_RUST=1, which makes a failed build (and a skip) fatal.
 #
@@ -33,6 +34,12 @@ cat "$logs/rust.log"
 if [ "$built" = 0 ]; then
   [ "${COSYVOICE_REQUIRE_RUST:-0}" = 1 ] && { echo "[test] the Rust server did not build" >&2; exit 1; }
   echo "[test] WARNING: the Rust server did not build; its contract tests will be skipped" >&2
+fi
+# the Rust engine's parity tests (tests/test_rust_backend_parity.py, verify_flow_rust.py) import the module
+# build_rust.sh installed into the venv
+if ! "$VENV/bin/python" -c 'import cosyvoice_rust_backend' 2> /dev/null; then
+  [ "${COSYVOICE_REQUIRE_RUST:-0}" = 1 ] && { echo "[test] cosyvoice_rust_backend is not in $VENV" >&2; exit 1; }
+  echo "[test] WARNING: cosyvoice_rust_backend is not in $VENV; the Rust engine's parity tests will be skipped" >&2
 fi
 if [ -n "$ui" ]; then
   # a failure here is not fatal: tests/test_webui_install.py builds it again and shows why it fails

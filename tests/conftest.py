@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import tempfile
+from types import ModuleType
 
 # MKL picks its FFT code path by CPU, and on near-silent frames the rounding difference survives the log
 # of the mel/fbank features (~5e-4). The golden fixtures match MKL's CPU-independent path to ~1e-6, so the
@@ -46,6 +48,26 @@ def golden() -> Golden:
     if not (GOLDEN_DIR / "manifest.json").is_file():
         pytest.skip(f"golden fixtures not found at {GOLDEN_DIR} (set COSYVOICE_GOLDEN_DIR); parity tests need them")
     return Golden(GOLDEN_DIR)
+
+
+@pytest.fixture(scope="session")
+def rust_backend() -> ModuleType:
+    """The PyO3 module of the Rust engine (rust/python-backend; scripts/build_rust.sh builds it into the venv).
+
+    Skipped where it is not built; CI sets ``COSYVOICE_REQUIRE_RUST=1``, which turns that skip into a failure."""
+    try:
+        return importlib.import_module("cosyvoice_rust_backend")
+    except ImportError as exc:
+        why = f"cosyvoice_rust_backend is not importable ({exc}); build it with bash scripts/build_rust.sh"
+        if os.environ.get("COSYVOICE_REQUIRE_RUST") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def rust_model(rust_backend: ModuleType, golden: Golden) -> object:
+    """The Rust engine on the golden bundle, with the official (replayed) flow noise."""
+    return rust_backend.Model(str(golden.bundle_dir))
 
 
 @pytest.fixture(scope="session")
