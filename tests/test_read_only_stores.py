@@ -43,7 +43,8 @@ def test_read_only_folders_are_served_read_only(tts, tmp_path: Path, short_promp
     context = StudioContext(service=made, data_dir=data)
     take = context.takes.add_take(np.zeros(2400, np.float32), 24000, {"text": "kept"}, label="sysA",
                                   owner=ANONYMOUS)
-    project = context.studio().create("Kept", "One short sentence.", voice="Narrator", owner=ANONYMOUS)  # the client's
+    # the client's
+    project = context.studio().editor.create("Kept", "One short sentence.", voice="Narrator", owner=ANONYMOUS)
     context.close()
 
     with read_only_mount(root) as mounted:
