@@ -4,6 +4,7 @@ its target, projects survive a restart, dialogues speak each line in its mapped 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -375,6 +376,36 @@ def test_a_project_survives_a_restart(service: TTSService, tmp_path: Path) -> No
         assert [(s, t) for s, t, _ in again.renders.table(project.id)] == table
         assert np.array_equal(again.mixer.render(project.id).audio, before.audio)
         assert (tmp_path / "longform.sqlite3").is_file()
+    finally:
+        context.close()
+
+
+def test_an_export_whose_process_died_is_interrupted_after_restart(service: TTSService, tmp_path: Path) -> None:
+    """An export job is one of the data folder's jobs: one left running by a process that died is ``interrupted``
+    to the next process (no file is offered from it), and asking again makes the export anew."""
+    import sqlite3
+
+    context = StudioContext(service=service, data_dir=tmp_path)
+    studio = context.studio()
+    project = studio.editor.create("Cut", "Hi there.", voice="Alice")
+    studio.renders.generate(project.id)
+    assert studio.renders.wait(project.id, 120)["done"] == 1
+    job = studio.exports.run(project.id, "audio", "wav")
+    context.close()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    with contextlib.closing(sqlite3.connect(tmp_path / "jobs.sqlite3")) as db, db:  # as a killed server leaves it
+        db.execute("UPDATE jobs SET state='running', finished=NULL, pid=? WHERE id=?", (int(gone.stdout), job.id))
+    context = StudioContext(service=service, data_dir=tmp_path)
+    try:
+        exports = context.studio().exports
+        status = exports.status(exports.job(project.id, job.id))
+        assert (status["state"], status["result"], status["file"]) == ("interrupted", None, None), status
+        with pytest.raises(NotFoundError):
+            exports.file(exports.job(project.id, job.id))
+        again = exports.run(project.id, "audio", "wav")
+        assert exports.file(again).path.stat().st_size > 44
+        kept = sorted(p.name for p in exports.folder.joinpath(project.id).iterdir())
+        assert kept == [f"{again.id}.json", f"{again.id}.wav"]  # the interrupted one's files replaced
     finally:
         context.close()
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from cosyvoice.encoding import file_format
 from cosyvoice.engine import CancelToken
 from cosyvoice.errors import ConflictError, InvalidInputError, NotFoundError, ResourceLimitError
-from cosyvoice.jobs import Job, JobRunner, JobState, Task
+from cosyvoice.jobs import Cancelled, Job, JobRunner, JobState, Task
 from cosyvoice.longform.delivery import Deliveries
 from cosyvoice.longform.mix import Mixer
 from cosyvoice.longform.store import ProjectStore
@@ -153,7 +153,9 @@ class Exports:
                 result = self.mixer.acx(job.subject, token)
             atomic_write(self._path(job, "json"), lambda tmp: Path(tmp).write_text(json.dumps(result)))
             self._replaced(job)
-        except BaseException as exc:
+        except Cancelled:  # stopped: the waiting caller reads the job's state
+            raise
+        except Exception as exc:
             with self._lock:
                 if job.id in self._waited:
                     self._waited[job.id] = exc
