@@ -84,6 +84,9 @@ def test_read_only_folders_are_served_read_only(tts, tmp_path: Path, short_promp
                 _refused(client.post("/v1/longform/projects", json={"text": "New words.", "voice": "Narrator"}),
                          "COSYVOICE_DATA_DIR")
                 _refused(client.post(f"/v1/longform/projects/{project.id}/generate"), "COSYVOICE_DATA_DIR")
+                for export in (client.post(f"/v1/longform/projects/{project.id}/exports", json={}),
+                               client.get(f"/v1/longform/projects/{project.id}/export")):  # exports are jobs too
+                    _refused(export, "COSYVOICE_DATA_DIR")
                 assert client.get(f"/v1/longform/projects/{project.id}/progress").json()["running"] is False
         finally:
             server.stop()
