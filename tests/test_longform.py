@@ -23,6 +23,7 @@ import soundfile as sf
 from cosyvoice.context import StudioContext
 from cosyvoice.encoding import encode_audio, to_pcm16
 from cosyvoice.errors import InvalidInputError, NotFoundError
+from cosyvoice.jobs import JobState
 from cosyvoice.longform import LongformStudio, documents, finishing, script
 from cosyvoice.service import TTSService
 from cosyvoice.settings import Limits, default_data_dir
@@ -378,6 +379,26 @@ def test_a_project_survives_a_restart(service: TTSService, tmp_path: Path) -> No
         assert (tmp_path / "longform.sqlite3").is_file()
     finally:
         context.close()
+
+
+def test_an_export_waits_for_the_projects_render_and_can_be_cancelled(studio: LongformStudio) -> None:
+    """An export is a job of the project: asked for while the project's takes are being made again, it stays
+    queued behind that render (it never mixes a take being replaced), and a cancel ends it without a file."""
+    pid = studio.editor.create("Queued", SHORT, voice="Alice").id
+    studio.renders.generate(pid)
+    assert studio.renders.wait(pid, 300)["done"] == 7
+    studio.renders.generate(pid, [s.id for s in studio.segments(pid)], new_take=True)  # seconds of work
+    try:
+        job = studio.exports.submit(pid, "audio", "mp3")
+        assert studio.exports.job(pid, job.id).state is JobState.QUEUED
+        assert studio.renders.progress(pid)["running"]  # the export is not counted as the project's render
+        cancelled = studio.exports.cancel(pid, job.id)
+        assert cancelled.state is JobState.CANCELLED and studio.exports.status(cancelled)["file"] is None
+        with pytest.raises(NotFoundError):
+            studio.exports.file(cancelled)
+    finally:
+        studio.renders.wait(pid, 300)
+    assert not list(studio.exports.folder.rglob(f"{job.id}.*"))
 
 
 def test_an_export_whose_process_died_is_interrupted_after_restart(service: TTSService, tmp_path: Path) -> None:
