@@ -77,7 +77,6 @@ def submit_export(s: Studio, who: Who, project_id: str, body: ExportBody) -> JSO
 
 @files.get("/v1/longform/projects/{project_id}/exports")
 def list_exports(s: Studio, project_id: str) -> JSONResponse:
-    s.project(project_id)
     return JSONResponse([s.exports.status(job) for job in s.exports.of(project_id)])
 
 
