@@ -71,7 +71,7 @@ def check(request: SynthesisRequest, limits: Limits, default_steps: int, has_tex
     stream, speed, seed = _options(request)
     fmt = _format(request.format)
     return CheckedRequest(mode, stream, speed, seed, fmt, _instruction(mode, request.instruction, limits),
-                          _steps(request.steps, default_steps),
+                          check_steps(request.steps, default_steps),
                           ChunkSchedule.checked(request.final, request.first_hop))
 
 
@@ -93,15 +93,19 @@ def _options(request: SynthesisRequest) -> tuple[bool, float, int]:
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
                              or not 0 <= seed < pipeline.SEED_SPACE):  # any seed the engine takes
         raise InvalidInputError(f"seed must be an integer in [0, 2**63), got {request.seed!r}", "seed")
+    return request.stream, check_speed(request.speed), draw_seed() if seed is None else seed
+
+
+def check_speed(value: object) -> float:
+    """A speed in ``SPEED_RANGE``: any real scalar (int, float, numpy, or a one-element array or tensor)."""
     lo, hi = SPEED_RANGE
-    speed = request.speed
-    # any real scalar is a speed: int, float, numpy, or a one-element array or tensor
+    speed = value
     if (isinstance(speed, torch.Tensor) and speed.numel() == 1 and not speed.is_complex()) or (
             isinstance(speed, np.ndarray) and speed.size == 1):
         speed = speed.item()
     if not isinstance(speed, numbers.Real) or isinstance(speed, bool) or not lo <= float(speed) <= hi:
-        raise InvalidInputError(f"speed must be between {lo:g} and {hi:g}, got {request.speed!r}", "speed")
-    return request.stream, float(speed), draw_seed() if seed is None else seed
+        raise InvalidInputError(f"speed must be between {lo:g} and {hi:g}, got {value!r}", "speed")
+    return float(speed)
 
 
 def _format(name: object) -> AudioFormat:
@@ -112,8 +116,8 @@ def _format(name: object) -> AudioFormat:
     return fmt
 
 
-def _steps(steps: object, default: int) -> int:
-    """The flow's Euler steps: an integer in ``FLOW_STEPS_RANGE``, or the model's default for None."""
+def check_steps(steps: object, default: int | None) -> int | None:
+    """The flow's Euler steps: an integer in ``FLOW_STEPS_RANGE``, or ``default`` (the model's) for None."""
     if steps is None:
         return default
     lo, hi = FLOW_STEPS_RANGE

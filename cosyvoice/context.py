@@ -6,7 +6,8 @@ store over it and one job runner per data folder.
 
 The stores open when the context is made (a read-only data folder is served read-only, see
 :mod:`cosyvoice.system.sqlite`); the model may load later (the REST server answers ``/health`` while it loads), so the
-service, the long-form studio and the batches' job kind arrive together in :meth:`StudioContext.install`.
+service, the long-form studio (its editor, its render and export jobs) and the batches' job kind arrive together in
+:meth:`StudioContext.install`.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class StudioContext:
     def install(self, service: TTSService) -> None:
         """Serve ``service``: long-form projects and batches are made with it from now on."""
         self.jobs.register(BATCH_KIND, batch_kind(service, self.takes))
-        self.longform = LongformStudio(service, self.projects)
+        self.longform = LongformStudio(service, self.projects, self.jobs)
         self.loaded = service
 
     def service(self) -> TTSService:
@@ -81,8 +82,6 @@ class StudioContext:
 
     def close(self) -> None:
         """Stop this process's jobs (done work stays) and close the stores."""
-        if self.longform is not None:
-            self.longform.close()
         release(self.jobs)
         self.projects.close()
         self.takes.close()

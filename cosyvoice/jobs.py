@@ -1,4 +1,5 @@
-"""THE runner of long work (batches, long-form renders): jobs in SQLite, run by a bounded pool of workers.
+"""THE runner of long work (batches, long-form renders and exports): jobs in SQLite, run by a bounded pool of
+workers.
 
 A job is a list of items (a batch's rows, a project's segments). Its kind, a function the feature registers,
 turns a job into :class:`Task` s; the runner runs them in order, catches every exception per item and records

@@ -47,7 +47,7 @@ def _use_every_feature(client: httpx.Client, context: StudioContext) -> None:
                                                                     "seed": 1}]}).json()["id"]
     context.jobs.wait(batch_id, 120)
     assert client.get(f"/workbench/api/batches/{batch_id}").json()["done"] == 1
-    assert context.studio().wait(project, 120)["done"] == 1
+    assert context.studio().renders.wait(project, 120)["done"] == 1
     takes = client.get("/workbench/api/takes").json()["takes"]
     assert {"batch", "long-form"} <= {t["source"] for t in takes}, takes
 

@@ -4,6 +4,7 @@ its target, projects survive a restart, dialogues speak each line in its mapped 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -22,6 +23,7 @@ import soundfile as sf
 from cosyvoice.context import StudioContext
 from cosyvoice.encoding import encode_audio, to_pcm16
 from cosyvoice.errors import InvalidInputError, NotFoundError
+from cosyvoice.jobs import JobState
 from cosyvoice.longform import LongformStudio, documents, finishing, script
 from cosyvoice.service import TTSService
 from cosyvoice.settings import Limits, default_data_dir
@@ -70,9 +72,9 @@ def made(service: TTSService, tmp_path_factory: pytest.TempPathFactory):
     """A generated project (studio, project id), shared by the tests that only read it."""
     context = StudioContext(service=service, data_dir=tmp_path_factory.mktemp("made"))
     s = context.studio()
-    project = s.create("Made", SHORT, voice="Alice")
-    s.generate(project.id)
-    assert s.wait(project.id, 300)["done"] == 7
+    project = s.editor.create("Made", SHORT, voice="Alice")
+    s.renders.generate(project.id)
+    assert s.renders.wait(project.id, 300)["done"] == 7
     yield s, project.id
     context.close()
 
@@ -91,7 +93,7 @@ def three_thousand_characters() -> str:
 def test_a_3000_character_text_becomes_the_frontends_split(studio: LongformStudio, tts) -> None:
     text = three_thousand_characters()
     assert len(text) >= 3000
-    project = studio.create("Long", text, voice="Alice")
+    project = studio.editor.create("Long", text, voice="Alice")
     table = [s.text for s in studio.segments(project.id)]
     assert table == tts.frontend.text.split(text)  # exactly what the service will read, normalised
     assert len(table) > 10 and "third of march, twenty twenty one" in table[0] and "fourteen proposals" in table[0]
@@ -99,7 +101,7 @@ def test_a_3000_character_text_becomes_the_frontends_split(studio: LongformStudi
 
 
 def test_paragraphs_chapters_and_pause_tags_map_to_breaks(studio: LongformStudio, tts) -> None:
-    project = studio.create("Breaks", SHORT, voice="Alice")
+    project = studio.editor.create("Breaks", SHORT, voice="Alice")
     rows = [(s.text, s.brk, s.pause, s.chapter) for s in studio.segments(project.id)]
     assert rows == [("Opening.", "paragraph", None, "Opening"), ("Hi there.", "paragraph", None, None),
                     ("Good day.", "tag", 1.5, None), ("See you.", "chapter", None, None),
@@ -108,47 +110,47 @@ def test_paragraphs_chapters_and_pause_tags_map_to_breaks(studio: LongformStudio
     pauses = studio.project(project.id).settings["pauses"]
     assert pauses["chapter"] > pauses["paragraph"] > pauses["sentence"]
     chinese = "今天天气很好，我们去公园散步吧。公园里有很多人，有的在跑步，有的在下棋。"
-    project = studio.create("Chinese", chinese * 3, voice="Alice")
+    project = studio.editor.create("Chinese", chinese * 3, voice="Alice")
     assert [s.text for s in studio.segments(project.id)] == tts.frontend.text.split(chinese * 3)
     paragraph = "A first sentence here. " * 12
-    project = studio.create("Para", f"{paragraph}\n\n{paragraph}", voice="Alice")
+    project = studio.editor.create("Para", f"{paragraph}\n\n{paragraph}", voice="Alice")
     expected = tts.frontend.text.split(paragraph.strip()) * 2
     assert [s.text for s in studio.segments(project.id)] == expected
 
 
 def test_split_merge_and_edits_keep_every_take(studio: LongformStudio) -> None:
-    project = studio.create("Edit", "Hi there. Good day.\n\nBye now.", voice="Alice")
+    project = studio.editor.create("Edit", "Hi there. Good day.\n\nBye now.", voice="Alice")
     first = studio.segments(project.id)[0]
     assert first.text == "Hi there. Good day."
-    studio.generate(project.id, [first.id])
-    studio.wait(project.id, 120)
+    studio.renders.generate(project.id, [first.id])
+    studio.renders.wait(project.id, 120)
     take = studio.store.takes(project.id)[first.id][0]
-    a, b = studio.split_segment(project.id, first.id, first.text.index("Good"))
+    a, b = studio.editor.split_segment(project.id, first.id, first.text.index("Good"))
     assert (a.text, b.text, a.id) == ("Hi there.", "Good day.", first.id)
     assert [s.text for s in studio.segments(project.id)] == ["Hi there.", "Good day.", "Bye now."]
     assert studio.store.takes(project.id)[a.id] == [take]  # kept, but no longer current
-    assert [st for _, _, st in studio.table(project.id)] == ["pending"] * 3
-    merged = studio.merge_segments(project.id, a.id)
+    assert [st for _, _, st in studio.renders.table(project.id)] == ["pending"] * 3
+    merged = studio.editor.merge_segments(project.id, a.id)
     assert merged.text == "Hi there. Good day." and len(studio.segments(project.id)) == 2
-    assert next(st for _, _, st in studio.table(project.id)) == "done"  # the old take matches again
-    edited = studio.edit_segment(project.id, merged.id, text="It costs 5 dollars.", speed=1.5, voice="Bob")
+    assert next(st for _, _, st in studio.renders.table(project.id)) == "done"  # the old take matches again
+    edited = studio.editor.edit_segment(project.id, merged.id, text="It costs 5 dollars.", speed=1.5, voice="Bob")
     assert edited.text == "It costs five dollars." and edited.speed == 1.5  # normalised as it will be read
     assert edited.voice == studio.service.get_voice("Bob").id
     with pytest.raises(InvalidInputError) as err:
-        studio.edit_segment(project.id, merged.id, speed=7)
+        studio.editor.edit_segment(project.id, merged.id, speed=7)
     assert err.value.field == "speed"
     with pytest.raises(NotFoundError) as err:
-        studio.edit_segment(project.id, merged.id, voice="Nobody")
+        studio.editor.edit_segment(project.id, merged.id, voice="Nobody")
     assert err.value.field == "voice"
     with pytest.raises(InvalidInputError) as err:
-        studio.split_segment(project.id, merged.id, 0)
+        studio.editor.split_segment(project.id, merged.id, 0)
     assert err.value.field == "at"
     with pytest.raises(InvalidInputError) as err:
-        studio.edit_segment(project.id, merged.id, text="?!")
+        studio.editor.edit_segment(project.id, merged.id, text="?!")
     assert err.value.field == "text"
     last = studio.segments(project.id)[-1]
     with pytest.raises(InvalidInputError, match="last segment"):
-        studio.merge_segments(project.id, last.id)
+        studio.editor.merge_segments(project.id, last.id)
     assert studio.store.takes(project.id)[merged.id] == [take]
 
 
@@ -161,13 +163,13 @@ def _slices(rendered) -> list[np.ndarray]:
 
 def test_regenerating_one_segment_changes_only_its_samples(made) -> None:
     studio, pid = made
-    before_raw, before_fin = studio.render(pid, finished=False), studio.render(pid)
+    before_raw, before_fin = studio.mixer.render(pid, finished=False), studio.mixer.render(pid)
     k = 2
     target = studio.segments(pid)[k]
     old_take = before_raw.rows[k][1]
-    studio.regenerate(pid, target.id)
-    studio.wait(pid, 120)
-    after_raw, after_fin = studio.render(pid, finished=False), studio.render(pid)
+    studio.renders.regenerate(pid, target.id)
+    studio.renders.wait(pid, 120)
+    after_raw, after_fin = studio.mixer.render(pid, finished=False), studio.mixer.render(pid)
     takes = studio.store.takes(pid)[target.id]
     assert len(takes) == 2 and takes[0].id == old_take.id  # the old take is kept
     assert after_raw.rows[k][1].id == takes[1].id and takes[1].seed != old_take.seed
@@ -183,22 +185,22 @@ def test_regenerating_one_segment_changes_only_its_samples(made) -> None:
         gaps2 = [(b2 - a1) for (_, _, _, a1), (_, _, b2, _) in zip(after.rows, after.rows[1:], strict=False)]
         assert gaps == pytest.approx(gaps2, abs=1e-9)  # seconds from sample counts: equal up to float rounding
     # choosing the old take back restores the old mix exactly
-    studio.choose_take(pid, target.id, old_take.id)
-    assert np.array_equal(studio.render(pid, finished=False).audio, before_raw.audio)
-    assert np.array_equal(studio.render(pid).audio, before_fin.audio)
+    studio.editor.choose_take(pid, target.id, old_take.id)
+    assert np.array_equal(studio.mixer.render(pid, finished=False).audio, before_raw.audio)
+    assert np.array_equal(studio.mixer.render(pid).audio, before_fin.audio)
 
 
 def test_progress_statuses_and_the_automatic_check(made) -> None:
     studio, pid = made
-    progress = studio.progress(pid)
+    progress = studio.renders.progress(pid)
     assert progress | {"elapsed": None} == {"running": False, "total": 7, "done": 7, "failed": 0, "queued": 0,
                                             "current": None, "elapsed": None, "eta": None, "state": "done",
                                             "error": None}
-    for _, takes, status in studio.table(pid):
+    for _, takes, status in studio.renders.table(pid):
         assert status == "done"
         # the random tiny model speaks noise at full scale, mostly until its length limit
         assert any(f.startswith("clipping") for f in takes[-1].flags)
-    assert any(f.startswith("too long") for _, takes, _ in studio.table(pid) for f in takes[-1].flags)
+    assert any(f.startswith("too long") for _, takes, _ in studio.renders.table(pid) for f in takes[-1].flags)
     quiet = np.concatenate([np.zeros(SR), 0.1 * np.sin(np.arange(SR) / 5), np.zeros(3 * SR)]).astype(np.float32)
     flags = finishing.check_take(quiet, SR, "Hi.")
     assert any("too long" in f for f in flags) and not any("clipping" in f for f in flags)
@@ -206,21 +208,21 @@ def test_progress_statuses_and_the_automatic_check(made) -> None:
 
 
 def test_generation_reports_eta_and_can_be_cancelled(studio: LongformStudio) -> None:
-    project = studio.create("Cancel", "\n\n".join(["Hi there."] * 6), voice="Alice")
-    studio.generate(project.id)
-    seen = [studio.progress(project.id)]
+    project = studio.editor.create("Cancel", "\n\n".join(["Hi there."] * 6), voice="Alice")
+    studio.renders.generate(project.id)
+    seen = [studio.renders.progress(project.id)]
     while seen[-1]["done"] < 2:
         assert seen[-1]["running"]
         time.sleep(0.05)
-        seen.append(studio.progress(project.id))
+        seen.append(studio.renders.progress(project.id))
     assert seen[-1]["running"] and seen[-1]["eta"] > 0 and seen[-1]["elapsed"] > 0
     assert seen[0]["queued"] == 6 and seen[0]["done"] == 0
-    studio.cancel(project.id)
-    progress = studio.wait(project.id, 60)
+    studio.renders.cancel(project.id)
+    progress = studio.renders.wait(project.id, 60)
     assert not progress["running"] and 2 <= progress["done"] < 6 and progress["queued"] == 0
-    assert {st for _, _, st in studio.table(project.id)} == {"done", "pending"}
-    studio.generate(project.id)  # resumes: only the segments without audio
-    assert studio.wait(project.id, 300)["done"] == 6
+    assert {st for _, _, st in studio.renders.table(project.id)} == {"done", "pending"}
+    studio.renders.generate(project.id)  # resumes: only the segments without audio
+    assert studio.renders.wait(project.id, 300)["done"] == 6
 
 
 def test_a_busy_service_is_waited_for_in_order_and_a_cancel_ends_the_wait(service: TTSService,
@@ -234,19 +236,19 @@ def test_a_busy_service_is_waited_for_in_order_and_a_cancel_ends_the_wait(servic
     context = StudioContext(service=one, data_dir=tmp_path)
     studio = context.studio()
     try:
-        project = studio.create("Busy", "Hi there.", voice="Alice")
+        project = studio.editor.create("Busy", "Hi there.", voice="Alice")
         holder = one.synthesize(SynthesisRequest("Hi.", "sft", voice="Alice", seed=1))  # takes the only slot
-        studio.generate(project.id)
+        studio.renders.generate(project.id)
         time.sleep(1.0)  # past the queue's timeout and bound: the job waits in the admission queue, no refusal
-        assert one.queued_requests == 1 and studio.progress(project.id)["running"]
+        assert one.queued_requests == 1 and studio.renders.progress(project.id)["running"]
         holder.close()
-        assert studio.wait(project.id, 120)["done"] == 1
+        assert studio.renders.wait(project.id, 120)["done"] == 1
         assert reasons == ["cancelled", None]  # the holder, then the segment: never "busy"
         holder = one.synthesize(SynthesisRequest("Hi.", "sft", voice="Alice", seed=1))
-        studio.regenerate(project.id, studio.segments(project.id)[0].id)
+        studio.renders.regenerate(project.id, studio.segments(project.id)[0].id)
         time.sleep(0.5)
-        studio.cancel(project.id)  # ends the wait in the queue; nothing is made, nothing fails
-        progress = studio.wait(project.id, 60)
+        studio.renders.cancel(project.id)  # ends the wait in the queue; nothing is made, nothing fails
+        progress = studio.renders.wait(project.id, 60)
         holder.close()
         assert one.queued_requests == 0 and progress["state"] == "cancelled" and progress["done"] == 1
         segment = studio.segments(project.id)[0]
@@ -269,12 +271,12 @@ def _cue_times(text: str) -> list[tuple[float, float]]:
 
 def test_subtitles_match_the_segments_in_the_exported_audio(made) -> None:
     studio, pid = made
-    name, data, rendered = studio.export(pid, "wav")
+    name, data, rendered = studio.mixer.export(pid, "wav")
     exported, rate = sf.read(io.BytesIO(data), dtype="int16")
     assert rate == SR and name == "Made.wav"
     project = studio.project(pid)
     finish = finishing.Finish(project.settings["preset"], project.settings["margin"])
-    srt_cues, vtt_cues = _cue_times(studio.subtitles(pid, "srt")), _cue_times(studio.subtitles(pid, "vtt"))
+    srt_cues, vtt_cues = _cue_times(studio.mixer.subtitles(pid, "srt")), _cue_times(studio.mixer.subtitles(pid, "vtt"))
     assert srt_cues == vtt_cues and len(srt_cues) == len(rendered.rows) == 7
     for (segment, take, _, _), (start, end) in zip(rendered.rows, srt_cues, strict=True):
         own = to_pcm16(finishing.finish_segment(studio.store.take_audio(take), SR, finish))
@@ -282,23 +284,23 @@ def test_subtitles_match_the_segments_in_the_exported_audio(made) -> None:
         found = [p for p in range(max(0, guess - 240), guess + 241) if np.array_equal(exported[p:p + len(own)], own)]
         assert found, f"segment {segment.position} is not within 10 ms of its cue"
         assert abs(found[0] / SR - start) <= 0.010 and abs((found[0] + len(own)) / SR - end) <= 0.010
-    assert "Hi there." in studio.subtitles(pid, "srt") and studio.subtitles(pid, "vtt").startswith("WEBVTT")
+    assert "Hi there." in studio.mixer.subtitles(pid, "srt") and studio.mixer.subtitles(pid, "vtt").startswith("WEBVTT")
 
 
 @pytest.mark.parametrize("preset", ["podcast", "broadcast"])
 def test_exported_loudness_is_within_half_a_lu_of_the_target(made, preset: str) -> None:
     studio, pid = made
-    studio.update_settings(pid, preset=preset)
+    studio.editor.update_settings(pid, preset=preset)
     try:
-        _, data, _ = studio.export(pid, "flac")
+        _, data, _ = studio.mixer.export(pid, "flac")
         audio, rate = sf.read(io.BytesIO(data), dtype="float64")
         target, ceiling = finishing.PRESETS[preset]
         assert abs(pyloudnorm.Meter(rate).integrated_loudness(audio) - target) <= 0.5
         assert finishing.true_peak_db(audio, rate) <= ceiling + 0.1
-        raw, _ = sf.read(io.BytesIO(studio.export(pid, "flac", finished=False)[1]), dtype="float64")
+        raw, _ = sf.read(io.BytesIO(studio.mixer.export(pid, "flac", finished=False)[1]), dtype="float64")
         assert abs(pyloudnorm.Meter(rate).integrated_loudness(raw) - target) > 3  # finishing did the work
     finally:
-        studio.update_settings(pid, preset="podcast")
+        studio.editor.update_settings(pid, preset="podcast")
 
 
 def test_trimming_sets_the_silence_at_each_end_to_the_margin() -> None:
@@ -328,13 +330,13 @@ def test_normalising_reaches_the_target_unless_the_true_peak_would_pass_the_ceil
 
 def test_every_export_format_decodes_and_m4b_has_the_chapters(made) -> None:
     studio, pid = made
-    rendered = studio.render(pid)
+    rendered = studio.mixer.render(pid)
     seconds = len(rendered.audio) / SR
     # the export streams segment by segment; it equals the mix made in memory, and so do the timings
-    assert studio.export(pid, "wav")[1] == encode_audio(rendered.audio, "wav", SR)
-    assert studio.timeline(pid).rows == rendered.rows and rendered.seconds == pytest.approx(seconds)
+    assert studio.mixer.export(pid, "wav")[1] == encode_audio(rendered.audio, "wav", SR)
+    assert studio.mixer.timeline(pid).rows == rendered.rows and rendered.seconds == pytest.approx(seconds)
     for fmt in ("mp3", "flac", "opus", "m4b", "mp4"):
-        name, data, _ = studio.export(pid, fmt)
+        name, data, _ = studio.mixer.export(pid, fmt)
         assert name.endswith("." + fmt)
         with av.open(io.BytesIO(data)) as container:
             decoded = sum(frame.samples for frame in container.decode(audio=0)) / container.streams.audio[0].rate
@@ -346,14 +348,14 @@ def test_every_export_format_decodes_and_m4b_has_the_chapters(made) -> None:
             closing = next(start for seg, _, start, _ in rendered.rows if seg.chapter == "Closing")
             assert abs(chapters[1]["start"] / 1000 - closing) < 0.002
     with pytest.raises(InvalidInputError) as err:
-        studio.export(pid, "xyz")
+        studio.mixer.export(pid, "xyz")
     assert err.value.field == "format"
 
 
 def test_export_names_the_segments_without_audio(studio: LongformStudio) -> None:
-    project = studio.create("Empty", "Hi.\n\nBye.", voice="Alice")
+    project = studio.editor.create("Empty", "Hi.\n\nBye.", voice="Alice")
     with pytest.raises(InvalidInputError, match=r"2 segment\(s\) have no audio yet \(1, 2\)"):
-        studio.export(project.id, "wav")
+        studio.mixer.export(project.id, "wav")
 
 
 # ----------------------------------------------------------------------------- persistence
@@ -362,19 +364,69 @@ def test_export_names_the_segments_without_audio(studio: LongformStudio) -> None
 def test_a_project_survives_a_restart(service: TTSService, tmp_path: Path) -> None:
     context = StudioContext(service=service, data_dir=tmp_path)
     first = context.studio()
-    project = first.create("Kept", "Hi there.\n\nBye now.", voice="Alice")
-    first.generate(project.id)
-    first.wait(project.id, 120)
-    before = first.render(project.id)
-    table = [(s, t) for s, t, _ in first.table(project.id)]
+    project = first.editor.create("Kept", "Hi there.\n\nBye now.", voice="Alice")
+    first.renders.generate(project.id)
+    first.renders.wait(project.id, 120)
+    before = first.mixer.render(project.id)
+    table = [(s, t) for s, t, _ in first.renders.table(project.id)]
     context.close()
     context = StudioContext(service=service, data_dir=tmp_path)  # a new process would see the same files
     again = context.studio()
     try:
         assert [p.id for p in again.projects()] == [project.id]
-        assert [(s, t) for s, t, _ in again.table(project.id)] == table
-        assert np.array_equal(again.render(project.id).audio, before.audio)
+        assert [(s, t) for s, t, _ in again.renders.table(project.id)] == table
+        assert np.array_equal(again.mixer.render(project.id).audio, before.audio)
         assert (tmp_path / "longform.sqlite3").is_file()
+    finally:
+        context.close()
+
+
+def test_an_export_waits_for_the_projects_render_and_can_be_cancelled(studio: LongformStudio) -> None:
+    """An export is a job of the project: asked for while the project's takes are being made again, it stays
+    queued behind that render (it never mixes a take being replaced), and a cancel ends it without a file."""
+    pid = studio.editor.create("Queued", SHORT, voice="Alice").id
+    studio.renders.generate(pid)
+    assert studio.renders.wait(pid, 300)["done"] == 7
+    studio.renders.generate(pid, [s.id for s in studio.segments(pid)], new_take=True)  # seconds of work
+    try:
+        job = studio.exports.submit(pid, "audio", "mp3")
+        assert studio.exports.job(pid, job.id).state is JobState.QUEUED
+        assert studio.renders.progress(pid)["running"]  # the export is not counted as the project's render
+        cancelled = studio.exports.cancel(pid, job.id)
+        assert cancelled.state is JobState.CANCELLED and studio.exports.status(cancelled)["file"] is None
+        with pytest.raises(NotFoundError):
+            studio.exports.file(cancelled)
+    finally:
+        studio.renders.wait(pid, 300)
+    assert not list(studio.exports.folder.rglob(f"{job.id}.*"))
+
+
+def test_an_export_whose_process_died_is_interrupted_after_restart(service: TTSService, tmp_path: Path) -> None:
+    """An export job is one of the data folder's jobs: one left running by a process that died is ``interrupted``
+    to the next process (no file is offered from it), and asking again makes the export anew."""
+    import sqlite3
+
+    context = StudioContext(service=service, data_dir=tmp_path)
+    studio = context.studio()
+    project = studio.editor.create("Cut", "Hi there.", voice="Alice")
+    studio.renders.generate(project.id)
+    assert studio.renders.wait(project.id, 120)["done"] == 1
+    job = studio.exports.run(project.id, "audio", "wav")
+    context.close()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    with contextlib.closing(sqlite3.connect(tmp_path / "jobs.sqlite3")) as db, db:  # as a killed server leaves it
+        db.execute("UPDATE jobs SET state='running', finished=NULL, pid=? WHERE id=?", (int(gone.stdout), job.id))
+    context = StudioContext(service=service, data_dir=tmp_path)
+    try:
+        exports = context.studio().exports
+        status = exports.status(exports.job(project.id, job.id))
+        assert (status["state"], status["result"], status["file"]) == ("interrupted", None, None), status
+        with pytest.raises(NotFoundError):
+            exports.file(exports.job(project.id, job.id))
+        again = exports.run(project.id, "audio", "wav")
+        assert exports.file(again).path.stat().st_size > 44
+        kept = sorted(p.name for p in exports.folder.joinpath(project.id).iterdir())
+        assert kept == [f"{again.id}.json", f"{again.id}.wav"]  # the interrupted one's files replaced
     finally:
         context.close()
 
@@ -382,12 +434,12 @@ def test_a_project_survives_a_restart(service: TTSService, tmp_path: Path) -> No
 def test_a_segment_left_running_by_a_crash_is_pending_after_restart(service: TTSService, tmp_path: Path) -> None:
     context = StudioContext(service=service, data_dir=tmp_path)
     first = context.studio()
-    project = first.create("Crash", "Hi there.", voice="Alice")
+    project = first.editor.create("Crash", "Hi there.", voice="Alice")
     first.store.set_state(first.segments(project.id)[0], "running")
     context.close()
     context = StudioContext(service=service, data_dir=tmp_path)
     try:
-        assert [(s.state, st) for s, _, st in context.studio().table(project.id)] == [("idle", "pending")]
+        assert [(s.state, st) for s, _, st in context.studio().renders.table(project.id)] == [("idle", "pending")]
     finally:
         context.close()
 
@@ -409,12 +461,12 @@ Alice: Oh!
 
 def test_a_three_speaker_dialogue_speaks_each_line_in_its_voice(studio: LongformStudio, tmp_path: Path) -> None:
     ids = {name: studio.service.get_voice(name).id for name in ("Alice", "Bob", "Carol")}
-    project = studio.create("Talk", DIALOGUE, kind="dialogue", speakers={"Alice": "Alice", "Bob": "Bob",
+    project = studio.editor.create("Talk", DIALOGUE, kind="dialogue", speakers={"Alice": "Alice", "Bob": "Bob",
                                                                        "Carol": ids["Carol"]})
-    studio.generate(project.id)
-    assert studio.wait(project.id, 300)["done"] == 5
-    _name, _, rendered = studio.export(project.id, "wav", finished=False)
-    table = studio.segments_json(project.id, rendered)
+    studio.renders.generate(project.id)
+    assert studio.renders.wait(project.id, 300)["done"] == 5
+    _name, _, rendered = studio.mixer.export(project.id, "wav", finished=False)
+    table = studio.mixer.segments_json(project.id, rendered)
     lines = [(s["speaker"], s["text"], s["voice_id"], s["instruction"]) for s in table["segments"]]
     assert lines == [("Alice", "Hi Bob.", ids["Alice"], ""), ("Bob", "Hi Alice.", ids["Bob"], ""),
                      ("Bob", "Where is Carol?", ids["Bob"], ""),
@@ -428,33 +480,33 @@ def test_a_three_speaker_dialogue_speaks_each_line_in_its_voice(studio: Longform
 
 def test_dialogue_errors_name_the_line_and_the_speaker(studio: LongformStudio) -> None:
     with pytest.raises(InvalidInputError, match="line 1 has no speaker label") as err:
-        studio.create("Bad", "just text\nAlice: hi", kind="dialogue", speakers={"Alice": "Alice"})
+        studio.editor.create("Bad", "just text\nAlice: hi", kind="dialogue", speakers={"Alice": "Alice"})
     assert err.value.field == "script"
     with pytest.raises(InvalidInputError, match="no voice for Bob") as err:
-        studio.create("Bad", "Alice: hi\nBob: hello", kind="dialogue", speakers={"Alice": "Alice"})
+        studio.editor.create("Bad", "Alice: hi\nBob: hello", kind="dialogue", speakers={"Alice": "Alice"})
     assert err.value.field == "speakers"
 
 
 def test_a_pause_tag_mid_sentence_ends_its_segment_with_a_comma_the_model_reads(studio: LongformStudio) -> None:
-    project = studio.create("Mid", "He stopped [pause:1.5s] and then spoke.\n\n他停了一下 [pause:500ms] 然后说话。\n\n"
-                            "Done. [pause:1s] Yes.", voice="Alice")
+    project = studio.editor.create("Mid", "He stopped [pause:1.5s] and then spoke.\n\n他停了一下 [pause:500ms] "
+                                   "然后说话。\n\nDone. [pause:1s] Yes.", voice="Alice")
     rows = [(s.text, s.brk, s.pause) for s in studio.segments(project.id)]
     assert rows == [("He stopped,", "tag", 1.5), ("and then spoke.", "paragraph", None), ("他停了一下，", "tag", 0.5),
                     ("然后说话。", "paragraph", None), ("Done.", "tag", 1.0), ("Yes.", "end", None)]
-    studio.generate(project.id)
-    assert studio.wait(project.id, 300)["done"] == len(rows)
+    studio.renders.generate(project.id)
+    assert studio.renders.wait(project.id, 300)["done"] == len(rows)
     spoken = [studio.store.take_store.take(s.chosen_take).provenance["segments"] for s in studio.segments(project.id)]
     assert [p[0] for p in spoken] == [text for text, _, _ in rows]  # no full stop added after a comma
 
 
 def test_speakers_left_unmapped_read_with_the_projects_voice_and_are_named(studio: LongformStudio) -> None:
     alice, bob = (studio.service.get_voice(name).id for name in ("Alice", "Bob"))
-    project = studio.create("Mixed", "Alice: hi\nBob: hello\nCarol: hey", kind="dialogue",
-                            speakers={"Alice": "Alice"}, voice="Bob")
+    project = studio.editor.create("Mixed", "Alice: hi\nBob: hello\nCarol: hey", kind="dialogue",
+                                   speakers={"Alice": "Alice"}, voice="Bob")
     assert project.settings["unmapped_speakers"] == ["Bob", "Carol"]
     assert [(s.speaker, s.voice) for s in studio.segments(project.id)] == [("Alice", alice), ("Bob", bob),
                                                                           ("Carol", bob)]
-    mapped = studio.create("Mapped", "Alice: hi", kind="dialogue", speakers={"Alice": "Alice"})
+    mapped = studio.editor.create("Mapped", "Alice: hi", kind="dialogue", speakers={"Alice": "Alice"})
     assert mapped.settings["unmapped_speakers"] == []
 
 
@@ -570,6 +622,64 @@ def test_rest_endpoints_create_generate_regenerate_and_export(service: TTSServic
         assert client.get("/v1/longform/projects").json() == []
 
 
+def test_exports_are_jobs_whose_files_outlive_a_restart(service: TTSService, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastapi.testclient import TestClient
+
+    from cosyvoice.server.rest import create_app
+    from cosyvoice.settings import ServerSettings
+
+    monkeypatch.setenv("COSYVOICE_DATA_DIR", str(tmp_path))
+    with TestClient(create_app(ServerSettings(), service)) as client:
+        pid = client.post("/v1/longform/projects", json={"name": "Jobs", "text": "Hi there.\n\nBye now.",
+                                                         "voice": "Alice"}).json()["id"]
+        exports = f"/v1/longform/projects/{pid}/exports"
+        r = client.post(exports, json={"format": "flac"})
+        assert r.status_code == 400 and "no audio yet" in r.json()["error"]["message"]  # said now, no job made
+        assert client.get(exports).json() == []
+        assert client.post(f"/v1/longform/projects/{pid}/generate").status_code == 200
+        wait_idle(client, pid)
+        for body, field in (({"what": "nope"}, "what"), ({"format": "xyz"}, "format")):
+            r = client.post(exports, json=body)
+            assert r.status_code == 400 and r.json()["error"]["field"] == field, r.text
+        r = client.post(exports, json={"format": "flac"})
+        assert r.status_code == 202 and r.json()["state"] in ("queued", "running", "done"), r.text
+        first = wait_export(client, exports, r.json()["id"])
+        assert first["file"] == "Jobs.flac" and len(first["result"]["segments"]) == 2 and "acx" in first["result"]
+        audio = client.get(f"{exports}/{first['id']}/file")
+        assert audio.status_code == 200 and audio.headers["content-type"] == "audio/flac"
+        samples, rate = sf.read(io.BytesIO(audio.content))
+        assert abs(len(samples) / rate - first["result"]["duration"]) < 0.01
+        second = wait_export(client, exports, client.post(exports, json={"format": "flac"}).json()["id"])
+        assert client.get(f"{exports}/{first['id']}/file").status_code == 404  # the newer export stands for it
+        check = wait_export(client, exports, client.post(exports, json={"what": "check"}).json()["id"])
+        assert check["file"] is None and "book" in check["result"]
+        delivery = wait_export(client, exports, client.post(exports, json={"what": "acx"}).json()["id"])
+        zipped = client.get(f"{exports}/{delivery['id']}/file")
+        assert zipped.status_code == 200 and zipped.content[:2] == b"PK"
+        assert [j["id"] for j in client.get(exports).json()] == [first["id"], second["id"], check["id"],
+                                                                 delivery["id"]]
+        generation = client.get(f"/v1/longform/projects/{pid}/progress").json()
+        assert generation["state"] == "done" and not generation["running"]  # exports are not the render's jobs
+        browser = dict(client.cookies)
+    with TestClient(create_app(ServerSettings(), service), cookies=browser) as client:
+        again = client.get(f"{exports}/{second['id']}/file")
+        assert again.status_code == 200
+        assert np.array_equal(sf.read(io.BytesIO(again.content))[0], samples)  # the same takes, the same mix
+        assert client.delete(f"/v1/longform/projects/{pid}").status_code == 200
+    assert not list(tmp_path.rglob(f"{second['id']}.*"))
+
+
+def wait_export(client, exports: str, job_id: str, timeout: float = 120.0) -> dict:
+    """The export job once it ended, as its endpoint answers; it must have ended done."""
+    deadline = time.monotonic() + timeout
+    while (job := client.get(f"{exports}/{job_id}").json())["state"] in ("queued", "running"):
+        assert time.monotonic() < deadline, job
+        time.sleep(0.05)
+    assert job["state"] == "done" and job["error"] is None, job
+    return job
+
+
 def wait_idle(client, pid: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while client.get(f"/v1/longform/projects/{pid}/progress").json()["running"]:
@@ -612,14 +722,14 @@ def test_the_chunk_schedule_is_a_project_setting_every_take_records(studio: Long
     take's provenance (so a listening test of a chapter can use them as conditions)."""
     for field, bad in (("final", "half"), ("first_hop", 0), ("first_hop", "6")):
         with pytest.raises(InvalidInputError) as caught:
-            studio.create("Bad", "Hi there.", voice="Alice", **{field: bad})
+            studio.editor.create("Bad", "Hi there.", voice="Alice", **{field: bad})
         assert caught.value.field == field
-    project = studio.create("Chunked", "Hi there.", voice="Alice", final="chunked", first_hop=6)
+    project = studio.editor.create("Chunked", "Hi there.", voice="Alice", final="chunked", first_hop=6)
     assert (project.settings["final"], project.settings["first_hop"]) == ("chunked", 6)
-    studio.generate(project.id)
-    assert studio.wait(project.id, 300)["done"] == 1
+    studio.renders.generate(project.id)
+    assert studio.renders.wait(project.id, 300)["done"] == 1
     [takes] = studio.store.takes(project.id).values()
     made = studio.store.take_store.take(takes[0].id).provenance
     assert (made["final"], made["first_hop"]) == ("chunked", 6)
-    changed = studio.update_settings(project.id, final="full", first_hop=None)
+    changed = studio.editor.update_settings(project.id, final="full", first_hop=None)
     assert (changed.settings["final"], changed.settings["first_hop"]) == ("full", None)

@@ -204,20 +204,20 @@ def studio(tts, tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_a_generated_book_is_checked_per_chapter_and_mastered_to_acx(studio) -> None:
-    project = studio.create("Book", "# One\n\nHi there.\n\n# Two\n\nBye now.", voice="Narrator",
-                            preset="none")
-    studio.generate(project.id)
-    studio.wait(project.id, timeout=300)
-    before = studio.acx(project.id)
+    project = studio.editor.create("Book", "# One\n\nHi there.\n\n# Two\n\nBye now.", voice="Narrator",
+                                   preset="none")
+    studio.renders.generate(project.id)
+    studio.renders.wait(project.id, timeout=300)
+    before = studio.mixer.acx(project.id)
     assert [c["title"] for c in before["chapters"]] == ["One", "Two"]
-    assert before["book"]["seconds"] == pytest.approx(studio.timeline(project.id).seconds, abs=1e-3)
+    assert before["book"]["seconds"] == pytest.approx(studio.mixer.timeline(project.id).seconds, abs=1e-3)
     assert not before["passed"]  # the tiny model's raw takes are near full scale
-    studio.update_settings(project.id, preset="acx")
-    after = studio.acx(project.id)
+    studio.editor.update_settings(project.id, preset="acx")
+    after = studio.mixer.acx(project.id)
     assert after["passed"], after
-    timeline = studio.export_to(io.BytesIO(), project.id, "wav")
+    timeline = studio.mixer.export_to(io.BytesIO(), project.id, "wav")
     assert timeline.acx == after
-    assert studio.segments_json(project.id, timeline)["acx"] == after
+    assert studio.mixer.segments_json(project.id, timeline)["acx"] == after
 
 
 def test_a_short_pdf_tells_its_headings_from_its_body() -> None:
@@ -228,18 +228,18 @@ def test_a_short_pdf_tells_its_headings_from_its_body() -> None:
 
 def test_a_suspect_take_is_made_again_and_every_take_is_kept(studio) -> None:
     # the tiny random model speaks to its length limit: every take is suspect, the guard's worst case
-    project = studio.create("Guarded", "Hello there.", voice="Narrator", preset="none", retries=2)
-    studio.generate(project.id)
-    studio.wait(project.id, timeout=300)
+    project = studio.editor.create("Guarded", "Hello there.", voice="Narrator", preset="none", retries=2)
+    studio.renders.generate(project.id)
+    studio.renders.wait(project.id, timeout=300)
     [segment] = studio.segments(project.id)
     takes = studio.store.takes(project.id)[segment.id]
     assert len(takes) == 3 and all(t.flags for t in takes)  # made again twice, all three kept
     assert any("the model's length limit" in f or "loops" in f for t in takes for f in t.flags)
     assert segment.chosen_take == min(takes, key=lambda t: len(t.flags)).id
     assert len({t.seed for t in takes}) == 3
-    studio.update_settings(project.id, retries=0)
-    studio.regenerate(project.id, segment.id)
-    studio.wait(project.id, timeout=300)
+    studio.editor.update_settings(project.id, retries=0)
+    studio.renders.regenerate(project.id, segment.id)
+    studio.renders.wait(project.id, timeout=300)
     assert len(studio.store.takes(project.id)[segment.id]) == 4  # no retries: one take, flagged
     with pytest.raises(InvalidInputError, match="retries must be"):
-        studio.update_settings(project.id, retries=9)
+        studio.editor.update_settings(project.id, retries=9)

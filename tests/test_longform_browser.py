@@ -9,6 +9,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import soundfile as sf
 from mutagen.mp3 import MP3, BitrateMode
@@ -25,8 +26,13 @@ TEXT = "Hi there.\n\nGood day to you.\n\nBye now."
 
 
 @pytest.fixture(scope="module")
-def app(tts, tmp_path_factory: pytest.TempPathFactory, short_prompt_wav: Path) -> Iterator[str]:
-    root = tmp_path_factory.mktemp("longform-browser")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The served web UI's folder (its data folder: ``data``)."""
+    return tmp_path_factory.mktemp("longform-browser")
+
+
+@pytest.fixture(scope="module")
+def app(tts, root: Path, short_prompt_wav: Path) -> Iterator[str]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("COSYVOICE_DATA_DIR", str(root / "data"))  # read by the router on its first request
         studio = make_studio(tts, root, builtin_prompt=short_prompt_wav)
@@ -131,7 +137,7 @@ def test_paste_review_generate_regenerate_export_download(page, tmp_path: Path) 
     speed.fill("9")
     speed.blur()
     page.wait_for_selector("#toast:not(.info)")
-    assert page.inner_text("#toast").startswith("speed must be a number")
+    assert page.inner_text("#toast").startswith("speed must be between 0.5 and 2")
     page.wait_for_function("() => document.querySelector('#segments input.speed').value === '1'")
     shot(page, "5-error")
 
@@ -296,3 +302,27 @@ def test_a_dialogue_on_a_chinese_phone(page, app: str) -> None:
     assert reasons and not any(re.search(r"[A-Za-z]{3,}", r) for r in reasons), reasons
     assert phone.evaluate(OVERFLOWS) == []
     phone.close()
+
+
+def test_an_export_is_a_job_whose_failure_stays_beside_its_button(page, app: str, root: Path) -> None:
+    """A take damaged after it was made fails the export job (the check before it passes): the page says why
+    beside the Export button, and says it again once reopened, from the job the server kept."""
+    new_project(page, app, "Damaged", text="Hi there.")
+    page.click("#generate")
+    page.wait_for_function("() => current.progress.total > 0 && current.progress.done === current.progress.total",
+                           timeout=120_000)
+    take = page.evaluate("() => current.segments[0].take")
+    [path] = (root / "data").rglob(f"{take}.wav")
+    audio, rate = sf.read(path, dtype="float32")
+    sf.write(path, np.full_like(audio, np.nan), rate, subtype="FLOAT")
+    page.select_option("#export-format", "mp3")
+    page.click("#export")
+    page.wait_for_selector("#export-state.fail")
+    said = page.inner_text("#export-state")
+    assert f"take {take} is damaged" in said and page.inner_text("#toast") == said
+    assert page.is_enabled("#export")
+    shot(page, "8-export-failed")
+    page.reload()
+    page.wait_for_function("() => window.longformReady === true")
+    page.wait_for_selector("#export-state.fail")
+    assert page.inner_text("#export-state") == said

@@ -33,11 +33,11 @@ def png() -> bytes:
 
 @pytest.fixture(scope="module")
 def book(studio) -> str:
-    project = studio.create("Book file", BOOK, voice="Narrator", preset="acx", title="The Long Road",
-                            author="Ann Author", narrator="Ned Narrator")
-    studio.generate(project.id)
-    assert studio.wait(project.id, timeout=300)["done"] == len(studio.segments(project.id))
-    studio.delivery.set_cover(project.id, png())
+    project = studio.editor.create("Book file", BOOK, voice="Narrator", preset="acx", title="The Long Road",
+                                   author="Ann Author", narrator="Ned Narrator")
+    studio.renders.generate(project.id)
+    assert studio.renders.wait(project.id, timeout=300)["done"] == len(studio.segments(project.id))
+    studio.covers.set_cover(project.id, png())
     return project.id
 
 
@@ -86,21 +86,21 @@ def test_the_acx_delivery_is_a_tagged_192k_cbr_mono_mp3_per_chapter(studio, book
 
 def test_a_delivery_of_a_changed_project_is_refused_and_unmastered_levels_fail(studio, book: str) -> None:
     studio.delivery.make(book)
-    studio.update_settings(book, narrator="Someone Else")
+    studio.editor.update_settings(book, narrator="Someone Else")
     assert studio.delivery.report(book)["current"] is False
     with pytest.raises(ConflictError, match="changed since"):
         studio.delivery.archive(book)
-    studio.update_settings(book, preset="none")  # the tiny model's raw takes are near full scale
+    studio.editor.update_settings(book, preset="none")  # the tiny model's raw takes are near full scale
     try:
         report = studio.delivery.make(book)
         assert not report["passed"]
         assert all(any("peak" in p or "RMS" in p for p in f["problems"]) for f in report["files"])
     finally:
-        studio.update_settings(book, preset="acx", narrator="Ned Narrator")
+        studio.editor.update_settings(book, preset="acx", narrator="Ned Narrator")
 
 
 def test_the_book_export_carries_title_author_narrator_and_cover(studio, book: str, tmp_path: Path) -> None:
-    _, data, _ = studio.export(book, "m4b")
+    _, data, _ = studio.mixer.export(book, "m4b")
     (tmp_path / "book.m4b").write_bytes(data)
     tags = mp4.MP4(tmp_path / "book.m4b").tags
     assert (tags["\xa9nam"], tags["\xa9ART"], tags["\xa9wrt"]) == (["The Long Road"], ["Ann Author"],
@@ -110,7 +110,7 @@ def test_the_book_export_carries_title_author_narrator_and_cover(studio, book: s
         assert (container.metadata["title"], container.metadata["composer"]) == ("The Long Road", "Ned Narrator")
         assert [c["metadata"]["title"] for c in container.chapters()] == ["One", "Two"]  # still chaptered
         assert sum(f.samples for f in container.decode(audio=0)) > 0
-    _, data, _ = studio.export(book, "mp3")
+    _, data, _ = studio.mixer.export(book, "mp3")
     with av.open(io.BytesIO(data)) as container:
         assert (container.metadata["album"], container.metadata["artist"]) == ("The Long Road", "Ann Author")
 
@@ -130,7 +130,7 @@ def test_the_check_reads_the_file_not_the_settings() -> None:
 
 def test_a_cover_must_be_an_image_and_tags_are_one_line(studio, book: str) -> None:
     with pytest.raises(InvalidInputError, match="JPEG or PNG"):
-        studio.delivery.set_cover(book, b"GIF89a....")
+        studio.covers.set_cover(book, b"GIF89a....")
     with pytest.raises(InvalidInputError, match="author is longer"):
-        studio.update_settings(book, author="x" * 300)
-    assert studio.update_settings(book, title="  The   Long Road ").settings["title"] == "The Long Road"
+        studio.editor.update_settings(book, author="x" * 300)
+    assert studio.editor.update_settings(book, title="  The   Long Road ").settings["title"] == "The Long Road"

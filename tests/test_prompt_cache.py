@@ -284,15 +284,15 @@ def test_a_long_form_project_speaks_at_its_steps(tts, short_prompt_wav: Path, tm
     studio = context.studio()
     try:
         with pytest.raises(InvalidInputError) as caught:
-            studio.create("Bad", "Hi there.", voice="Ann", steps=0)
+            studio.editor.create("Bad", "Hi there.", voice="Ann", steps=0)
         assert caught.value.field == "steps"
-        project = studio.create("Six", "Hi there.", voice="Ann", steps=6)
+        project = studio.editor.create("Six", "Hi there.", voice="Ann", steps=6)
         assert project.settings["steps"] == 6
-        studio.generate(project.id)
-        assert studio.wait(project.id, 300)["done"] == 1
-        project = studio.update_settings(project.id, steps=None)  # back to the model's
-        studio.regenerate(project.id, studio.segments(project.id)[0].id)
-        studio.wait(project.id, 300)
+        studio.renders.generate(project.id)
+        assert studio.renders.wait(project.id, 300)["done"] == 1
+        project = studio.editor.update_settings(project.id, steps=None)  # back to the model's
+        studio.renders.regenerate(project.id, studio.segments(project.id)[0].id)
+        studio.renders.wait(project.id, 300)
         assert asked == [6, tts.engine.default_steps]
     finally:
         context.close()

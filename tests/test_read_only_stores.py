@@ -43,7 +43,8 @@ def test_read_only_folders_are_served_read_only(tts, tmp_path: Path, short_promp
     context = StudioContext(service=made, data_dir=data)
     take = context.takes.add_take(np.zeros(2400, np.float32), 24000, {"text": "kept"}, label="sysA",
                                   owner=ANONYMOUS)
-    project = context.studio().create("Kept", "One short sentence.", voice="Narrator", owner=ANONYMOUS)  # the client's
+    # the client's
+    project = context.studio().editor.create("Kept", "One short sentence.", voice="Narrator", owner=ANONYMOUS)
     context.close()
 
     with read_only_mount(root) as mounted:
@@ -83,6 +84,9 @@ def test_read_only_folders_are_served_read_only(tts, tmp_path: Path, short_promp
                 _refused(client.post("/v1/longform/projects", json={"text": "New words.", "voice": "Narrator"}),
                          "COSYVOICE_DATA_DIR")
                 _refused(client.post(f"/v1/longform/projects/{project.id}/generate"), "COSYVOICE_DATA_DIR")
+                for export in (client.post(f"/v1/longform/projects/{project.id}/exports", json={}),
+                               client.get(f"/v1/longform/projects/{project.id}/export")):  # exports are jobs too
+                    _refused(export, "COSYVOICE_DATA_DIR")
                 assert client.get(f"/v1/longform/projects/{project.id}/progress").json()["running"] is False
         finally:
             server.stop()

@@ -24,14 +24,16 @@ import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import BinaryIO
 
 import numpy as np
 
 from cosyvoice.encoding import AudioFormat, write_file
 from cosyvoice.errors import ConflictError, InvalidInputError, NotFoundError
 from cosyvoice.longform import finishing
-from cosyvoice.longform.store import Project, ProjectStore, Segment, Take
+from cosyvoice.longform.mix import Mixer
+from cosyvoice.longform.store import ProjectStore, Take
+from cosyvoice.longform.tags import BookTags, Covers, file_stem, tag_file
 from cosyvoice.system.sqlite import require_writable
 
 ACX_SAMPLE_RATE = 44_100
@@ -43,100 +45,6 @@ ACX_TAIL_SECONDS = (1.0, 5.0)  # and after the last
 HEAD_SECONDS = 0.75  # what a delivery puts there: the middle of each range, away from its edges
 TAIL_SECONDS = 2.0
 ROOM_TONE_DB = -72.0  # RMS of the room tone under every file: inaudible, far under ACX's -60 dB floor
-COVER_TYPES = {b"\xff\xd8\xff": "image/jpeg", b"\x89PNG\r\n\x1a\n": "image/png"}
-MAX_COVER_BYTES = 10 * 2 ** 20
-MAX_TAG_CHARS = 200
-
-
-@dataclass(frozen=True)
-class BookTags:
-    """What every delivered file says about the book; empty strings are left out of the tags."""
-
-    title: str
-    author: str = ""
-    narrator: str = ""
-    cover: bytes | None = None
-
-    @property
-    def cover_type(self) -> str | None:
-        return cover_type(self.cover) if self.cover else None
-
-
-def cover_type(data: bytes) -> str:
-    """The MIME type of a cover image (JPEG or PNG, the two every player shows); a clear error otherwise."""
-    if len(data) > MAX_COVER_BYTES:
-        raise InvalidInputError(f"the cover is larger than {MAX_COVER_BYTES // 2 ** 20} MB", "cover")
-    for magic, mime in COVER_TYPES.items():
-        if data.startswith(magic):
-            return mime
-    raise InvalidInputError("the cover must be a JPEG or PNG image", "cover")
-
-
-def tag_text(value: object, field_name: str) -> str:
-    """A tag value as stored: one line, trimmed, at most MAX_TAG_CHARS characters."""
-    if not isinstance(value, str):
-        raise InvalidInputError(f"{field_name} must be text", field_name)
-    text = " ".join(value.split())
-    if len(text) > MAX_TAG_CHARS:
-        raise InvalidInputError(f"{field_name} is longer than {MAX_TAG_CHARS} characters", field_name)
-    return text
-
-
-# ----------------------------------------------------------------------------- tags
-
-
-def tag_file(file: BinaryIO, kind: str, tags: BookTags, chapter: str | None = None,
-             track: tuple[int, int] | None = None) -> None:
-    """Write ``tags`` into the MP3 (ID3v2) or MP4/M4B (iTunes atoms) in the seekable ``file``, in place. The
-    narrator goes where audiobook players look for it: the composer field and a NARRATOR field."""
-    file.seek(0)
-    if kind == "mp3":
-        _tag_mp3(file, tags, chapter, track)
-    elif kind in ("m4b", "mp4"):
-        _tag_mp4(file, tags)
-    file.seek(0, io.SEEK_END)
-
-
-def _tag_mp3(file: BinaryIO, tags: BookTags, chapter: str | None, track: tuple[int, int] | None) -> None:
-    from mutagen import id3
-
-    frames = id3.ID3()
-    frames.add(id3.TIT2(encoding=3, text=chapter or tags.title))
-    frames.add(id3.TALB(encoding=3, text=tags.title))
-    frames.add(id3.TCON(encoding=3, text="Audiobook"))
-    if tags.author:
-        frames.add(id3.TPE1(encoding=3, text=tags.author))
-        frames.add(id3.TPE2(encoding=3, text=tags.author))
-    if tags.narrator:
-        frames.add(id3.TCOM(encoding=3, text=tags.narrator))
-        frames.add(id3.TXXX(encoding=3, desc="NARRATOR", text=tags.narrator))
-    if track:
-        frames.add(id3.TRCK(encoding=3, text=f"{track[0]}/{track[1]}"))
-    if tags.cover:
-        frames.add(id3.APIC(encoding=3, mime=tags.cover_type, type=3, desc="Cover", data=tags.cover))
-    frames.save(file, v2_version=4)
-
-
-def _tag_mp4(file: BinaryIO, tags: BookTags) -> None:
-    from mutagen import mp4
-
-    book = mp4.MP4(file)
-    if book.tags is None:
-        book.add_tags()
-    book.tags["\xa9nam"] = [tags.title]
-    book.tags["\xa9alb"] = [tags.title]
-    book.tags["\xa9gen"] = ["Audiobook"]
-    if tags.author:
-        book.tags["\xa9ART"] = [tags.author]
-        book.tags["aART"] = [tags.author]
-    if tags.narrator:
-        book.tags["\xa9wrt"] = [tags.narrator]
-        book.tags["----:com.apple.iTunes:NARRATOR"] = [mp4.MP4FreeForm(tags.narrator.encode())]
-    if tags.cover:
-        kind = mp4.MP4Cover.FORMAT_PNG if tags.cover_type == "image/png" else mp4.MP4Cover.FORMAT_JPEG
-        book.tags["covr"] = [mp4.MP4Cover(tags.cover, kind)]
-    file.seek(0)
-    book.save(file)
 
 
 # ----------------------------------------------------------------------------- chapter files
@@ -149,11 +57,6 @@ class ChapterPlan:
     title: str
     parts: list[tuple[Callable[[], np.ndarray], float]]  # (finished audio, on demand; seconds of pause after)
 
-
-def file_stem(name: str) -> str:
-    """A file name's stem from a title: letters, digits, - and _ kept, spaces as -, at most 80 characters."""
-    stem = "".join(ch if ch.isalnum() or ch in "-_ " else "_" for ch in name).strip().replace(" ", "-")
-    return stem[:80] or "project"
 
 
 def file_name(index: int, title: str) -> str:
@@ -382,48 +285,16 @@ def book_result(files: list[FileReport]) -> dict:
 # ----------------------------------------------------------------------------- a project's delivery
 
 
-class Projects(Protocol):
-    """What a delivery reads of the long-form studio (:class:`~cosyvoice.longform.projects.LongformStudio`),
-    named here so that the studio may own its deliveries without an import running back to it."""
-
-    store: ProjectStore
-    sample_rate: int
-
-    def project(self, project_id: str) -> Project: ...
-
-    def plan(self, project_id: str) -> tuple[list[tuple[Segment, Take, float]], finishing.Finish]: ...
-
-
 class Deliveries:
     """Projects' ACX deliveries in the data folder: ``longform/delivery/<project>.zip`` (a chapter MP3 per file)
     with its check beside it (``.json``), kept until the project changes (a delivery of takes, settings or tags
-    no longer the project's is refused, not served); covers in ``longform/covers/<project>``."""
+    no longer the project's is refused, not served); made from ``mixer``'s plan, tagged from ``covers``."""
 
-    def __init__(self, studio: Projects) -> None:
-        self.studio = studio
-        self.folder = studio.store.audio_root / "delivery"
-        self.covers = studio.store.audio_root / "covers"
-
-    def tags(self, project_id: str) -> BookTags:
-        project = self.studio.project(project_id)
-        cover = self.covers / project_id
-        return BookTags(project.settings.get("title") or project.name, project.settings.get("author", ""),
-                        project.settings.get("narrator", ""), cover.read_bytes() if cover.exists() else None)
-
-    def has_cover(self, project_id: str) -> bool:
-        return (self.covers / project_id).exists()
-
-    def set_cover(self, project_id: str, data: bytes | None) -> None:
-        """The book's cover image (JPEG or PNG), or none (``data`` None)."""
-        self.studio.project(project_id)
-        require_writable(self.studio.store.read_only)
-        path = self.covers / project_id
-        if data is None:
-            path.unlink(missing_ok=True)
-            return
-        cover_type(data)
-        self.covers.mkdir(parents=True, exist_ok=True)
-        _replace(path, lambda f: f.write(data))
+    def __init__(self, store: ProjectStore, mixer: Mixer, covers: Covers) -> None:
+        self.store = store
+        self.mixer = mixer
+        self.covers = covers
+        self.folder = store.audio_root / "delivery"
 
     def _key(self, project_id: str, plan: list, finish: finishing.Finish, tags: BookTags) -> str:
         """What the delivery is made of: the takes, pauses, chapters, finishing and tags."""
@@ -435,15 +306,14 @@ class Deliveries:
     def make(self, project_id: str) -> dict:
         """Make the project's delivery (one MP3 per chapter), check every file as delivered, keep both; the
         check is returned. Refused while a segment has no take (nothing is written then)."""
-        require_writable(self.studio.store.read_only)
-        for folder in (self.folder, self.covers):
-            _remove_orphans(folder)
-        plan, finish = self.studio.plan(project_id)
-        tags = self.tags(project_id)
-        chapters = _chapters(plan, tags.title, self.studio.store.take_audio, finish)
+        require_writable(self.store.read_only)
+        _remove_orphans(self.folder)
+        plan, finish = self.mixer.plan(project_id)
+        tags = self.covers.tags(project_id)
+        chapters = _chapters(plan, tags.title, self.store.take_audio, finish)
         self.folder.mkdir(parents=True, exist_ok=True)
         reports = []
-        sr = self.studio.sample_rate
+        sr = self.mixer.sample_rate
 
         def write(archive: BinaryIO) -> None:
             with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as z:
@@ -465,15 +335,15 @@ class Deliveries:
     def report(self, project_id: str) -> dict:
         """The last delivery's check, with ``current``: whether it is still of the project as it is."""
         path = self.folder / f"{project_id}.json"
-        self.studio.project(project_id)
+        self.store.project(project_id)
         if not path.exists():
             raise NotFoundError("no ACX delivery made yet; press Master to ACX or Check", "delivery")
         result = json.loads(path.read_text(encoding="utf-8"))
         try:
-            plan, finish = self.studio.plan(project_id)
+            plan, finish = self.mixer.plan(project_id)
         except InvalidInputError:
             return result | {"current": False}
-        return result | {"current": result["key"] == self._key(project_id, plan, finish, self.tags(project_id))}
+        return result | {"current": result["key"] == self._key(project_id, plan, finish, self.covers.tags(project_id))}
 
     def archive(self, project_id: str) -> tuple[str, Path]:
         """(download name, path) of the delivery's ZIP; refused when the project changed since it was made."""
@@ -483,7 +353,7 @@ class Deliveries:
         return result["download"], self.folder / f"{project_id}.zip"
 
     def remove(self, project_id: str) -> None:
-        for path in (self.folder / f"{project_id}.zip", self.folder / f"{project_id}.json", self.covers / project_id):
+        for path in (self.folder / f"{project_id}.zip", self.folder / f"{project_id}.json"):
             path.unlink(missing_ok=True)
 
 

@@ -117,6 +117,12 @@ class Take:
                                                                          segment.instruction, segment.speed)
 
 
+def current_take(segment: Segment, takes: dict[str, list[Take]]) -> Take | None:
+    """The segment's chosen take (among ``takes``, by segment id) if it still says what the segment says."""
+    chosen = next((t for t in takes.get(segment.id, []) if t.id == segment.chosen_take), None)
+    return chosen if chosen is not None and chosen.matches(segment) else None
+
+
 def new_id() -> str:
     return uuid.uuid4().hex[:12]
 

@@ -3,8 +3,8 @@
 
 A thin adapter over :class:`cosyvoice.longform.LongformStudio`: it parses the wire format, maps the studio's
 errors onto HTTP as every server does (:func:`cosyvoice.server.errors.http_error`: 400 naming the field, 404,
-409, 503, 500 without internals), and serves take audio, exports and subtitles as files. The page is static
-HTML + JavaScript that calls the same endpoints, so everything it does is scriptable.
+409, 503, 500 without internals), and serves take audio. The page is static HTML + JavaScript that calls the
+same endpoints, so everything it does is scriptable.
 
 Projects belong to their owner (:mod:`cosyvoice.owners`): the list holds the projects the caller may see (the
 server's sharing; admins see all), and every route under a project answers 404 for a project the caller may not
@@ -29,13 +29,10 @@ test uses (in the workbench) and says which.
     POST   /v1/longform/projects/{p}/generate                    {segments?: [ids]}; default: all without audio
     POST   /v1/longform/projects/{p}/cancel
     GET    /v1/longform/projects/{p}/progress                    {running, total, done, failed, queued, eta, ...}
-    GET    /v1/longform/projects/{p}/export?format=wav&finished=true   wav mp3 flac opus m4b mp4
-    GET    /v1/longform/projects/{p}/subtitles.srt | subtitles.vtt | segments.json
-    GET    /v1/longform/projects/{p}/acx                         the finished mix against ACX, per chapter and book
-    POST   /v1/longform/projects/{p}/acx/delivery                make ACX's files (an MP3 a chapter) and check them
-    GET    /v1/longform/projects/{p}/acx/delivery                the last delivery's check (``current``: still valid)
-    GET    /v1/longform/projects/{p}/acx/delivery.zip            its files (409 once the project changed)
     POST   /v1/longform/projects/{p}/cover                       multipart: file (JPEG or PNG); DELETE: none
+
+Exports (the mix as a file, the ACX delivery and check: jobs), subtitles and the segment table are
+:mod:`cosyvoice.server.longform_files`' routes, in the same router.
 """
 
 from __future__ import annotations
@@ -45,28 +42,27 @@ import contextlib
 import json
 import logging
 import re
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, BinaryIO
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from cosyvoice.context import StudioContext
-from cosyvoice.encoding import encode_audio, file_format
+from cosyvoice.encoding import encode_audio
 from cosyvoice.engine import CancelToken
 from cosyvoice.errors import ConflictError, InvalidInputError, NotFoundError, PermissionDeniedError
 from cosyvoice.jobs import Cancelled
 from cosyvoice.longform import LongformStudio, documents
-from cosyvoice.longform.delivery import MAX_COVER_BYTES
 from cosyvoice.longform.store import Segment, Take
+from cosyvoice.longform.tags import MAX_COVER_BYTES
 from cosyvoice.owners import Caller
 from cosyvoice.server.errors import CLIENT_GONE, error_route
+from cosyvoice.server.longform_files import files
 from cosyvoice.server.routes import RouteTable
-from cosyvoice.system.fs import disk_full
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +184,9 @@ def longform_router(context: StudioContext) -> APIRouter:
             raise NotFoundError(f"no project {project_id!r}", "project")
 
     router = APIRouter(dependencies=[Depends(visible_project)])
-    router.include_router(routes.install(Mount(context), route_class=error_route(context.settings)))
+    mount, route_class = Mount(context), error_route(context.settings)
+    router.include_router(routes.install(mount, route_class=route_class))
+    router.include_router(files.install(mount, route_class=route_class))
     return router
 
 
@@ -240,8 +238,8 @@ async def create(mount: This, s: Studio, who: Who, body: NewProject, request: Re
                if v is not None}
 
     def make(cancel: CancelToken, report: Callable[[str, int, int], None]) -> dict[str, Any]:
-        project = s.create(body.name, body.text, voice=body.voice, kind=body.kind, speakers=body.speakers,
-                           preset=body.preset, owner=who.owner, cancel=cancel,
+        project = s.editor.create(body.name, body.text, voice=body.voice, kind=body.kind, speakers=body.speakers,
+                                  preset=body.preset, owner=who.owner, cancel=cancel,
                            progress=lambda done, total: report("splitting", done, total), **options)
         return detail(s, project.id)
 
@@ -268,9 +266,9 @@ async def upload(mount: This, s: Studio, who: Who, request: Request, file: Annot
 
     def make(cancel: CancelToken, report: Callable[[str, int, int], None]) -> dict[str, Any]:
         text, chapters = documents.read_document(filename, data, limits, cancel)
-        project = s.create(name or Path(filename).stem, text, voice=voice, kind=kind, speakers=mapping,
-                           chapters=chapters, preset=preset, owner=who.owner, cancel=cancel,
-                           progress=lambda done, total: report("splitting", done, total))
+        project = s.editor.create(name or Path(filename).stem, text, voice=voice, kind=kind, speakers=mapping,
+                                  chapters=chapters, preset=preset, owner=who.owner, cancel=cancel,
+                                  progress=lambda done, total: report("splitting", done, total))
         return detail(s, project.id)
 
     with mount.imports.tracking(who.owner, import_id) as report:
@@ -314,7 +312,7 @@ def get_project(s: Studio, project_id: str) -> JSONResponse:
 
 @routes.patch("/v1/longform/projects/{project_id}")
 def change_project(s: Studio, project_id: str, body: ProjectChanges) -> JSONResponse:
-    s.update_settings(project_id, **body.model_dump(exclude_unset=True))
+    s.editor.update_settings(project_id, **body.model_dump(exclude_unset=True))
     return JSONResponse(detail(s, project_id))
 
 
@@ -335,30 +333,30 @@ def change_segment(s: Studio, who: Who, project_id: str, segment_id: str, body: 
     changes = body.model_dump(exclude_unset=True)
     if changes.pop("default_pause", False):
         changes["pause"] = None
-    s.edit_segment(project_id, segment_id, owner=who.owner, **changes)
+    s.editor.edit_segment(project_id, segment_id, owner=who.owner, **changes)
     return JSONResponse(detail(s, project_id))
 
 
 @routes.post("/v1/longform/projects/{project_id}/segments/{segment_id}/split")
 def split(s: Studio, project_id: str, segment_id: str, body: SplitAt) -> JSONResponse:
-    s.split_segment(project_id, segment_id, body.at)
+    s.editor.split_segment(project_id, segment_id, body.at)
     return JSONResponse(detail(s, project_id))
 
 
 @routes.post("/v1/longform/projects/{project_id}/segments/{segment_id}/merge")
 def merge(s: Studio, project_id: str, segment_id: str) -> JSONResponse:
-    s.merge_segments(project_id, segment_id)
+    s.editor.merge_segments(project_id, segment_id)
     return JSONResponse(detail(s, project_id))
 
 
 @routes.post("/v1/longform/projects/{project_id}/segments/{segment_id}/regenerate")
 def regenerate(s: Studio, project_id: str, segment_id: str) -> JSONResponse:
-    return JSONResponse(s.regenerate(project_id, segment_id))
+    return JSONResponse(s.renders.regenerate(project_id, segment_id))
 
 
 @routes.post("/v1/longform/projects/{project_id}/segments/{segment_id}/takes/{take_id}/choose")
 def choose(s: Studio, project_id: str, segment_id: str, take_id: str) -> JSONResponse:
-    s.choose_take(project_id, segment_id, take_id)
+    s.editor.choose_take(project_id, segment_id, take_id)
     return JSONResponse(detail(s, project_id))
 
 
@@ -373,109 +371,45 @@ def take_audio(s: Studio, project_id: str, take_id: str) -> Response:
 
 @routes.post("/v1/longform/projects/{project_id}/generate")
 def generate(s: Studio, project_id: str, body: GenerateBody | None = None) -> JSONResponse:
-    return JSONResponse(s.generate(project_id, body.segments if body else None))
+    return JSONResponse(s.renders.generate(project_id, body.segments if body else None))
 
 
 @routes.post("/v1/longform/projects/{project_id}/cancel")
 def cancel(s: Studio, project_id: str) -> JSONResponse:
-    return JSONResponse(s.cancel(project_id))
+    return JSONResponse(s.renders.cancel(project_id))
 
 
 @routes.get("/v1/longform/projects/{project_id}/progress")
 def progress(s: Studio, project_id: str) -> JSONResponse:
-    return JSONResponse(s.progress(project_id))
+    return JSONResponse(s.renders.progress(project_id))
 
 
-# ------------------------------------------------------------------ export
-
-
-@routes.get("/v1/longform/projects/{project_id}/export")
-def export(s: Studio, project_id: str, format: str = "wav", finished: bool = True) -> Response:
-    """The mix as a file download (wav, mp3, flac, opus, m4b, mp4), written segment by segment (an audiobook
-    never sits in memory) to a temporary file without a name, so nothing is left behind however it ends."""
-    fmt = file_format(format)
-    folder = None if s.store.read_only else s.store.root  # a read-only store exports via the temp folder
-    out = tempfile.TemporaryFile(dir=folder)  # noqa: SIM115 (closed once sent, by _read)
-    try:
-        timeline = s.export_to(out, project_id, fmt.name, finished)
-    except OSError as exc:
-        out.close()
-        raise disk_full(exc) or exc from exc
-    except BaseException:
-        out.close()
-        raise
-    acx = "pass" if timeline.acx and timeline.acx["passed"] else "fail"
-    size = out.tell()
-    out.seek(0)
-    return StreamingResponse(_read(out), media_type=fmt.content_type,
-                             headers={**_attachment(s.file_name(project_id, fmt.name)), "X-ACX-Check": acx,
-                                      "Content-Length": str(size)})
-
-
-@routes.get("/v1/longform/projects/{project_id}/acx")
-def acx(s: Studio, project_id: str) -> JSONResponse:
-    """The finished mix against ACX's requirements (RMS, peak, noise floor), per chapter and for the book."""
-    return JSONResponse(s.acx(project_id))
-
-
-@routes.post("/v1/longform/projects/{project_id}/acx/delivery")
-def make_delivery(s: Studio, project_id: str) -> JSONResponse:
-    """ACX's delivery made (one MP3 a chapter: 192 kbps CBR, 44.1 kHz, mono, room tone at each end) and every
-    file checked as delivered: format, bit rate, rate, channels, length, room tone and levels."""
-    try:
-        return JSONResponse(s.delivery.make(project_id))
-    except OSError as exc:
-        raise disk_full(exc) or exc from exc
-
-
-@routes.get("/v1/longform/projects/{project_id}/acx/delivery")
-def delivery_report(s: Studio, project_id: str) -> JSONResponse:
-    return JSONResponse(s.delivery.report(project_id))
-
-
-@routes.get("/v1/longform/projects/{project_id}/acx/delivery.zip")
-def delivery_zip(s: Studio, project_id: str) -> Response:
-    name, path = s.delivery.archive(project_id)
-    return StreamingResponse(_read(path.open("rb")), media_type="application/zip",
-                             headers={**_attachment(name), "Content-Length": str(path.stat().st_size)})
+# ------------------------------------------------------------------ the book's cover
 
 
 @routes.post("/v1/longform/projects/{project_id}/cover")
 def set_cover(s: Studio, project_id: str, file: Annotated[UploadFile, File()]) -> JSONResponse:
     """The book's cover (JPEG or PNG), embedded in its MP3, M4B and ACX files."""
     data = file.file.read(MAX_COVER_BYTES + 1)
-    s.delivery.set_cover(project_id, data)
+    s.covers.set_cover(project_id, data)
     return JSONResponse(detail(s, project_id))
 
 
 @routes.delete("/v1/longform/projects/{project_id}/cover")
 def delete_cover(s: Studio, project_id: str) -> JSONResponse:
-    s.delivery.set_cover(project_id, None)
+    s.covers.set_cover(project_id, None)
     return JSONResponse(detail(s, project_id))
-
-
-@routes.get("/v1/longform/projects/{project_id}/subtitles.{kind}")
-def subtitles(s: Studio, project_id: str, kind: str, finished: bool = True) -> Response:
-    text = s.subtitles(project_id, kind, finished)
-    media = "text/vtt" if kind == "vtt" else "application/x-subrip"
-    name = f"{s.project(project_id).name or 'subtitles'}.{kind}"
-    return Response(text, media_type=f"{media}; charset=utf-8", headers=_attachment(name))
-
-
-@routes.get("/v1/longform/projects/{project_id}/segments.json")
-def segments_json(s: Studio, project_id: str, finished: bool = True) -> JSONResponse:
-    return JSONResponse(s.segments_json(project_id, s.timeline(project_id, finished)))
 
 
 def detail(studio: LongformStudio, project_id: str) -> dict[str, Any]:
     """A project as the page shows it: settings, every segment with its status and takes, the progress."""
     project = studio.project(project_id)
-    table = studio.table(project_id)
+    table = studio.renders.table(project_id)
     names = {v.id: v.name for v in studio.service.list_voices()}
     pauses = project.settings["pauses"]
     return {"id": project.id, "name": project.name, "kind": project.kind, "settings": project.settings,
-            "sample_rate": studio.sample_rate, "progress": studio.progress(project_id),
-            "cover": studio.delivery.has_cover(project_id),
+            "sample_rate": studio.sample_rate, "progress": studio.renders.progress(project_id),
+            "cover": studio.covers.has_cover(project_id),
             "segments": [_segment(s, takes, status, names, pauses, last=i == len(table) - 1)
                          for i, (s, takes, status) in enumerate(table)]}
 
@@ -492,16 +426,3 @@ def _segment(s: Segment, takes: list[Take], status: str, names: dict[str, str], 
             "takes": [{"id": t.id, "seed": t.seed, "flags": t.flags, "current": t.matches(s),
                        "chosen": t.id == s.chosen_take, "seconds": round(t.samples / t.sample_rate, 2),
                        "created": t.created} for t in takes]}
-
-
-def _read(file: BinaryIO, size: int = 1 << 20) -> Iterator[bytes]:
-    with file:
-        while chunk := file.read(size):
-            yield chunk
-
-
-def _attachment(name: str) -> dict[str, str]:
-    from urllib.parse import quote
-
-    ascii_name = "".join(ch if 32 <= ord(ch) < 127 and ch not in '"\\' else "_" for ch in name)
-    return {"Content-Disposition": f"attachment; filename=\"{ascii_name}\"; filename*=UTF-8''{quote(name)}"}

@@ -76,29 +76,29 @@ def run(args: argparse.Namespace) -> int:
     context = StudioContext(service=service, data_dir=args.data_dir or default_data_dir())
     studio = context.studio()
     try:
-        project = studio.create(args.name or stem, text, voice=args.voice, speakers=speakers, chapters=chapters,
-                                kind="dialogue" if args.dialogue else "document", preset=args.preset)
+        project = studio.editor.create(args.name or stem, text, voice=args.voice, speakers=speakers, chapters=chapters,
+                                       kind="dialogue" if args.dialogue else "document", preset=args.preset)
         segments = studio.segments(project.id)
         print(f"project {project.id}: {len(segments)} segments", file=sys.stderr)
         if unmapped := project.settings.get("unmapped_speakers"):
             print(f"note: no --speaker for {', '.join(unmapped)}: they read with --voice {args.voice}", file=sys.stderr)
-        studio.generate(project.id)
-        while (progress := studio.wait(project.id, timeout=2.0))["running"]:
+        studio.renders.generate(project.id)
+        while (progress := studio.renders.wait(project.id, timeout=2.0))["running"]:
             eta = "" if progress["eta"] is None else f", about {progress['eta']:.0f} s left"
             print(f"  {progress['done']}/{progress['total']} done{eta}", file=sys.stderr)
         if progress["failed"]:
-            failed = [s for s, _, status in studio.table(project.id) if status == "failed"]
+            failed = [s for s, _, status in studio.renders.table(project.id) if status == "failed"]
             for s in failed:
                 print(f"  segment {s.position + 1} failed: {s.error}", file=sys.stderr)
             print(f"error: {len(failed)} segment(s) failed; the project {project.id} keeps what was made",
                   file=sys.stderr)
             return 1
         started = time.perf_counter()
-        name = studio.file_name(project.id, args.format)
+        name = studio.mixer.file_name(project.id, args.format)
         args.out.mkdir(parents=True, exist_ok=True)
         with open(args.out / name, "wb") as out:
-            timeline = studio.export_to(out, project.id, args.format)
-        table = studio.segments_json(project.id, timeline)
+            timeline = studio.mixer.export_to(out, project.id, args.format)
+        table = studio.mixer.segments_json(project.id, timeline)
         (args.out / "segments.json").write_text(json.dumps(table, indent=2, ensure_ascii=False), encoding="utf-8")
         (args.out / "subtitles.srt").write_text(srt(timeline.cues), encoding="utf-8")
         (args.out / "subtitles.vtt").write_text(vtt(timeline.cues), encoding="utf-8")

@@ -311,6 +311,8 @@
     "Format": "格式",
     "Head / tail s": "开头 / 结尾（秒）",
     "making the files…": "正在生成文件……",
+    "exporting…": "正在导出……",
+    "waiting for the project's other jobs…": "正在等待本项目的其他任务……",
     "Length": "时长",
     "RMS dB": "RMS dB",
     "Peak dB": "峰值 dB",
@@ -371,6 +373,7 @@
     [/^project created: (\d+) segments$/, "项目已创建：$1 段"],
     [/^(\d+) take\(s\) kept in the workbench: listening tests use them$/, "$1 条录音保留在工作台中：听测在使用它们"],
     [/^exported (.+)$/, "已导出 $1"],
+    [/^the export was (\w+); ask for it again$/, "导出未完成（$1），请重新导出"],
     [/^(MP3 \S+ kbps(?: CBR)?), (\S+) Hz, (mono|stereo)$/, (m, f, hz, ch) => `${f}，${hz} Hz，${ch === "mono" ? "单声道" : "立体声"}`],
     [/^Chapter: (.+)$/, "章节：$1"],
     // a segment's reasons to listen again (cosyvoice/longform/finishing.py), one a line
