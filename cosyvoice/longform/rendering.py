@@ -18,7 +18,9 @@ from cosyvoice.longform import finishing
 from cosyvoice.longform.store import ProjectStore, Segment, Take, current_take
 from cosyvoice.service import SynthesisRequest, TTSService
 from cosyvoice.system.sqlite import require_writable
-from cosyvoice.takes.provenance import provenance
+from cosyvoice.takes.provenance import keep_take
+from cosyvoice.takes.store import Take as StoredTake
+from cosyvoice.takes.store import TakeStore
 
 SUSPECT_RETRIES = 0  # a project's default: suspect takes are flagged; a project may ask for new takes (new seeds)
 KIND = "longform"  # the job kind of a project's generation
@@ -161,10 +163,10 @@ class Renders:
                                        **schedule)  # the service draws the seed
             made = synthesize(self.service, request, token)
             flags = self._suspect(segment, made)
-            record = provenance(self.service, request, made.prepared, made.pcm.size, made.timings)
+            keep = functools.partial(_keep, self.service, request, made)
             try:
-                take = self.store.add_take(segment, made.pcm, self.service.sample_rate, record, flags=flags,
-                                           seconds_to_make=made.seconds, choose=not flags)
+                take = self.store.add_take(segment, keep, flags=flags, seconds_to_make=made.seconds,
+                                           choose=not flags)
             except NotFoundError:
                 self._exists(project_id)
                 raise
@@ -194,3 +196,7 @@ class Renders:
         except NotFoundError as exc:
             raise JobGone(f"the project {project_id} was deleted") from exc
 
+
+def _keep(service: TTSService, request: SynthesisRequest, made: Made, takes: TakeStore, **where) -> StoredTake:
+    """A segment's take kept as every take is (:func:`keep_take`); ``where``: the project's part of its record."""
+    return keep_take(takes, service, request, made.prepared, made.pcm, made.timings, **where)

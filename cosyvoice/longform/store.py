@@ -29,6 +29,7 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -280,17 +281,17 @@ class ProjectStore:
 
     # ------------------------------------------------------------------ takes
 
-    def add_take(self, segment: Segment, audio: np.ndarray, sample_rate: int, provenance: dict, *,
-                 flags: list[str], seconds_to_make: float, choose: bool = True) -> Take:
-        """Keep a take of ``segment`` as it is now: the take store's take (``provenance``: how it was made, with
-        its seed and voice id; the project and segment are added), then its link here; ``choose`` marks it."""
+    def add_take(self, segment: Segment, keep: Callable[..., StoredTake], *, flags: list[str],
+                 seconds_to_make: float, choose: bool = True) -> Take:
+        """Keep a take of ``segment`` as it is now: ``keep(take_store, form=..., label=..., owner=...)`` stores it
+        in the take store (:func:`cosyvoice.takes.provenance.keep_take`, with the project and segment in its
+        record, under the project's name and owner), then its link here; ``choose`` marks it."""
         project = self.project(segment.project_id)
-        stored = self.take_store.add_take(audio, sample_rate,
-                                          provenance | {"longform": {"project": project.id, "segment": segment.id}},
-                                          label=project.name, owner=project.owner)
-        take = Take(stored.id, segment.project_id, segment.id, provenance["seed"], segment.text, segment.voice,
-                    provenance["voice_id"], segment.instruction, segment.speed, stored.samples, sample_rate, flags,
-                    seconds_to_make, stored.created)
+        stored = keep(self.take_store, form={"longform": {"project": project.id, "segment": segment.id}},
+                      label=project.name, owner=project.owner)
+        take = Take(stored.id, segment.project_id, segment.id, stored.provenance["seed"], segment.text, segment.voice,
+                    stored.provenance["voice_id"], segment.instruction, segment.speed, stored.samples,
+                    stored.sample_rate, flags, seconds_to_make, stored.created)
         row = asdict(take) | {"flags": json.dumps(flags)}
         try:
             with self.transaction() as db:
