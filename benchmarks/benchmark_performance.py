@@ -315,7 +315,7 @@ def bench_bundle(model_dir: Path | None, tiny: bool, work: Path) -> tuple[Path, 
     return make_tiny_bundle(work / "full", seed=0, dims=RELEASED_DIMS), "released sizes, random"
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--tiny", action="store_true", help="the tiny test bundle: a smoke run in seconds on a CPU")
@@ -340,7 +340,38 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="also graph the LLM-only scheduler rows (the engines' graphs follow --engines)")
     parser.add_argument("--json", type=Path, help="write settings and rows here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _engine_rows(engine, name: str, dtype_name: str, inp, args: argparse.Namespace, concurrency: list[int],
+                 arrivals: int, device: torch.device) -> list[Row]:
+    """One engine's rows: every asked mode under every load, each printed as it is measured."""
+    rows: list[Row] = []
+    for stream in (True, False):
+        mode = "stream" if stream else "nonstream"
+        if mode not in args.modes:
+            continue
+        _one_request(engine, inp, stream, seed=0)  # warm-up: allocator, kernels, noise buffers
+        loads = [("closed", c, 0.0) for c in concurrency] + [("poisson", 0, r) for r in args.poisson]
+        for load, clients, rate in loads:
+            with _PeakMemory(device) as mem:
+                if load == "closed":
+                    results, wall, in_flight = measure(engine, inp, stream, clients, args.requests)
+                else:
+                    results, wall, in_flight = measure_poisson(engine, inp, stream, rate, arrivals)
+            rows.append(_row(name, dtype_name, mode, load, in_flight, rate, results, wall, mem.used_mib))
+            print(_table_line(rows[-1]), flush=True)
+    return rows
+
+
+def _print_llm_rows(llm_rows: list[dict]) -> None:
+    print("\n| LLM runner | dtype | batch | tokens/s (all rows) | ms per step |\n| --- | --- | --- | --- | --- |")
+    for r in llm_rows:
+        print(f"| {r['runner']} | {r['dtype']} | {r['batch']} | {r['tokens_per_s']:.0f} | {r['ms_per_step']:.2f} |")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parser().parse_args(argv)
     concurrency = args.concurrency if args.concurrency is not None else ([1, 4] if args.tiny else [1, 4, 16, 64])
     device = torch.device(args.device)
     # the compiled engine only where it pays: inductor's CPU compile takes minutes per bucket on small machines
@@ -382,29 +413,14 @@ def main(argv: list[str] | None = None) -> dict:
             cls, options = ENGINES[name]
             options = {k: v for k, v in options.items() if k != "cuda_graphs" or device.type == "cuda"}
             engine = cls(bundle.config, llm, flow, hift, device, limits, fixed_tokens=fixed, **options)
-            for stream in (True, False):
-                mode = "stream" if stream else "nonstream"
-                if mode not in args.modes:
-                    continue
-                _one_request(engine, inp, stream, seed=0)  # warm-up: allocator, kernels, noise buffers
-                loads = [("closed", c, 0.0) for c in concurrency] + [("poisson", 0, r) for r in args.poisson]
-                for load, clients, rate in loads:
-                    with _PeakMemory(device) as mem:
-                        if load == "closed":
-                            results, wall, in_flight = measure(engine, inp, stream, clients, args.requests)
-                        else:
-                            results, wall, in_flight = measure_poisson(engine, inp, stream, rate, arrivals)
-                    rows.append(_row(name, dtype_name, mode, load, in_flight, rate, results, wall, mem.used_mib))
-                    print(_table_line(rows[-1]), flush=True)
+            rows += _engine_rows(engine, name, dtype_name, inp, args, concurrency, arrivals, device)
             engine.close()
         if args.llm_only:
-            for r in llm_only(llm, concurrency or [1], fixed, device, args.cuda_graphs):
-                llm_rows.append({"dtype": dtype_name, **r})
+            llm_rows += [{"dtype": dtype_name, **r} for r in llm_only(llm, concurrency or [1], fixed, device,
+                                                                        args.cuda_graphs)]
         del llm, flow
     if llm_rows:
-        print("\n| LLM runner | dtype | batch | tokens/s (all rows) | ms per step |\n| --- | --- | --- | --- | --- |")
-        for r in llm_rows:
-            print(f"| {r['runner']} | {r['dtype']} | {r['batch']} | {r['tokens_per_s']:.0f} | {r['ms_per_step']:.2f} |")
+        _print_llm_rows(llm_rows)
     report = {"settings": settings, "rows": [asdict(r) for r in rows], "llm_only": llm_rows}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -128,28 +128,22 @@ def measure_baseline(page, times: dict, seed: int) -> dict:
             "stalls": bench["waiting"], "gaps_ms": []}
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", help="model folder (default: a generated tiny bundle)")
     parser.add_argument("--takes", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--chromium", default="/usr/bin/chromium")
     parser.add_argument("--json", type=Path, help="also write the raw numbers here")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    import torch
+
+def measure(studio, work: Path, chromium: str, takes: int) -> dict[str, list[dict]]:
+    """Both players served, each measured ``takes`` times in turn in one browser: their rows of numbers."""
     from playwright.sync_api import sync_playwright
 
-    from app.ui import launch, load_studio
+    from app.ui import launch
 
-    torch.set_num_threads(1)
-    work = Path(tempfile.mkdtemp(prefix="bench-webui-"))
-    model_dir = args.model_dir
-    if model_dir is None:
-        from cosyvoice.tools.make_tiny_bundle import make_tiny_bundle
-
-        model_dir = str(make_tiny_bundle(work / "tiny", seed=7))
-    studio = load_studio(model_dir, voice_dir=work / "voices", device=args.device, builtin_dir=None)
     prompt = _prompt(work / "prompt.wav")
     port, base_port = _port(), _port()
     live_app = launch(studio, port=port, block=False)
@@ -160,7 +154,7 @@ def main() -> None:
     try:
         with sync_playwright() as playwright:
             ctx = playwright.chromium.launch_persistent_context(
-                str(work / "profile"), executable_path=args.chromium, headless=True, args=FLAGS)
+                str(work / "profile"), executable_path=chromium, headless=True, args=FLAGS)
             live = ctx.new_page()
             live.goto(f"http://127.0.0.1:{port}/")
             live.get_by_role("tab", name="Cross-lingual").click()
@@ -170,14 +164,18 @@ def main() -> None:
             base = ctx.new_page()
             base.goto(f"http://127.0.0.1:{base_port}/")
             base.wait_for_selector("#player")
-            for take in range(args.takes):  # interleaved, so both see the same machine load
+            for take in range(takes):  # interleaved, so both see the same machine load
                 rows["live player (this UI)"].append(measure_live(live, studio, take + 1))
                 rows["Gradio streamed gr.Audio (baseline)"].append(measure_baseline(base, times, take + 1))
             ctx.close()
     finally:
         live_app.close()
         base_app.close()
+    return rows
 
+
+def report(args: argparse.Namespace, model_dir: str, rows: dict[str, list[dict]]) -> None:
+    """The Markdown table (and the raw numbers to ``--json``)."""
     versions = {name: metadata.version(name) for name in ("gradio", "playwright", "torch")}
     print(f"# Web UI click -> sound ({datetime.date.today()}, {platform.processor() or platform.machine()}, "
           f"{args.device}, model {'tiny generated bundle' if args.model_dir is None else model_dir}, "
@@ -191,6 +189,23 @@ def main() -> None:
               f"{statistics.median(added):.0f} / {max(added):.0f} | {sum(t['stalls'] for t in takes)} |")
     if args.json:
         args.json.write_text(json.dumps({"versions": versions, "rows": rows}, indent=2))
+
+
+def main() -> None:
+    args = _arguments()
+    import torch
+
+    from app.ui import load_studio
+
+    torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix="bench-webui-"))
+    model_dir = args.model_dir
+    if model_dir is None:
+        from cosyvoice.tools.make_tiny_bundle import make_tiny_bundle
+
+        model_dir = str(make_tiny_bundle(work / "tiny", seed=7))
+    studio = load_studio(model_dir, voice_dir=work / "voices", device=args.device, builtin_dir=None)
+    report(args, model_dir, measure(studio, work, args.chromium, args.takes))
 
 
 if __name__ == "__main__":

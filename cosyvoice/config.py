@@ -346,8 +346,8 @@ def read_qwen_config(path: str | Path) -> QwenConfig:
     return cfg
 
 
-def build_config(doc: dict[str, Any], qwen: QwenConfig) -> CosyVoice3Config:
-    """Turn the parsed yaml (see :func:`read_hyperpyyaml`) into :class:`CosyVoice3Config`."""
+def _llm_config(doc: dict[str, Any], qwen: QwenConfig) -> LLMConfig:
+    """The ``llm`` node with its sampling; its sizes must match the Qwen2 config's."""
     llm = _node(doc, "llm", "CosyVoice3LM").args
     sampling_node = llm.get("sampling")
     sargs = sampling_node.args if isinstance(sampling_node, Tagged) and isinstance(sampling_node.args, dict) else {}
@@ -368,22 +368,24 @@ def build_config(doc: dict[str, Any], qwen: QwenConfig) -> CosyVoice3Config:
         raise ConfigError(
             f"cosyvoice3.yaml: llm_input_size/llm_output_size ({llm_cfg.llm_input_size}/{llm_cfg.llm_output_size}) "
             f"must equal the Qwen2 hidden_size ({qwen.hidden_size}) in CosyVoice-BlankEN/config.json")
+    return llm_cfg
 
-    flow = _node(doc, "flow", "CausalMaskedDiffWithDiT").args
-    pre = flow.get("pre_lookahead_layer")
-    if not isinstance(pre, Tagged) or not isinstance(pre.args, dict):
-        raise ConfigError("cosyvoice3.yaml: 'flow.pre_lookahead_layer' must be a '!new:' node")
-    dec = flow.get("decoder")
-    if not isinstance(dec, Tagged) or not isinstance(dec.args, dict):
-        raise ConfigError("cosyvoice3.yaml: 'flow.decoder' must be a '!new:' node")
-    est = dec.args.get("estimator")
-    if not isinstance(est, Tagged) or not isinstance(est.args, dict):
-        raise ConfigError("cosyvoice3.yaml: 'flow.decoder.estimator' must be a '!new:' node")
+
+def _new_node(parent: dict[str, Any], key: str, where: str) -> Tagged:
+    """``parent[key]``, which must be a ``!new:`` node with keyword arguments."""
+    node = parent.get(key)
+    if not isinstance(node, Tagged) or not isinstance(node.args, dict):
+        raise ConfigError(f"cosyvoice3.yaml: '{where}.{key}' must be a '!new:' node")
+    return node
+
+
+def _decoder_configs(dec: Tagged) -> tuple[DiTConfig, CFMConfig]:
+    """The flow decoder's DiT estimator and its conditional flow matching parameters."""
+    e = _new_node(dec.args, "estimator", "flow.decoder").args
     cfm_params = dec.args.get("cfm_params")
     cfm_args: dict = {}
     if isinstance(cfm_params, Tagged) and isinstance(cfm_params.args, dict):
         cfm_args = cfm_params.args.get("content", cfm_params.args)
-    e = est.args
     dit = DiTConfig(
         dim=_pos_int(e, "dim", "flow.decoder.estimator"),
         depth=_pos_int(e, "depth", "flow.decoder.estimator"),
@@ -404,6 +406,14 @@ def build_config(doc: dict[str, Any], qwen: QwenConfig) -> CosyVoice3Config:
         t_scheduler=_get(cfm_args, "t_scheduler", "flow.decoder.cfm_params", str, "cosine"),
         inference_cfg_rate=_get(cfm_args, "inference_cfg_rate", "flow.decoder.cfm_params", float, 0.7),
     )
+    return dit, cfm
+
+
+def _flow_config(doc: dict[str, Any], speech_token_size: int) -> FlowConfig:
+    """The ``flow`` node; its vocabulary is the LLM's speech tokens."""
+    flow = _node(doc, "flow", "CausalMaskedDiffWithDiT").args
+    pre = _new_node(flow, "pre_lookahead_layer", "flow")
+    dit, cfm = _decoder_configs(_new_node(flow, "decoder", "flow"))
     flow_cfg = FlowConfig(
         input_size=_pos_int(flow, "input_size", "flow"),
         output_size=_pos_int(flow, "output_size", "flow"),
@@ -415,11 +425,15 @@ def build_config(doc: dict[str, Any], qwen: QwenConfig) -> CosyVoice3Config:
         dit=dit,
         cfm=cfm,
     )
-    if flow_cfg.vocab_size != llm_cfg.speech_token_size:
+    if flow_cfg.vocab_size != speech_token_size:
         raise ConfigError(
-            f"cosyvoice3.yaml: llm.speech_token_size ({llm_cfg.speech_token_size}) must equal flow.vocab_size "
+            f"cosyvoice3.yaml: llm.speech_token_size ({speech_token_size}) must equal flow.vocab_size "
             f"({flow_cfg.vocab_size}); the released model uses 6561 for both")
+    return flow_cfg
 
+
+def _hift_config(doc: dict[str, Any]) -> HiFTConfig:
+    """The ``hift`` vocoder node with its F0 predictor and iSTFT parameters."""
     hift = _node(doc, "hift", "CausalHiFTGenerator").args
     f0 = hift.get("f0_predictor")
     f0_args = f0.args if isinstance(f0, Tagged) and isinstance(f0.args, dict) else {}
@@ -453,7 +467,14 @@ def build_config(doc: dict[str, Any], qwen: QwenConfig) -> CosyVoice3Config:
     )
     if len(hift_cfg.upsample_rates) != len(hift_cfg.upsample_kernel_sizes):
         raise ConfigError("cosyvoice3.yaml: hift.upsample_rates and upsample_kernel_sizes differ in length")
+    return hift_cfg
 
+
+def build_config(doc: dict[str, Any], qwen: QwenConfig) -> CosyVoice3Config:
+    """Turn the parsed yaml (see :func:`read_hyperpyyaml`) into :class:`CosyVoice3Config`."""
+    llm_cfg = _llm_config(doc, qwen)
+    flow_cfg = _flow_config(doc, llm_cfg.speech_token_size)
+    hift_cfg = _hift_config(doc)
     sample_rate = _pos_int(doc, "sample_rate", "top level")
     if hift_cfg.sampling_rate != sample_rate:
         raise ConfigError(

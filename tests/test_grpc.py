@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from waiting import until
 
 from cosyvoice.encoding import to_pcm16
 from cosyvoice.owners import Owners
@@ -81,13 +81,8 @@ def _pcm(responses) -> bytes:
 
 
 def _wait_idle(service: TTSService, seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if service.status().active_sessions == 0 and service.model.engine.active_sessions == 0:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"sessions left: service {service.status().active_sessions}, "
-                         f"engine {service.model.engine.active_sessions}")
+    until(lambda: service.status().active_sessions == 0 and service.model.engine.active_sessions == 0, seconds,
+          "no session left in the service and the engine")
 
 
 def _requests(prompt_pcm16: bytes, voice) -> dict[str, pb.Request]:
@@ -315,16 +310,16 @@ def test_command_line_serves_then_stops_on_sigterm(tiny_bundle_dir: Path, tmp_pa
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             health = health_pb2_grpc.HealthStub(ch)
-            deadline = time.monotonic() + 90
-            while True:
-                assert proc.poll() is None and time.monotonic() < deadline, "server did not become SERVING"
+
+            def serving() -> bool:
+                assert proc.poll() is None, "the server exited"
                 try:
                     reply = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=2)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        break
                 except grpc.RpcError:  # not listening yet
-                    pass
-                time.sleep(0.2)
+                    return False
+                return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+            until(serving, 90, "the server's SERVING")
             request = pb.Request(cross_lingual_request=pb.crosslingualRequest(tts_text=TEXT,
                                                                               prompt_audio=prompt_pcm16))
             assert len(_pcm(pb_grpc.CosyVoiceStub(ch).Inference(request, timeout=60))) > 0

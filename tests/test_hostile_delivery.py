@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import logging
-import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 from test_rest import Server
+from waiting import until
 
 from cosyvoice.server.rest import create_app
 from cosyvoice.service import TTSService
@@ -45,10 +45,8 @@ def _made(client: httpx.Client, text: str, *, generate: bool = True) -> dict:
     where = f"{PROJECTS}/{made.json()['id']}"
     if generate:
         assert client.post(f"{where}/generate", json={}).status_code == 200
-        deadline = time.monotonic() + 300
-        while (progress := client.get(f"{where}/progress").json())["running"]:
-            assert time.monotonic() < deadline, progress
-            time.sleep(0.05)
+        until(lambda: not client.get(f"{where}/progress").json()["running"], 300, "the render's end")
+        progress = client.get(f"{where}/progress").json()
         assert progress["done"] == progress["total"], progress
     return client.get(where).json()
 

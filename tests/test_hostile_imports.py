@@ -17,7 +17,6 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 import zipfile
 import zlib
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from waiting import until
 
 from cosyvoice.settings import Limits, ServerSettings, env_name
 
@@ -54,14 +54,13 @@ class ServerProcess:
                 [sys.executable, "-m", "cosyvoice.server.rest", "--model-dir", str(model_dir), "--port",
                  str(self.port), "--voice-dir", str(root / "voices"), "--api-key", KEY_A, "--api-key", KEY_B,
                  "--log-level", "warning"], env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while True:
-            assert self.process.poll() is None, self.log.read_text()
-            assert time.monotonic() < deadline, "the server did not become ready"
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
-                    break
-            time.sleep(0.2)
+        until(self.ready, 180, "the server's readiness")
+
+    def ready(self) -> bool:
+        assert self.process.poll() is None, self.log.read_text()
+        with contextlib.suppress(httpx.TransportError):
+            return httpx.get(f"{self.url}/ready", timeout=5).status_code == 200
+        return False
 
     def kb(self, field: str) -> int:
         status = Path(f"/proc/{self.process.pid}/status").read_text()
@@ -343,21 +342,14 @@ def test_an_import_stops_when_its_client_goes_away(served: Served) -> None:
 
     with socket.create_connection(("127.0.0.1", served.server.port)) as sock:
         sock.sendall(head.encode() + request.read())
-        _until(splitting, 60, "the import never reported its progress")
+        until(splitting, 60, "the import's first progress")
         assert seen["total"] > seen["done"]
         with httpx.Client(base_url=served.server.url, headers=B, timeout=60) as b:
             assert b.get(progress).status_code == 404  # another owner's import is not found
     gone = served.server.cpu_seconds()
-    _until(lambda: served.client.get(progress).status_code == 404, 20, "the import went on after its client left")
+    until(lambda: served.client.get(progress).status_code == 404, 20, "the import's end once its client left")
     assert served.server.cpu_seconds() - gone < 1.0  # an import left running goes on for seconds
     assert len(served.client.get("/v1/longform/projects").json()) == before
-
-
-def _until(condition, seconds: float, message: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, message
-        time.sleep(0.05)
 
 
 def test_another_owners_unsaved_upload_is_not_found_in_a_project(served: Served) -> None:
@@ -386,7 +378,7 @@ def _batch(client: httpx.Client, rows: list[dict]) -> dict:
         status.update(client.get(f"/workbench/api/batches/{started.json()['id']}").json())
         return status["state"] not in ("queued", "running")
 
-    _until(finished, 120, "the batch did not finish")
+    until(finished, 120, "the batch's end")
     return status
 
 

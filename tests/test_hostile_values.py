@@ -8,12 +8,12 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 from test_rest import Server, _ws_url
+from waiting import until
 
 from cosyvoice.server.rest import create_app
 from cosyvoice.service import TTSService
@@ -127,10 +127,8 @@ def test_a_batch_row_with_hostile_numbers_fails_naming_its_field(url: str) -> No
         started = _post(client, "/workbench/api/batches", {"rows": rows})
         assert started.status_code == 202, started.text
         where = f"/workbench/api/batches/{started.json()['id']}"
-        deadline = time.monotonic() + 120
-        while (status := client.get(where).json())["state"] in ("queued", "running"):
-            assert time.monotonic() < deadline, status
-            time.sleep(0.05)
+        status = until(lambda: (s := client.get(where).json())["state"] not in ("queued", "running") and s, 120,
+                       "the batch's end")
     assert (status["done"], status["failed"]) == (0, len(rows)), status
     assert [e["field"] for e in sorted(status["errors"], key=lambda e: e["row"])] == [row_field(r) for r in rows]
     with httpx.Client(base_url=url, timeout=60) as client:

@@ -13,14 +13,15 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from test_rest import Server
+from waiting import until
 
+from cosyvoice.jobs import JobRunner
 from cosyvoice.server.rest import create_app
 from cosyvoice.service import TTSService
 from cosyvoice.settings import Limits, ServerSettings
@@ -59,14 +60,6 @@ def fill(folder: Path) -> None:
 
 def files(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != "filler")
-
-
-def until(check: Callable[[], object], timeout: float = 120.0, what: str = "condition") -> object:
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout:g} s"
-        time.sleep(0.1)
-    return value
 
 
 @pytest.fixture()
@@ -312,7 +305,7 @@ def test_progress_and_cancel_reach_a_render_from_another_server_on_the_data_fold
     assert cancelled.status_code == 200, cancelled.text
     ended = until(lambda: (p := httpx.get(a.url + progress).json())["running"] is False and p, 10, "the stop")
     assert ended["state"] == "cancelled" and ended["done"] < 30
-    time.sleep(1.0)
+    until(lambda: httpx.get(f"{a.url}/ready").json()["active_sessions"] == 0, 60, "the end of A's last take")
     assert httpx.get(a.url + progress).json()["done"] == ended["done"]  # nothing more was made
 
 
@@ -323,8 +316,9 @@ def test_deleting_a_project_on_one_server_ends_its_render_on_the_other_cleanly(t
     until(lambda: httpx.get(f"{b.url}/v1/longform/projects/{pid}/progress").json()["done"] >= 1, 120, "a take")
     assert httpx.delete(f"{b.url}/v1/longform/projects/{pid}", timeout=60).status_code == 200
     until(lambda: httpx.get(f"{a.url}/v1/longform/projects/{pid}/progress").status_code == 404, 30, "the delete")
-    until(lambda: httpx.get(f"{a.url}/ready").json()["active_sessions"] == 0, 60, "the end of A's last take")
-    time.sleep(0.5)
+    records = JobRunner(tmp_path / "data")  # the job's final state is written after its last take's files
+    until(lambda: not records.jobs(pid, active=True), 60, "the end of A's render")
+    records.close()
     store = TakeStore(tmp_path / "data")
     assert [t.id for t in store.takes() if t.longform["project"] == pid] == []  # the project's takes went with it
     assert files(store.audio_dir) == sorted(t.audio for t in store.takes())  # and no orphan take file

@@ -31,6 +31,7 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
+from waiting import until
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -76,16 +77,14 @@ def server(tiny_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
              "--stream-idle-seconds", "10", "--log-level", "warning"], env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
+        def ready() -> bool:
             assert process.poll() is None, f"the server exited:\n{log.read_text()}"
-            assert time.monotonic() < deadline, "the server did not become ready"
             try:
-                if httpx.get(f"{url}/ready").status_code == 200:
-                    break
+                return httpx.get(f"{url}/ready").status_code == 200
             except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+                return False
+
+        until(ready, 180, "the server's readiness")
         yield url, process
         # nothing went wrong that the server had to log (a 5xx, a failed stream, a traceback)
         process.terminate()
@@ -157,20 +156,25 @@ def _check_refusal(response: httpx.Response) -> None:
 Mix = tuple[list[tuple[str, Call | None]], list[tuple[str, Call]]]
 
 
-def _mix(url: str, voice: dict, prompt: bytes, bomb: bytes) -> Mix:
-    """Ten kinds per round (3 hang-ups, 1 hostile slot, 6 complete) and the hostile kinds, in turn."""
-    prompt_b64 = base64.b64encode(prompt).decode()
-    garbage = np.random.default_rng(0).integers(0, 256, 64_000, dtype=np.uint8).tobytes()
-    ws_url = url.replace("http://", "ws://") + "/v1/audio/stream"
+class _Calls:
+    """The load's requests as calls a client makes to the server at ``url``, each returning (final status,
+    whether the audio is what it should be)."""
 
-    def complete(method: str, path: str, check: Callable[[bytes], bool] = bool, **kwargs) -> Call:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def complete(self, method: str, path: str, check: Callable[[bytes], bool] = bool, **kwargs) -> Call:
+        url = self.url
+
         def call(client: httpx.Client) -> tuple[int, bool]:
             response = client.request(method, f"{url}{path}", **kwargs)
             _check_refusal(response)
             return response.status_code, response.status_code == 200 and check(response.content)
         return call
 
-    def hang_up(path: str, **kwargs) -> Call:
+    def hang_up(self, path: str, **kwargs) -> Call:
+        url = self.url
+
         def call(client: httpx.Client) -> tuple[int, bool]:
             with client.stream("POST", f"{url}{path}", **kwargs) as response:
                 if response.status_code != 200:
@@ -181,8 +185,10 @@ def _mix(url: str, voice: dict, prompt: bytes, bomb: bytes) -> Mix:
                 return 200, len(first) > 0  # leaving the block drops the connection mid-stream
         return call
 
-    def hang_up_raw(path: str, body: dict) -> Call:
+    def hang_up_raw(self, path: str, body: dict) -> Call:
         """A non-streamed request whose client leaves before the answer: the raw request, then close."""
+        url = self.url
+
         def call(_client: httpx.Client) -> tuple[int, bool]:
             data = json.dumps(body).encode()
             host, port = url.removeprefix("http://").split(":")
@@ -193,7 +199,9 @@ def _mix(url: str, voice: dict, prompt: bytes, bomb: bytes) -> Mix:
             return 200, True  # nobody is left to answer; the server's session count shows the rest
         return call
 
-    def websocket(start: dict, pieces: tuple[str, ...]) -> Call:
+    def websocket(self, start: dict, pieces: tuple[str, ...]) -> Call:
+        ws_url = self.url.replace("http://", "ws://") + "/v1/audio/stream"
+
         def call(_client: httpx.Client) -> tuple[int, bool]:
             with connect(ws_url, open_timeout=60) as ws:
                 ws.send(json.dumps(start))
@@ -215,39 +223,50 @@ def _mix(url: str, voice: dict, prompt: bytes, bomb: bytes) -> Mix:
                                                                             * first["sample_rate"])
         return call
 
-    def soundfile_reads(data: bytes) -> bool:
-        samples, rate = sf.read(io.BytesIO(data))
-        return rate == 24000 and samples.size > 0
+
+def _soundfile_reads(data: bytes) -> bool:
+    samples, rate = sf.read(io.BytesIO(data))
+    return rate == 24000 and samples.size > 0
+
+
+def _mix(url: str, voice: dict, prompt: bytes, bomb: bytes) -> Mix:
+    """Ten kinds per round (3 hang-ups, 1 hostile slot, 6 complete) and the hostile kinds, in turn."""
+    prompt_b64 = base64.b64encode(prompt).decode()
+    garbage = np.random.default_rng(0).integers(0, 256, 64_000, dtype=np.uint8).tobytes()
+    calls = _Calls(url)
 
     mix: list[tuple[str, Call | None]] = [
-        ("official_sft", complete("POST", "/inference_sft", data={"tts_text": TEXT, "spk_id": voice["name"]},
-                                  check=lambda d: len(d) > 0 and len(d) % 2 == 0)),
-        ("hang_up_openai", hang_up("/v1/audio/speech", json={"input": TEXT, "voice": voice["id"],
-                                                             "response_format": "pcm"})),
-        ("openai_mp3", complete("POST", "/v1/audio/speech", json={"input": TEXT, "voice": voice["name"]})),
-        ("hang_up_official", hang_up("/inference_cross_lingual", data={"tts_text": TEXT},
-                                     files={"prompt_wav": ("p.wav", prompt, "audio/wav")})),
-        ("bridge_wav", complete("POST", "/synthesize", json={"text": TEXT, "prompt_audio": prompt_b64,
-                                                             "prompt_text": TRANSCRIPT}, check=soundfile_reads)),
+        ("official_sft", calls.complete("POST", "/inference_sft", data={"tts_text": TEXT, "spk_id": voice["name"]},
+                                        check=lambda d: len(d) > 0 and len(d) % 2 == 0)),
+        ("hang_up_openai", calls.hang_up("/v1/audio/speech", json={"input": TEXT, "voice": voice["id"],
+                                                                   "response_format": "pcm"})),
+        ("openai_mp3", calls.complete("POST", "/v1/audio/speech", json={"input": TEXT, "voice": voice["name"]})),
+        ("hang_up_official", calls.hang_up("/inference_cross_lingual", data={"tts_text": TEXT},
+                                           files={"prompt_wav": ("p.wav", prompt, "audio/wav")})),
+        ("bridge_wav", calls.complete("POST", "/synthesize", json={"text": TEXT, "prompt_audio": prompt_b64,
+                                                                   "prompt_text": TRANSCRIPT},
+                                      check=_soundfile_reads)),
         ("hostile", None),  # one of HOSTILE, in turn
-        ("openai_flac", complete("POST", "/v1/audio/speech", json={"input": TEXT, "voice": voice["id"],
-                                                                   "response_format": "flac"}, check=soundfile_reads)),
-        ("hang_up_bridge", hang_up_raw("/synthesize", {"text": TEXT * 4, "prompt_audio": prompt_b64})),
-        ("websocket", websocket({"type": "start", "voice": voice["name"]}, ("Hi there. ", "Bye."))),
-        ("openai_opus_instruct", complete("POST", "/v1/audio/speech", json={
+        ("openai_flac", calls.complete("POST", "/v1/audio/speech", json={"input": TEXT, "voice": voice["id"],
+                                                                         "response_format": "flac"},
+                                       check=_soundfile_reads)),
+        ("hang_up_bridge", calls.hang_up_raw("/synthesize", {"text": TEXT * 4, "prompt_audio": prompt_b64})),
+        ("websocket", calls.websocket({"type": "start", "voice": voice["name"]}, ("Hi there. ", "Bye."))),
+        ("openai_opus_instruct", calls.complete("POST", "/v1/audio/speech", json={
             "input": TEXT, "voice": voice["name"], "instructions": "Speak slowly.", "response_format": "opus"})),
     ]
     hostile: list[tuple[str, Call]] = [
-        ("garbage_audio", complete("POST", "/inference_zero_shot", data={"tts_text": TEXT, "prompt_text": TRANSCRIPT},
-                                   files={"prompt_wav": ("x.wav", garbage, "audio/wav")})),
-        ("huge_text", complete("POST", "/v1/audio/speech", json={"input": "a" * 200_000, "voice": voice["id"]})),
-        ("broken_json", complete("POST", "/synthesize", content=b'{"text": "Hi", ',
-                                 headers={"content-type": "application/json"})),
-        ("unknown_voice", complete("POST", "/inference_sft", data={"tts_text": TEXT, "spk_id": "nobody"})),
-        ("garbage_base64", complete("POST", "/synthesize", json={"text": TEXT, "prompt_audio": "!!!" * 1000})),
-        ("decode_bomb", complete("POST", "/inference_cross_lingual", data={"tts_text": TEXT},
-                                 files={"prompt_wav": ("bomb.flac", bomb, "audio/flac")})),
-        ("bad_websocket_start", websocket({"type": "start", "voice": "Load", "format": "ogg"}, ())),
+        ("garbage_audio", calls.complete("POST", "/inference_zero_shot",
+                                         data={"tts_text": TEXT, "prompt_text": TRANSCRIPT},
+                                         files={"prompt_wav": ("x.wav", garbage, "audio/wav")})),
+        ("huge_text", calls.complete("POST", "/v1/audio/speech", json={"input": "a" * 200_000, "voice": voice["id"]})),
+        ("broken_json", calls.complete("POST", "/synthesize", content=b'{"text": "Hi", ',
+                                       headers={"content-type": "application/json"})),
+        ("unknown_voice", calls.complete("POST", "/inference_sft", data={"tts_text": TEXT, "spk_id": "nobody"})),
+        ("garbage_base64", calls.complete("POST", "/synthesize", json={"text": TEXT, "prompt_audio": "!!!" * 1000})),
+        ("decode_bomb", calls.complete("POST", "/inference_cross_lingual", data={"tts_text": TEXT},
+                                       files={"prompt_wav": ("bomb.flac", bomb, "audio/flac")})),
+        ("bad_websocket_start", calls.websocket({"type": "start", "voice": "Load", "format": "ogg"}, ())),
     ]
     assert [k for k, _ in mix if k != "hostile"] == sorted(COMPLETE + HANG_UPS, key=[k for k, _ in mix].index)
     return mix, hostile
@@ -279,13 +298,11 @@ def _run(url: str, voice: dict, prompt: bytes, bomb: bytes, n: int) -> tuple[lis
 
 def _wait_idle(url: str, timeout: float = 30.0) -> None:
     """No session running or waiting (the server's own counts), then a few seconds for its idle trim."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def idle() -> bool:
         ready = httpx.get(f"{url}/ready").json()
-        if (ready["active_sessions"], ready["queued_requests"]) == (0, 0):
-            break
-        assert time.monotonic() < deadline, f"left behind: {ready}"
-        time.sleep(0.1)
+        return (ready["active_sessions"], ready["queued_requests"]) == (0, 0)
+
+    until(idle, timeout, "no session running or waiting")
     time.sleep(5)
 
 

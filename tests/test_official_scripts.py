@@ -11,13 +11,13 @@ the gRPC stubs); files are written with soundfile where the scripts call ``torch
 import shutil
 import socket
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from waiting import until
 
 from cosyvoice.spkinfo import SPKINFO_FILE
 
@@ -175,8 +175,7 @@ def test_fastapi_server_and_client(model_dir: str, short_prompt_wav: Path) -> No
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        while not server.started:
-            time.sleep(0.05)
+        until(lambda: server.started, 30, "the server's start")
         url = "http://127.0.0.1:{}/{}".format(sock.getsockname()[1], "{}")
 
         def request(endpoint: str, payload: dict, with_prompt: bool) -> np.ndarray:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import io
 import socket
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import httpx
 import pytest
 import ray
 from ray import serve
+from waiting import until
 
 from cosyvoice.server.ray_serve import ROUTE_PREFIX, ServeArgs, app_builder, deployment_options
 from cosyvoice.service import TTSService
@@ -173,17 +173,12 @@ def test_long_form_progress_and_cancel_answer_alike_on_every_replica(app) -> Non
         assert r.status_code == 201, r.text
         pid = r.json()["id"]
         assert client.post(f"{base}/{pid}/generate").status_code == 200
-        deadline = time.monotonic() + 120
-        while client.get(f"{base}/{pid}/progress").json()["done"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        until(lambda: client.get(f"{base}/{pid}/progress").json()["done"] >= 1, 120, "a first take")
         answers = [client.get(f"{base}/{pid}/progress").json() for _ in range(12)]
         assert all(a["running"] and a["current"] for a in answers), answers
         assert client.post(f"{base}/{pid}/cancel").status_code == 200
-        deadline = time.monotonic() + 15
-        while any(client.get(f"{base}/{pid}/progress").json()["running"] for _ in range(6)):
-            assert time.monotonic() < deadline, "the cancel did not reach the replica that renders"
-            time.sleep(0.2)
+        until(lambda: not any(client.get(f"{base}/{pid}/progress").json()["running"] for _ in range(6)), 15,
+              "the cancel reaching the replica that renders")
         ended = client.get(f"{base}/{pid}/progress").json()
         assert ended["state"] == "cancelled" and ended["done"] < 30
         assert client.delete(f"{base}/{pid}").status_code == 200

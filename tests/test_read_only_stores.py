@@ -5,7 +5,6 @@ the folder's setting. A real read-only bind mount over real folders, a real serv
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 from test_rest import Server
 from test_voice_storage import read_only_mount
+from waiting import until
 
 from cosyvoice.context import StudioContext
 from cosyvoice.owners import ANONYMOUS
@@ -53,10 +53,8 @@ def test_read_only_folders_are_served_read_only(tts, tmp_path: Path, short_promp
         server = Server(create_app(ServerSettings(voice_dir=str(voices)), loader=service))
         try:
             with httpx.Client(base_url=server.url, timeout=120) as client:
-                deadline = time.monotonic() + 60
-                while (ready := client.get("/ready")).json()["status"] == "loading":
-                    assert time.monotonic() < deadline
-                    time.sleep(0.1)
+                ready = until(lambda: (r := client.get("/ready")).json()["status"] != "loading" and r, 60,
+                              "the end of the model's load")
                 assert ready.status_code == 200 and ready.json()["status"] == "ready", ready.text
                 read_only = ready.json()["read_only"]
                 assert "COSYVOICE_VOICE_DIR" in read_only["voices"] and "COSYVOICE_DATA_DIR" in read_only["data"]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import uvicorn
+from waiting import until
 
 from cosyvoice.encoding import FORMATS
 from cosyvoice.server.rest import create_app
@@ -40,10 +41,7 @@ class Server:
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", **options))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
+        until(lambda: self.server.started, 30, "the server's start")
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -80,13 +78,6 @@ def outcomes(service: TTSService) -> Iterator[list[tuple[float, Outcome]]]:
     service._listeners.remove(listen)
 
 
-def _wait_for(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
-
-
 def _error(response: httpx.Response, status: int, field: str | None = None) -> str:
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -121,7 +112,7 @@ def test_official_zero_shot_streams_pcm_before_generation_ends(url: str, short_p
         for piece in response.iter_raw():
             first_bytes = first_bytes or time.perf_counter()
             body += piece
-    _wait_for(lambda: outcomes)
+    until(lambda: outcomes)
     finished, outcome = outcomes[-1]
     assert outcome.reason is None and outcome.mode == "zero_shot"
     assert first_bytes < finished, "the first PCM bytes must arrive before the generation ends"
@@ -230,10 +221,10 @@ def test_bridge_client_that_leaves_cancels_its_synthesis(url: str, service: TTSS
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/synthesize", json=body, timeout=httpx.Timeout(60, read=3))
     left = time.perf_counter()
-    _wait_for(lambda: outcomes, timeout=30)
+    until(lambda: outcomes, 30)
     ended, outcome = outcomes[-1]
     assert outcome.reason == "cancelled" and ended - left < 10, (outcome, ended - left)
-    _wait_for(lambda: service.active_sessions == 0, timeout=10)
+    until(lambda: service.active_sessions == 0, 10)
 
 
 def test_speakers_lists_saved_voices(url: str, saved_voice: dict) -> None:
@@ -381,7 +372,7 @@ def test_probe_details_only_with_a_key(service: TTSService) -> None:
         assert httpx.get(f"{keyed.url}/ready").json() == {"status": "ready"}
         detailed = httpx.get(f"{keyed.url}/ready", headers=auth).json()
         assert detailed["model_dir"] == str(service.model_dir) and detailed["max_sessions"] == 4
-        _wait_for(lambda: httpx.get(f"{failed.url}/health").status_code == 503)
+        until(lambda: httpx.get(f"{failed.url}/health").status_code == 503)
         for path in ("/health", "/ready"):
             assert "/secret" not in httpx.get(f"{failed.url}{path}").text
             assert "/secret" in httpx.get(f"{failed.url}{path}", headers=auth).text
@@ -406,7 +397,7 @@ def test_ready_only_once_the_model_is_loaded(service: TTSService) -> None:
         loading = httpx.post(f"{server.url}/v1/audio/speech", json={"input": TEXT, "voice": "Ada"})
         assert loading.status_code == 503 and loading.headers["Retry-After"] == "5"
         release.set()
-        _wait_for(lambda: httpx.get(f"{server.url}/ready").status_code == 200)
+        until(lambda: httpx.get(f"{server.url}/ready").status_code == 200)
     finally:
         release.set()
         server.stop()
@@ -435,7 +426,7 @@ def test_busy_is_503_with_retry_after_and_disconnect_cancels(tts, library: Voice
             assert busy.status_code == 503 and busy.headers["Retry-After"] == "7", (busy.status_code, seen)
             assert busy.json()["error"]["type"] == "busy"
         # leaving the block closed the connection mid-stream: the session must end, not run to completion
-        _wait_for(lambda: service.status().active_sessions == 0, timeout=20)
+        until(lambda: service.status().active_sessions == 0, 20)
         assert [o.reason for o in seen] == ["busy", "cancelled"]
     finally:
         server.stop()
@@ -460,8 +451,8 @@ def test_a_client_that_leaves_while_queued_frees_its_place(tts, library: VoiceLi
                 with pytest.raises(httpx.ReadTimeout):
                     httpx.post(f"{server.url}{path}", json=request, timeout=httpx.Timeout(30, read=2))
                 assert service.active_sessions == 1
-                _wait_for(lambda: service.queued_requests == 0, timeout=3)
-        _wait_for(lambda: service.active_sessions == 0, timeout=20)
+                until(lambda: service.queued_requests == 0, 3)
+        until(lambda: service.active_sessions == 0, 20)
     finally:
         server.stop()
 
@@ -558,7 +549,7 @@ def test_websocket_errors_and_disconnect(url: str, service: TTSService, saved_vo
         ws.send(json.dumps({"type": "text", "text": TEXT * 3 + " "}))
         while json.loads(ws.recv(timeout=120))["bytes"] == 0:
             pass  # until MP3 bytes flow
-    _wait_for(lambda: service.status().active_sessions == 0, timeout=20)  # the disconnect ended the session
+    until(lambda: service.status().active_sessions == 0, 20)  # the disconnect ended the session
 
 
 def test_websocket_start_deadline_and_idle_limit_ignore_keep_alives(service: TTSService, saved_voice: dict) -> None:
@@ -593,7 +584,7 @@ def test_websocket_start_deadline_and_idle_limit_ignore_keep_alives(service: TTS
                             done = time.monotonic() - began
                             break
             assert done is not None and done < 20, "white-space keep-alives held the stream open"
-        _wait_for(lambda: service.active_sessions == 0, timeout=10)
+        until(lambda: service.active_sessions == 0, 10)
     finally:
         server.stop()
 
@@ -651,7 +642,7 @@ def test_sigterm_drains_then_cancels_within_the_grace(tiny_bundle_dir: Path, tmp
             except httpx.TransportError:
                 return False
 
-        _wait_for(ready, timeout=180)
+        until(ready, 180)
         voice = httpx.post(f"{url}/v1/voices", data={"name": "Ada", "transcript": TRANSCRIPT}, timeout=60,
                            files={"audio": ("a.wav", short_prompt_wav.read_bytes(), "audio/wav")})
         assert voice.status_code == 201, voice.text
@@ -696,7 +687,7 @@ def test_command_line_serves_the_model_of_cosyvoice_model_dir(tiny_bundle_dir: P
             except httpx.TransportError:
                 return False
 
-        _wait_for(ready, timeout=180)
+        until(ready, 180)
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == tiny_bundle_dir.name
     finally:
         process.terminate()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 from memory_probe import live_tensors, rss_bytes
 from toy_lm import EOP, toy_lm
+from waiting import until
 
 from cosyvoice.engine import CancelToken, Engine, LLMScheduler, Session, Status, T2WState, Ticket, Token2Wav
 from cosyvoice.flow import FlowStream
@@ -102,6 +102,28 @@ def test_batched_tokens_equal_one_at_a_time_with_sessions_joining_and_leaving(lm
     scheduler.close()
 
 
+class _PacedStream(TokenStream):
+    """A text stream that tells its writer when the job has taken what was put (``taken``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.taken = threading.Event()
+
+    def take(self) -> tuple[list[int], bool]:
+        ids, closed = super().take()
+        if ids:
+            self.taken.set()
+        return ids, closed
+
+    def feed(self, pieces: list[list[int]]) -> None:
+        """Put each piece and wait until the job took it (the job parks and is woken for every piece)."""
+        for ids in pieces:
+            self.taken.clear()
+            self.put(ids)
+            assert not ids or self.taken.wait(60), "the job was not woken by its stream"
+        self.close()
+
+
 def _waiting_job(lm: CosyVoice3LM, lm_input: torch.Tensor, text: TokenStream):
     """A job that feeds each id arriving on ``text`` (as a speech embedding) and samples after each."""
     decoded: list[int] = []
@@ -122,35 +144,26 @@ def test_waiting_jobs_are_parked_and_woken(lm: CosyVoice3LM) -> None:
     lm_input, _, _ = lm.prepare(*_request(0))
     script = [[3, 4], [], [5], [6, 7, 8]]
 
-    def feed(stream: TokenStream, pause: float) -> None:
-        for ids in script:
-            time.sleep(pause)
-            stream.put(ids)
-        time.sleep(pause)
-        stream.close()
-
     # the oracle: the same job alone, eager, blocking on the stream
-    oracle_stream = TokenStream()
-    writer = threading.Thread(target=feed, args=(oracle_stream, 0.0))
+    oracle_stream = _PacedStream()
+    writer = threading.Thread(target=oracle_stream.feed, args=(script,))
     writer.start()
     oracle = list(run_eager(lm, _waiting_job(lm, lm_input, oracle_stream), lm.llm.new_cache(1, 64),
                             SeededSampler(5, lm.cfg.sampling), wait=oracle_stream.wait))
     writer.join()
 
     scheduler = LLMScheduler(lm, rows=3, max_positions=128)
-    stream, waiting = TokenStream(), _Collector()
+    stream, waiting = _PacedStream(), _Collector()
     ticket = Ticket(_waiting_job(lm, lm_input, stream), 5, waiting.on_tokens, waiting.on_done)
     scheduler.submit(ticket)
     stream.subscribe(lambda: scheduler.wake(ticket))
     busy = _Collector()  # a normal session runs beside the waiting one
     scheduler.submit(_ticket(lm, 1, 9, busy))
-    assert busy.done.wait(30)
-    time.sleep(0.1)
-    parked_steps = scheduler.steps
-    time.sleep(0.3)
-    assert scheduler.steps == parked_steps and not waiting.done.is_set()  # parked: no work, no polling steps
-    assert ticket.status is Status.PARKED
-    feed(stream, 0.05)
+    assert busy.done.wait(30)  # the waiting job parked at its first step, before the busy one ended
+    assert ticket.status is Status.PARKED and not waiting.done.is_set()
+    with scheduler._cond:  # nothing can run: the thread sleeps on its condition until a wake (no polling steps)
+        assert not scheduler._runnable()
+    stream.feed(script)
     assert waiting.done.wait(30) and waiting.error is None
     assert waiting.tokens == oracle and len(waiting.tokens) == 1 + sum(map(len, script))
     assert scheduler.active == 0
@@ -227,10 +240,7 @@ def test_asynthesize_streams_and_cancels(tts, short_prompt_wav: Path) -> None:
 
     got, _ = asyncio.run(main())
     assert len(got) == len(sync) >= 2 and all(torch.equal(x, y) for x, y in zip(got, sync, strict=True))
-    deadline = time.monotonic() + 10
-    while engine.active_sessions and time.monotonic() < deadline:  # released in the background within one step
-        time.sleep(0.01)
-    assert engine.active_sessions == 0
+    until(lambda: engine.active_sessions == 0, 10, "the sessions' release")  # in the background, within a step
     engine.close()
 
 
@@ -300,11 +310,12 @@ def test_an_engine_dropped_without_close_stops_its_threads(tts, short_prompt_wav
     threads = [engine.scheduler._thread, engine.worker._thread]
     assert all(t.is_alive() for t in threads)
     del engine
-    deadline = time.monotonic() + 10
-    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+
+    def stopped() -> bool:
         gc.collect()  # the scheduler may still hold the last step's tickets for a moment
-        time.sleep(0.05)
-    assert not any(t.is_alive() for t in threads)
+        return not any(t.is_alive() for t in threads)
+
+    until(stopped, 10, "the end of the engine's threads")
 
 
 def test_engine_runs_a_text_stream_job_woken_by_its_stream(tts, short_prompt_wav: Path) -> None:
@@ -312,16 +323,13 @@ def test_engine_runs_a_text_stream_job_woken_by_its_stream(tts, short_prompt_wav
     audio streams while the text still arrives, and the request ends once the stream is closed."""
     engine = _engine(tts)
     inp = _inp(tts, short_prompt_wav, "Hi.")
-    text = TokenStream()
+    text = _PacedStream()
     chunks: list = []
     consumer = threading.Thread(target=lambda: chunks.extend(engine.synthesize(inp, stream=True, seed=2,
                                                                                 text_stream=text)))
     consumer.start()
     ids = tts.frontend.encode("Hello there, my friend. How are you doing on this fine day? " * 3)[0].tolist()
-    for i in range(0, len(ids), 6):
-        time.sleep(0.02)
-        text.put(ids[i:i + 6])
-    text.close()
+    text.feed([ids[i:i + 6] for i in range(0, len(ids), 6)])
     consumer.join(120)
     assert not consumer.is_alive() and chunks and chunks[-1].final
     assert len(chunks) >= 2 and engine.active_sessions == 0 and engine.scheduler.active == 0
@@ -356,13 +364,8 @@ def test_a_cancel_token_stops_a_blocked_reader_from_another_thread(tts, short_pr
     got: list = []
     reader = threading.Thread(target=lambda: got.extend(chunks))
     reader.start()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        sessions = list(engine._sessions.values())
-        if sessions and len(sessions[0].tokens) >= 5:
-            break
-        time.sleep(0.01)
-    session = sessions[0]
+    session = until(lambda: next((s for s in engine._sessions.values() if len(s.tokens) >= 5), None), 60,
+                    "five tokens decoded")
     token.cancel()
     decoded_at_cancel = len(session.tokens)
     reader.join(timeout=60)
@@ -412,15 +415,12 @@ def test_a_cancel_token_ends_asynthesize_and_vocode_from_another_thread(tts, sho
     handle = engine.llm.llm_decoder.register_forward_hook(lambda *_: steps.append(1))
     try:
         got = asyncio.run(consume())
-        time.sleep(0.2)
+        # every step the cancelled session could take is counted before its ticket has left the scheduler
+        until(lambda: engine.active_sessions == 0 and engine.scheduler.active == 0, 10, "the session's end")
     finally:
         handle.remove()
     assert got and not got[-1].final  # ended without its final chunk
     assert len(steps) - steps_at_cancel[0] <= 1  # the LLM stopped within one step
-    deadline = time.monotonic() + 10
-    while engine.active_sessions and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine.active_sessions == 0 and engine.scheduler.active == 0
 
     tokens = torch.randint(0, engine.config.flow.vocab_size, (400,), generator=torch.Generator().manual_seed(0))
     whole = list(engine.vocode(tokens, inp, stream=True))
@@ -428,8 +428,9 @@ def test_a_cancel_token_ends_asynthesize_and_vocode_from_another_thread(tts, sho
     chunks = []
     for chunk in engine.vocode(tokens, inp, stream=True, cancel=stop):
         chunks.append(chunk)
-        threading.Thread(target=stop.cancel).start()
-        time.sleep(0.1)
+        canceller = threading.Thread(target=stop.cancel)  # a Stop button, from another thread
+        canceller.start()
+        canceller.join()
     assert 1 <= len(chunks) < len(whole) and not chunks[-1].final
     assert torch.equal(chunks[0].pcm, whole[0].pcm) and engine.active_sessions == 0
     engine.close()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import soundfile as sf
 import torch
+from waiting import until
 
 from cosyvoice.errors import AlreadyExistsError, InvalidInputError, NotFoundError, ResourceLimitError
 from cosyvoice.frontend.prompts import cross_lingual_text, instruct_text, zero_shot_prompt_text
@@ -379,18 +380,7 @@ def test_drain_refuses_new_requests_then_cancels_running_ones(tts, library: Voic
     rest = asyncio.run(scenario())
     assert not any(c.final for c in rest)
     assert service.active_sessions == 0 and "cancelled" in [o.reason for o in seen]
-    assert tts.engine.active_sessions == 0 or _eventually(lambda: tts.engine.active_sessions == 0)
-
-
-def _eventually(condition, seconds: float = 10.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
+    until(lambda: tts.engine.active_sessions == 0, 10, "the engine's sessions' end")
 
 
 def test_an_unseeded_request_gets_the_one_seed_draw_below_2_53(service: TTSService, short_prompt_wav: Path) -> None:

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_jobs import files, until
+from test_jobs import files
 from test_jobs import two_servers as two_servers  # the fixture, used by name
 from test_rest import Server
+from waiting import until
 
 from cosyvoice.longform.store import DB_NAME as LONGFORM_DB
 from cosyvoice.server.rest import create_app

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 from test_rest import Server
+from waiting import until
 
 from cosyvoice.bundle import bundle_digest
 from cosyvoice.longform.store import ProjectStore
@@ -144,11 +144,25 @@ def served(tts, tmp_path: Path, short_prompt_wav: Path) -> Iterator[tuple[str, P
 
 
 def rendered(client: httpx.Client, pid: str) -> dict:
-    deadline = time.monotonic() + 120
-    while (progress := client.get(f"/v1/longform/projects/{pid}/progress").json())["running"]:
-        assert time.monotonic() < deadline, progress
-        time.sleep(0.1)
+    until(lambda: not client.get(f"/v1/longform/projects/{pid}/progress").json()["running"], 120, "the render's end")
     return client.get(f"/v1/longform/projects/{pid}").json()
+
+
+def _workbench_takes(owner: httpx.Client, other: httpx.Client, pid: str, made: tuple[str, str],
+                     model_id: str) -> dict[str, dict]:
+    """The project's takes in the workbench, the owner's: labelled with the project, with the same provenance as
+    every take; another visitor sees none of them."""
+    seeds = {s["take"]: s["seed"] for s in owner.get(f"/v1/longform/projects/{pid}/segments.json").json()["segments"]}
+    takes = {t["id"]: t for t in owner.get("/workbench/api/takes").json()["takes"]}
+    assert set(takes) == set(made)
+    for take_id, take in takes.items():
+        p = take["provenance"]
+        assert (take["label"], take["source"], p["longform"]["project"]) == ("Book", "long-form", pid)
+        assert p["seed"] == seeds[take_id] and p["model_id"] == model_id
+        assert p["precision"] and p["software"].startswith("cosyvoice3-studio") and p["steps"] is not None
+    assert takes[made[0]]["provenance"]["text"] == "Hi there."
+    assert other.get("/workbench/api/takes").json()["takes"] == []
+    return takes
 
 
 def test_long_form_takes_are_workbench_takes_a_listening_test_uses(served, tiny_bundle_dir: Path) -> None:
@@ -163,18 +177,7 @@ def test_long_form_takes_are_workbench_takes_a_listening_test_uses(served, tiny_
         assert ann.post(f"/v1/longform/projects/{pid}/generate").status_code == 200
         first, second = rendered(ann, pid)["segments"]
         assert (first["status"], second["status"]) == ("done", "done")
-        seeds = {s["take"]: s["seed"] for s in ann.get(f"/v1/longform/projects/{pid}/segments.json").json()["segments"]}
-
-        # in the workbench, Ann's: labelled with the project, with the same provenance as every take
-        takes = {t["id"]: t for t in ann.get("/workbench/api/takes").json()["takes"]}
-        assert set(takes) == {first["take"], second["take"]}
-        for take_id, take in takes.items():
-            p = take["provenance"]
-            assert (take["label"], take["source"], p["longform"]["project"]) == ("Book", "long-form", pid)
-            assert p["seed"] == seeds[take_id] and p["model_id"] == bundle_digest(tiny_bundle_dir)
-            assert p["precision"] and p["software"].startswith("cosyvoice3-studio") and p["steps"] is not None
-        assert takes[first["take"]]["provenance"]["text"] == "Hi there."
-        assert ben.get("/workbench/api/takes").json()["takes"] == []  # another visitor's: not seen
+        takes = _workbench_takes(ann, ben, pid, (first["take"], second["take"]), bundle_digest(tiny_bundle_dir))
 
         # an A/B test of the two, and a rater with only the link gets their audio
         made = ann.post("/workbench/api/tests", json={"kind": "ab", "title": "Book AB",

@@ -106,13 +106,13 @@ def test_a_name_never_looks_like_an_id(tts, tmp_path: Path) -> None:
 
 
 LOCK_HOLDER = """
-import sys, time
+import signal, sys
 from cosyvoice.voices import VoiceLibrary
 library = VoiceLibrary(sys.argv[1], None, model_dir=sys.argv[2])
 held = library.folder.exclusive()  # hold the folder lock, as a save in progress does
 held.__enter__()
 print("held", flush=True)
-time.sleep(120)
+signal.pause()  # holds it until killed
 """
 
 

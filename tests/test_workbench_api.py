@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import io
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import soundfile as sf
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 from test_rest import Server
+from waiting import until
 
 from cosyvoice.context import StudioContext
 from cosyvoice.owners import ANONYMOUS, Owners, key_owner
@@ -40,6 +40,12 @@ def app_url(tts, tmp_path_factory: pytest.TempPathFactory, short_prompt_wav: Pat
     server.stop()
 
 
+def _ended(client: httpx.Client, batch_id: str) -> dict:
+    """The batch's status once it is neither queued nor running."""
+    return until(lambda: (b := client.get(f"/workbench/api/batches/{batch_id}").json())["state"] not in
+                 ("queued", "running") and b, 300, f"the end of batch {batch_id}")
+
+
 def test_batch_over_http_reports_progress_and_bad_rows(app_url: tuple[str, Path]) -> None:
     url, data_dir = app_url
     rows = [{"text": "Hello there.", "voice": "Narrator", "seed": 3, "label": "sysA"},
@@ -48,11 +54,7 @@ def test_batch_over_http_reports_progress_and_bad_rows(app_url: tuple[str, Path]
     with httpx.Client(base_url=url, timeout=60) as client:
         started = client.post("/workbench/api/batches", json={"rows": rows})
         assert started.status_code == 202 and started.json()["rows"] == 3
-        deadline = time.monotonic() + 300
-        batch_url = f"/workbench/api/batches/{started.json()['id']}"
-        while (batch := client.get(batch_url).json())["state"] in ("queued", "running"):
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        batch = _ended(client, started.json()["id"])
         assert (batch["state"], batch["done"], batch["failed"]) == ("done", 2, 1)
         assert batch["errors"] == [{"row": 3, "field": "text", "message": "text is empty; type something to say"}]
         assert batch["eta_seconds"] == 0
@@ -122,10 +124,8 @@ def test_a_batch_naming_another_precision_than_the_server_runs_is_refused(app_ur
 
         started = client.post("/workbench/api/batches", json={"rows": rows[:1]})
         assert started.status_code == 202
-        batch_id, deadline = started.json()["id"], time.monotonic() + 300
-        while (batch := client.get(f"/workbench/api/batches/{batch_id}").json())["state"] in ("queued", "running"):
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        batch_id = started.json()["id"]
+        batch = _ended(client, batch_id)
         assert (batch["state"], batch["done"]) == ("done", 1)
         (take,) = client.get("/workbench/api/takes", params={"batch": batch_id}).json()["takes"]
         assert take["provenance"]["precision"] == running
@@ -228,6 +228,31 @@ def keyed(request: pytest.FixtureRequest, tts, tmp_path_factory: pytest.TempPath
             yield url.rstrip("/"), default_data_dir(studio.service.voices.dir.parent), True
 
 
+def _rate_without_a_key(anon: httpx.Client, made: dict, take_ids: tuple[str, str]) -> None:
+    """Ann rates the test's A/B item without a key: page, assets, the test's rater view (no take ids), join,
+    the item, its audio, play events and the answer."""
+    test_id = made["id"]
+    page = anon.get(made["rate_url"], headers={"accept": "text/html"})
+    assert page.status_code == 200 and "<script" in page.text
+    for asset in ("common.js", "workbench.css"):
+        assert anon.get(f"/workbench/static/{asset}").status_code == 200
+    view = anon.get(f"/workbench/api/tests/{test_id}")
+    assert view.status_code == 200 and not any(take_id in view.text for take_id in take_ids)
+    joined = anon.post(f"/workbench/api/tests/{test_id}/raters", json={"name": "Ann"}).json()
+    rater = joined["rater"]
+    assert re.fullmatch(r"rater-[0-9a-f]{32}", rater)
+    item = anon.get(f"/workbench/api/raters/{rater}/next").json()
+    assert item["done"] is False and [s["slot"] for s in item["slots"]] == ["A", "B"]
+    for slot in ("A", "B"):
+        assert anon.get(f"/workbench/api/raters/{rater}/audio/0/{slot}").content[:4] == b"RIFF"
+        for event in ("play", "ended"):
+            sent = anon.post(f"/workbench/api/raters/{rater}/events",
+                             json={"position": 0, "slot": slot, "event": event})
+            assert sent.status_code == 204
+    done = anon.post(f"/workbench/api/raters/{rater}/answers", json={"position": 0, "answer": {"choice": "A"}})
+    assert done.status_code == 200 and done.json()["done"] is True
+
+
 def test_a_rater_needs_only_the_link_and_everything_else_needs_the_key(keyed: tuple) -> None:
     url, data_dir, webui = keyed
     store = TakeStore(data_dir)
@@ -242,26 +267,7 @@ def test_a_rater_needs_only_the_link_and_everything_else_needs_the_key(keyed: tu
         test_id = made["id"]
         assert re.fullmatch(r"test-[0-9a-f]{32}", test_id)  # the link is the secret: 128 random bits
 
-        # the rater, without a key: page, assets, the test's rater view, join, items, audio, events, answer
-        page = anon.get(made["rate_url"], headers={"accept": "text/html"})
-        assert page.status_code == 200 and "<script" in page.text
-        for asset in ("common.js", "workbench.css"):
-            assert anon.get(f"/workbench/static/{asset}").status_code == 200
-        view = anon.get(f"/workbench/api/tests/{test_id}")
-        assert view.status_code == 200 and a.id not in view.text and b.id not in view.text
-        joined = anon.post(f"/workbench/api/tests/{test_id}/raters", json={"name": "Ann"}).json()
-        rater = joined["rater"]
-        assert re.fullmatch(r"rater-[0-9a-f]{32}", rater)
-        item = anon.get(f"/workbench/api/raters/{rater}/next").json()
-        assert item["done"] is False and [s["slot"] for s in item["slots"]] == ["A", "B"]
-        for slot in ("A", "B"):
-            assert anon.get(f"/workbench/api/raters/{rater}/audio/0/{slot}").content[:4] == b"RIFF"
-            for event in ("play", "ended"):
-                sent = anon.post(f"/workbench/api/raters/{rater}/events",
-                                 json={"position": 0, "slot": slot, "event": event})
-                assert sent.status_code == 204
-        done = anon.post(f"/workbench/api/raters/{rater}/answers", json={"position": 0, "answer": {"choice": "A"}})
-        assert done.status_code == 200 and done.json()["done"] is True
+        _rate_without_a_key(anon, made, (a.id, b.id))
 
         # everything else needs the key
         for method, path in [("GET", "/workbench/api/tests"), ("GET", f"/workbench/api/tests/{test_id}/results"),

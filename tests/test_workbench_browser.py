@@ -15,7 +15,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import numpy as np
 import pytest
 from browser import FLAGS as CHROMIUM_FLAGS
 from browser import require_browser
+from waiting import until
 
 sync_api, CHROMIUM = require_browser()
 
@@ -53,15 +53,14 @@ class App:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.args, env=self.env)
-        deadline = time.monotonic() + 120
-        while True:
-            assert self.proc.poll() is None, "the server exited"
-            assert time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        until(self.healthy, 120, "the server's start")
+
+    def healthy(self) -> bool:
+        assert self.proc is not None and self.proc.poll() is None, "the server exited"
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def stop(self) -> None:
         assert self.proc is not None
@@ -147,6 +146,97 @@ def answer_questionnaire(page, device: str = "headphones", language: str = "Engl
     sync_api.expect(page.locator("#done")).to_be_visible()
 
 
+def listen_gated(page) -> None:
+    """The page keeps Save disabled until the chosen sample played through, and the server refuses a rating sent
+    before playback ends; then the sample is marked played."""
+    sync_api.expect(page.locator("#submit")).to_be_disabled()
+    page.check("input[value='A']")
+    sync_api.expect(page.locator("#submit")).to_be_disabled()
+    page.click("button.play[data-slot='A']")
+    refused = page.evaluate("""async () => {
+        const r = await fetch(`/workbench/api/raters/${wb.rater}/answers`, {method: "POST",
+            headers: {"Content-Type": "application/json"},
+            body: JSON.stringify({position: wb.state.position, answer: {choice: "A"}})});
+        return [r.status, (await r.json()).error.message]; }""")
+    assert refused[0] == 400 and "to the end first" in refused[1]
+    sync_api.expect(page.locator(".slot[data-slot='A']")).to_have_class("slot played", timeout=15000)
+
+
+def owner_views_results(owner, url: str, ab: str, mos: str) -> None:
+    """The owner's view, in the experimenter's browser: progress per rater and the results with an interval plot
+    (MOS), preference counts and a p-value (A/B)."""
+    owner.goto(f"{url}/workbench/tests/{mos}")
+    owner.wait_for_function("() => window.wbReady")
+    sync_api.expect(owner.locator("#raters tr")).to_have_count(2)
+    sync_api.expect(owner.locator("#interval-plot circle")).to_have_count(2)
+    owner.screenshot(path=str(ARTIFACTS / "workbench-results.png"), full_page=True)
+    owner.goto(f"{url}/workbench/tests/{ab}")
+    owner.wait_for_function("() => window.wbReady")
+    sync_api.expect(owner.locator("#summary table tbody tr")).not_to_have_count(0)
+    owner.screenshot(path=str(ARTIFACTS / "workbench-results-ab.png"), full_page=True)
+
+
+def owner_makes_and_deletes(owner, url: str) -> None:
+    """From the owner's page: a new test, a batch whose failures are reported per row, a refused and a done
+    deletion."""
+    owner.goto(f"{url}/workbench/")
+    owner.wait_for_function("() => window.wb && window.wb.ready")
+    sync_api.expect(owner.locator("#takes tr")).to_have_count(8)
+    # a new test from the page: MUSHRA without reference over the two conditions, one item per text
+    owner.select_option("#kind", "mushra_noref")
+    owner.check("#conditions input[value='sysA']")
+    owner.check("#conditions input[value='sysB']")
+    owner.click("#create-test")
+    sync_api.expect(owner.locator("#create-status")).to_contain_text("Created with 4 items")
+    sync_api.expect(owner.locator("#tests tr")).to_have_count(3)
+    # texts x voices from the page: a batch over REST, its failures reported per row (this server has no voices)
+    owner.fill("#grid-texts", "Hello there.\nGood morning.")
+    owner.fill("#grid-voices", "nobody")
+    owner.click("#grid-run")
+    batch = owner.locator("#batches tr").first
+    sync_api.expect(batch).to_contain_text("2 of 2 rows", timeout=60000)
+    sync_api.expect(batch).to_contain_text("row 1: unknown voice")
+    owner.screenshot(path=str(ARTIFACTS / "workbench-owner.png"), full_page=True)
+    # deleting: a take a test uses is refused with the reason; the test made from the page goes
+    owner.on("dialog", lambda dialog: dialog.accept())
+    owner.locator("#takes tr").first.locator("button.delete-take").click()
+    sync_api.expect(owner.locator("#takes-status")).to_contain_text("used by the listening test")
+    sync_api.expect(owner.locator("#takes tr")).to_have_count(8)
+    owner.locator("#tests tr").last.locator("button.delete-test").click()
+    sync_api.expect(owner.locator("#tests tr")).to_have_count(2)
+
+
+def stranger_sees_nothing(page, url: str) -> None:
+    """Another browser sees none of the owner's takes and tests (a private server: cosyvoice/owners.py)."""
+    page.goto(f"{url}/workbench/")
+    page.wait_for_function("() => window.wb && window.wb.ready")
+    sync_api.expect(page.locator("#takes tr")).to_have_count(0)
+    sync_api.expect(page.locator("#tests tr")).to_have_count(0)
+
+
+def answers_as_given(app: App, given_by_test: dict[str, dict[str, str]], ab: str) -> None:
+    """answers.csv has each rater's answer at every position, with what they were shown and heard."""
+    store = TakeStore(app.env["COSYVOICE_DATA_DIR"])
+    for test_id, answers in given_by_test.items():
+        text = httpx.get(f"{app.url}/workbench/api/tests/{test_id}/answers.csv", cookies={"cv-browser": OWNER}).text
+        rows = list(csv.DictReader(io.StringIO(text)))
+        assert len(rows) == 8 and sorted({r["rater"] for r in rows}) == ["Ann", "Bob"]
+        raters = {r.name: r for r in store.raters(test_id)}
+        for rater_name, given in answers.items():
+            mine = sorted((r for r in rows if r["rater"] == rater_name), key=lambda r: int(r["position"]))
+            assert [int(r["position"]) for r in mine] == [0, 1, 2, 3]
+            assert all(r["answer"] == given and int(r["plays"]) >= 1 for r in mine)
+            plan = raters[rater_name].plan
+            for r in mine:
+                shown = {s["slot"]: s["take"] for s in plan[int(r["position"])]["slots"]}
+                assert r["shown"] == ";".join(f"{k}={v}" for k, v in shown.items())
+                if test_id == ab:  # the chosen side's take, as the rater heard it
+                    assert r["answer_take"] == shown[given]
+                    assert sorted(r["take_ids"].split(";")) == sorted(shown.values())
+                else:
+                    assert r["take_ids"] == shown["X"] and r["score"] == given
+
+
 def test_two_raters_finish_ab_and_mos_one_resuming_after_a_restart(setup, browser) -> None:
     """Ann goes on, on another device, through her personal link (her rater id): her name alone is refused."""
     app, ab, mos = setup
@@ -155,18 +245,7 @@ def test_two_raters_finish_ab_and_mos_one_resuming_after_a_restart(setup, browse
     ann = join(ann_device, f"{app.url}/workbench/rate/{ab}", "Ann")
     sync_api.expect(ann.locator("#item-progress")).to_have_text("Item 1 of 4")
 
-    # listen-gating: the page keeps Save disabled, and the server refuses a rating sent before playback ends
-    sync_api.expect(ann.locator("#submit")).to_be_disabled()
-    ann.check("input[value='A']")
-    sync_api.expect(ann.locator("#submit")).to_be_disabled()
-    ann.click("button.play[data-slot='A']")
-    refused = ann.evaluate("""async () => {
-        const r = await fetch(`/workbench/api/raters/${wb.rater}/answers`, {method: "POST",
-            headers: {"Content-Type": "application/json"},
-            body: JSON.stringify({position: wb.state.position, answer: {choice: "A"}})});
-        return [r.status, (await r.json()).error.message]; }""")
-    assert refused[0] == 400 and "to the end first" in refused[1]
-    sync_api.expect(ann.locator(".slot[data-slot='A']")).to_have_class("slot played", timeout=15000)
+    listen_gated(ann)
     ann.screenshot(path=str(ARTIFACTS / "workbench-rater.png"), full_page=True)
 
     answer_item(ann, "A")
@@ -200,73 +279,17 @@ def test_two_raters_finish_ab_and_mos_one_resuming_after_a_restart(setup, browse
     ann.screenshot(path=str(ARTIFACTS / "workbench-rater-mos.png"), full_page=True)
     finish(ann, "4", 4)
 
-    # the owner's view, in the experimenter's browser: progress per rater and the results with an interval plot
     owner_device = browser()
     owner_device.add_cookies([{"name": "cv-browser", "value": OWNER, "url": app.url}])
     owner = owner_device.new_page()
-    owner.goto(f"{app.url}/workbench/tests/{mos}")
-    owner.wait_for_function("() => window.wbReady")
-    sync_api.expect(owner.locator("#raters tr")).to_have_count(2)
-    sync_api.expect(owner.locator("#interval-plot circle")).to_have_count(2)
-    owner.screenshot(path=str(ARTIFACTS / "workbench-results.png"), full_page=True)
-    owner.goto(f"{app.url}/workbench/tests/{ab}")
-    owner.wait_for_function("() => window.wbReady")
-    sync_api.expect(owner.locator("#summary table tbody tr")).not_to_have_count(0)  # preference counts, p-value
-    owner.screenshot(path=str(ARTIFACTS / "workbench-results-ab.png"), full_page=True)
-    owner.goto(f"{app.url}/workbench/")
-    owner.wait_for_function("() => window.wb && window.wb.ready")
-    sync_api.expect(owner.locator("#takes tr")).to_have_count(8)
-    # a new test from the page: MUSHRA without reference over the two conditions, one item per text
-    owner.select_option("#kind", "mushra_noref")
-    owner.check("#conditions input[value='sysA']")
-    owner.check("#conditions input[value='sysB']")
-    owner.click("#create-test")
-    sync_api.expect(owner.locator("#create-status")).to_contain_text("Created with 4 items")
-    sync_api.expect(owner.locator("#tests tr")).to_have_count(3)
-    # texts x voices from the page: a batch over REST, its failures reported per row (this server has no voices)
-    owner.fill("#grid-texts", "Hello there.\nGood morning.")
-    owner.fill("#grid-voices", "nobody")
-    owner.click("#grid-run")
-    batch = owner.locator("#batches tr").first
-    sync_api.expect(batch).to_contain_text("2 of 2 rows", timeout=60000)
-    sync_api.expect(batch).to_contain_text("row 1: unknown voice")
-    owner.screenshot(path=str(ARTIFACTS / "workbench-owner.png"), full_page=True)
-    # deleting: a take a test uses is refused with the reason; the test made from the page goes
-    owner.on("dialog", lambda dialog: dialog.accept())
-    owner.locator("#takes tr").first.locator("button.delete-take").click()
-    sync_api.expect(owner.locator("#takes-status")).to_contain_text("used by the listening test")
-    sync_api.expect(owner.locator("#takes tr")).to_have_count(8)
-    owner.locator("#tests tr").last.locator("button.delete-test").click()
-    sync_api.expect(owner.locator("#tests tr")).to_have_count(2)
-    # another browser sees none of it (a private server: cosyvoice/owners.py)
-    stranger = phone.new_page()
-    stranger.goto(f"{app.url}/workbench/")
-    stranger.wait_for_function("() => window.wb && window.wb.ready")
-    sync_api.expect(stranger.locator("#takes tr")).to_have_count(0)
-    sync_api.expect(stranger.locator("#tests tr")).to_have_count(0)
+    owner_views_results(owner, app.url, ab, mos)
+    owner_makes_and_deletes(owner, app.url)
+    stranger_sees_nothing(phone.new_page(), app.url)
     owner_device.close()
     phone.close()
     bob_device.close()
 
-    store = TakeStore(app.env["COSYVOICE_DATA_DIR"])
-    for test_id, answers in ((ab, {"Ann": "A", "Bob": "B"}), (mos, {"Ann": "4", "Bob": "3"})):
-        text = httpx.get(f"{app.url}/workbench/api/tests/{test_id}/answers.csv", cookies={"cv-browser": OWNER}).text
-        rows = list(csv.DictReader(io.StringIO(text)))
-        assert len(rows) == 8 and sorted({r["rater"] for r in rows}) == ["Ann", "Bob"]
-        raters = {r.name: r for r in store.raters(test_id)}
-        for rater_name, given in answers.items():
-            mine = sorted((r for r in rows if r["rater"] == rater_name), key=lambda r: int(r["position"]))
-            assert [int(r["position"]) for r in mine] == [0, 1, 2, 3]
-            assert all(r["answer"] == given and int(r["plays"]) >= 1 for r in mine)
-            plan = raters[rater_name].plan
-            for r in mine:
-                shown = {s["slot"]: s["take"] for s in plan[int(r["position"])]["slots"]}
-                assert r["shown"] == ";".join(f"{k}={v}" for k, v in shown.items())
-                if test_id == ab:  # the chosen side's take, as the rater heard it
-                    assert r["answer_take"] == shown[given]
-                    assert sorted(r["take_ids"].split(";")) == sorted(shown.values())
-                else:
-                    assert r["take_ids"] == shown["X"] and r["score"] == given
+    answers_as_given(app, {ab: {"Ann": "A", "Bob": "B"}, mos: {"Ann": "4", "Bob": "3"}}, ab)
 
 
 def test_a_rater_without_a_key_finishes_a_test_on_the_web_ui_behind_keys(tts, browser, tmp_path: Path) -> None:
@@ -318,6 +341,15 @@ def play_all(page) -> None:
         sync_api.expect(page.locator(f".slot[data-slot='{slot}']")).to_have_class("slot played", timeout=15000)
 
 
+def blind_audio(page) -> None:
+    """Nothing in a sample's answer dates it or names it across items (no file name, no date, no tag)."""
+    headers = page.evaluate("""async () => {
+        const r = await fetch(`/workbench/api/raters/${wb.rater}/audio/${wb.state.position}/X`);
+        return Object.fromEntries(r.headers.entries()); }""")
+    assert headers["cache-control"] == "no-store" and headers["content-type"] == "audio/wav"
+    assert not {"etag", "last-modified", "content-disposition"} & set(headers), headers
+
+
 def test_abx_and_mushra_items_and_an_answer_sent_while_the_server_restarts(setup, abx_and_mushra, browser) -> None:
     app, _, _ = setup
     abx, mushra = abx_and_mushra
@@ -326,12 +358,7 @@ def test_abx_and_mushra_items_and_an_answer_sent_while_the_server_restarts(setup
 
     # ABX: A, B and X played; the rater says which one X is; the answer is scored against the plan
     page = join(device, f"{app.url}/workbench/rate/{abx}", "Cleo")
-    # blind audio: nothing in a sample's answer dates it or names it across items (no file name, no date, no tag)
-    headers = page.evaluate("""async () => {
-        const r = await fetch(`/workbench/api/raters/${wb.rater}/audio/${wb.state.position}/X`);
-        return Object.fromEntries(r.headers.entries()); }""")
-    assert headers["cache-control"] == "no-store" and headers["content-type"] == "audio/wav"
-    assert not {"etag", "last-modified", "content-disposition"} & set(headers), headers
+    blind_audio(page)
     expect(page.locator("#question")).to_have_text("X is the same recording as A or as B. Which one?")
     assert page.locator("button.play").evaluate_all("bs => bs.map(b => b.dataset.slot)") == ["A", "B", "X"]
     answer_item(page, "A")
@@ -437,10 +464,7 @@ def test_a_batch_on_a_full_disk_shows_its_error_and_the_page_stops_polling(tiny_
         fill(takes)
         app = App(tiny_bundle_dir, tmp_path)
         try:
-            deadline = time.monotonic() + 120
-            while httpx.get(f"{app.url}/ready", timeout=10).status_code != 200:
-                assert time.monotonic() < deadline, "the model did not load"
-                time.sleep(0.2)
+            until(lambda: httpx.get(f"{app.url}/ready", timeout=10).status_code == 200, 120, "the model's load")
             saved = httpx.post(f"{app.url}/v1/voices", data={"name": "Narrator", "transcript": "A short test prompt."},
                                files={"audio": ("p.wav", short_prompt_wav.read_bytes(), "audio/wav")}, timeout=60)
             assert saved.status_code == 201, saved.text

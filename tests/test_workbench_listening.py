@@ -10,7 +10,7 @@ import pytest
 
 from cosyvoice.errors import AlreadyExistsError, ConflictError, InvalidInputError
 from cosyvoice.takes.store import Take, TakeStore
-from cosyvoice.workbench import listening
+from cosyvoice.workbench import listening, listening_results
 
 SECONDS = 0.8  # take length: long enough that an immediate 'ended' is refused (tolerance 0.3 s)
 
@@ -113,14 +113,14 @@ def test_answers_export_and_summary(store: TakeStore) -> None:
             assert listening.next_item(store, rater)["position"] == position  # the page shows it: time starts
             listen(store, rater, position)
             listening.submit(store, rater, position, {"score": min(5, scores[take.label] + shift)})
-    rows = listening.export_rows(store, test_id)
-    assert len(rows) == 12 and set(rows[0]) == set(listening.EXPORT_COLUMNS)
+    rows = listening_results.export_rows(store, test_id)
+    assert len(rows) == 12 and set(rows[0]) == set(listening_results.EXPORT_COLUMNS)
     assert {r["take_ids"] for r in rows} == {t.id for t in takes.values()}
     assert [(r["plays"], r["seconds"] > 0) for r in rows] == [(1, True)] * 12
     assert [r["check_failed"] for r in rows if r["check"]] == [1, 1, 1, 1]  # Ann 3 and Bob 4 both exceed 2
-    progress = {p["rater"]: p for p in listening.progress(store, test_id)}
+    progress = {p["rater"]: p for p in listening_results.progress(store, test_id)}
     assert progress["Ann"]["answered"] == 6 and progress["Ann"]["checks_failed"] == 2
-    summary = listening.summary(store, test_id)
+    summary = listening_results.summary(store, test_id)
     by = {c["condition"]: c for c in summary["conditions"]}
     assert set(by) == {"sysA", "sysB"}  # attention-check items are not a condition
     assert by["sysA"]["mean"] == pytest.approx(4.5) and by["sysA"]["n"] == 4
@@ -161,7 +161,7 @@ def test_mushra_hidden_reference_and_anchor(store: TakeStore) -> None:
     given = {s["slot"]: {"hidden_reference": 70, "anchor": 10}.get(s["role"], 60) for s in slots[1:]}
     answer = listening.submit(store, rater, 0, {"scores": given})
     assert answer.check_failed is True  # the hidden reference got 70 < 90
-    rows = listening.export_rows(store, test_id)
+    rows = listening_results.export_rows(store, test_id)
     assert sorted(r["answer_condition"] for r in rows) == ["anchor", "hidden reference", "sysA", "sysB"]
 
     noref = listening.design("mushra_noref", store.takes(), ["sysA", "sysB"], anchor="anchor")
@@ -215,12 +215,12 @@ def test_abx_draws_x_per_rater_scores_it_and_tests_against_guessing(store: TakeS
             answer = listening.submit(store, rater, position, {"choice": wrong if name == "Di" else right})
             assert answer.answer["correct"] is (name != "Di")
     assert xs == {True, False}  # X is drawn per rater and item, not always the same side
-    summary = listening.summary(store, test_id)
+    summary = listening_results.summary(store, test_id)
     [pair] = summary["pairs"]
     assert (pair["correct"], pair["n"]) == (9, 12)
     assert pair["p_value"] == pytest.approx(sum(math.comb(12, k) for k in range(9, 13)) / 2**12)  # 0.073
     assert {r["rater"]: r["correct"] for r in summary["per_rater"]} == {"Ann": 3, "Bob": 3, "Cy": 3, "Di": 0}
-    rows = listening.export_rows(store, test_id)
+    rows = listening_results.export_rows(store, test_id)
     assert {r["score"] for r in rows} == {0, 1} and all(r["kind"] == "abx" for r in rows)
 
 
@@ -265,8 +265,8 @@ def test_training_examples_and_the_end_of_test_questionnaire(store: TakeStore) -
     assert listening.answer_questionnaire(store, ann, given)["questionnaire"] == "given"  # a retry: the same
     with pytest.raises(ConflictError, match="answered already"):
         listening.answer_questionnaire(store, ann, {**given, "listening_device": "headphones"})
-    [row] = listening.rater_rows(store, test_id)
-    assert set(row) == set(listening.RATER_COLUMNS)
+    [row] = listening_results.rater_rows(store, test_id)
+    assert set(row) == set(listening_results.RATER_COLUMNS)
     assert (row["rater"], row["answered"], row["total"], row["listening_device"], row["native_language"]) == \
         ("Ann", 1, 1, "earbuds", "Swiss German")
     untold = listening.create_test(store, "mos", [{"takes": [good]}], questionnaire=False)

@@ -19,9 +19,9 @@ from browser import FLAGS, require_browser
 
 sync_api, CHROMIUM = require_browser()
 
-from test_jobs import until  # noqa: E402
 from test_workbench_browser import ARTIFACTS, REPO, App  # noqa: E402
 from test_workbench_screening import screened_test  # noqa: E402
+from waiting import until  # noqa: E402
 
 from cosyvoice.takes.store import TakeStore  # noqa: E402
 

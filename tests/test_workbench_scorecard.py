@@ -10,7 +10,7 @@ import pytest
 from cosyvoice.service import TTSService
 from cosyvoice.takes.store import Answer, TakeStore
 from cosyvoice.voices import VoiceLibrary
-from cosyvoice.workbench import listening
+from cosyvoice.workbench import listening, listening_results
 from cosyvoice.workbench.scorecard import Scorer, available_encoders, scorecard
 
 
@@ -52,6 +52,6 @@ def test_scorecard_per_take_and_condition(tts, tmp_path: Path, short_prompt_wav:
     test_id = listening.create_test(store, "mos", [{"takes": [made[0].id]}])
     rater = listening.join(store, test_id, "Ann")
     store.add_answer(Answer(test_id, rater.id, 0, 0, {"score": 3, "shown": 3}, 5.0, 1, None, 0.0))
-    (row,) = listening.export_rows(store, test_id)
+    (row,) = listening_results.export_rows(store, test_id)
     assert row["obj_seconds"] == pytest.approx(made[0].seconds)
     assert row["obj_sim_campplus"] == by_take[made[0].id]["sim_campplus"]

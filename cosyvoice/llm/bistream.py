@@ -30,6 +30,7 @@ a request that has already streamed audio (docs/differences.md).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Generator
 
 import torch
 
@@ -99,108 +100,144 @@ def _speech_row(lm: CosyVoice3LM, token: int) -> torch.Tensor:
 def _run(lm: CosyVoice3LM, prefix: torch.Tensor, text_head: torch.Tensor, speech_ids: torch.Tensor,
          stream: TokenStream, max_len: int, mix_ratio: tuple[int, int], silent_tokens: frozenset[int],
          per_token: bool, limit_ratio: float | None) -> Job:
-    n_text, n_speech = mix_ratio
-    device = prefix.device
-    with torch.no_grad():
-        prompt_speech = lm.speech_embedding.weight[speech_ids].detach()
-    text_cache = _embed_text(lm, text_head)  # [n, H] text embeddings not fed yet
-    lm_input = prefix  # the next call's input; after a fill break it still holds the input already fed
-    out_tokens: list[int] = []  # every decision, fill tokens included: the sampler's history, as the reference
-    next_fill = first_fill_index(speech_ids.numel(), mix_ratio)
-    position = 0
-    emit: list[int] = []
-    silent_run = 0
-    n_streamed = 0  # text tokens of the stream (the length bound counts them alone, as inference() counts the text)
-    n_spoken = 0  # speech tokens decided (fills excluded)
-    arrived: deque[list[int]] = deque()  # pieces taken from the stream, not yet processed
+    """The job: its state is made at its first step, in the thread that runs it, as everything after."""
+    decoding = _Bistream(lm, prefix, text_head, speech_ids, max_len, mix_ratio, silent_tokens, limit_ratio)
+    return (yield from decoding.run(stream, per_token))
 
-    def step(x: torch.Tensor, **kwargs) -> Step:
-        nonlocal position
-        if position + x.shape[0] > max_len:
+
+class _Bistream:
+    """The decoding state of one bi-streaming job and its phases (see the module docstring's steps)."""
+
+    def __init__(self, lm: CosyVoice3LM, prefix: torch.Tensor, text_head: torch.Tensor, speech_ids: torch.Tensor,
+                 max_len: int, mix_ratio: tuple[int, int], silent_tokens: frozenset[int],
+                 limit_ratio: float | None) -> None:
+        self.lm, self.max_len, self.mix_ratio, self.device = lm, max_len, mix_ratio, prefix.device
+        self.silent_tokens, self.limit_ratio = silent_tokens, limit_ratio
+        with torch.no_grad():
+            self.prompt_speech = lm.speech_embedding.weight[speech_ids].detach()
+        self.text_cache = _embed_text(lm, text_head)  # [n, H] text embeddings not fed yet
+        self.lm_input = prefix  # the next call's input; after a fill break it still holds the input already fed
+        self.out_tokens: list[int] = []  # every decision, fill tokens included: the sampler's history, as the reference
+        self.next_fill = first_fill_index(speech_ids.numel(), mix_ratio)
+        self.position = 0
+        self.emit: list[int] = []
+        self.silent_run = 0
+        self.n_streamed = 0  # text tokens of the stream (the length bound counts them alone, as inference() does)
+        self.n_spoken = 0  # speech tokens decided (fills excluded)
+        self.arrived: deque[list[int]] = deque()  # pieces taken from the stream, not yet processed
+
+    def step(self, x: torch.Tensor, **kwargs) -> Step:
+        """The model call on ``x``, carrying the tokens kept since the last call; bounded by ``max_len``."""
+        if self.position + x.shape[0] > self.max_len:
             raise ResourceLimitError(
-                f"the text stream needs more than {max_len} LLM positions (prompt, text and speech so far); "
+                f"the text stream needs more than {self.max_len} LLM positions (prompt, text and speech so far); "
                 "send less text per request (COSYVOICE_MAX_LLM_POSITIONS raises the bound)")
-        position += x.shape[0]
-        request = Step(x, history=out_tokens, emit=tuple(emit), **kwargs)
-        emit.clear()
+        self.position += x.shape[0]
+        request = Step(x, history=self.out_tokens, emit=tuple(self.emit), **kwargs)
+        self.emit.clear()
         return request
 
-    def keep(token: int) -> None:
-        nonlocal silent_run
-        if token in silent_tokens:
-            silent_run += 1
-            if silent_run > MAX_SILENT_RUN:
+    def keep(self, token: int) -> None:
+        """Pass a speech token on, but not past the official llm_job's run of silent tokens."""
+        if token in self.silent_tokens:
+            self.silent_run += 1
+            if self.silent_run > MAX_SILENT_RUN:
                 return  # fed back to the model, not passed on (official llm_job)
         else:
-            silent_run = 0
-        emit.append(token)
+            self.silent_run = 0
+        self.emit.append(token)
 
-    while True:
-        # the reference's `for this_text in text`: pull the next piece, waiting while none has arrived
-        while not arrived:
+    def run(self, stream: TokenStream, per_token: bool) -> Job:
+        """Text pieces as they arrive, decoding between them; then the final phase."""
+        while True:
+            piece = yield from self._next_piece(stream, per_token)
+            if piece is None:
+                break
+            if self._take_text(piece):
+                yield from self._decode_to_fill()
+        return (yield from self._finish())
+
+    def _next_piece(self, stream: TokenStream, per_token: bool) -> Generator[Wait, None, list[int] | None]:
+        """The reference's ``for this_text in text``: the next piece, waiting while none has arrived; None at
+        the stream's end."""
+        while not self.arrived:
             ids, ended = stream.take()
             if ids:
-                arrived.extend([[i] for i in ids] if per_token else [ids])
+                self.arrived.extend([[i] for i in ids] if per_token else [ids])
             elif ended:
-                break
+                return None
             else:
-                yield Wait(tuple(emit))
-                emit.clear()
-        if not arrived:
-            break
-        piece = torch.tensor(arrived.popleft(), dtype=torch.long, device=device)
+                yield Wait(tuple(self.emit))
+                self.emit.clear()
+        return self.arrived.popleft()
+
+    def _take_text(self, ids: list[int]) -> bool:
+        """Queue a piece's embeddings, mix prompt blocks while prompt speech remains; whether decoding resumes."""
+        lm, (n_text, n_speech) = self.lm, self.mix_ratio
+        piece = torch.tensor(ids, dtype=torch.long, device=self.device)
         if int(piece.min()) < 0 or int(piece.max()) >= lm.cfg.qwen.vocab_size:
             raise RuntimeError(f"text-stream ids must be in [0, {lm.cfg.qwen.vocab_size})")
-        text_cache = torch.cat([text_cache, _embed_text(lm, piece)])
-        n_streamed += piece.numel()
-        while prompt_speech.shape[0] and text_cache.shape[0] >= n_text:
-            lm_input = torch.cat([lm_input, text_cache[:n_text], prompt_speech[:n_speech]])
-            text_cache, prompt_speech = text_cache[n_text:], prompt_speech[n_speech:]
-        if prompt_speech.shape[0]:
-            continue  # not enough text for the next prompt block yet
-        if out_tokens and out_tokens[-1] == lm.fill:
-            if text_cache.shape[0] < n_text:
-                continue  # paused after a fill until a whole text block is there
-            lm_input, text_cache = text_cache[:n_text], text_cache[n_text:]  # the fill itself is never fed
-        # reference quirk: its `lm_input.size(1) == 1` start rule never holds for CosyVoice3 (the prefix holds the
-        # prompt text), so without prompt speech decoding starts before any text of the stream is fed
+        self.text_cache = torch.cat([self.text_cache, _embed_text(lm, piece)])
+        self.n_streamed += piece.numel()
+        while self.prompt_speech.shape[0] and self.text_cache.shape[0] >= n_text:
+            self.lm_input = torch.cat([self.lm_input, self.text_cache[:n_text], self.prompt_speech[:n_speech]])
+            self.text_cache, self.prompt_speech = self.text_cache[n_text:], self.prompt_speech[n_speech:]
+        if self.prompt_speech.shape[0]:
+            return False  # not enough text for the next prompt block yet
+        if self.out_tokens and self.out_tokens[-1] == lm.fill:
+            if self.text_cache.shape[0] < n_text:
+                return False  # paused after a fill until a whole text block is there
+            self.lm_input, self.text_cache = self.text_cache[:n_text], self.text_cache[n_text:]  # fill never fed
+        return True
+
+    def _decode_to_fill(self) -> Generator[Step, int | None, None]:
+        """Speech tokens until a fill, forced at its index or sampled.
+
+        Reference quirk: its `lm_input.size(1) == 1` start rule never holds for CosyVoice3 (the prefix holds the
+        prompt text), so without prompt speech decoding starts before any text of the stream is fed."""
+        lm = self.lm
         while True:
-            if len(out_tokens) == next_fill:
-                yield step(lm_input, sample=False)  # the fill is forced; the call's logits are unused
+            if len(self.out_tokens) == self.next_fill:
+                yield self.step(self.lm_input, sample=False)  # the fill is forced; the call's logits are unused
                 token = lm.fill
             else:
                 # ignore_eos bans index speech_token_size; the engine (not strict) also bans every other stop id
                 # but the fill, which would end the reference with ValueError mid-stream
-                token = yield step(lm_input, ban_sos=True, ban_stop=limit_ratio is not None, keep_fill=True)
+                token = yield self.step(self.lm_input, ban_sos=True, ban_stop=self.limit_ratio is not None,
+                                        keep_fill=True)
             if token == lm.fill:
-                next_fill = len(out_tokens) + n_speech + 1
-            out_tokens.append(token)
+                self.next_fill = len(self.out_tokens) + self.mix_ratio[1] + 1
+            self.out_tokens.append(token)
             if token == lm.fill:
-                break
+                return
             if token >= lm.speech_token_size:
                 raise BistreamError(
                     f"the model chose token {token} (not a speech token) while text was still streaming in; the "
                     "reference's bi-streaming algorithm stops with ValueError here. Retry with another seed")
-            n_spoken += 1
-            keep(token)
+            self.n_spoken += 1
+            self.keep(token)
+            self.lm_input = _speech_row(lm, token)
+
+    def _finish(self) -> Job:
+        """The text has ended: ``[remaining text, task_id]``, then decoding until eos (or the length bound).
+
+        Reference quirks: after a fill the already fed input is fed again, ahead of the remaining text and
+        task_id; prompt speech tokens still unused when the text ends (text shorter than the prompt's blocks)
+        are dropped."""
+        lm = self.lm
+        lm_input = torch.cat([self.lm_input, self.text_cache, _speech_row(lm, lm.task_id)])
+        limit = None if self.limit_ratio is None else \
+            CosyVoice3LM.length_limits(self.n_streamed, max_ratio=self.limit_ratio)[1]
+        while limit is None or self.n_spoken < limit:
+            token = yield self.step(lm_input)
+            self.out_tokens.append(token)
+            if token == lm.eos or (limit is not None and token in lm.stop_token_ids):
+                return tuple(self.emit)
+            if token >= lm.speech_token_size:
+                raise BistreamError(f"the model chose token {token} where only a speech token or eos can follow; "
+                                    "the reference's bi-streaming algorithm stops with ValueError here. Retry with "
+                                    "another seed")
+            self.n_spoken += 1
+            self.keep(token)
             lm_input = _speech_row(lm, token)
-
-    # reference quirks: after a fill the already fed input is fed again, ahead of the remaining text and task_id;
-    # prompt speech tokens still unused when the text ends (text shorter than the prompt's blocks) are dropped
-    task_id = _speech_row(lm, lm.task_id)
-    lm_input = torch.cat([lm_input, text_cache, task_id])
-    limit = None if limit_ratio is None else CosyVoice3LM.length_limits(n_streamed, max_ratio=limit_ratio)[1]
-    while limit is None or n_spoken < limit:
-        token = yield step(lm_input)
-        out_tokens.append(token)
-        if token == lm.eos or (limit is not None and token in lm.stop_token_ids):
-            return tuple(emit)
-        if token >= lm.speech_token_size:
-            raise BistreamError(f"the model chose token {token} where only a speech token or eos can follow; "
-                                "the reference's bi-streaming algorithm stops with ValueError here. Retry with another "
-                                "seed")
-        n_spoken += 1
-        keep(token)
-        lm_input = _speech_row(lm, token)
-    return tuple(emit)
-
+        return tuple(self.emit)

@@ -18,6 +18,7 @@ import itertools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
@@ -293,48 +294,50 @@ def _norm(text: str) -> str:
     return " ".join(text.lower().split())
 
 
+class _EpubText(HTMLParser):
+    """An EPUB document's text, blocks separated by blank lines; its first h1-h3 heading is the title."""
+
+    BLOCKS = frozenset({"p", "div", "br", "li", "h1", "h2", "h3", "h4", "h5", "h6", "blockquote", "section", "tr"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts: list[str] = []
+        self.title: str | None = None
+        self._heading: list[str] | None = None
+        self._skip = 0
+
+    def handle_starttag(self, tag: str, attrs: object) -> None:
+        if tag in ("script", "style", "head"):
+            self._skip += 1
+        if tag in self.BLOCKS:
+            self.parts.append("\n\n")
+        if tag in ("h1", "h2", "h3") and self.title is None:
+            self._heading = []
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("script", "style", "head"):
+            self._skip = max(0, self._skip - 1)
+        if tag in self.BLOCKS:
+            self.parts.append("\n\n")
+        if tag in ("h1", "h2", "h3") and self._heading is not None:
+            self.title = " ".join("".join(self._heading).split()) or None
+            self._heading = None
+
+    def handle_data(self, text: str) -> None:
+        if self._skip:
+            return
+        if self._heading is not None:
+            self._heading.append(text)
+        else:
+            self.parts.append(text)
+
+
 def epub_chapters(name: str, data: bytes, limits: Limits, cancel: CancelToken | None = None) -> Chapters:
     """The chapters of an EPUB in spine order: (first heading or None, paragraphs separated by blank lines)."""
     import tempfile
-    from html.parser import HTMLParser
 
     import ebooklib
     from ebooklib import epub
-
-    class _Text(HTMLParser):
-        BLOCKS = frozenset({"p", "div", "br", "li", "h1", "h2", "h3", "h4", "h5", "h6", "blockquote", "section", "tr"})
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.parts: list[str] = []
-            self.title: str | None = None
-            self._heading: list[str] | None = None
-            self._skip = 0
-
-        def handle_starttag(self, tag: str, attrs: object) -> None:
-            if tag in ("script", "style", "head"):
-                self._skip += 1
-            if tag in self.BLOCKS:
-                self.parts.append("\n\n")
-            if tag in ("h1", "h2", "h3") and self.title is None:
-                self._heading = []
-
-        def handle_endtag(self, tag: str) -> None:
-            if tag in ("script", "style", "head"):
-                self._skip = max(0, self._skip - 1)
-            if tag in self.BLOCKS:
-                self.parts.append("\n\n")
-            if tag in ("h1", "h2", "h3") and self._heading is not None:
-                self.title = " ".join("".join(self._heading).split()) or None
-                self._heading = None
-
-        def handle_data(self, text: str) -> None:
-            if self._skip:
-                return
-            if self._heading is not None:
-                self._heading.append(text)
-            else:
-                self.parts.append(text)
 
     with tempfile.NamedTemporaryFile(suffix=".epub") as tmp:  # ebooklib reads a path
         tmp.write(bounded_copy(name, "EPUB", data, limits))
@@ -346,7 +349,7 @@ def epub_chapters(name: str, data: bytes, limits: Limits, cancel: CancelToken | 
         item = book.get_item_with_id(item_id)
         if item is None or item.get_type() != ebooklib.ITEM_DOCUMENT:
             continue
-        parser = _Text()
+        parser = _EpubText()
         parser.feed(item.get_content().decode("utf-8", "replace"))
         body = "".join(parser.parts)
         if body.strip() or parser.title:

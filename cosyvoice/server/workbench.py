@@ -45,7 +45,7 @@ from cosyvoice.server.errors import error_route
 from cosyvoice.server.routes import RouteTable
 from cosyvoice.takes.export import TAKES_CSV_COLUMNS, takes_csv_rows, write_csv
 from cosyvoice.takes.store import SCORE_METRICS, Take, TakeStore, test_take_ids
-from cosyvoice.workbench import assignment, listening, screening
+from cosyvoice.workbench import assignment, listening, listening_results, screening
 from cosyvoice.workbench.batch import (
     batch_status,
     body_rows,
@@ -316,7 +316,7 @@ def tests(wb: Bench, who: Who) -> Any:
     s = wb.store()
     return {"tests": [{"id": t["id"], "kind": t["kind"], "name": listening.owner_name(t), "title": t["title"],
                        "created": t["created"], "items": len(t["spec"]["items"]),
-                       "raters": listening.progress(s, t["id"]), "closed": bool(t["spec"].get("closed")),
+                       "raters": listening_results.progress(s, t["id"]), "closed": bool(t["spec"].get("closed")),
                        **{k: t["spec"].get(k, 0) for k in assignment.SETTINGS}}
                       for t in s.tests(who)]}
 
@@ -344,7 +344,7 @@ def create_test(wb: Bench, who: Who, spec: NewTest) -> Any:
 def _screened(s: TakeStore, test: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
                                                            list[dict[str, Any]]]:
     """A test's answer rows, its raters' progress and their screening (:mod:`cosyvoice.workbench.screening`)."""
-    rows, progress = listening.export_rows(s, test["id"]), listening.progress(s, test["id"])
+    rows, progress = listening_results.export_rows(s, test["id"]), listening_results.progress(s, test["id"])
     return rows, progress, screening.screen(rows, progress, listening.SCALES.get(test["kind"]))
 
 
@@ -384,15 +384,15 @@ def results(wb: Bench, who: Who, test_id: str) -> Any:
     return {"id": test_id, "kind": test["kind"], "name": listening.owner_name(test), "title": test["title"],
             "items": len(test["spec"]["items"]), "progress": progress,
             "screening": {"rules": screening.RULES, "raters": screened},
-            "summary": listening.summary(s, test_id, rows=rows),
-            "screened_summary": listening.summary(s, test_id, exclude=screening.flagged(screened), rows=rows)}
+            "summary": listening_results.summary(s, test_id, rows=rows),
+            "screened_summary": listening_results.summary(s, test_id, exclude=screening.flagged(screened), rows=rows)}
 
 
 @routes.get("/api/tests/{test_id}/answers.csv")
 def answers_csv(wb: Bench, who: Who, test_id: str) -> Any:
     """One row per answer, with its rater's screening flags and acceptance."""
     rows, _, screened = _screened(wb.store(), wb.store().test(test_id, who))
-    return _csv_file(screening.with_flags(rows, screened), (*listening.EXPORT_COLUMNS, *screening.COLUMNS),
+    return _csv_file(screening.with_flags(rows, screened), (*listening_results.EXPORT_COLUMNS, *screening.COLUMNS),
                      f"{test_id}-answers.csv")
 
 
@@ -400,7 +400,8 @@ def answers_csv(wb: Bench, who: Who, test_id: str) -> Any:
 def raters_csv(wb: Bench, who: Who, test_id: str) -> Any:
     """One row per rater: progress and the end-of-test questionnaire's answers."""
     wb.store().test(test_id, who)
-    return _csv_file(listening.rater_rows(wb.store(), test_id), listening.RATER_COLUMNS, f"{test_id}-raters.csv")
+    return _csv_file(listening_results.rater_rows(wb.store(), test_id), listening_results.RATER_COLUMNS,
+                     f"{test_id}-raters.csv")
 
 
 @routes.get("/api/tests/{test_id}/scorecard")

@@ -20,21 +20,19 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import onnx
 import torch
-from onnx import TensorProto, helper, numpy_helper
 from safetensors.torch import save_file
-from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 from torch import nn
 
 from cosyvoice.bundle import DEFAULT_MODEL_DIR, DEMO_MODEL_DIR, DEMO_WARNING, TOKENIZER_DIR, validate_model_dir
 from cosyvoice.config import load_config
 from cosyvoice.errors import ModelBundleError
 from cosyvoice.flow import CausalMaskedDiffWithDiT
-from cosyvoice.frontend.tokenizer import QWEN2_SPLIT_PATTERN
 from cosyvoice.hifigan import CausalHiFTGenerator
 from cosyvoice.llm import CosyVoice3LM
+from cosyvoice.tools.tiny_onnx import campplus_onnx, speech_tokenizer_onnx
+from cosyvoice.tools.tiny_qwen import qwen_files, train_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +58,6 @@ class TinyDims:
     campplus_hidden: int = 48  # stand-in speaker encoder hidden width
 
 
-QWEN_VOCAB = 151936  # the embedding keeps the real Qwen2 row count so text-token ids are the real ones
-QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-FIRST_SPECIAL_ID = 151643
 STOP_ROWS = 200  # llm_decoder rows after the speech tokens: sos, eos, task id, fill and unused ids
 STOP_ROW_SCALE = 0.05  # shrinks their logits so sampled generations run past the first token
 F0_HZ, F0_SPREAD_HZ = 120.0, 40.0  # predicted pitch lands in the voiced range, so the harmonic source is used
@@ -291,193 +286,13 @@ train_conf_gan:
     save_per_step: -1
 """
 
-# ----------------------------------------------------------------------------- CosyVoice-BlankEN
-
-_CORPUS_EN = (
-    "Hello, this is a short prompt for testing.",
-    "The little robot read every word aloud, slowly and clearly.",
-    "We measured the latency of each chunk twice, then once more at night.",
-    "Please speak a bit faster, and keep a cheerful tone!",
-    "On March 3rd, 2025, the train left at 7:45 a.m. and cost $12.50.",
-    "She asked: \"Is the weather going to be nice tomorrow?\"",
-    "Numbers like 42, 3.14 and 1,000,000 should be read naturally.",
-    "A quiet voice can still carry a strong message across the room.",
-    "Streaming synthesis returns audio while the model keeps thinking.",
-    "They're sure it'll work, and we've checked what I'd missed.",
-    "Good morning everyone; today we test a tiny speech model.",
-    "Read the sentence again, but this time with a gentle smile.",
-)
-_CORPUS_ZH = (
-    "你好，欢迎使用语音合成测试。",
-    "今天天气很好，我们一起去公园散步吧！",
-    "这个小模型的参数是随机初始化的。",
-    "请用开心的语气再说一遍这句话。",
-    "我们在每一个片段都测量了延迟。",
-    "二零二五年三月三日，火车早上七点出发。",
-    "他说：“明天会下雨吗？”",
-    "声音虽然很轻，但是意思非常清楚。",
-    "流式合成可以一边生成一边播放音频。",
-    "中文和English混合的句子也要能正确处理。",
-    "请你说得慢一点，好吗？",
-    "谢谢大家，我们下次再见。",
-)
-
-
-def _train_tokenizer(out_dir: Path) -> None:
-    """Byte-level BPE with Qwen2's pre-tokenisation (NFC, split regex), saved as vocab.json + merges.txt.
-
-    The three Qwen2 specials are appended to vocab.json at their real ids so that the CosyVoice3 tokenizer,
-    which adds its own specials after the highest existing id, gives them their real ids too.
-    """
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    trainer = trainers.BpeTrainer(vocab_size=4096, min_frequency=1, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(_CORPUS_EN + _CORPUS_ZH, trainer)
-    tokenizer.model.save(str(out_dir))
-    vocab_path = out_dir / "vocab.json"
-    vocab = json.loads(vocab_path.read_text(encoding="utf-8"))
-    vocab.update({token: FIRST_SPECIAL_ID + i for i, token in enumerate(QWEN_SPECIALS)})
-    vocab_path.write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-
-
-def _qwen_files(d: TinyDims) -> dict[str, dict]:
-    """config.json, generation_config.json and tokenizer_config.json as the released folder has them."""
-    config = {
-        "architectures": ["Qwen2ForCausalLM"],
-        "attention_dropout": 0.0,
-        "bos_token_id": FIRST_SPECIAL_ID,
-        "eos_token_id": FIRST_SPECIAL_ID,
-        "hidden_act": "silu",
-        "hidden_size": d.hidden,
-        "initializer_range": 0.02,
-        "intermediate_size": d.intermediate,
-        "max_position_embeddings": 32768,
-        "max_window_layers": d.layers,
-        "model_type": "qwen2",
-        "num_attention_heads": d.heads,
-        "num_hidden_layers": d.layers,
-        "num_key_value_heads": d.kv_heads,
-        "rms_norm_eps": 1e-06,
-        "rope_theta": 1000000.0,
-        "sliding_window": 32768,
-        "tie_word_embeddings": True,
-        "torch_dtype": "bfloat16",
-        "transformers_version": "4.51.3",
-        "use_cache": True,
-        "use_sliding_window": False,
-        "vocab_size": QWEN_VOCAB,
-    }
-    generation = {"_from_model_config": True, "bos_token_id": FIRST_SPECIAL_ID, "eos_token_id": FIRST_SPECIAL_ID,
-                  "transformers_version": "4.51.3"}
-    added = {str(FIRST_SPECIAL_ID + i): {"content": token, "lstrip": False, "normalized": False, "rstrip": False,
-                                         "single_word": False, "special": True}
-             for i, token in enumerate(QWEN_SPECIALS)}
-    tokenizer_config = {
-        "add_prefix_space": False,
-        "added_tokens_decoder": added,
-        "additional_special_tokens": list(QWEN_SPECIALS[1:]),
-        "bos_token": None,
-        "chat_template": None,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": QWEN_SPECIALS[0],
-        "errors": "replace",
-        "model_max_length": 32768,
-        "pad_token": QWEN_SPECIALS[0],
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
-    return {"config.json": config, "generation_config.json": generation, "tokenizer_config.json": tokenizer_config}
-
-
-# ----------------------------------------------------------------------------- ONNX stand-ins
+# ----------------------------------------------------------------------------- random streams
 
 
 def _generator(seed: int, part: str) -> torch.Generator:
     """An independent stream per part, so changing one module's size leaves the other files unchanged."""
     digest = hashlib.sha256(f"{seed}:{part}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
-
-
-def _normal(gen: torch.Generator, *shape: int, std: float) -> np.ndarray:
-    return (torch.randn(shape, generator=gen) * std).numpy()
-
-
-def _onnx_model(graph: onnx.GraphProto) -> onnx.ModelProto:
-    model = helper.make_model(graph, producer_name="cosyvoice-tiny-bundle", opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8  # readable by every onnxruntime the frontend supports
-    onnx.checker.check_model(model, full_check=True)
-    return model
-
-
-def speech_tokenizer_onnx(gen: torch.Generator, channels: int) -> onnx.ModelProto:
-    """``feats`` [1,128,T] float32, ``feats_length`` [1] int32 -> ``indices`` [1, ceil(T/4)] int32 in 0..6560.
-
-    Two stride-2 convolutions give 25 frames/s; an 8-dim tanh projection rounded to {-1,0,1} is read as an
-    8-digit base-3 number, so every id 0..3**8-1 = 6560 is reachable.
-    """
-    digits = 8
-    weights = {
-        "conv1_w": _normal(gen, channels, 128, 3, std=(128 * 3) ** -0.5), "conv1_b": _normal(gen, channels, std=0.1),
-        "conv2_w": _normal(gen, channels, channels, 3, std=(channels * 3) ** -0.5),
-        "conv2_b": _normal(gen, channels, std=0.1),
-        "proj_w": _normal(gen, channels, digits, std=3.0 * channels ** -0.5),
-        "place_values": (3.0 ** np.arange(digits, dtype=np.float32)).reshape(digits, 1),
-    }
-    constants = {"one_f": np.array([1.0], np.float32), "three_i": np.array([3], np.int32),
-                 "four_i": np.array([4], np.int32), "zero_l": np.array([0], np.int64),
-                 "axis_l": np.array([1], np.int64), "row_shape": np.array([1, -1], np.int64)}
-    conv = {"kernel_shape": [3], "strides": [2], "pads": [1, 1]}
-    nodes = [
-        helper.make_node("Conv", ["feats", "conv1_w", "conv1_b"], ["h1"], **conv),
-        helper.make_node("Tanh", ["h1"], ["a1"]),
-        helper.make_node("Conv", ["a1", "conv2_w", "conv2_b"], ["h2"], **conv),
-        helper.make_node("Tanh", ["h2"], ["a2"]),
-        helper.make_node("Transpose", ["a2"], ["frames"], perm=[0, 2, 1]),
-        helper.make_node("MatMul", ["frames", "proj_w"], ["z"]),
-        helper.make_node("Tanh", ["z"], ["tz"]),
-        helper.make_node("Round", ["tz"], ["trit"]),  # -1, 0 or 1
-        helper.make_node("Add", ["trit", "one_f"], ["digit"]),  # 0, 1 or 2
-        helper.make_node("MatMul", ["digit", "place_values"], ["code_f"]),
-        helper.make_node("Cast", ["code_f"], ["code_i"], to=TensorProto.INT32),
-        helper.make_node("Reshape", ["code_i", "row_shape"], ["codes"]),
-        helper.make_node("Add", ["feats_length", "three_i"], ["len_plus"]),
-        helper.make_node("Div", ["len_plus", "four_i"], ["n_tokens_i"]),  # ceil(T / 4) for integer T
-        helper.make_node("Cast", ["n_tokens_i"], ["n_tokens"], to=TensorProto.INT64),
-        helper.make_node("Slice", ["codes", "zero_l", "n_tokens", "axis_l"], ["indices"]),
-    ]
-    graph = helper.make_graph(
-        nodes, "speech_tokenizer_standin",
-        [helper.make_tensor_value_info("feats", TensorProto.FLOAT, [1, 128, "T"]),
-         helper.make_tensor_value_info("feats_length", TensorProto.INT32, [1])],
-        [helper.make_tensor_value_info("indices", TensorProto.INT32, [1, "T_tok"])],
-        initializer=[numpy_helper.from_array(np.ascontiguousarray(v), k) for k, v in {**weights, **constants}.items()])
-    return _onnx_model(graph)
-
-
-def campplus_onnx(gen: torch.Generator, hidden: int) -> onnx.ModelProto:
-    """``input`` [B,T,80] float32 -> ``output`` [B,192]: per-frame linear+ReLU, mean over time, linear."""
-    weights = {"frame_w": _normal(gen, 80, hidden, std=80 ** -0.5), "frame_b": _normal(gen, hidden, std=0.1),
-               "out_w": _normal(gen, hidden, 192, std=hidden ** -0.5), "out_b": _normal(gen, 192, std=0.1)}
-    nodes = [
-        helper.make_node("MatMul", ["input", "frame_w"], ["h"]),
-        helper.make_node("Add", ["h", "frame_b"], ["hb"]),
-        helper.make_node("Relu", ["hb"], ["a"]),
-        helper.make_node("ReduceMean", ["a"], ["pooled"], axes=[1], keepdims=0),
-        helper.make_node("MatMul", ["pooled", "out_w"], ["o"]),
-        helper.make_node("Add", ["o", "out_b"], ["output"]),
-    ]
-    graph = helper.make_graph(
-        nodes, "campplus_standin",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["B", "T", 80])],
-        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["B", 192])],
-        initializer=[numpy_helper.from_array(np.ascontiguousarray(v), k) for k, v in weights.items()])
-    return _onnx_model(graph)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -561,9 +376,9 @@ def make_tiny_bundle(out_dir: str | Path, seed: int = 0, dims: TinyDims = TinyDi
     qwen_dir = out_dir / TOKENIZER_DIR
     qwen_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "cosyvoice3.yaml").write_text(_YAML.format(seed=seed, d=dims), encoding="utf-8")
-    for name, content in _qwen_files(dims).items():
+    for name, content in qwen_files(dims).items():
         (qwen_dir / name).write_text(json.dumps(content, indent=2, ensure_ascii=False), encoding="utf-8")
-    _train_tokenizer(qwen_dir)
+    train_tokenizer(qwen_dir)
     onnx.save(speech_tokenizer_onnx(_generator(seed, "speech_tokenizer"), dims.tokenizer_channels),
               out_dir / "speech_tokenizer_v3.onnx")
     onnx.save(campplus_onnx(_generator(seed, "campplus"), dims.campplus_hidden), out_dir / "campplus.onnx")

@@ -39,9 +39,9 @@ COLUMNS = ("rater_flags", "rater_accepted")  # added to answers.csv
 
 def screen(rows: list[dict[str, Any]], progress: list[dict[str, Any]],
            scale: tuple[float, float] | None) -> list[dict[str, Any]]:
-    """Per rater (``progress``: :func:`listening.progress`): its flags (rule names, in :data:`RULES`' order),
+    """Per rater (``progress``: :func:`listening_results.progress`): its flags (rule names, in :data:`RULES`' order),
     whether it is accepted (no flag) and the measures the rules read, from the test's answer ``rows``
-    (:func:`listening.export_rows`; ``scale``: the kind's rating scale, None for choices)."""
+    (:func:`listening_results.export_rows`; ``scale``: the kind's rating scale, None for choices)."""
     by_rater: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         by_rater[r["rater_id"]].append(r)

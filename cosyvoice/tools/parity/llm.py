@@ -9,7 +9,7 @@ hidden states and log-probs. All sizes come from the arrays and the bundle's con
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -78,49 +78,61 @@ def _check_llm(golden: Golden, model: CosyVoice3LM) -> list[Result]:
         lm_input = model.build_lm_input(text.to(device), prompt_text.to(device), prompt_speech.to(device))
         results.append(compare_exact(COMPONENT, "L", lm_input.shape[1], scalar("L")))
         results.append(compare(COMPONENT, "lm_input", lm_input, arrays["lm_input"], 0.0))
-
-        # 1. the sampler's view through generate(): a replaying sampler records the scores it gets
-        seen: list[torch.Tensor] = []
-
-        def replay(scores: torch.Tensor, decoded: Sequence[int]) -> int:
-            seen.append(scores.detach().cpu().clone())
-            return forced[min(len(seen), len(forced)) - 1]
-
-        yielded = list(model.generate(text, prompt_text, prompt_speech, 0,
-                                      silent_tokens=frozenset(), sampler=replay))
-        results.append(compare_exact(COMPONENT, "generate_yielded_tokens", np.array(yielded),
-                                     np.array(forced[:-1])))
-        head = arrays["logp_kv_head"]
-        seen_head = torch.stack(seen[: head.shape[0]]) if seen else torch.empty(0)
-        results.append(compare(COMPONENT, "logp_kv_head (sampler input)", seen_head, head, LLM_LOGP_ATOL))
-        raw_step0 = model.log_probs(model.llm(lm_input)[0, -1]).cpu()
-        masked = torch.nonzero(torch.isinf(seen[0]) & ~torch.isinf(raw_step0)).flatten().tolist() if seen else []
-        results.append(compare_exact(COMPONENT, "ignore_eos_masked_index", masked, [scalar("ignore_eos_masked_index")]))
-
-        # 2. teacher-forced step-by-step decoding with our KV cache
-        cache = model.llm.new_cache(1, lm_input.shape[1] + len(forced))
-        hidden_steps, x, start = [], lm_input, 0
-        for token in forced:
-            hidden, _ = model.decode_step(x, start, cache)
-            hidden_steps.append(hidden[0])
-            start += x.shape[1]
-            x = model.speech_embedding.weight[token].view(1, 1, -1)
-        hidden_kv = torch.stack(hidden_steps)
-        results.append(compare(COMPONENT, "hidden_kv", hidden_kv, arrays["hidden_kv"], LLM_HIDDEN_ATOL))
-        logits = model.llm_decoder(hidden_kv).float()
-        results.append(compare(COMPONENT, "logp_kv_logsumexp", logits.logsumexp(-1), arrays["logp_kv_logsumexp"],
-                               LLM_LOGP_ATOL))
-        results += _topk_results("logp_kv", logits.log_softmax(-1).cpu(), arrays["logp_kv_top32_values"],
-                                 arrays["logp_kv_top32_indices"])
-
-        # 3. one causal pass over prompt + forced tokens, no cache
-        fed = torch.tensor(forced[:-1], dtype=torch.long, device=device)
-        hidden_full = model.llm(torch.cat([lm_input, model.speech_embedding(fed)[None]], dim=1))[0]
-        results.append(compare(COMPONENT, "hidden_full", hidden_full, arrays["hidden_full"], LLM_HIDDEN_ATOL))
-        full_logp = model.log_probs(hidden_full[lm_input.shape[1] - 1:]).cpu()
-        results += _topk_results("logp_full", full_logp, arrays["logp_full_top32_values"],
-                                 arrays["logp_full_top32_indices"])
+        results += _check_generate(model, arrays, scalar, lm_input, (text, prompt_text, prompt_speech), forced)
+        results += _check_teacher_forced(model, arrays, lm_input, forced)
+        results += _check_full_pass(model, arrays, lm_input, forced)
     return results
+
+
+def _check_generate(model: CosyVoice3LM, arrays: dict[str, np.ndarray], scalar: Callable[[str], object],
+                    lm_input: torch.Tensor, request: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                    forced: list[int]) -> list[Result]:
+    """1. The sampler's view through generate(): a replaying sampler records the scores it gets."""
+    seen: list[torch.Tensor] = []
+
+    def replay(scores: torch.Tensor, decoded: Sequence[int]) -> int:
+        seen.append(scores.detach().cpu().clone())
+        return forced[min(len(seen), len(forced)) - 1]
+
+    yielded = list(model.generate(*request, 0, silent_tokens=frozenset(), sampler=replay))
+    results = [compare_exact(COMPONENT, "generate_yielded_tokens", np.array(yielded), np.array(forced[:-1]))]
+    head = arrays["logp_kv_head"]
+    seen_head = torch.stack(seen[: head.shape[0]]) if seen else torch.empty(0)
+    results.append(compare(COMPONENT, "logp_kv_head (sampler input)", seen_head, head, LLM_LOGP_ATOL))
+    raw_step0 = model.log_probs(model.llm(lm_input)[0, -1]).cpu()
+    masked = torch.nonzero(torch.isinf(seen[0]) & ~torch.isinf(raw_step0)).flatten().tolist() if seen else []
+    results.append(compare_exact(COMPONENT, "ignore_eos_masked_index", masked, [scalar("ignore_eos_masked_index")]))
+    return results
+
+
+def _check_teacher_forced(model: CosyVoice3LM, arrays: dict[str, np.ndarray], lm_input: torch.Tensor,
+                          forced: list[int]) -> list[Result]:
+    """2. Teacher-forced step-by-step decoding with our KV cache."""
+    cache = model.llm.new_cache(1, lm_input.shape[1] + len(forced))
+    hidden_steps, x, start = [], lm_input, 0
+    for token in forced:
+        hidden, _ = model.decode_step(x, start, cache)
+        hidden_steps.append(hidden[0])
+        start += x.shape[1]
+        x = model.speech_embedding.weight[token].view(1, 1, -1)
+    hidden_kv = torch.stack(hidden_steps)
+    results = [compare(COMPONENT, "hidden_kv", hidden_kv, arrays["hidden_kv"], LLM_HIDDEN_ATOL)]
+    logits = model.llm_decoder(hidden_kv).float()
+    results.append(compare(COMPONENT, "logp_kv_logsumexp", logits.logsumexp(-1), arrays["logp_kv_logsumexp"],
+                           LLM_LOGP_ATOL))
+    return results + _topk_results("logp_kv", logits.log_softmax(-1).cpu(), arrays["logp_kv_top32_values"],
+                                   arrays["logp_kv_top32_indices"])
+
+
+def _check_full_pass(model: CosyVoice3LM, arrays: dict[str, np.ndarray], lm_input: torch.Tensor,
+                     forced: list[int]) -> list[Result]:
+    """3. One causal pass over prompt + forced tokens, no cache."""
+    fed = torch.tensor(forced[:-1], dtype=torch.long, device=lm_input.device)
+    hidden_full = model.llm(torch.cat([lm_input, model.speech_embedding(fed)[None]], dim=1))[0]
+    results = [compare(COMPONENT, "hidden_full", hidden_full, arrays["hidden_full"], LLM_HIDDEN_ATOL)]
+    full_logp = model.log_probs(hidden_full[lm_input.shape[1] - 1:]).cpu()
+    return results + _topk_results("logp_full", full_logp, arrays["logp_full_top32_values"],
+                                   arrays["logp_full_top32_indices"])
 
 
 def _check_sampling(golden: Golden, model: CosyVoice3LM) -> list[Result]:

@@ -1,0 +1,253 @@
+"""The floor section of ``benchmark_cpu.py`` (``--floor``; its module docstring, 5.): this machine's own peaks,
+one thread, CPU time, and the DiT's, the LLM's and the vocoder's paths against them."""
+
+from __future__ import annotations
+
+import json
+import resource
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from cpu_quality import golden_flow_inputs, mel_errors, quality_mels
+
+from cosyvoice.backends import precision as fast
+from cosyvoice.bundle import validate_model_dir
+from cosyvoice.hifigan import HiFTStream
+
+
+def process_cpu_s() -> float:
+    """This process's CPU seconds, user and system (all its threads)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+#: the DiT's paths the floor section measures (label -> torch, or an onnxruntime graph precision)
+DIT_PATHS = {"torch fp32, AdaLN recomputed (before)": "torch-recompute", "torch fp32 + AdaLN cache": "torch",
+             "onnxruntime fp32": "fp32", "onnxruntime int8": "int8"}
+
+
+def _cpu_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The best process CPU seconds of ``repeats`` calls (one thread: CPU time is its work, whatever the load)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = process_cpu_s()
+        fn()
+        best = min(best, process_cpu_s() - start)
+    return best
+
+
+def machine_floor() -> dict[str, float]:
+    """One thread's fp32 GEMM peak at the DiT's shapes (2 x 100 frames by the 1024 x 1024 and 1024 x 2048
+    projections, the best of them) and its GEMV read bandwidth over a 256 MB weight."""
+    torch.set_num_threads(1)
+    out: dict[str, float] = {}
+    for name, (m, k, n) in {"gemm_200x1024x1024": (200, 1024, 1024), "gemm_200x1024x2048": (200, 1024, 2048),
+                            "gemm_900x1024x1024": (900, 1024, 1024)}.items():
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        seconds = _cpu_seconds(lambda a=a, b=b: [a @ b for _ in range(10)], 3) / 10
+        out[f"{name}_gflops"] = 2 * m * k * n / seconds / 1e9
+    out["gemm_peak_gflops"] = max(v for k, v in out.items() if k.startswith("gemm_"))
+    w, x = torch.randn(8192, 8192), torch.randn(8192)
+    seconds = _cpu_seconds(lambda: [torch.mv(w, x) for _ in range(5)], 3) / 5
+    out["gemv_gb_per_s"] = w.numel() * 4 / seconds / 1e9
+    return out
+
+
+def dit_step_work(dit: torch.nn.Module, new: int, past: int, batch: int = 2) -> dict[str, float]:
+    """FLOPs of one DiT call over ``new`` frames after ``past`` cached ones (a CFG pair), and the bytes of AdaLN
+    weights it reads when it recomputes the modulation."""
+    block = dit.transformer_blocks[0]
+    dim, inner = dit.proj_out.in_features, block.attn.heads * block.attn.dim_head
+    ff = block.ff.ff[0][0].out_features
+    conv = dit.input_embed.conv_pos_embed.conv1[0]
+    per_block = 2 * new * (3 * dim * inner + inner * dim + 2 * dim * ff) + 4 * new * (past + new) * inner
+    convs = 2 * 2 * new * dim * (dim // conv.groups) * conv.kernel_size[0]
+    flops = batch * (len(dit.transformer_blocks) * per_block + convs)
+    adaln = sum(b.attn_norm.linear.weight.numel() for b in dit.transformer_blocks) * 4
+    return {"gflop": flops / 1e9, "adaln_gb": adaln / 1e9}
+
+
+@torch.inference_mode()
+def dit_paths(model_dir: Path, golden: Path | None) -> dict[str, dict[str, float]]:
+    """Each of :data:`DIT_PATHS` per Euler step, one thread, at a stream's shapes (see ``benchmark_cpu.py``'s
+    module docstring)."""
+    from cosyvoice.backends import ensure_onnx
+    from cosyvoice.backends.export import graph_file
+    from cosyvoice.backends.ort import OrtGraph
+    from cosyvoice.backends.runners import GraphEstimator
+
+    torch.set_num_threads(1)
+    ensure_onnx(model_dir, "int8")  # both graphs exported (once per bundle and CPU) before the flow is loaded
+    flow = validate_model_dir(model_dir).load_flow()
+    dit = flow.decoder.estimator
+    cfg = flow.cfg.dit
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    t, spks = torch.full((2,), 0.3), randn(2, cfg.spk_dim)
+    shapes = {"first chunk from the voice prefix (2 x 100 new over 100)": (100, 100),
+              "final call, full attention (2 x 450)": (450, 0)}
+    inputs = {}
+    for label, (new, past) in shapes.items():
+        x, mu, cond = (randn(2, cfg.mel_dim, past + new) for _ in range(3))
+        cache = dit.forward_cached(x[..., :past], mu[..., :past], t, spks, cond[..., :past], None, past)[1] \
+            if past else None
+        inputs[label] = (x[..., past:], mu[..., past:], cond[..., past:], cache, new, past)
+    root = model_dir / "onnx"
+    golden_inputs = golden_flow_inputs(golden) if golden is not None else None
+    reference = quality_mels(flow, golden_inputs) if golden_inputs is not None else None
+    results: dict[str, dict[str, float]] = {}
+    for name, path in DIT_PATHS.items():
+        dit.runner = None if path.startswith("torch") else GraphEstimator(
+            None, OrtGraph(root / graph_file("flow_estimator_cached", path), torch.device("cpu"), threads=1), dit)
+        dit.modulation_cache.max_bytes = 0 if path == "torch-recompute" else 64 << 20
+        dit.modulation_cache.clear()
+        row: dict[str, float] = {}
+        for label, (x, mu, cond, cache, new, _) in inputs.items():
+            def call(x=x, mu=mu, cond=cond, cache=cache) -> object:
+                return dit.forward_cached(x, mu, t, spks, cond, cache, 0)
+
+            call()  # warm-up: packing, the modulation of this t
+            row[f"{label} s"] = _cpu_seconds(call, 2 if new <= 100 else 1)
+        if reference is not None:
+            row.update(mel_errors(reference, quality_mels(flow, golden_inputs)))
+        results[name] = row
+        print(name, json.dumps({k: round(v, 5) for k, v in row.items()}), flush=True)
+    results["_work"] = {f"{label} {k}": v for label, (*_, new, past) in inputs.items()
+                        for k, v in dit_step_work(dit, new, past).items()}
+    return results
+
+
+#: the LLM's paths the floor section measures (label -> precision.apply_llm's kind)
+LLM_PATHS = {"torch fp32": "fp32", "torch int8 (dynamic linears)": "int8",
+             "onnxruntime fp32, one graph per step": "onnxruntime",
+             "onnxruntime int8, one graph per step": "onnxruntime-int8"}
+PREFILL, DECODE = 160, 16  # the issue's prefill (3 s prompt + text) and the decode steps timed after it
+
+
+def llm_work(lm: torch.nn.Module) -> dict[str, float]:
+    """The weight bytes a decode step reads (Qwen2 stack + speech head, fp32; int8 stores the stack's linears in
+    a quarter) and the FLOPs of a :data:`PREFILL`-position prefill (its linears + causal attention)."""
+    stack = lm.llm.model.model
+    linears = [m for m in stack.modules() if isinstance(m, torch.nn.Linear)]
+    linear_params = sum(m.weight.numel() for m in linears)
+    read = sum(p.numel() for n, p in stack.named_parameters() if not n.startswith("embed_tokens."))  # one row read
+    other = read - linear_params + lm.llm_decoder.weight.numel()
+    attn = stack.layers[0].self_attn
+    attention = 2 * len(stack.layers) * PREFILL * PREFILL * attn.n_heads * attn.head_dim  # QK and AV, half masked
+    return {"decode_gb_fp32": 4 * (linear_params + other) / 1e9, "decode_gb_int8": (linear_params + 4 * other) / 1e9,
+            "prefill_gflop": (2 * PREFILL * (linear_params + lm.llm_decoder.weight.numel()) + attention) / 1e9}
+
+
+def _llm_path(ref: torch.nn.Module, kind: str, model_dir: Path) -> torch.nn.Module:
+    """``ref``'s shadow on ``kind``; an onnxruntime graph on one intra-op thread (the floor is per thread)."""
+    from cosyvoice.backends.llm_step import GraphBackbone, ensure_step
+    from cosyvoice.backends.ort import OrtGraph
+
+    if kind not in fast.ORT_LLM:
+        return fast.apply_llm(fast.shadow(ref), kind)
+    lm = fast.shadow(ref)
+    path = ensure_step(ref.llm, model_dir, fast.ORT_LLM[kind])
+    lm.llm.runner = GraphBackbone(OrtGraph(path, torch.device("cpu"), threads=1), lm.llm)
+    return lm
+
+
+@torch.inference_mode()
+def llm_paths(model_dir: Path) -> dict[str, dict[str, float]]:
+    """Each of :data:`LLM_PATHS`, one thread, CPU time: a :data:`PREFILL`-position prefill and the decode steps
+    after it (per token, the best of two runs of :data:`DECODE`), and the mean KL per step against fp32 on auto's
+    synthetic check (:func:`cosyvoice.backends.precision.check_llm`'s input)."""
+    torch.set_num_threads(1)
+    ref = validate_model_dir(model_dir).load_llm()
+    seq, start = fast.forced_sequence(ref, *fast._synthetic_llm_input(ref))
+    ref_lp = fast.teacher_forced_log_probs(ref, seq, start)
+    prompt = torch.randn(1, PREFILL, ref.cfg.llm_input_size, generator=torch.Generator().manual_seed(0))
+    steps = [prompt[:, i:i + 1] for i in range(DECODE)]
+    results: dict[str, dict[str, float]] = {}
+    for name, kind in LLM_PATHS.items():
+        lm = _llm_path(ref, kind, model_dir)
+        cache = lm.llm.new_cache(1, PREFILL + DECODE)
+        lm.decode_step(prompt, 0, cache)  # warm-up: packing, the session's first run
+        row = {"prefill s": _cpu_seconds(lambda lm=lm, cache=cache: lm.decode_step(prompt, 0, cache), 2)}
+        row["decode s per token"] = _cpu_seconds(lambda lm=lm, cache=cache: [
+            lm.decode_step(x, PREFILL + i, cache) for i, x in enumerate(steps)], 2) / DECODE
+        row["llm_kl_mean"] = 0.0 if kind == "fp32" else fast.kl_mean(ref_lp, fast.teacher_forced_log_probs(lm, seq,
+                                                                                                            start))
+        results[name] = row
+        print(name, json.dumps({k: round(v, 5) for k, v in row.items()}), flush=True)
+        del lm, cache
+    results["_work"] = llm_work(ref)
+    return results
+
+
+@torch.inference_mode()
+def vocoder_path(model_dir: Path, seconds: int = 2) -> dict[str, float]:
+    """The vocoder (weight norm folded, as the engine runs it) on ``seconds`` of mel, one thread: CPU seconds and
+    FLOPs (torch's counter: its convolutions and matmuls) per audio second."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.set_num_threads(1)
+    hift = validate_model_dir(model_dir).load_hift()
+    hift.fold_weight_norm()
+    mel = torch.randn(1, hift.cfg.in_channels, 50 * seconds, generator=torch.Generator().manual_seed(0))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        wav = HiFTStream(hift).inference(mel, finalize=True)
+    audio = wav.shape[-1] / hift.cfg.sampling_rate
+    cpu = _cpu_seconds(lambda: HiFTStream(hift).inference(mel, finalize=True), 2)
+    return {"s per audio s": cpu / audio, "gflop per audio s": counter.get_total_flops() / 1e9 / audio}
+
+
+def stage_floor_table(floor: dict[str, float], llm: dict[str, dict[str, float]], vocoder: dict[str, float]) -> str:
+    """The LLM's paths and the vocoder against this machine's floor: decode per token = its weight bytes over
+    the GEMV bandwidth, prefill and vocoder = their FLOPs over the GEMM peak."""
+    work, peak, bandwidth = llm["_work"], floor["gemm_peak_gflops"], floor["gemv_gb_per_s"]
+    rows = ["| stage, path (1 thread) | measured CPU s | floor s | floor / measured | LLM KL vs fp32 (nats) |",
+            "| --- | --- | --- | --- | --- |"]
+    for name, row in llm.items():
+        if name == "_work":
+            continue
+        weights = "decode_gb_int8" if "int8" in name else "decode_gb_fp32"
+        for label, seconds, floor_s in (("prefill, 160 positions", row["prefill s"], work["prefill_gflop"] / peak),
+                                        ("decode, per token", row["decode s per token"], work[weights] / bandwidth)):
+            rows.append(f"| LLM {label}, {name} | {seconds:.4f} | {floor_s:.4f} | {floor_s / seconds:.2f} | "
+                        f"{row['llm_kl_mean']:.2e} |")
+    voc_floor = vocoder["gflop per audio s"] / peak
+    rows.append(f"| vocoder per audio second, torch fp32 | {vocoder['s per audio s']:.3f} | {voc_floor:.3f} | "
+                f"{voc_floor / vocoder['s per audio s']:.2f} | |")
+    return "\n".join(rows)
+
+
+def floor_table(floor: dict[str, float], paths: dict[str, dict[str, float]]) -> str:
+    """Per path and shape: seconds per step, the step's floor, the fraction of the floor reached."""
+    work = paths["_work"]
+    peak, bandwidth = floor["gemm_peak_gflops"], floor["gemv_gb_per_s"]
+    rows = ["| DiT path (1 thread, per Euler step) | shape | CPU s | floor s | floor / measured | mel rel. RMS "
+            "| mel max abs |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, row in paths.items():
+        if name == "_work":
+            continue
+        for key, seconds in row.items():
+            if not key.endswith(" s"):
+                continue
+            label = key[:-2]
+            reads = work[f"{label} adaln_gb"] / bandwidth if name.endswith("(before)") else 0.0
+            floor_s = work[f"{label} gflop"] / peak + reads
+            rms, mx = row.get("mel_rel_rms"), row.get("mel_max_abs")
+            rows.append(f"| {name} | {label} | {seconds:.3f} | {floor_s:.3f} | {floor_s / seconds:.2f} | "
+                        f"{'' if rms is None else f'{rms:.2e}'} | {'' if mx is None else f'{mx:.2e}'} |")
+    return "\n".join(rows)
+
+
+def floor_section(model_dir: Path, golden: Path | None) -> dict[str, object]:
+    """The machine's floor, then each stage's paths against it, printed as they are measured; the report's part."""
+    floor = machine_floor()
+    print("floor (1 thread, CPU time)", json.dumps({k: round(v, 2) for k, v in floor.items()}), flush=True)
+    paths = dit_paths(model_dir, golden)
+    print(floor_table(floor, paths), flush=True)
+    llm, vocoder = llm_paths(model_dir), vocoder_path(model_dir)
+    print(stage_floor_table(floor, llm, vocoder), flush=True)
+    return {"floor": floor, "dit_paths": paths, "llm_paths": llm, "vocoder": vocoder}
