@@ -573,14 +573,7 @@ def test_rest_endpoints_create_generate_regenerate_and_export(service: TTSServic
         project = r.json()
         assert [s["text"] for s in project["segments"]] == ["Hi there.", "Bye now."]
         pid, sid = project["id"], project["segments"][1]["id"]
-        r = client.post("/v1/longform/projects", json={"text": "Hi.", "voice": "Nobody"})
-        assert r.status_code == 404 and r.json()["error"]["field"] == "voice"
-        r = client.patch(f"/v1/longform/projects/{pid}/segments/{sid}", json={"speed": 9})
-        assert r.status_code == 400 and r.json()["error"]["field"] == "speed"
-        r = client.patch(f"/v1/longform/projects/{pid}/segments/{sid}", json={"speed": "fast"})
-        assert r.status_code == 400 and r.json()["error"]["field"] == "speed"
-        r = client.get(f"/v1/longform/projects/{pid}/export")
-        assert r.status_code == 400 and "no audio yet" in r.json()["error"]["message"]
+        _refused_by_field(client, pid, sid)
         assert client.post(f"/v1/longform/projects/{pid}/generate").status_code == 200
         wait_idle(client, pid)
         first = client.get(f"/v1/longform/projects/{pid}/segments.json").json()
@@ -600,17 +593,7 @@ def test_rest_endpoints_create_generate_regenerate_and_export(service: TTSServic
         srt = client.get(f"/v1/longform/projects/{pid}/subtitles.srt")
         assert srt.status_code == 200 and "Bye now." in srt.text
         assert client.get("/v1/longform/projects/nope").status_code == 404
-        r = client.post("/v1/longform/projects/upload", data={"voice": "Alice"},
-                        files={"file": ("notes.md", b"# Part one\n\nHi.\n\n# Part two\n\nBye.", "text/markdown")})
-        assert r.status_code == 201, r.text
-        uploaded = r.json()
-        assert uploaded["name"] == "notes"
-        assert [(s["text"], s["chapter"]) for s in uploaded["segments"]] == [
-            ("Part one.", "Part one"), ("Hi.", None), ("Part two.", "Part two"), ("Bye.", None)]
-        r = client.post("/v1/longform/projects/upload", data={"voice": "Alice"},
-                        files={"file": ("notes.pdf", b"%PDF-1.4", "application/pdf")})
-        assert r.status_code == 400 and r.json()["error"]["field"] == "file"
-        assert client.delete(f"/v1/longform/projects/{uploaded['id']}").status_code == 200
+        _an_upload_is_a_project_and_a_pdf_is_refused(client)
         browser = dict(client.cookies)  # the page gave this browser its identity: the projects are its own
     assert set(browser) == {"cv-browser"}
     # a restarted server (a new app on the same data folder) still has the project, for the same browser
@@ -620,6 +603,34 @@ def test_rest_endpoints_create_generate_regenerate_and_export(service: TTSServic
         assert again == second
         assert client.delete(f"/v1/longform/projects/{pid}").status_code == 200
         assert client.get("/v1/longform/projects").json() == []
+
+
+def _refused_by_field(client, pid: str, sid: str) -> None:
+    """What the REST API refuses before any audio exists, each answer naming the field (or saying why)."""
+    r = client.post("/v1/longform/projects", json={"text": "Hi.", "voice": "Nobody"})
+    assert r.status_code == 404 and r.json()["error"]["field"] == "voice"
+    r = client.patch(f"/v1/longform/projects/{pid}/segments/{sid}", json={"speed": 9})
+    assert r.status_code == 400 and r.json()["error"]["field"] == "speed"
+    r = client.patch(f"/v1/longform/projects/{pid}/segments/{sid}", json={"speed": "fast"})
+    assert r.status_code == 400 and r.json()["error"]["field"] == "speed"
+    r = client.get(f"/v1/longform/projects/{pid}/export")
+    assert r.status_code == 400 and "no audio yet" in r.json()["error"]["message"]
+
+
+def _an_upload_is_a_project_and_a_pdf_is_refused(client) -> None:
+    """A Markdown upload becomes a project named after the file, its headings chapters; a PDF is refused by
+    field. The uploaded project is deleted again, leaving the caller's projects as they were."""
+    r = client.post("/v1/longform/projects/upload", data={"voice": "Alice"},
+                    files={"file": ("notes.md", b"# Part one\n\nHi.\n\n# Part two\n\nBye.", "text/markdown")})
+    assert r.status_code == 201, r.text
+    uploaded = r.json()
+    assert uploaded["name"] == "notes"
+    assert [(s["text"], s["chapter"]) for s in uploaded["segments"]] == [
+        ("Part one.", "Part one"), ("Hi.", None), ("Part two.", "Part two"), ("Bye.", None)]
+    r = client.post("/v1/longform/projects/upload", data={"voice": "Alice"},
+                    files={"file": ("notes.pdf", b"%PDF-1.4", "application/pdf")})
+    assert r.status_code == 400 and r.json()["error"]["field"] == "file"
+    assert client.delete(f"/v1/longform/projects/{uploaded['id']}").status_code == 200
 
 
 def test_exports_are_jobs_whose_files_outlive_a_restart(service: TTSService, tmp_path: Path,
