@@ -127,35 +127,7 @@ def test_no_key_reaches_another_keys_projects_tests_answers_or_takes(served, tmp
         answer_as_rater(rater, joined["rater"])
         batch = alice.post("/workbench/api/batches", json={"rows": [{"text": "Hi.", "voice": "Narrator"}]}).json()
 
-        # Bob: lists without them, and every one of them is "not found", as if it did not exist
-        assert bob.get("/v1/longform/projects").json() == []
-        assert bob.get("/workbench/api/tests").json()["tests"] == []
-        assert bob.get("/workbench/api/takes").json()["takes"] == []
-        assert "Alice's line" not in bob.get("/workbench/api/takes.csv").text
-        for method, path, body in [
-                ("GET", f"/v1/longform/projects/{pid}", None), ("PATCH", f"/v1/longform/projects/{pid}",
-                                                                {"name": "Bob's now"}),
-                ("PATCH", f"/v1/longform/projects/{pid}/segments/{segment}", {"text": "Mine."}),
-                ("POST", f"/v1/longform/projects/{pid}/generate", {}),
-                ("GET", f"/v1/longform/projects/{pid}/progress", None),
-                ("GET", f"/v1/longform/projects/{pid}/export", None),
-                ("POST", f"/v1/longform/projects/{pid}/exports", {}),
-                ("GET", f"/v1/longform/projects/{pid}/exports", None),
-                ("GET", f"/v1/longform/projects/{pid}/exports/job-1/file", None),
-                ("GET", f"/v1/longform/projects/{pid}/subtitles.srt", None),
-                ("GET", f"/v1/longform/projects/{pid}/segments.json", None),
-                ("DELETE", f"/v1/longform/projects/{pid}", None),
-                ("GET", f"/workbench/api/tests/{test_id}/results", None),
-                ("GET", f"/workbench/api/tests/{test_id}/answers.csv", None),
-                ("GET", f"/workbench/api/tests/{test_id}/scorecard", None),
-                ("DELETE", f"/workbench/api/tests/{test_id}", None),
-                ("GET", f"/workbench/api/takes/{a.id}/audio", None), ("DELETE", f"/workbench/api/takes/{a.id}", None),
-                ("GET", f"/workbench/api/batches/{batch['id']}", None)]:
-            refused = bob.request(method, path, json=body)
-            assert refused.status_code == 404, (method, path, refused.status_code, refused.text)
-            assert "Alice" not in refused.text and "Ann" not in refused.text
-        stolen = bob.post("/workbench/api/tests", json={"kind": "ab", "items": [{"takes": [a.id, b.id]}]})
-        assert stolen.status_code == 400 and f"no take {a.id!r}" in stolen.json()["error"]["message"]
+        _none_of_alices_reaches(bob, pid, segment, test_id, a.id, b.id, batch["id"])
 
         # Alice has all of it, untouched; an admin key sees everything
         assert alice.get(f"/v1/longform/projects/{pid}").json()["name"] == "Alice's book"
@@ -174,6 +146,39 @@ def test_no_key_reaches_another_keys_projects_tests_answers_or_takes(served, tmp
         assert pid in [p["id"] for p in bob.get("/v1/longform/projects").json()]
         assert bob.get(f"/workbench/api/tests/{test_id}/results").status_code == 200
         assert bob.delete(f"/v1/longform/projects/{pid}").status_code == 403
+
+
+def _none_of_alices_reaches(bob, pid: str, segment: str, test_id: str, a: str, b: str, batch: str) -> None:
+    """Bob: lists without Alice's project, test, takes and batch, and every one of them is "not found", as if it
+    did not exist (nor does any answer name Alice or her rater); he cannot build a test from her takes either."""
+    assert bob.get("/v1/longform/projects").json() == []
+    assert bob.get("/workbench/api/tests").json()["tests"] == []
+    assert bob.get("/workbench/api/takes").json()["takes"] == []
+    assert "Alice's line" not in bob.get("/workbench/api/takes.csv").text
+    for method, path, body in [
+            ("GET", f"/v1/longform/projects/{pid}", None), ("PATCH", f"/v1/longform/projects/{pid}",
+                                                            {"name": "Bob's now"}),
+            ("PATCH", f"/v1/longform/projects/{pid}/segments/{segment}", {"text": "Mine."}),
+            ("POST", f"/v1/longform/projects/{pid}/generate", {}),
+            ("GET", f"/v1/longform/projects/{pid}/progress", None),
+            ("GET", f"/v1/longform/projects/{pid}/export", None),
+            ("POST", f"/v1/longform/projects/{pid}/exports", {}),
+            ("GET", f"/v1/longform/projects/{pid}/exports", None),
+            ("GET", f"/v1/longform/projects/{pid}/exports/job-1/file", None),
+            ("GET", f"/v1/longform/projects/{pid}/subtitles.srt", None),
+            ("GET", f"/v1/longform/projects/{pid}/segments.json", None),
+            ("DELETE", f"/v1/longform/projects/{pid}", None),
+            ("GET", f"/workbench/api/tests/{test_id}/results", None),
+            ("GET", f"/workbench/api/tests/{test_id}/answers.csv", None),
+            ("GET", f"/workbench/api/tests/{test_id}/scorecard", None),
+            ("DELETE", f"/workbench/api/tests/{test_id}", None),
+            ("GET", f"/workbench/api/takes/{a}/audio", None), ("DELETE", f"/workbench/api/takes/{a}", None),
+            ("GET", f"/workbench/api/batches/{batch}", None)]:
+        refused = bob.request(method, path, json=body)
+        assert refused.status_code == 404, (method, path, refused.status_code, refused.text)
+        assert "Alice" not in refused.text and "Ann" not in refused.text
+    stolen = bob.post("/workbench/api/tests", json={"kind": "ab", "items": [{"takes": [a, b]}]})
+    assert stolen.status_code == 400 and f"no take {a!r}" in stolen.json()["error"]["message"]
 
 
 def test_a_raters_name_never_resumes_that_rater(served, tmp_path: Path) -> None:
