@@ -23,6 +23,7 @@ from browser import FLAGS, require_browser  # noqa: E402
 sync_api, CHROMIUM = require_browser()
 
 from test_webui import TEXT, TRANSCRIPT, make_studio, serving  # noqa: E402
+from waiting import until  # noqa: E402
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 STREAM_TEXT = "Hello there, this take is streamed to you."
@@ -344,47 +345,56 @@ def test_a_saved_voice_survives_a_restart(tts, browser, tmp_path: Path, short_pr
             page.fill("#text textarea", TEXT)
             page.click("#generate")
             sync_api.expect(page.locator("#status")).to_contain_text("voice: Survivor", timeout=60000)
-            # the rest of the library: rename, export, delete (after confirming), import the export again
-            page.click("#manage")
-            page.fill("#new-name textarea, #new-name input", "Survivor Two")
-            page.click("#rename")
-            sync_api.expect(page.locator("#voice input")).to_have_value("Survivor Two")
-            page.click("#export")
-            sync_api.expect(page.locator("#exported")).to_contain_text("Survivor_Two.voice")
-            with page.expect_download() as download:
-                page.locator("#exported a").first.click()
-            exported = tmp_path / "exported.voice.safetensors"
-            download.value.save_as(exported)
-            page.click("#delete")
-            sync_api.expect(page.locator("#confirm-row")).to_contain_text("Delete the voice Survivor Two?")
-            page.click("#cancel-delete")  # nothing happens without the confirmation
-            sync_api.expect(page.locator("#confirm-row")).to_be_hidden()
-            page.click("#delete")
-            page.click("#confirm-delete")
-            toast(page, "Deleted voice 'Survivor Two'")
-            sync_api.expect(page.locator("#voice input")).to_have_value("")
-            page.set_input_files("#import input[type=file]", str(exported))
-            toast(page, "Imported voice 'Survivor Two'")
-            sync_api.expect(page.locator("#voice input")).to_have_value("Survivor Two")
-            # the name taken by another voice meanwhile: the page asks for another name and keeps the file
-            page.click("#delete")
-            page.click("#confirm-delete")
-            toast(page, "Deleted voice 'Survivor Two'")
-            upload_prompt(page, short_prompt_wav)
-            page.fill("#transcript textarea", "Another voice took this name.")
-            page.fill("#save-as textarea, #save-as input", "Survivor Two")
-            page.click("#save")
-            toast(page, "Saved voice 'Survivor Two'")
-            page.set_input_files("#import input[type=file]", str(exported))
-            toast(page, "A voice named 'Survivor Two' exists already: type another name")
-            page.fill("#import-name textarea, #import-name input", "Survivor Three")
-            page.click("#import-again")
-            toast(page, "Imported voice 'Survivor Three'")
-            sync_api.expect(page.locator("#voice input")).to_have_value("Survivor Three")
-            sync_api.expect(page.locator("#import-name")).to_be_hidden()
+            exported = _rename_export_delete_and_import(page, tmp_path / "exported.voice.safetensors")
+            _import_under_a_taken_name(page, exported, short_prompt_wav)
             page.close()
     finally:
         ctx.close()
+
+
+def _rename_export_delete_and_import(page, exported: Path) -> Path:
+    """The rest of the library on the saved voice: rename, export (downloaded to ``exported``), delete (only
+    after confirming), import the export again."""
+    page.click("#manage")
+    page.fill("#new-name textarea, #new-name input", "Survivor Two")
+    page.click("#rename")
+    sync_api.expect(page.locator("#voice input")).to_have_value("Survivor Two")
+    page.click("#export")
+    sync_api.expect(page.locator("#exported")).to_contain_text("Survivor_Two.voice")
+    with page.expect_download() as download:
+        page.locator("#exported a").first.click()
+    download.value.save_as(exported)
+    page.click("#delete")
+    sync_api.expect(page.locator("#confirm-row")).to_contain_text("Delete the voice Survivor Two?")
+    page.click("#cancel-delete")  # nothing happens without the confirmation
+    sync_api.expect(page.locator("#confirm-row")).to_be_hidden()
+    page.click("#delete")
+    page.click("#confirm-delete")
+    toast(page, "Deleted voice 'Survivor Two'")
+    sync_api.expect(page.locator("#voice input")).to_have_value("")
+    page.set_input_files("#import input[type=file]", str(exported))
+    toast(page, "Imported voice 'Survivor Two'")
+    sync_api.expect(page.locator("#voice input")).to_have_value("Survivor Two")
+    return exported
+
+
+def _import_under_a_taken_name(page, exported: Path, prompt_wav: Path) -> None:
+    """The export's name taken by another voice meanwhile: the page asks for another name and keeps the file."""
+    page.click("#delete")
+    page.click("#confirm-delete")
+    toast(page, "Deleted voice 'Survivor Two'")
+    upload_prompt(page, prompt_wav)
+    page.fill("#transcript textarea", "Another voice took this name.")
+    page.fill("#save-as textarea, #save-as input", "Survivor Two")
+    page.click("#save")
+    toast(page, "Saved voice 'Survivor Two'")
+    page.set_input_files("#import input[type=file]", str(exported))
+    toast(page, "A voice named 'Survivor Two' exists already: type another name")
+    page.fill("#import-name textarea, #import-name input", "Survivor Three")
+    page.click("#import-again")
+    toast(page, "Imported voice 'Survivor Three'")
+    sync_api.expect(page.locator("#voice input")).to_have_value("Survivor Three")
+    sync_api.expect(page.locator("#import-name")).to_be_hidden()
 
 
 def test_chinese_page(browser, app: tuple, short_prompt_wav: Path) -> None:
@@ -437,31 +447,8 @@ def test_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path: Path,
     ctx.add_init_script(QUEUE_WATCH)
     try:
         with serving(studio) as url:
-            # the first take runs while the others queue, and is stopped once they have been checked: its whole
-            # text, so that a loaded machine's slower page cannot outlast it; the second runs after it, short
-            texts = (LONG_TEXT, "Next in line, a short take.", LONG_TEXT[:160], LONG_TEXT[:180])
-            pages = []
-            for n, text in enumerate(texts):
-                page = open_page(ctx, url, new_visitor=n == 0)
-                page.get_by_role("tab", name=TABS["cross_lingual"]).click()
-                upload_prompt(page, short_prompt_wav)
-                page.fill("#text textarea", text)
-                # a seed whose take runs to the length limit: with a random one, about one take in four of the
-                # random model ends within seconds, and the first could finish before the others queue
-                page.fill("#seed input", "4")
-                pages.append(page)
-            ids = []
-            for n, page in enumerate(pages):  # one after another: each click has reached the server before the next
-                page.click("#generate")
-                page.wait_for_function("() => Object.keys(window.cvStudio.takes).length > 0")
-                ids.append(take_summary(page)["id"])
-                if n == 0:  # the first take runs: its handler has started
-                    deadline = time.time() + 15
-                    while ids[0] not in studio.times and time.time() < deadline:
-                        time.sleep(0.02)
-                    assert ids[0] in studio.times
-                else:  # the others wait: locked Generate, Stop ready, their place shown
-                    sync_api.expect(page.locator("#queue-place")).to_contain_text("waiting: ", timeout=15000)
+            pages = _four_tabs_ready_to_generate(ctx, url, short_prompt_wav)
+            ids = _generate_one_tab_after_another(pages, studio)
             # their places in words, in click order
             for page, place in zip(pages[1:], ("next", "2nd", "3rd"), strict=True):
                 sync_api.expect(page.locator("#generate")).to_be_disabled()
@@ -478,35 +465,78 @@ def test_tabs_queue_for_one_session_in_click_order(tts, browser, tmp_path: Path,
             pages[0].wait_for_function("() => document.getElementById('live-player').dataset.state === 'playing'",
                                        timeout=60000)
             pages[0].click("#stop")
-            for page, number in ((pages[0], 1), (pages[1], 2)):  # one browser's tabs: one history
-                sync_api.expect(page.locator("#status")).to_contain_text(f"Take {number}:", timeout=120000)
-                sync_api.expect(page.locator("#generate")).to_be_enabled()
-            starts = [studio.times[i].start for i in ids[:2]]
-            assert starts[0] < starts[1], starts  # first come, first served
-            # one session at a time: the second take made no audio until the first one's session had closed (its
-            # handler starts as soon as Stop ends the first handler, then waits for the engine's one slot)
-            assert studio.times[ids[0]].finished <= studio.times[ids[1]].first_chunk
-            deadline = time.time() + 10
-            while ids[2] in studio.times and studio.times[ids[2]].finished is None and time.time() < deadline:
-                time.sleep(0.05)
-            for gone in ids[2:]:  # the stopped one and the closed one never made audio
-                assert gone not in studio.times or studio.times[gone].first_chunk is None, gone
-            sync_api.expect(pages[2].locator("#queue-place")).to_be_hidden()  # not left waiting
-            # the second take's line: its place, then "starting…" when it left the queue, then nothing once it ran
-            seen = pages[1].evaluate("() => window.cvSeen")
-            assert seen["place"][-3:] == ["waiting: next in line", "starting…", ""], seen
-            # its first sound is counted from when its turn came, the wait in line said apart
-            pages[1].wait_for_function("() => window.cvStudio.summary(window.cvStudio.current()).firstSoundAt")
-            second = take_summary(pages[1])
-            waited = (second["turnAt"] - second["clickAt"]) / 1000
-            assert waited > 1.0, second
-            sync_api.expect(pages[1].locator("#live-player")).to_contain_text(
-                f"s after its turn came ({waited:.1f} s in line before it)")
+            _assert_served_in_click_order_one_at_a_time(pages, studio, ids)
+            _assert_the_second_tab_said_its_wait(pages[1])
             for page in pages[:3]:  # Gradio's own progress never showed
                 assert page.evaluate("() => window.cvSeen.raw") == []
             assert studio.service.status().active_sessions == 0 and not studio._running
     finally:
         ctx.close()
+
+
+def _four_tabs_ready_to_generate(ctx, url: str, prompt_wav: Path) -> list:
+    """Four tabs of one browser, each with its prompt, text and seed set. The first take runs while the others
+    queue, and is stopped once they have been checked: its whole text, so that a loaded machine's slower page
+    cannot outlast it; the second runs after it, short."""
+    texts = (LONG_TEXT, "Next in line, a short take.", LONG_TEXT[:160], LONG_TEXT[:180])
+    pages = []
+    for n, text in enumerate(texts):
+        page = open_page(ctx, url, new_visitor=n == 0)
+        page.get_by_role("tab", name=TABS["cross_lingual"]).click()
+        upload_prompt(page, prompt_wav)
+        page.fill("#text textarea", text)
+        # a seed whose take runs to the length limit: with a random one, about one take in four of the
+        # random model ends within seconds, and the first could finish before the others queue
+        page.fill("#seed input", "4")
+        pages.append(page)
+    return pages
+
+
+def _generate_one_tab_after_another(pages: list, studio) -> list[str]:
+    """Generate clicked in each tab, each click reaching the server before the next: the first take runs, the
+    others wait (locked Generate, Stop ready, their place shown). The takes' ids, in click order."""
+    ids = []
+    for n, page in enumerate(pages):
+        page.click("#generate")
+        page.wait_for_function("() => Object.keys(window.cvStudio.takes).length > 0")
+        ids.append(take_summary(page)["id"])
+        if n == 0:  # the first take runs: its handler has started
+            until(lambda: ids[0] in studio.times, 15, "the first take's handler started")
+        else:
+            sync_api.expect(page.locator("#queue-place")).to_contain_text("waiting: ", timeout=15000)
+    return ids
+
+
+def _assert_served_in_click_order_one_at_a_time(pages: list, studio, ids: list[str]) -> None:
+    """The first two tabs' takes made in click order, the second's audio only after the first's session closed;
+    the stopped and the closed tabs' takes never made audio."""
+    for page, number in ((pages[0], 1), (pages[1], 2)):  # one browser's tabs: one history
+        sync_api.expect(page.locator("#status")).to_contain_text(f"Take {number}:", timeout=120000)
+        sync_api.expect(page.locator("#generate")).to_be_enabled()
+    starts = [studio.times[i].start for i in ids[:2]]
+    assert starts[0] < starts[1], starts  # first come, first served
+    # one session at a time: the second take made no audio until the first one's session had closed (its
+    # handler starts as soon as Stop ends the first handler, then waits for the engine's one slot)
+    assert studio.times[ids[0]].finished <= studio.times[ids[1]].first_chunk
+    deadline = time.time() + 10
+    while ids[2] in studio.times and studio.times[ids[2]].finished is None and time.time() < deadline:
+        time.sleep(0.05)
+    for gone in ids[2:]:  # the stopped one and the closed one never made audio
+        assert gone not in studio.times or studio.times[gone].first_chunk is None, gone
+    sync_api.expect(pages[2].locator("#queue-place")).to_be_hidden()  # not left waiting
+
+
+def _assert_the_second_tab_said_its_wait(page) -> None:
+    """The second take's line: its place, then "starting…" when it left the queue, then nothing once it ran;
+    its first sound is counted from when its turn came, the wait in line said apart."""
+    seen = page.evaluate("() => window.cvSeen")
+    assert seen["place"][-3:] == ["waiting: next in line", "starting…", ""], seen
+    page.wait_for_function("() => window.cvStudio.summary(window.cvStudio.current()).firstSoundAt")
+    second = take_summary(page)
+    waited = (second["turnAt"] - second["clickAt"]) / 1000
+    assert waited > 1.0, second
+    sync_api.expect(page.locator("#live-player")).to_contain_text(
+        f"s after its turn came ({waited:.1f} s in line before it)")
 
 
 def test_a_waiting_take_says_its_place_in_chinese(tts, browser, tmp_path: Path, short_prompt_wav: Path) -> None:
@@ -736,14 +766,29 @@ def test_the_history_is_kept_grows_incrementally_and_opens_batch_takes(context, 
                                                                        short_prompt_wav: Path) -> None:
     """The Generate tab's history is the workbench store's: it survives a reload (numbers go on), a new take
     fetches only itself (no earlier take's audio again), and a batch take can be opened and reproduced."""
-    from cosyvoice.workbench.batch import parse_rows, run_batch
-
     studio, url = app
     page = open_page(context, url)
     fetched: list[str] = []
     page.on("request", lambda r: fetched.append(r.url) if "/workbench/api/takes" in r.url else None)
     page.get_by_role("tab", name=TABS["cross_lingual"]).click()
     upload_prompt(page, short_prompt_wav)
+    _two_takes_grow_the_history_incrementally(page, studio, fetched)
+
+    page.reload()
+    page.wait_for_function("() => window.cvHistory !== undefined")
+    sync_api.expect(page.locator("#take-history .take")).to_have_count(2)  # kept on the server, per browser
+    sync_api.expect(page.locator("#take-history .take").first).to_contain_text("Take 2")
+    sync_api.expect(page.locator("#download-all")).to_be_visible()
+
+    _a_batch_take_opens_and_is_reproduced(page, context, studio)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "webui-history.png"), full_page=True)
+    page.close()
+
+
+def _two_takes_grow_the_history_incrementally(page, studio, fetched: list[str]) -> None:
+    """Two takes made on the page: the history lists them newest first, the second listing asks only for what
+    is new since the first, and no take's audio is downloaded before it is played."""
     history = page.locator("#take-history")
     sync_api.expect(history.locator(".no-takes")).to_be_visible()
     for n, seed in ((1, 3), (2, 4)):
@@ -765,14 +810,12 @@ def test_the_history_is_kept_grows_incrementally_and_opens_batch_takes(context, 
                          " const r = await fetch(a.src); return [r.status, (await r.arrayBuffer()).byteLength] }") \
         [0] == 200  # each player plays the stored take
 
-    page.reload()
-    page.wait_for_function("() => window.cvHistory !== undefined")
-    sync_api.expect(page.locator("#take-history .take")).to_have_count(2)  # kept on the server, per browser
-    sync_api.expect(page.locator("#take-history .take").first).to_contain_text("Take 2")
-    sync_api.expect(page.locator("#download-all")).to_be_visible()
 
-    # a batch take (the CLI and the REST API run the same function) opens in the page and is reproduced there;
-    # this visitor's batch (one the REST API ran for this browser): a private server shows a visitor only its own
+def _a_batch_take_opens_and_is_reproduced(page, context, studio) -> None:
+    """A batch take (the CLI and the REST API run the same function) opens in the page and is reproduced there;
+    this visitor's batch (one the REST API ran for this browser): a private server shows a visitor only its own."""
+    from cosyvoice.workbench.batch import parse_rows, run_batch
+
     browser_id = next(c["value"] for c in context.cookies() if c["name"] == "cv-browser")
     [made] = run_batch(studio.service, studio.store,
                        parse_rows("text,voice,seed,label\nWords from a batch.,Narrator,11,sysA\n"),
@@ -798,9 +841,6 @@ def test_the_history_is_kept_grows_incrementally_and_opens_batch_takes(context, 
     sync_api.expect(this_browser.first.locator(".take-wav")).to_have_attribute("download", "take-3-seed11.wav")
     sync_api.expect(page.locator(f"#take-history .history-list[data-view=mine] .take[data-take='{made.id}']")
                     ).to_have_count(0)
-    ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / "webui-history.png"), full_page=True)
-    page.close()
 
 
 def test_the_chunk_schedule_in_the_advanced_settings_reaches_the_take(context, app: tuple,
