@@ -63,7 +63,18 @@ def statuses(page) -> list[str]:
 
 
 def test_paste_review_generate_regenerate_export_download(page, tmp_path: Path) -> None:
-    # paste a text, pick the built-in narrator, create: the table shows the segments as they will be read
+    """The page's whole round: paste and review, generate while playing along, regenerate one segment, export
+    and download, then a bad value refused by a toast."""
+    _paste_create_and_edit(page)
+    first_take, second_take = _generate_and_play_along(page)
+    new_take = _regenerate_the_second_segment(page, first_take, second_take)
+    _export_and_download(page, tmp_path, [first_take, new_take])
+    _a_bad_speed_is_refused(page)
+
+
+def _paste_create_and_edit(page) -> None:
+    """Paste a text, pick the built-in narrator, create: the table shows the segments as they will be read; one
+    segment edited is normalised by the server (numbers spelled out as they will be read)."""
     page.fill("#new-name", "Browser project")
     page.select_option("#new-voice", label="Narrator (built-in)")
     page.fill("#new-text", TEXT)
@@ -74,7 +85,6 @@ def test_paste_review_generate_regenerate_export_download(page, tmp_path: Path) 
     assert [rows.nth(i).locator("textarea.text").input_value() for i in range(3)] == \
         ["Hi there.", "Good day to you.", "Bye now."]
     assert statuses(page) == ["pending"] * 3
-    # edit one segment: the server normalises it (numbers spelled out as they will be read)
     text = rows.nth(2).locator("textarea.text")
     text.fill("Bye, 2 times.")
     text.blur()
@@ -82,7 +92,10 @@ def test_paste_review_generate_regenerate_export_download(page, tmp_path: Path) 
                            " === 'Bye, two times.'")
     shot(page, "1-table")
 
-    # generate, and play along: "Play all" waits for each segment and plays it once it is made
+
+def _generate_and_play_along(page) -> tuple[str, str]:
+    """Generate, and play along: "Play all" waits for each segment and plays it once it is made; stopped, it
+    plays nothing. The first two segments' takes."""
     page.click("#generate")
     page.click("#play")
     page.wait_for_function("() => document.querySelector('#play-state').textContent === 'playing 1 of 3'",
@@ -97,11 +110,16 @@ def test_paste_review_generate_regenerate_export_download(page, tmp_path: Path) 
                            timeout=60_000)  # the first take played to its end, then its pause
     page.click("#play")  # stop
     assert page.inner_text("#play-state") == "" and page.locator("#segments tr.segment.playing").count() == 0
+    rows = page.locator("#segments tr.segment")
     first_take = rows.nth(0).locator("select.takes").input_value()
     second_take = rows.nth(1).locator("select.takes").input_value()
     shot(page, "2-generated")
+    return first_take, second_take
 
-    # regenerate the second segment: a second take, chosen; the others keep theirs
+
+def _regenerate_the_second_segment(page, first_take: str, second_take: str) -> str:
+    """Regenerate the second segment: a second take, chosen; the others keep theirs. The new take."""
+    rows = page.locator("#segments tr.segment")
     rows.nth(1).locator("button.regen").click()
     page.wait_for_function("() => { const s = document.querySelectorAll('#segments select.takes')[1];"
                            " return s.options.length === 3 && !s.disabled; }", timeout=120_000)
@@ -111,8 +129,12 @@ def test_paste_review_generate_regenerate_export_download(page, tmp_path: Path) 
     new_take = rows.nth(1).locator("select.takes").input_value()
     assert new_take and new_take != second_take
     shot(page, "3-regenerated")
+    return new_take
 
-    # export WAV: a real file download with the mix, as long as the segment table says
+
+def _export_and_download(page, tmp_path: Path, takes: list[str]) -> None:
+    """Export WAV: a real file download with the mix of ``takes`` (the first segments' chosen ones), as long as
+    the segment table says; then the subtitles, with the edited text."""
     page.select_option("#export-format", "wav")
     with page.expect_download() as download:
         page.click("#export")
@@ -125,15 +147,17 @@ def test_paste_review_generate_regenerate_export_download(page, tmp_path: Path) 
     project = page.evaluate("() => current.id")
     table = page.request.get(f"{page.url.split('/studio')[0]}/v1/longform/projects/{project}/segments.json").json()
     assert abs(len(audio) / rate - table["duration"]) < 0.01
-    assert [s["take"] for s in table["segments"]][:2] == [first_take, new_take]
+    assert [s["take"] for s in table["segments"]][:len(takes)] == takes
     with page.expect_download() as subtitles:
         page.click("#download-srt")
     srt = Path(subtitles.value.path()).read_text()
     assert "Good day to you." in srt and "Bye, two times." in srt
     shot(page, "4-exported")
 
-    # bad input: a toast names the problem, nothing changes
-    speed = rows.nth(0).locator("input.speed")
+
+def _a_bad_speed_is_refused(page) -> None:
+    """Bad input: a toast names the problem, nothing changes."""
+    speed = page.locator("#segments tr.segment").nth(0).locator("input.speed")
     speed.fill("9")
     speed.blur()
     page.wait_for_selector("#toast:not(.info)")
