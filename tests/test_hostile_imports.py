@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from waiting import until
+from waiting import until, until_ready
 
 from cosyvoice.settings import Limits, ServerSettings, env_name
 
@@ -54,13 +54,7 @@ class ServerProcess:
                 [sys.executable, "-m", "cosyvoice.server.rest", "--model-dir", str(model_dir), "--port",
                  str(self.port), "--voice-dir", str(root / "voices"), "--api-key", KEY_A, "--api-key", KEY_B,
                  "--log-level", "warning"], env=env, stdout=log, stderr=subprocess.STDOUT)
-        until(self.ready, 180, "the server's readiness")
-
-    def ready(self) -> bool:
-        assert self.process.poll() is None, self.log.read_text()
-        with contextlib.suppress(httpx.TransportError):
-            return httpx.get(f"{self.url}/ready", timeout=5).status_code == 200
-        return False
+        until_ready(self.process, self.url, log=self.log)
 
     def kb(self, field: str) -> int:
         status = Path(f"/proc/{self.process.pid}/status").read_text()

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from test_rest import Server
-from waiting import until
+from waiting import until, until_ready
 
 from cosyvoice.jobs import JobRunner
 from cosyvoice.server.rest import create_app
@@ -252,15 +252,7 @@ class RestProcess:
                                          "--port", str(port), "--voice-dir", str(voices), "--log-level", "info"],
                                         env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{port}"
-
-        def ready() -> bool:
-            assert self.process.poll() is None, log.read_text()
-            try:
-                return httpx.get(f"{self.url}/ready").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        until(ready, 180, "the server's start")
+        until_ready(self.process, self.url, log=log)
 
     def stop(self) -> None:
         if self.process.poll() is None:

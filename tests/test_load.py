@@ -31,7 +31,7 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
-from waiting import until
+from waiting import until, until_ready
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -77,14 +77,7 @@ def server(tiny_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
              "--stream-idle-seconds", "10", "--log-level", "warning"], env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        def ready() -> bool:
-            assert process.poll() is None, f"the server exited:\n{log.read_text()}"
-            try:
-                return httpx.get(f"{url}/ready").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        until(ready, 180, "the server's readiness")
+        until_ready(process, url, log=log)
         yield url, process
         # nothing went wrong that the server had to log (a 5xx, a failed stream, a traceback)
         process.terminate()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import uvicorn
-from waiting import until
+from waiting import until, until_ready
 
 from cosyvoice.encoding import FORMATS
 from cosyvoice.server.rest import create_app
@@ -635,14 +635,7 @@ def test_sigterm_drains_then_cancels_within_the_grace(tiny_bundle_dir: Path, tmp
                                 "warning", "--shutdown-grace-seconds", "2"], env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        def ready() -> bool:
-            assert process.poll() is None, "the server exited"
-            try:
-                return httpx.get(f"{url}/ready").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        until(ready, 180)
+        until_ready(process, url)
         voice = httpx.post(f"{url}/v1/voices", data={"name": "Ada", "transcript": TRANSCRIPT}, timeout=60,
                            files={"audio": ("a.wav", short_prompt_wav.read_bytes(), "audio/wav")})
         assert voice.status_code == 201, voice.text
@@ -680,14 +673,7 @@ def test_command_line_serves_the_model_of_cosyvoice_model_dir(tiny_bundle_dir: P
                                 "--voice-dir", str(tmp_path / "voices"), "--log-level", "warning"], env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        def ready() -> bool:
-            assert process.poll() is None, "the server exited"
-            try:
-                return httpx.get(f"{url}/ready").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        until(ready, 180)
+        until_ready(process, url)
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == tiny_bundle_dir.name
     finally:
         process.terminate()

@@ -3,9 +3,13 @@ server's counters); where the product has an event or a callback, tests wait on 
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
+
+import httpx
 
 T = TypeVar("T")
 
@@ -19,3 +23,17 @@ def until(check: Callable[[], T], timeout: float = 30.0, what: str = "condition"
         assert time.monotonic() < deadline, f"{what} not reached in {timeout:g} s (last: {value!r})"
         time.sleep(POLL_S)
     return value
+
+
+def until_ready(process: subprocess.Popen, url: str, timeout: float = 180.0, log: Path | None = None) -> None:
+    """Waits until the server ``process`` started answers ``url``'s /ready with 200 (its model loaded); fails at
+    once, with its ``log`` where it writes one, if the process exits instead."""
+
+    def ready() -> bool:
+        assert process.poll() is None, f"the server exited:\n{log.read_text() if log else ''}"
+        try:
+            return httpx.get(f"{url}/ready", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    until(ready, timeout, "the server's readiness")
