@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from browser import FLAGS as CHROMIUM_FLAGS
 from browser import require_browser
-from waiting import until
+from waiting import until, until_ready
 
 sync_api, CHROMIUM = require_browser()
 
@@ -464,7 +464,7 @@ def test_a_batch_on_a_full_disk_shows_its_error_and_the_page_stops_polling(tiny_
         fill(takes)
         app = App(tiny_bundle_dir, tmp_path)
         try:
-            until(lambda: httpx.get(f"{app.url}/ready", timeout=10).status_code == 200, 120, "the model's load")
+            until_ready(app.proc, app.url, 120)
             saved = httpx.post(f"{app.url}/v1/voices", data={"name": "Narrator", "transcript": "A short test prompt."},
                                files={"audio": ("p.wav", short_prompt_wav.read_bytes(), "audio/wav")}, timeout=60)
             assert saved.status_code == 201, saved.text

@@ -21,7 +21,7 @@ sync_api, CHROMIUM = require_browser()
 
 from test_workbench_browser import ARTIFACTS, REPO, App  # noqa: E402
 from test_workbench_screening import screened_test  # noqa: E402
-from waiting import until  # noqa: E402
+from waiting import until_ready  # noqa: E402
 
 from cosyvoice.takes.store import TakeStore  # noqa: E402
 
@@ -29,15 +29,10 @@ expect = sync_api.expect
 TRANSCRIPT = "A short test prompt."
 
 
-def loaded(app: App) -> None:
-    """Wait until the server's model is loaded (its pages and lists answer before)."""
-    until(lambda: httpx.get(f"{app.url}/ready").status_code == 200, 180, "the model's load")
-
-
 @pytest.fixture(scope="module")
 def app(tiny_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory, short_prompt_wav: Path) -> Iterator[App]:
     served = App(tiny_bundle_dir, tmp_path_factory.mktemp("owner-browser"))
-    loaded(served)
+    until_ready(served.proc, served.url)  # the model loaded (its pages and lists answer before)
     saved = httpx.post(f"{served.url}/v1/voices", data={"name": "Narrator", "transcript": TRANSCRIPT},
                        files={"audio": ("a.wav", short_prompt_wav.read_bytes(), "audio/wav")}, timeout=60)
     assert saved.status_code == 201, saved.text
@@ -129,7 +124,7 @@ def test_a_batch_killed_with_kill_9_is_shown_interrupted_and_resumed_from_the_pa
     expect(row.locator(".state")).to_have_text("interrupted: its server stopped")
     assert "s left" not in row.inner_text()  # no frozen ETA
 
-    loaded(app)
+    until_ready(app.proc, app.url)
     page.reload()  # after a reload the batch is still listed, with its Resume button
     page.wait_for_function("() => window.wb && window.wb.ready")
     row = page.locator("#batches tr").first
