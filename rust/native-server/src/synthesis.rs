@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::flow::Flow;
 use crate::hift::Hift;
 use crate::llm::CosyVoice3Lm;
-use crate::prompt::PromptAudio;
+use crate::prompt::{PromptAudio, PromptLimits};
 use crate::prompts::{instruct_text, prefixed};
 use crate::rng::cfm_noise;
 use crate::sampling::{Sampler, SeededSampler};
@@ -72,9 +72,9 @@ impl Engine {
         })
     }
 
-    /// The prompt recording's networks and limits.
-    pub fn prompt_audio(&self) -> &PromptAudio {
-        &self.prompt
+    /// What a prompt recording must be (the server sets its configured bounds).
+    pub fn prompt_limits_mut(&mut self) -> &mut PromptLimits {
+        &mut self.prompt.limits
     }
 
     /// The request's audio, mono float32 at [`Engine::sample_rate`]; stops within one LLM step once `cancel`
@@ -95,10 +95,7 @@ impl Engine {
                 stop: self.lm.eos(),
             };
             let tokens = self.lm.generate(&lm_input, min_len, max_len, &mut sampler)?;
-            if cancel.load(Ordering::Relaxed) {
-                return Err(Error::Cancelled);
-            }
-            pcm.extend(self.vocode(&tokens, &voice, request.speed)?);
+            pcm.extend(self.vocode(&tokens, &voice, request.speed, cancel)?);
         }
         Ok(pcm)
     }
@@ -148,12 +145,16 @@ impl Engine {
     }
 
     /// Speech tokens -> audio in the voice, whole: flow with full attention, the mel stretched by `speed`,
-    /// the vocoder finalised.
-    pub fn vocode(&self, tokens: &[u32], voice: &FlowPrompt, speed: f32) -> Result<Vec<f32>> {
+    /// the vocoder finalised; [`Error::Cancelled`] at the next flow step once `cancel` is set.
+    pub fn vocode(&self, tokens: &[u32], voice: &FlowPrompt, speed: f32, cancel: &AtomicBool) -> Result<Vec<f32>> {
+        let stopped = || if cancel.load(Ordering::Relaxed) { Err(Error::Cancelled) } else { Ok(()) };
+        stopped()?;
         if tokens.is_empty() {
             return Ok(Vec::new());
         }
-        let mel = self.flow.inference(tokens, &voice.tokens, &voice.feat, &voice.embedding, false, true)?;
+        let mode = (false, true);
+        let mel = self.flow.inference_until(tokens, &voice.tokens, &voice.feat, &voice.embedding, mode, cancel)?;
+        stopped()?;
         let mel = if speed == 1.0 { mel } else { stretch(&mel, speed)? };
         let (speech, _) = self.hift.inference(&mel, true)?;
         Ok(speech.flatten_all()?.to_vec1::<f32>()?)
