@@ -335,3 +335,18 @@ def test_the_native_server_runs_without_python(native_server: Served) -> None:
     maps = Path(f"/proc/{native_server.pid}/maps").read_text()
     assert "libonnxruntime" in maps  # the prompt networks' runtime is loaded...
     assert "libpython" not in maps  # ...and no interpreter
+
+
+def test_the_native_server_says_what_it_does_not_do(native_server: Served, short_prompt_wav: Path) -> None:
+    """Where the native engine differs (docs/servers.md, "Native server"): a prompt that is not WAV and flow
+    steps other than the model's are refused, naming why; the Python server takes both."""
+    mp3 = base64.b64encode(b"ID3\x04\x00" + b"\x00" * 400).decode()
+    answer = httpx.post(f"{native_server.url}/synthesize", headers=AUTH, timeout=60,
+                        json={"text": TEXT, "prompt_audio": mp3, "prompt_text": TRANSCRIPT})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["message"] == ("the uploaded audio looks like MP3; this server (cosyvoice-native-"
+                                                 "server) reads WAV prompts only: convert it to WAV, or use the "
+                                                 "Python server")
+    answer = httpx.post(f"{native_server.url}/synthesize", headers=AUTH, timeout=60,
+                        json={"text": TEXT, "prompt_audio": _encoded(short_prompt_wav), "steps": 5})
+    assert answer.status_code == 400 and answer.json()["error"]["field"] == "steps"

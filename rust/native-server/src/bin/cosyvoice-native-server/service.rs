@@ -205,9 +205,28 @@ fn read_prompt(source: &AudioSource) -> Result<cosyvoice_native::audio::Audio, E
         return Err(Error::Input(format!("{label} is empty (0 bytes): no audio to read")));
     }
     if !bytes.starts_with(b"RIFF") {
-        return Err(Error::Input(format!("{label} is not an audio file we can read. {ACCEPTED}")));
+        return Err(Error::Input(match container(&bytes) {
+            Some(format) => format!(
+                "{label} looks like {format}; this server (cosyvoice-native-server) reads WAV prompts only: \
+                 convert it to WAV, or use the Python server"
+            ),
+            None => format!("{label} is not an audio file we can read. {ACCEPTED}"),
+        }));
     }
     decode_wav(&bytes).map_err(|e| Error::Input(format!("cannot decode {label}: {e}")))
+}
+
+/// The audio container other than WAV that `head` starts like (as `frontend/audio.py`'s `sniff_format`).
+fn container(head: &[u8]) -> Option<&'static str> {
+    let at = |offset: usize, magic: &[u8]| head.get(offset..offset + magic.len()) == Some(magic);
+    let named = [(0, &b"fLaC"[..], "FLAC"), (0, b"OggS", "Ogg"), (0, b"ID3", "MP3"), (0, b"\x1a\x45\xdf\xa3", "WebM")];
+    if let Some((_, _, name)) = named.iter().find(|(offset, magic, _)| at(*offset, magic)) {
+        return Some(name);
+    }
+    if at(4, b"ftyp") {
+        return Some("M4A");
+    }
+    (head.len() >= 2 && head[0] == 0xff && head[1] & 0xe0 == 0xe0).then_some("MP3")
 }
 
 fn name(path: &Path) -> String {
