@@ -26,8 +26,12 @@ static ENVIRONMENT: OnceLock<std::result::Result<ort::environment::Environment, 
 /// The ONNX Runtime library this process uses: `ORT_DYLIB_PATH`, else `libonnxruntime.so*` of the onnxruntime
 /// wheel in the virtual environment (`COSYVOICE_VENV`, else `.venv` of the repository holding the executable).
 pub fn runtime_library() -> Result<PathBuf> {
-    if let Some(path) = std::env::var_os("ORT_DYLIB_PATH") {
-        return Ok(PathBuf::from(path));
+    if let Some(path) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
+        let path = PathBuf::from(path);
+        if !path.is_file() {
+            return Err(Error::Runtime(format!("ORT_DYLIB_PATH={} is not a file", path.display())));
+        }
+        return Ok(path);
     }
     let venv = std::env::var_os("COSYVOICE_VENV").map(PathBuf::from).or_else(|| {
         let exe = std::env::current_exe().ok()?.canonicalize().ok()?;
