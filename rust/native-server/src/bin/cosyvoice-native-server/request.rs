@@ -57,8 +57,7 @@ pub fn parse(
     settings: &Settings,
 ) -> Result<Synthesis, (ApiError, &'static str)> {
     let fields = body(raw, content_type).map_err(|e| (e, "unknown"))?;
-    let checked = contract(&fields, settings)?;
-    Ok(checked)
+    contract(&fields, settings)
 }
 
 fn body(raw: &[u8], content_type: Option<&str>) -> Result<Value, ApiError> {
