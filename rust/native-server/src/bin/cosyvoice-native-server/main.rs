@@ -95,7 +95,10 @@ async fn serve(app: App, addr: SocketAddr) -> Result<(), String> {
             "shutting down: running requests may finish within {} s",
             drainer.service.settings.shutdown_grace_seconds
         );
-        let _ = drain_started.send(tokio::task::spawn_blocking(move || drainer.service.drain()));
+        let _ = drain_started.send(tokio::task::spawn_blocking(move || {
+            drainer.service.drain();
+            drainer.drained.notify_waiters();
+        }));
     };
     let front = app.service.settings.front.clone();
     http_front::serve(listener, front.clone(), Arc::new(Routes(app)), shutdown).await;

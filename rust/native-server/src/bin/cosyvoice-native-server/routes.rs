@@ -8,6 +8,7 @@ use std::time::Instant;
 use http_front::answer::{canned, header, is_json, json_response, set, Canned};
 use http_front::auth::{key_is_valid, presented_key};
 use http_front::cors::{preflight, simple_cors, Cors};
+use http_front::json::Exceeded;
 use http_front::metrics::Metrics;
 use http_front::{full, json, read_body, Body, BodyError, ResponseBody};
 use hyper::header::HeaderValue;
@@ -29,11 +30,15 @@ pub struct Refusals {
     method_not_allowed: Canned,
     request_timeout: Canned,
     json_too_deep: Canned,
+    json_too_many: Canned,
     pub over_capacity: Canned,
 }
 
 pub struct App {
     pub service: Service,
+    /// notified once the drain has cancelled what still runs: those requests are answered at once, without
+    /// waiting for the engine call in progress (a long vocoder call) to return
+    pub drained: tokio::sync::Notify,
     metrics: Metrics,
     cors: Option<Cors>,
     refusals: Refusals,
@@ -74,6 +79,15 @@ impl App {
                 None,
             )
             .canned(),
+            json_too_many: ApiError::invalid(
+                &format!(
+                    "the body holds more than {} JSON values (array items and object members; \
+                     COSYVOICE_MAX_JSON_VALUES)",
+                    thousands(s.max_json_values)
+                ),
+                None,
+            )
+            .canned(),
             over_capacity: ApiError::busy(
                 "the server has too many connections open; retry shortly",
                 s.retry_after_seconds,
@@ -82,12 +96,25 @@ impl App {
         };
         let cors = (!s.cors_origins.is_empty())
             .then(|| Cors::starlette(&s.cors_origins, &["X-Audio-Duration", "X-Sample-Rate"]));
-        App { metrics: Metrics::new(), cors, refusals, service }
+        App { metrics: Metrics::new(), cors, refusals, service, drained: tokio::sync::Notify::new() }
     }
 
     pub fn refusals(&self) -> &Refusals {
         &self.refusals
     }
+}
+
+/// Python's `{:,}`: digits grouped by three with commas.
+fn thousands(n: usize) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// One request: its answer, with CORS headers, logged.
@@ -181,15 +208,21 @@ async fn synthesize(app: &Arc<App>, request: Request<Body>) -> Response<Response
         Err(BodyError::TimedOut) => return refused(app, &app.refusals.request_timeout),
         Err(BodyError::Broken(_)) => return Response::builder().status(400).body(full("")).unwrap(), // the client left
     };
-    if content_type.as_deref().is_some_and(is_json) && json::depth_exceeds(&raw, settings.max_json_depth) {
-        return refused(app, &app.refusals.json_too_deep);
+    if content_type.as_deref().is_some_and(is_json) {
+        match json::shape_exceeds(&raw, settings.max_json_depth, settings.max_json_values) {
+            Some(Exceeded::Depth) => return refused(app, &app.refusals.json_too_deep),
+            Some(Exceeded::Values) => return refused(app, &app.refusals.json_too_many),
+            None => {}
+        }
     }
     let cancel = Arc::new(AtomicBool::new(false));
     let mut guard = CancelOnDrop { app: app.clone(), cancel: Some(cancel.clone()), started };
     let worker = app.clone();
-    let outcome = tokio::task::spawn_blocking(move || worker.service.synthesize(&raw, content_type.as_deref(), cancel))
-        .await
-        .expect("synthesis panicked");
+    let job = tokio::task::spawn_blocking(move || worker.service.synthesize(&raw, content_type.as_deref(), cancel));
+    let outcome = tokio::select! {
+        done = job => done.expect("synthesis panicked"),
+        _ = app.drained.notified() => app.service.shut_down(),
+    };
     guard.cancel = None; // answered: nothing left to cancel
     let seconds = started.elapsed().as_secs_f64();
     app.metrics.observe(outcome.mode, outcome.reason, seconds, outcome.audio_seconds);

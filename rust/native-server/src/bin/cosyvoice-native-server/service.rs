@@ -154,9 +154,7 @@ impl Service {
                 ];
                 Outcome { status: 200, headers, body, mode, reason: None, audio_seconds: seconds }
             }
-            Err(Error::Cancelled) => {
-                Outcome::refused(&ApiError::busy(SHUT_DOWN, self.settings.retry_after_seconds), mode, "cancelled")
-            }
+            Err(Error::Cancelled) => Outcome { mode, ..self.shut_down() },
             Err(Error::Input(message)) => {
                 Outcome::refused(&ApiError::invalid(&message, Some("prompt_audio")), mode, "invalid_input")
             }
@@ -177,6 +175,11 @@ impl Service {
         let seed = checked.seed.unwrap_or_else(random_seed);
         let request = Request { text: checked.text, mode, prompt, seed, speed: checked.speed };
         engine.synthesize(&request, cancel)
+    }
+
+    /// The answer of a request the drain cancelled.
+    pub fn shut_down(&self) -> Outcome {
+        Outcome::refused(&ApiError::busy(SHUT_DOWN, self.settings.retry_after_seconds), "unknown", "cancelled")
     }
 
     /// Shutting down: no new requests; running ones may finish within the grace, then are cancelled.

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 /// Flags that take a value and are accepted without effect (the Python service's own settings).
-const PYTHON_ONLY: [&str; 19] = [
+const PYTHON_ONLY: [&str; 18] = [
     "min-prompt-sample-rate",
     "max-prompt-bytes",
     "device",
@@ -20,7 +20,6 @@ const PYTHON_ONLY: [&str; 19] = [
     "default-voice",
     "voice-editors",
     "sharing",
-    "max-json-values",
     "max-prompt-channels",
     "max-prompt-sample-rate",
     "max-cached-voices",
@@ -38,7 +37,7 @@ pub const USAGE: &str =
 [--max-queued-requests N] [--queue-timeout-seconds S] [--shutdown-grace-seconds S] [--retry-after-seconds S] \
 [--max-text-chars N] [--min-prompt-seconds S] [--max-prompt-seconds S] [--header-timeout-seconds S] \
 [--body-timeout-seconds S] [--body-min-bytes-per-second N] [--keep-alive-timeout-seconds S] [--max-connections N] \
-[--max-json-depth N]\n\nEvery flag is also COSYVOICE_<NAME> (e.g. COSYVOICE_MODEL_DIR, COSYVOICE_API_KEYS=k1,k2); \
+[--max-json-depth N] [--max-json-values N]\n\nEvery flag is also COSYVOICE_<NAME> (e.g. COSYVOICE_MODEL_DIR, COSYVOICE_API_KEYS=k1,k2); \
 ONNX Runtime is ORT_DYLIB_PATH or the onnxruntime wheel of COSYVOICE_VENV / the repository's .venv.";
 
 #[derive(Debug, Clone)]
@@ -54,6 +53,7 @@ pub struct Settings {
     pub shutdown_grace_seconds: f64,
     pub front: http_front::Settings,
     pub max_json_depth: usize,
+    pub max_json_values: usize,
     pub max_sessions: usize,
     pub max_queued_requests: usize,
     pub queue_timeout_seconds: f64,
@@ -142,6 +142,7 @@ impl Settings {
             shutdown_grace_seconds: grace.max(0.0),
             front,
             max_json_depth: v.count("max_json_depth", 64)?,
+            max_json_values: v.count("max_json_values", 200_000)?,
             max_sessions: v.count("max_sessions", 8)?,
             max_queued_requests: v.number("max_queued_requests", 32.0)? as usize,
             queue_timeout_seconds: v.number("queue_timeout_seconds", 30.0)?,
@@ -153,7 +154,7 @@ impl Settings {
 }
 
 /// Settings this server uses (their flag is `--` + the name with `-` for `_`).
-const KNOWN: [&str; 22] = [
+const KNOWN: [&str; 23] = [
     "model_dir",
     "host",
     "port",
@@ -170,6 +171,7 @@ const KNOWN: [&str; 22] = [
     "keep_alive_timeout_seconds",
     "max_connections",
     "max_json_depth",
+    "max_json_values",
     "max_sessions",
     "max_queued_requests",
     "queue_timeout_seconds",
