@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Builds the Rust workspace (rust/): the bridge server rust/target/release/cosyvoice-server, the HTTP front
-# its servers share (rust/http-front), the native engine (rust/native-server, candle) and its PyO3 module
-# `cosyvoice_rust_backend` (rust/python-backend, installed into the venv's site-packages), then runs the crates'
+# its servers share (rust/http-front), the native engine with its server rust/target/release/
+# cosyvoice-native-server (rust/native-server: candle, and ONNX Runtime opened at run time) and its PyO3
+# module `cosyvoice_rust_backend` (rust/python-backend, installed into the venv's site-packages), then runs the crates'
 # tests, among them the native engine's parity tests against the golden fixtures (../shared/golden beside the
 # repository, or COSYVOICE_GOLDEN_DIR; where absent they pass without checking, and this script says so).
 #
-# The toolchain is rustup's cargo (1.88 or newer: the pinned tokio needs 1.85, the zip reader candle opens
-# torch checkpoints with 1.88; Debian's /usr/bin/cargo 1.63 is too old). Crates come from crates.io at the
+# The toolchain is rustup's cargo (1.92 or newer: ort 2.0.0-rc.15, the native engine's ONNX Runtime binding,
+# needs 1.92; Debian's /usr/bin/cargo 1.63 is too old). ONNX Runtime itself is not downloaded: the native
+# engine opens libonnxruntime.so of the venv's onnxruntime wheel (ORT_DYLIB_PATH, set here for its tests). Crates come from crates.io at the
 # versions rust/Cargo.lock pins: `cargo fetch` downloads what the local cache (~/.cargo/registry) lacks, once;
 # the build itself runs offline, so a machine that fetched once builds without a network. PyO3 links the
 # Python of the project's venv (COSYVOICE_VENV, default .venv: run scripts/setup.sh first) and records its
@@ -18,7 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${COSYVOICE_VENV:-.venv}
-MIN_RUST=1.88
+MIN_RUST=1.92
 log() { echo "[build_rust] $*" >&2; }
 
 # the venv's base Python: its shared library is what PyO3 links
@@ -65,6 +67,12 @@ module="cosyvoice_rust_backend$("$PY" -c 'import sysconfig; print(sysconfig.get_
 install -m 755 target/release/libcosyvoice_rust_backend.so "$site/$module"
 (cd / && "$PY" -c 'import cosyvoice_rust_backend') || { log "ERROR: $site/$module does not import"; exit 1; }
 log "installed $site/$module"
+# the native engine's ONNX Runtime: the wheel's library, unless ORT_DYLIB_PATH names one
+if [ -z "${ORT_DYLIB_PATH:-}" ]; then
+  ORT_DYLIB_PATH=$("$PY" -c 'import glob, os, onnxruntime as o; print(sorted(glob.glob(os.path.join(os.path.dirname(o.__file__), "capi", "libonnxruntime.so*")))[-1])' 2>/dev/null || true)
+  [ -n "$ORT_DYLIB_PATH" ] || log "WARNING: no onnxruntime in $VENV: the native engine's ONNX tests fail (pip install onnxruntime)"
+  export ORT_DYLIB_PATH
+fi
 golden=${COSYVOICE_GOLDEN_DIR:-../../shared/golden}
 [ -f "$golden/manifest.json" ] || log "WARNING: no golden fixtures at $golden: the native engine's parity tests check nothing"
 "$CARGO" test --release --offline --locked --quiet

@@ -1,9 +1,11 @@
-"""The bridge contract, one suite for both servers that serve it: the Python REST server's bridge router
-(uvicorn in a thread) and the Rust ``cosyvoice-server`` (rust/bridge-server, a subprocess), over real HTTP on
-loopback, on the tiny bundle, configured alike (API key, CORS origin, body bound, limits, allowed folder).
+"""The bridge contract, one suite for the three servers that serve it: the Python REST server's bridge router
+(uvicorn in a thread), the Rust ``cosyvoice-server`` (rust/bridge-server, Python embedded) and the native
+``cosyvoice-native-server`` (rust/native-server, no Python), the two Rust ones as subprocesses, over real HTTP
+on loopback, on the tiny bundle, configured alike (API key, CORS origin, body bound, limits, allowed folder).
 
-The Rust side is skipped only when its binary has not been built (``bash scripts/build_rust.sh``); CI builds it
-and sets ``COSYVOICE_REQUIRE_RUST=1``, which turns that skip into a failure.
+A Rust server is skipped only when its binary has not been built (``bash scripts/build_rust.sh``); CI builds
+them and sets ``COSYVOICE_REQUIRE_RUST=1``, which turns that skip into a failure. The native server finds ONNX
+Runtime through ``ORT_DYLIB_PATH`` or the project's venv (the onnxruntime wheel's library).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from tests.test_rest import Server
 
 ROOT = Path(__file__).resolve().parents[1]
 RUST_BINARY = ROOT / "rust" / "target" / "release" / "cosyvoice-server"
+NATIVE_BINARY = ROOT / "rust" / "target" / "release" / "cosyvoice-native-server"
 KEY = "contract-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ORIGIN = "https://app.example"
@@ -51,6 +54,7 @@ DEEP_OBJECTS = b'{"a":' * 39_000  # as deep as MAX_BODY allows
 class Served:
     name: str
     url: str
+    pid: int | None = None  # a subprocess's
 
     def ready(self) -> dict:
         return httpx.get(f"{self.url}/ready", headers=AUTH, timeout=30).json()
@@ -69,29 +73,30 @@ def _wait_for(predicate, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def require_rust_binary() -> Path:
-    if not RUST_BINARY.is_file():
-        reason = f"the Rust server is not built ({RUST_BINARY.relative_to(ROOT)}; bash scripts/build_rust.sh)"
+def require_rust_binary(binary: Path = RUST_BINARY) -> Path:
+    if not binary.is_file():
+        reason = f"the Rust server is not built ({binary.relative_to(ROOT)}; bash scripts/build_rust.sh)"
         if os.environ.get("COSYVOICE_REQUIRE_RUST") == "1":
             pytest.fail(reason)
         pytest.skip(reason)
-    return RUST_BINARY
+    return binary
 
 
 class RustServer:
-    """``cosyvoice-server`` as a process, started from another folder (it finds the project's venv itself)."""
+    """A Rust server (``binary``) as a process, started from another folder (it finds the project's venv
+    itself: the bridge its Python, the native server ONNX Runtime)."""
 
-    def __init__(self, model_dir: Path, workdir: Path, *flags: str) -> None:
+    def __init__(self, model_dir: Path, workdir: Path, *flags: str, binary: Path = RUST_BINARY) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "COSYVOICE_DEVICE": "cpu", "RUST_LOG": "warn"}
         self.process = subprocess.Popen(
-            [str(require_rust_binary()), "--model-dir", str(model_dir), "--host", "127.0.0.1", "--port",
+            [str(require_rust_binary(binary)), "--model-dir", str(model_dir), "--host", "127.0.0.1", "--port",
              str(self.port), "--voice-dir", str(workdir / "voices"), "--log-level", "warning", *flags],
             cwd=workdir, env=env)
 
         def ready() -> bool:
-            assert self.process.poll() is None, f"cosyvoice-server exited with {self.process.returncode}"
+            assert self.process.poll() is None, f"{binary.name} exited with {self.process.returncode}"
             with contextlib.suppress(httpx.TransportError):
                 return httpx.get(f"{self.url}/ready", headers=AUTH).status_code == 200
             return False
@@ -134,7 +139,15 @@ def rust_server(tiny_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory,
     server.stop()
 
 
-@pytest.fixture(params=["python", "rust"])
+@pytest.fixture(scope="module")
+def native_server(tiny_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory, audio_dir: Path) -> Iterator[Served]:
+    server = RustServer(tiny_bundle_dir, tmp_path_factory.mktemp("native"), *_rust_flags(audio_dir),
+                        binary=NATIVE_BINARY)
+    yield Served("native", server.url, server.process.pid)
+    server.stop()
+
+
+@pytest.fixture(params=["python", "rust", "native"])
 def served(request: pytest.FixtureRequest) -> Served:
     return request.getfixturevalue(f"{request.param}_server")
 
@@ -225,8 +238,10 @@ def _answer(response: httpx.Response) -> tuple[int, object, dict[str, str]]:
     return response.status_code, response.json() if json_body else response.text, headers
 
 
-def test_bad_requests_get_the_same_answer_from_both(python_server: Served, rust_server: Served,
-                                                    short_prompt_wav: Path) -> None:
+@pytest.mark.parametrize("other", ["rust", "native"])
+def test_bad_requests_get_the_same_answer_from_each(python_server: Served, other: str, short_prompt_wav: Path,
+                                                    request: pytest.FixtureRequest) -> None:
+    rust_server: Served = request.getfixturevalue(f"{other}_server")
     encoded = _encoded(short_prompt_wav)
     garbage = base64.b64encode(b"garbage" * 50).decode()
     as_json = {**AUTH, "content-type": "application/json"}
@@ -283,10 +298,12 @@ def test_json_nested_100000_deep_is_a_400_naming_the_nesting(served: Served) -> 
         assert answer.json()["error"]["message"] == "the body nests JSON deeper than 64 levels"
 
 
-def test_sigterm_drains_the_rust_server_then_cancels_within_the_grace(tiny_bundle_dir: Path, tmp_path: Path,
-                                                                      audio_dir: Path) -> None:
+@pytest.mark.parametrize("binary", [RUST_BINARY, NATIVE_BINARY], ids=["rust", "native"])
+def test_sigterm_drains_a_rust_server_then_cancels_within_the_grace(tiny_bundle_dir: Path, tmp_path: Path,
+                                                                     audio_dir: Path, binary: Path) -> None:
     """SIGTERM: the running synthesis gets ``--shutdown-grace-seconds``, then is cancelled; the server exits."""
-    server = RustServer(tiny_bundle_dir, tmp_path, *_rust_flags(audio_dir), "--shutdown-grace-seconds", "2")
+    server = RustServer(tiny_bundle_dir, tmp_path, *_rust_flags(audio_dir), "--shutdown-grace-seconds", "2",
+                        binary=binary)
     try:
         body = {"text": LONG_TEXT, "prompt_audio": "prompt.wav", "instruct": "Speak."}
         answer: list[httpx.Response | Exception] = []
@@ -309,3 +326,27 @@ def test_sigterm_drains_the_rust_server_then_cancels_within_the_grace(tiny_bundl
         assert answer[0].json()["error"]["type"] == "busy"
     finally:
         server.stop()
+
+
+
+def test_the_native_server_runs_without_python(native_server: Served) -> None:
+    """No libpython is mapped into the native server's process, with its model (ONNX Runtime included) loaded."""
+    assert native_server.ready()["status"] == "ready"
+    maps = Path(f"/proc/{native_server.pid}/maps").read_text()
+    assert "libonnxruntime" in maps  # the prompt networks' runtime is loaded...
+    assert "libpython" not in maps  # ...and no interpreter
+
+
+def test_the_native_server_says_what_it_does_not_do(native_server: Served, short_prompt_wav: Path) -> None:
+    """Where the native engine differs (docs/servers.md, "Native server"): a prompt that is not WAV and flow
+    steps other than the model's are refused, naming why; the Python server takes both."""
+    mp3 = base64.b64encode(b"ID3\x04\x00" + b"\x00" * 400).decode()
+    answer = httpx.post(f"{native_server.url}/synthesize", headers=AUTH, timeout=60,
+                        json={"text": TEXT, "prompt_audio": mp3, "prompt_text": TRANSCRIPT})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["message"] == ("the uploaded audio looks like MP3; this server (cosyvoice-native-"
+                                                 "server) reads WAV prompts only: convert it to WAV, or use the "
+                                                 "Python server")
+    answer = httpx.post(f"{native_server.url}/synthesize", headers=AUTH, timeout=60,
+                        json={"text": TEXT, "prompt_audio": _encoded(short_prompt_wav), "steps": 5})
+    assert answer.status_code == 400 and answer.json()["error"]["field"] == "steps"

@@ -10,6 +10,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 use serde_json::Value;
 
+use http_front::answer::Canned;
+use http_front::cors::Cors;
+
 use crate::environment::PythonEnvironment;
 
 /// Start Python as the venv's own `bin/python` would start: its `pyvenv.cfg` gives the base installation
@@ -54,29 +57,6 @@ pub fn start_interpreter(env: &PythonEnvironment) -> Result<(), String> {
             Python::with_gil(|py| e.value(py).to_string())
         )
     })
-}
-
-/// A refusal the HTTP side answers alone: status, headers, JSON body (rendered by Python once).
-#[derive(Clone)]
-pub struct Canned {
-    pub status: u16,
-    pub headers: Vec<(String, String)>,
-    pub body: Vec<u8>,
-}
-
-/// CORS as starlette's middleware computes it from the settings (`cosyvoice.server.common.cors_options`).
-#[derive(Clone)]
-pub struct Cors {
-    pub allow_origins: Vec<String>,
-    pub allow_all_origins: bool,
-    pub allow_credentials: bool,
-    pub allow_methods: Vec<String>,
-    pub allow_all_headers: bool,
-    pub allow_headers: Vec<String>,
-    pub preflight_explicit_allow_origin: bool,
-    pub allow_private_network: bool,
-    pub simple_headers: Vec<(String, String)>,
-    pub preflight_headers: Vec<(String, String)>,
 }
 
 #[derive(Clone)]

@@ -4,86 +4,21 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use http_front::answer::{canned, header, is_json, json_response, set, Canned};
+use http_front::auth::{key_is_valid, presented_key};
+use http_front::cors::{preflight, simple_cors};
+use http_front::metrics::Metrics;
 use http_front::{full, json, read_body, Body, BodyError, ResponseBody};
-use hyper::header::{HeaderName, HeaderValue};
-use hyper::{HeaderMap, Method, Request, Response, StatusCode};
-use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry, TextEncoder};
+use hyper::header::HeaderValue;
+use hyper::{Method, Request, Response, StatusCode};
 use pyo3::PyObject;
 use tracing::info;
 
-use crate::bridge::{Answer, Bridge, Canned, Cors};
+use crate::bridge::{Answer, Bridge};
 
 const OPEN_PATHS: [&str; 2] = ["/health", "/ready"]; // probes answer without an API key
 const ROUTES: [(&str, &str); 5] =
     [("/synthesize", "POST"), ("/health", "GET"), ("/ready", "GET"), ("/speakers", "GET"), ("/metrics", "GET")];
-// the Python server's histogram buckets (cosyvoice/server/metrics.py)
-const SECONDS: [f64; 13] = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0];
-const RTF: [f64; 10] = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0];
-
-/// The server's Prometheus families: counted here, from each answer of `/synthesize`.
-pub struct Metrics {
-    registry: Registry,
-    requests: IntCounterVec,
-    success: IntCounterVec,
-    error: IntCounterVec,
-    duration: HistogramVec,
-    rtf: HistogramVec,
-}
-
-impl Metrics {
-    fn new() -> Metrics {
-        let registry = Registry::new();
-        let requests =
-            IntCounterVec::new(Opts::new("tts_requests_total", "Synthesis requests received"), &["mode"]).unwrap();
-        let success =
-            IntCounterVec::new(Opts::new("tts_requests_success", "Synthesis requests completed"), &["mode"]).unwrap();
-        let error = IntCounterVec::new(
-            Opts::new("tts_requests_error", "Synthesis requests failed or cancelled"),
-            &["mode", "reason"],
-        )
-        .unwrap();
-        let duration = HistogramVec::new(
-            HistogramOpts::new("tts_synthesis_duration_seconds", "Wall time of a completed request")
-                .buckets(SECONDS.to_vec()),
-            &["mode"],
-        )
-        .unwrap();
-        let rtf = HistogramVec::new(
-            HistogramOpts::new("tts_rtf", "Real-time factor (wall seconds per audio second) of a completed request")
-                .buckets(RTF.to_vec()),
-            &["mode"],
-        )
-        .unwrap();
-        for collector in [&requests, &success, &error] {
-            registry.register(Box::new(collector.clone())).unwrap();
-        }
-        registry.register(Box::new(duration.clone())).unwrap();
-        registry.register(Box::new(rtf.clone())).unwrap();
-        Metrics { registry, requests, success, error, duration, rtf }
-    }
-
-    fn observe(&self, mode: &str, reason: Option<&str>, seconds: f64, audio_seconds: f64) {
-        self.requests.with_label_values(&[mode]).inc();
-        match reason {
-            Some(reason) => self.error.with_label_values(&[mode, reason]).inc(),
-            None => {
-                self.success.with_label_values(&[mode]).inc();
-                self.duration.with_label_values(&[mode]).observe(seconds);
-                if audio_seconds > 0.0 {
-                    self.rtf.with_label_values(&[mode]).observe(seconds / audio_seconds);
-                }
-            }
-        }
-    }
-
-    fn exposition(&self) -> (Vec<u8>, String) {
-        let encoder = TextEncoder::new();
-        let mut out = Vec::new();
-        encoder.encode(&self.registry.gather(), &mut out).expect("text encoding");
-        (out, encoder.format_type().to_string())
-    }
-}
-
 pub struct App {
     pub bridge: Bridge,
     metrics: Metrics,
@@ -249,144 +184,4 @@ async fn blocking(app: &Arc<App>, call: impl FnOnce(&App) -> Answer + Send + 'st
 fn refused(app: &Arc<App>, answer: &Canned) -> Response<ResponseBody> {
     app.metrics.observe("unknown", Some("invalid_input"), 0.0, 0.0);
     canned(answer)
-}
-
-/// Whether a body of `content_type` is JSON, as FastAPI decides (`application/json`, `application/*+json`).
-fn is_json(content_type: &str) -> bool {
-    let essence = content_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
-    match essence.split_once('/') {
-        Some(("application", subtype)) => subtype == "json" || subtype.ends_with("+json"),
-        _ => false,
-    }
-}
-
-pub fn canned(answer: &Canned) -> Response<ResponseBody> {
-    let mut response = Response::new(full(answer.body.clone()));
-    *response.status_mut() = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    for (name, value) in &answer.headers {
-        set(response.headers_mut(), name, value);
-    }
-    response
-}
-
-fn json_response(status: u16, body: Vec<u8>) -> Response<ResponseBody> {
-    let mut response = Response::new(full(body));
-    *response.status_mut() = StatusCode::from_u16(status).unwrap();
-    set(response.headers_mut(), "content-type", "application/json");
-    response
-}
-
-fn header(headers: &HeaderMap, name: &str) -> Option<String> {
-    headers.get(name).and_then(|v| v.to_str().ok()).map(String::from)
-}
-
-fn set(headers: &mut HeaderMap, name: &str, value: &str) {
-    if let (Ok(name), Ok(value)) = (HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_str(value)) {
-        headers.insert(name, value);
-    }
-}
-
-/// The Bearer token of an `Authorization` header (as `cosyvoice.server.common.presented_key`).
-fn presented_key(authorization: &str) -> String {
-    match authorization.get(..7) {
-        Some(scheme) if scheme.eq_ignore_ascii_case("bearer ") => authorization[7..].trim().to_string(),
-        _ => String::new(),
-    }
-}
-
-/// Whether `token` is one of `keys`, compared in constant time per key (as `hmac.compare_digest`).
-fn key_is_valid(token: &str, keys: &[String]) -> bool {
-    !token.is_empty()
-        && keys.iter().fold(false, |found, key| {
-            let (a, b) = (token.as_bytes(), key.as_bytes());
-            let same = a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0;
-            found | same
-        })
-}
-
-// ----------------------------------------------------------------------------- CORS, as starlette answers it
-
-fn preflight(cors: &Cors, request: &HeaderMap) -> Response<ResponseBody> {
-    let origin = header(request, "origin").unwrap_or_default();
-    let method = header(request, "access-control-request-method").unwrap_or_default();
-    let requested_headers = header(request, "access-control-request-headers");
-    let mut headers = HeaderMap::new();
-    for (name, value) in &cors.preflight_headers {
-        set(&mut headers, name, value);
-    }
-    let mut failures = Vec::new();
-    if allowed_origin(cors, &origin) {
-        if cors.preflight_explicit_allow_origin {
-            set(&mut headers, "access-control-allow-origin", &origin);
-        }
-    } else {
-        failures.push("origin");
-    }
-    if !cors.allow_methods.contains(&method) {
-        failures.push("method");
-    }
-    if let Some(requested) = &requested_headers {
-        if cors.allow_all_headers {
-            set(&mut headers, "access-control-allow-headers", requested);
-        } else if requested.to_lowercase().split(',').any(|h| !cors.allow_headers.contains(&h.trim().to_string())) {
-            failures.push("headers");
-        }
-    }
-    if request.contains_key("access-control-request-private-network") {
-        if cors.allow_private_network {
-            set(&mut headers, "access-control-allow-private-network", "true");
-        } else {
-            failures.push("private-network");
-        }
-    }
-    let (status, text) =
-        if failures.is_empty() { (200, "OK".to_string()) } else { (400, format!("Disallowed CORS {}", failures.join(", "))) };
-    let mut response = Response::new(full(text));
-    *response.status_mut() = StatusCode::from_u16(status).unwrap();
-    *response.headers_mut() = headers;
-    set(response.headers_mut(), "content-type", "text/plain; charset=utf-8");
-    response
-}
-
-fn allowed_origin(cors: &Cors, origin: &str) -> bool {
-    cors.allow_all_origins || cors.allow_origins.iter().any(|o| o == origin)
-}
-
-fn simple_cors(cors: &Cors, origin: Option<&str>, headers: &mut HeaderMap) {
-    let explicit = match origin {
-        None => false,
-        Some(origin) => {
-            for (name, value) in &cors.simple_headers {
-                set(headers, name, value);
-            }
-            (cors.allow_all_origins && cors.allow_credentials) || (!cors.allow_all_origins && allowed_origin(cors, origin))
-        }
-    };
-    if explicit {
-        set(headers, "access-control-allow-origin", origin.unwrap_or_default());
-    }
-    let mut vary: Vec<String> = headers.get_all("vary").iter().filter_map(|v| v.to_str().ok().map(String::from)).collect();
-    vary.push("Origin".to_string());
-    set(headers, "vary", &vary.join(", "));
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{is_json, key_is_valid, presented_key};
-
-    #[test]
-    fn json_content_types() {
-        assert!(is_json("application/json") && is_json("Application/JSON; charset=utf-8"));
-        assert!(is_json("application/problem+json") && !is_json("text/plain") && !is_json("json"));
-    }
-
-    #[test]
-    fn keys() {
-        let keys = vec!["s3cret".to_string(), "other".to_string()];
-        assert_eq!(presented_key("Bearer  s3cret "), "s3cret");
-        assert_eq!(presented_key("bearer s3cret"), "s3cret");
-        assert_eq!(presented_key("Basic s3cret"), "");
-        assert!(key_is_valid("s3cret", &keys) && key_is_valid("other", &keys));
-        assert!(!key_is_valid("s3cre", &keys) && !key_is_valid("", &keys) && !key_is_valid("wrong", &[]));
-    }
 }

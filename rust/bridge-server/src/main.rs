@@ -77,7 +77,7 @@ impl Handler for Routes {
     }
 
     fn over_capacity(&self) -> Response<ResponseBody> {
-        http::canned(&self.0.bridge.config.over_capacity)
+        http_front::answer::canned(&self.0.bridge.config.over_capacity)
     }
 }
 

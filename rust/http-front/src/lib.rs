@@ -13,11 +13,17 @@
 //!   server always returns.
 //!
 //! A server implements [`Handler`] and calls [`serve`]; [`json::depth_exceeds`] checks a JSON body's
-//! nesting before any parser sees it.
+//! nesting before any parser sees it. What both servers answer alike lives here too: API keys ([`auth`]),
+//! CORS ([`cors`]), canned refusals ([`answer`]), the Prometheus families ([`metrics`]) and `.env` ([`dotenv`]).
 
+pub mod answer;
+pub mod auth;
 mod body;
 mod connection;
+pub mod cors;
+pub mod dotenv;
 pub mod json;
+pub mod metrics;
 
 use std::convert::Infallible;
 use std::future::Future;

@@ -29,6 +29,11 @@ impl Bundle {
         Ok(Self { dir: dir.to_owned(), qwen, config })
     }
 
+    /// The folder itself.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// The speech-token LM from `llm.pt`.
     pub fn llm(&self) -> Result<CosyVoice3Lm> {
         let checkpoint = Checkpoint::load(&self.dir.join("llm.pt"), None)?;

@@ -134,10 +134,19 @@ impl HiftConfig {
     }
 }
 
+/// The prompt mel's analysis (`feat_extractor`: Matcha's `mel_spectrogram`, window = n_fft).
+#[derive(Debug, Clone)]
+pub struct MelConfig {
+    pub n_fft: usize,
+    pub hop: usize,
+    pub n_mels: usize,
+}
+
 /// Everything inference reads from `cosyvoice3.yaml`.
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
     pub sample_rate: usize,
+    pub mel: MelConfig,
     pub llm: LlmConfig,
     pub flow: FlowConfig,
     pub hift: HiftConfig,
@@ -173,7 +182,12 @@ impl ModelConfig {
         if flow.vocab_size != llm.speech_token_size {
             return Err(config_error(path, "llm.speech_token_size must equal flow.vocab_size".into()));
         }
-        Ok(Self { sample_rate: doc.size(&["sample_rate"])?, llm, flow, hift: read_hift(&doc)? })
+        let mel = MelConfig {
+            n_fft: doc.size(&["feat_extractor", "n_fft"])?,
+            hop: doc.size(&["feat_extractor", "hop_size"])?,
+            n_mels: doc.size(&["feat_extractor", "num_mels"])?,
+        };
+        Ok(Self { sample_rate: doc.size(&["sample_rate"])?, mel, llm, flow, hift: read_hift(&doc)? })
     }
 }
 

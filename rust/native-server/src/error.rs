@@ -17,6 +17,12 @@ pub enum Error {
     TensorShape { path: PathBuf, key: String, found: Vec<usize>, expected: Vec<usize> },
     #[error("{0}")]
     Input(String),
+    /// ONNX Runtime missing or failing
+    #[error("{0}")]
+    Runtime(String),
+    /// the caller cancelled the request
+    #[error("the request was cancelled")]
+    Cancelled,
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -8,6 +8,8 @@
 //!    conditions, then the same frames with the conditions zeroed), guided v = (1 + w) v_cond - w v_uncond;
 //! 4. the frames after the prompt are the output.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use candle_core::{Device, Module, Tensor};
 use candle_nn::Linear;
 
@@ -105,6 +107,21 @@ impl Flow {
         streaming: bool,
         finalize: bool,
     ) -> Result<Tensor> {
+        let never = AtomicBool::new(false);
+        self.inference_until(token, prompt_token, prompt_feat, embedding, (streaming, finalize), &never)
+    }
+
+    /// [`Flow::inference`] (`mode` = (streaming, finalize)) that stops with [`Error::Cancelled`] at the next
+    /// Euler step once `cancel` is set: a long utterance's flow takes seconds.
+    pub fn inference_until(
+        &self,
+        token: &[u32],
+        prompt_token: &[u32],
+        prompt_feat: &Tensor,
+        embedding: &Tensor,
+        (streaming, finalize): (bool, bool),
+        cancel: &AtomicBool,
+    ) -> Result<Tensor> {
         let tokens: Vec<u32> = prompt_token.iter().chain(token).copied().collect();
         let mu = self.token_condition(&tokens, finalize)?.transpose(1, 2)?; // [1, mel, N]
         let n = mu.dim(2)?;
@@ -120,12 +137,19 @@ impl Flow {
         }
         let spks = self.speaker_condition(embedding)?;
         let cond = pad_zeros(&prompt_feat.transpose(1, 2)?, 0, n - n_prompt)?;
-        let mel = self.solve(&self.noise.narrow(2, 0, n)?, &mu, &spks, &cond, streaming)?;
+        let mel = self.solve(&self.noise.narrow(2, 0, n)?, (&mu, &spks, &cond), streaming, cancel)?;
         Ok(mel.narrow(2, n_prompt, n - n_prompt)?)
     }
 
     /// Euler-integrates from `z` with classifier-free guidance; the unconditional row has every condition zeroed.
-    fn solve(&self, z: &Tensor, mu: &Tensor, spks: &Tensor, cond: &Tensor, streaming: bool) -> Result<Tensor> {
+    fn solve(
+        &self,
+        z: &Tensor,
+        conditions: (&Tensor, &Tensor, &Tensor),
+        streaming: bool,
+        cancel: &AtomicBool,
+    ) -> Result<Tensor> {
+        let (mu, spks, cond) = conditions;
         let guided = |c: &Tensor| -> Result<Tensor> { Ok(Tensor::cat(&[c, &c.zeros_like()?], 0)?) };
         let (mu, spks, cond) = (guided(mu)?, guided(spks)?, guided(cond)?);
         let w = self.cfg.cfg_rate as f32;
@@ -133,6 +157,9 @@ impl Flow {
         let mut x = z.clone();
         let (mut t, mut dt) = (grid[0], grid[1] - grid[0]);
         for step in 0..self.cfg.n_timesteps {
+            if cancel.load(Ordering::Relaxed) {
+                return Err(Error::Cancelled);
+            }
             let t_in = Tensor::new(&[t, t], &Device::Cpu)?;
             let v = self.dit.forward(&Tensor::cat(&[&x, &x], 0)?, &mu, &t_in, &spks, &cond, streaming)?;
             let guided_v = ((v.narrow(0, 0, 1)? * (1.0 + w) as f64)? - (v.narrow(0, 1, 1)? * w as f64)?)?;

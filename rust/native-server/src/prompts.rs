@@ -40,10 +40,12 @@ pub fn instruct_text(instruction: &str) -> Result<String> {
     let head = match head {
         None => body.clone(),
         Some(_) if !body.trim().is_empty() => {
+            let shown: String = body.trim().chars().take(80).collect();
             return Err(Error::Input(format!(
-                "an instruction must end at {END_OF_PROMPT}; found text after it (put the text to speak in the \
-                 tts text, not in the instruction)"
-            )))
+                "an instruction must end at {END_OF_PROMPT}; found text after it: {} (put the text to speak in \
+                 the tts text, not in the instruction)",
+                py_repr(&shown)
+            )));
         }
         Some(head) => head.to_owned(),
     };
@@ -53,6 +55,27 @@ pub fn instruct_text(instruction: &str) -> Result<String> {
     } else {
         format!("{SYSTEM_PROMPT} {instruction}{END_OF_PROMPT}")
     })
+}
+
+/// Python's `repr` of a string (the Python frontend quotes user text so in its messages).
+fn py_repr(text: &str) -> String {
+    let quote = if text.contains('\'') && !text.contains('"') { '"' } else { '\'' };
+    let mut out = String::from(quote);
+    for c in text.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
+    out
 }
 
 /// (before, after) the first `<|endofprompt|>` (before is None without one); further markers are removed
@@ -103,7 +126,9 @@ mod tests {
         for blank in [String::new(), sp_eop(""), eop.to_owned()] {
             assert_eq!(instruct_text(&blank).unwrap(), sp_eop(""));
         }
-        assert!(instruct_text(&format!("Speak slowly.{eop}Hello")).unwrap_err().to_string().contains("after it"));
+        let refused = instruct_text(&format!("Speak slowly.{eop} Hello ")).unwrap_err().to_string();
+        assert!(refused.contains("found text after it: 'Hello' (put"), "{refused}");
+        assert_eq!(py_repr("it's"), "\"it's\"");
     }
 
     #[test]
