@@ -15,7 +15,9 @@
 # library folder as the binary's run path, so the binary starts from any folder without a wrapper. Used by
 # scripts/test.sh (and so .ci/run). `--packages` only installs the missing apt packages (a C linker, and the
 # venv Python's shared library where its base lacks it; apt cannot run twice at once: scripts/test.sh
-# installs them before its parallel builds).
+# installs them before its parallel builds). `--build` only compiles (the servers, the module and the tests'
+# binaries: it needs the venv's Python, not its packages) and `--finish` only installs the module and runs the
+# tests (they need the venv's onnxruntime): scripts/test.sh compiles while pip installs, then finishes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,6 +44,9 @@ if [ ${#packages[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null
 fi
 [ "${1:-}" = "--packages" ] && exit 0
+build=1 finish=1
+[ "${1:-}" = "--build" ] && finish=0
+[ "${1:-}" = "--finish" ] && build=0
 [ -n "$PY" ] || { log "ERROR: no virtual environment at $VENV (run scripts/setup.sh)"; exit 1; }
 
 # rustup's cargo: on PATH, else where rustup installs it
@@ -56,10 +61,14 @@ fi
 
 log "building rust/ with $("$CARGO" --version), Python $("$PY" -c 'import sys; print(sys.version.split()[0])')"
 cd rust
-# downloads only what the cache lacks; without a network the offline build below says what is missing
-"$CARGO" fetch --locked || log "WARNING: cargo fetch failed (no network?): building from the local crate cache"
 export PYO3_PYTHON="$PY"
-"$CARGO" build --release --offline --locked
+if [ "$build" = 1 ]; then
+  # downloads only what the cache lacks; without a network the offline build below says what is missing
+  "$CARGO" fetch --locked || log "WARNING: cargo fetch failed (no network?): building from the local crate cache"
+  "$CARGO" build --release --offline --locked
+  "$CARGO" test --release --offline --locked --no-run --quiet
+fi
+[ "$finish" = 1 ] || exit 0
 # the PyO3 module cosyvoice_rust_backend (rust/python-backend: the native engine's stages, for the parity tests
 # from Python), installed into the venv
 site=$("$PY" -c 'import sysconfig; print(sysconfig.get_path("platlib"))')

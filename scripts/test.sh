@@ -17,7 +17,7 @@ bash scripts/build_rust.sh --packages || true  # where apt cannot, the build bel
 logs=$(mktemp -d)
 trap 'kill $(jobs -p) 2> /dev/null || true; rm -rf "$logs"' EXIT  # a failed install stops the other builds
 
-bash scripts/build_rust.sh > "$logs/rust.log" 2>&1 &
+bash scripts/build_rust.sh --build > "$logs/rust.log" 2>&1 &
 rust=$!
 ui=""
 ui_env=(env -u VIRTUAL_ENV -u PYTHONPATH -u COSYVOICE_EXTRAS COSYVOICE_VENV=.venv-webui)
@@ -29,7 +29,8 @@ fi
 bash scripts/setup.sh
 
 built=0
-wait "$rust" && built=1
+# the module's install and the crates' tests need the venv's packages (onnxruntime): after setup.sh
+wait "$rust" && bash scripts/build_rust.sh --finish >> "$logs/rust.log" 2>&1 && built=1
 cat "$logs/rust.log"
 if [ "$built" = 0 ]; then
   [ "${COSYVOICE_REQUIRE_RUST:-0}" = 1 ] && { echo "[test] the Rust server did not build" >&2; exit 1; }
