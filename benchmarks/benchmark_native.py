@@ -7,8 +7,8 @@ For each server it sends ``POST /synthesize`` (a short zero-shot request, WAV an
 audio arrives with the last) once per seed, ``--requests`` times over, and reports: model load time, the
 median first-audio latency, the real-time factor (wall seconds per audio second), the audio length per seed
 (equal seeds decode equal speech tokens in both engines, so the lengths should agree), the server's resident
-memory (RSS) after the run and the CPU time it spent on the requests. Without ``--model-dir`` a random tiny
-bundle is made. Build the native server first (``bash scripts/build_rust.sh``).
+memory (RSS) after the run and at its peak, and the CPU time it spent on the requests. Without ``--model-dir``
+a random tiny bundle is made. Build the native server first (``bash scripts/build_rust.sh``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.benchmark_bridge import Process, _prompt, _rss_mib
+from benchmarks.benchmark_bridge import Process, _cpu_seconds, _memory_mib, _prompt
 from cosyvoice.tools.make_tiny_bundle import make_tiny_bundle
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,13 +44,8 @@ class Row:
     rtf: float
     audio_s: dict[int, float]
     rss_mib: float
+    peak_rss_mib: float
     cpu_s: float
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` (its threads included)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(name: str, command: list[str], work: Path, seeds: list[int], rounds: int, body: dict) -> Row:
@@ -72,7 +67,7 @@ def measure(name: str, command: list[str], work: Path, seeds: list[int], rounds:
                 rtfs.append(wall / audio[seed])
         cpu = _cpu_seconds(server.process.pid) - cpu_before
         return Row(name, load, len(walls), 1000 * statistics.median(walls), statistics.median(rtfs), audio,
-                   _rss_mib(server.process.pid), cpu)
+                   _memory_mib(server.process.pid, "VmRSS"), _memory_mib(server.process.pid, "VmHWM"), cpu)
     finally:
         server.stop()
 
@@ -103,12 +98,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
     print(f"model: {args.model_dir or 'random tiny bundle'}; /synthesize: {len(TEXT)} characters, zero-shot, "
           f"1.5 s prompt, seeds {args.seeds} x {args.requests}; load average before {load_before[0]:.1f}, "
           f"after {load_after[0]:.1f}")
-    print("| server | load s | requests | first audio p50 ms | RTF p50 | audio s per seed | RSS MiB | CPU s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| server | load s | requests | first audio p50 ms | RTF p50 | audio s per seed | RSS MiB | peak RSS MiB | "
+          "CPU s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         audio = ", ".join(f"{r.audio_s[s]:.2f}" for s in args.seeds)
         print(f"| {r.server} | {r.load_s:.1f} | {r.requests} | {r.first_audio_ms:.0f} | {r.rtf:.2f} | {audio} | "
-              f"{r.rss_mib:.0f} | {r.cpu_s:.1f} |")
+              f"{r.rss_mib:.0f} | {r.peak_rss_mib:.0f} | {r.cpu_s:.1f} |")
     return rows
 
 
