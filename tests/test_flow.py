@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -202,6 +204,35 @@ def test_flowstream_chunk_mask_with_finalize_and_cache_drop(flow) -> None:
             if n == drop_after:
                 stream.drop_cache()
                 assert stream.cache_bytes == 0 and not stream.caching
+
+
+def test_flowstream_frees_each_steps_old_cache_before_the_next_step(flow, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call holds one step's old and new cache at a time, not every step's (twice the cache), and a failed call
+    leaves a stream that recomputes."""
+    x = inputs(40, n_prompt=6)
+    stream = FlowStream(flow, x["prompt_token"], x["prompt_feat"], x["embedding"])
+    stream.inference(x["token"][:, :17], finalize=False)
+    dit = flow.decoder.estimator
+    extend = dit.forward_cached
+    olds: list[weakref.ref] = []
+    alive_at_next_step: list[bool] = []
+
+    def spy(*args, **kwargs):
+        alive_at_next_step.extend(old() is not None for old in olds[-1:])
+        olds.append(weakref.ref(args[5].kv[0][0]))  # this step's cache before the call
+        return extend(*args, **kwargs)
+
+    monkeypatch.setattr(dit, "forward_cached", spy)
+    stream.inference(x["token"][:, 17:31], finalize=False)
+    assert len(olds) == stream.steps and alive_at_next_step == [False] * (stream.steps - 1)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(dit, "forward_cached", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        stream.inference(x["token"][:, 31:36], finalize=False)
+    assert not stream.caching and stream.cache_bytes == 0
 
 
 def test_flowstream_rejects_calls_after_the_last(flow) -> None:

@@ -285,14 +285,19 @@ class FlowStream:
         """The second half of :meth:`inference` for this stream alone: the new mel frames of ``step``."""
         cfm = self.flow.decoder
         mu_in, spks_in, cond_in = guidance_batch(step.mu, self.spks, step.cond)
-        past = self._caches
-        caches = list(past)
+        # each step's cache is replaced as soon as its extension exists, so the old one is freed at once instead
+        # of every step's old and new caches being held together until the last step (twice the cache)
+        caches = self._caches
 
         def velocity(x_in: Tensor, t_in: Tensor, k: int) -> Tensor:
-            out, caches[k] = cfm.estimator.forward_cached(x_in, mu_in, t_in, spks_in, cond_in, past[k], step.keep)
+            out, caches[k] = cfm.estimator.forward_cached(x_in, mu_in, t_in, spks_in, cond_in, caches[k], step.keep)
             return out
 
-        mel = solve_euler_cfg(velocity, step.noise, cfm.time_grid(step.mu, self.steps), cfm.cfg_rate)
+        try:
+            mel = solve_euler_cfg(velocity, step.noise, cfm.time_grid(step.mu, self.steps), cfm.cfg_rate)
+        except BaseException:
+            self.drop_cache()  # some steps were extended, some not: recompute from here on
+            raise
         return self._finish(step, mel, caches)
 
     @torch.inference_mode()
