@@ -206,6 +206,24 @@ def test_flowstream_chunk_mask_with_finalize_and_cache_drop(flow) -> None:
                 assert stream.cache_bytes == 0 and not stream.caching
 
 
+def test_flowstream_cache_grows_in_place(flow) -> None:
+    """Chunk after chunk the keys/values are written into the stream's own buffers, which are replaced only when
+    full (geometric growth), and the mel is still the recompute's."""
+    x = inputs(80, n_prompt=6)
+    stream = FlowStream(flow, x["prompt_token"], x["prompt_feat"], x["embedding"])
+    buffers, fed, returned = [], 0, 0
+    for n in range(9, 80, 4):
+        got = stream.inference(x["token"][:, fed:n], finalize=False)
+        expected = run(flow, dict(x, token=x["token"][:, :n]), True, False)[:, :, returned:]
+        torch.testing.assert_close(got, expected, atol=FLOW_MEL_ATOL, rtol=0)
+        fed, returned = n, returned + got.shape[2]
+        keys = stream._caches[0].kv[0][0]
+        buffers.append((keys.untyped_storage().data_ptr(), keys.shape[2]))
+    lengths = [length for _, length in buffers]
+    grown = len({ptr for ptr, _ in buffers})
+    assert len(buffers) == 18 and lengths[-1] > 4 * lengths[0] and grown <= 6  # 18 calls, 4 copies or so
+
+
 def test_flowstream_frees_each_steps_old_cache_before_the_next_step(flow, monkeypatch: pytest.MonkeyPatch) -> None:
     """A call holds one step's old and new cache at a time, not every step's (twice the cache), and a failed call
     leaves a stream that recomputes."""

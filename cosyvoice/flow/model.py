@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from cosyvoice.config import FlowConfig
 from cosyvoice.flow.cfm import CausalConditionalCFM, guidance_batch, solve_euler_cfg
-from cosyvoice.flow.dit import DiTCache, PackedTrunk, cache_cat, cache_rows, conv1d
+from cosyvoice.flow.dit import DiTCache, PackedTrunk, cache_cat, cache_rows, compact, conv1d
 
 
 class PreLookaheadLayer(nn.Module):
@@ -313,8 +313,9 @@ class FlowStream:
         mu = flow.token_condition(self.prompt_token, finalize=False)[:, :length].transpose(1, 2)
         cond = flow.prompt_condition(self.prompt_feat, length)
         self.solve(PendingExtension(self, mu, cond, flow.decoder.start_noise(0, length, mu), length))
-        # the position-conv tails are views of whole conv inputs: copies, so a kept prefix holds only itself
-        caches = tuple(DiTCache(c.length, (c.conv_tails[0].clone(), c.conv_tails[1].clone()), c.kv)
+        # copies, so a kept prefix holds only itself (the tails are views of whole conv inputs, the keys/values of
+        # buffers with room) and the streams that start from it never write into one buffer
+        caches = tuple(compact(DiTCache(c.length, (c.conv_tails[0].clone(), c.conv_tails[1].clone()), c.kv))
                        for c in self._caches)
         self._caches = list(caches)
         return VoicePrefix(length, self.steps, caches, self._mel)
