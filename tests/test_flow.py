@@ -260,6 +260,7 @@ def test_flowstream_rejects_calls_after_the_last(flow) -> None:
     stream.inference(x["token"][:, :12], finalize=False)
     assert stream.cache_bytes == stream.finished_frames * FlowStream.bytes_per_frame(flow) > 0
     stream.inference(x["token"][:, 12:], finalize=True)
+    assert stream.cache_bytes == 0  # freed before the full-attention last call, which cannot use it
     with pytest.raises(RuntimeError, match="finalised"):
         stream.inference(x["token"][:, :1], finalize=False)
 

@@ -214,8 +214,12 @@ def owns_room(past: Tensor, frames: int) -> bool:
 
 def compact(cache: DiTCache) -> DiTCache:
     """``cache`` with its keys/values exactly their frames (no room): for a cache shared by streams, which must
-    never write into one buffer's scratch frames at once."""
-    return DiTCache(cache.length, cache.conv_tails, [(k.clone(), v.clone()) for k, v in cache.kv])
+    never write into one buffer's scratch frames at once. Tensors that already are (a graph's outputs) stay."""
+    def exact(t: Tensor) -> Tensor:
+        alone = t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
+        return t if alone else t.clone()
+
+    return DiTCache(cache.length, cache.conv_tails, [(exact(k), exact(v)) for k, v in cache.kv])
 
 
 class FeedForward(nn.Module):

@@ -338,6 +338,8 @@ class FlowStream:
             raise RuntimeError(f"finalize=False needs at least {self.flow.pre_lookahead_len} tokens "
                                     f"(prompt included) to use as look-ahead")
         self._tokens = tokens
+        if finalize and not streaming:
+            self.drop_cache()  # the last call, under full attention: the chunk-causal cache has no use left
         if not streaming or self._caches is None:
             mel = flow.inference(tokens[:, n_prompt_tokens:], tokens.shape[1] - n_prompt_tokens, self.prompt_token,
                                  n_prompt_tokens, self.prompt_feat, n_prompt, self.embedding, streaming=streaming,
