@@ -272,15 +272,18 @@ def _engine(tts: CosyVoice3, spec: Row, cores: int) -> object:
     return engine
 
 
-def run_row(model_dir: Path, row: str, requests: int, lengths: list[int], work: Path) -> dict[str, object]:
+def run_row(model_dir: Path, row: str, requests: int, lengths: list[int], work: Path,
+            flow_cache_mb: float | None = None) -> dict[str, object]:
     """One row in this process: load, warm up, first audio of ``requests`` streamed requests (each stopped at
     its first chunk), then one streamed request per length in ``lengths`` (seconds of speech: 25 tokens each)
     for the RTF; the per-stage seconds come from the first of them (see the module docstring). Each request's
-    process CPU seconds too: on a shared machine they are the work, whatever the wall clock says."""
+    process CPU seconds too: on a shared machine they are the work, whatever the wall clock says.
+    ``flow_cache_mb``: the flow cache's budget (None: the engine's default, half the free memory)."""
     spec = ROWS[row]
     os.environ["COSYVOICE_PROMPT_CACHE"] = "on" if spec.prefix else "off"
     start = time.perf_counter()
-    tts = CosyVoice3(model_dir, device="cpu", limits=Limits(max_sessions=1, queue_timeout_seconds=3600),
+    limits = Limits(max_sessions=1, queue_timeout_seconds=3600, flow_cache_mb=flow_cache_mb)
+    tts = CosyVoice3(model_dir, device="cpu", limits=limits,
                      voice_dir=work / f"voices-{row}", backend=spec.backend, precision=spec.precision)
     load_s = time.perf_counter() - start
     engine = _engine(tts, spec, torch.get_num_threads())
@@ -318,7 +321,8 @@ def run_row(model_dir: Path, row: str, requests: int, lengths: list[int], work: 
         if i == 0:
             result.update({f"{stage}_s_per_audio_s": s / run["audio"] for stage, s in timer.seconds.items()})
     result.update(load_average_after=load_average(), load_s=load_s, peak_rss_mb=peak_rss_mb(),
-                  checks=tts.model.plan.checks)
+                  checks=tts.model.plan.checks, flow_cache_mb=round(tts.engine.flow_cache_mb),
+                  flow_cache_fallbacks=tts.engine.flow_cache_fallbacks)
     tts.engine.close()
     return result
 
@@ -370,6 +374,8 @@ def _parser() -> argparse.ArgumentParser:
                              "empty: none, e.g. with --floor, which measures the DiT's paths itself)")
     parser.add_argument("--json", type=Path, help="write settings and results here")
     parser.add_argument("--floor", action="store_true", help="this machine's floor and the DiT's paths against it")
+    parser.add_argument("--flow-cache-mb", type=float,
+                        help="the rows' flow-cache budget (default: the engine's, half the free memory at start)")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: run one row in this process, print JSON
     return parser
 
@@ -390,7 +396,9 @@ def _rows(args: argparse.Namespace, model_dir: Path, features: frozenset[str]) -
             results[row] = {"skipped": reason}
         else:
             done = subprocess.run([sys.executable, __file__, "--row", row, "--model-dir", str(model_dir),
-                                   "--requests", str(args.requests), "--lengths",
+                                   "--requests", str(args.requests),
+                                   *(["--flow-cache-mb", str(args.flow_cache_mb)] if args.flow_cache_mb else []),
+                                   "--lengths",
                                    *map(str, args.lengths if args.long_rows is None or row in args.long_rows
                                         else args.lengths[:1])],
                                   capture_output=True, text=True)
@@ -413,7 +421,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = _parser().parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="cosyvoice-cpu-bench-"))
     if args.row:
-        print(json.dumps(run_row(args.model_dir, args.row, args.requests, args.lengths, work)))
+        print(json.dumps(run_row(args.model_dir, args.row, args.requests, args.lengths, work, args.flow_cache_mb)))
         return {}
     model_dir, model = bench_bundle(args.model_dir, args.tiny, work)
     features = fast.cpu_features()
@@ -421,7 +429,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "cpu": cpu_model(), "cpu_flags": sorted(features), "cores": torch.get_num_threads(),
                 "torch": torch.__version__, "python": platform.python_version(), "commit": _git_commit(),
                 "model": model, "lengths_s": args.lengths, "requests": args.requests,
-                "mode": "stream, 1 request at a time, batched engine, seed 0", "load_before": load_average()}
+                "mode": "stream, 1 request at a time, batched engine, seed 0", "load_before": load_average(),
+                "flow_cache_mb": args.flow_cache_mb}
     print(" | ".join(f"{k} {v}" for k, v in settings.items()), flush=True)
     report: dict[str, object] = {"settings": settings}
     if args.floor:

@@ -278,7 +278,7 @@ class Suite:
                 "flow_cache_peak_mib": round(held[0] / 2**20, 1), "flow_cache_fallbacks": engine.flow_cache_fallbacks,
                 "audio_s_per_wall_s": round(sum(r["audio"] for r in results) / wall, 2),
                 "flow_cache_30s_x64_gib (arithmetic)": round(64 * frames_30s * per_frame / 2**30, 1),
-                "flow_cache_budget_gib": round(limits.flow_cache_mb / 1024, 1)}
+                "flow_cache_budget_gib": round(engine.flow_cache_mb / 1024, 1)}
 
     def export(self, spec: str) -> dict:
         module, _, function = spec.partition(":")

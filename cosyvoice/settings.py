@@ -171,8 +171,9 @@ class Limits:
     max_named_voices: int = 256
     max_llm_positions: int = 4096  # KV-cache positions per session row (prompt + speech tokens), allocated once
     # all streams' incremental flow caches together; each stream gets flow_cache_mb / max_sessions and
-    # recomputes (the reference's path) beyond it (docs/architecture.md, "Memory")
-    flow_cache_mb: float = 32768.0
+    # recomputes (the reference's path) beyond it (docs/architecture.md, "Memory"); None: half of the memory
+    # free on the engine's device when it starts, at most 32768 (cosyvoice/engine/memory.py)
+    flow_cache_mb: float | None = None
     # each voice's flow prefix (the prompt's DiT keys/values at every Euler step, cosyvoice/flow/prompt_cache.py),
     # kept across requests in memory and in the voice folder (0: not on disk); 3.6 MB per prompt frame in fp32 at
     # the released size with 10 steps (half in bf16), so ~360 MB for a 3 s prompt (its first 100 frames)
@@ -210,6 +211,8 @@ class Limits:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if value is None:
+                continue
             if value < 0 or (value == 0 and f.name not in ("queue_timeout_seconds", "max_queued_requests",
                                                             "trim_leading_silence_ms", "prompt_cache_disk_mb")):
                 raise ConfigError(f"limit {f.name} must be positive, got {value}")
@@ -331,7 +334,7 @@ def settings_from_args(args: argparse.Namespace,
             Limits.from_env(environ, **given("limits_", Limits)))
 
 
-_KINDS: dict[str, type] = {"int": int, "float": float, "str": str, "str | None": str}
+_KINDS: dict[str, type] = {"int": int, "float": float, "float | None": float, "str": str, "str | None": str}
 
 
 def _env_values(cls: type, environ: dict[str, str] | None) -> dict[str, object]:

@@ -30,7 +30,9 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise WeightsError(f"{path.name} missing in {path.parent}: {_REDOWNLOAD}")
     try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
+        # mapped, not read: a tensor's pages load when first used, so the weights that another backend replaces
+        # (the LLM's stack and the DiT's blocks under onnxruntime) never become resident
+        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except (RuntimeError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError, ValueError, OSError) as exc:
         raise WeightsError(f"{path.name} is corrupt or truncated ({type(exc).__name__}: {exc}); {_REDOWNLOAD}") from exc
     if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):

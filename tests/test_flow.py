@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -204,6 +206,53 @@ def test_flowstream_chunk_mask_with_finalize_and_cache_drop(flow) -> None:
                 assert stream.cache_bytes == 0 and not stream.caching
 
 
+def test_flowstream_cache_grows_in_place(flow) -> None:
+    """Chunk after chunk the keys/values are written into the stream's own buffers, which are replaced only when
+    full (geometric growth), and the mel is still the recompute's."""
+    x = inputs(80, n_prompt=6)
+    stream = FlowStream(flow, x["prompt_token"], x["prompt_feat"], x["embedding"])
+    buffers, fed, returned = [], 0, 0
+    for n in range(9, 80, 4):
+        got = stream.inference(x["token"][:, fed:n], finalize=False)
+        expected = run(flow, dict(x, token=x["token"][:, :n]), True, False)[:, :, returned:]
+        torch.testing.assert_close(got, expected, atol=FLOW_MEL_ATOL, rtol=0)
+        fed, returned = n, returned + got.shape[2]
+        keys = stream._caches[0].kv[0][0]
+        buffers.append((keys.untyped_storage().data_ptr(), keys.shape[2]))
+    lengths = [length for _, length in buffers]
+    grown = len({ptr for ptr, _ in buffers})
+    assert len(buffers) == 18 and lengths[-1] > 4 * lengths[0] and grown <= 6  # 18 calls, 4 copies or so
+
+
+def test_flowstream_frees_each_steps_old_cache_before_the_next_step(flow, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call holds one step's old and new cache at a time, not every step's (twice the cache), and a failed call
+    leaves a stream that recomputes."""
+    x = inputs(40, n_prompt=6)
+    stream = FlowStream(flow, x["prompt_token"], x["prompt_feat"], x["embedding"])
+    stream.inference(x["token"][:, :17], finalize=False)
+    dit = flow.decoder.estimator
+    extend = dit.forward_cached
+    olds: list[weakref.ref] = []
+    alive_at_next_step: list[bool] = []
+
+    def spy(*args, **kwargs):
+        alive_at_next_step.extend(old() is not None for old in olds[-1:])
+        olds.append(weakref.ref(args[5].kv[0][0]))  # this step's cache before the call
+        return extend(*args, **kwargs)
+
+    monkeypatch.setattr(dit, "forward_cached", spy)
+    stream.inference(x["token"][:, 17:31], finalize=False)
+    assert len(olds) == stream.steps and alive_at_next_step == [False] * (stream.steps - 1)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(dit, "forward_cached", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        stream.inference(x["token"][:, 31:36], finalize=False)
+    assert not stream.caching and stream.cache_bytes == 0
+
+
 def test_flowstream_rejects_calls_after_the_last(flow) -> None:
     x = inputs(20)
     stream = FlowStream(flow, x["prompt_token"], x["prompt_feat"], x["embedding"])
@@ -211,6 +260,7 @@ def test_flowstream_rejects_calls_after_the_last(flow) -> None:
     stream.inference(x["token"][:, :12], finalize=False)
     assert stream.cache_bytes == stream.finished_frames * FlowStream.bytes_per_frame(flow) > 0
     stream.inference(x["token"][:, 12:], finalize=True)
+    assert stream.cache_bytes == 0  # freed before the full-attention last call, which cannot use it
     with pytest.raises(RuntimeError, match="finalised"):
         stream.inference(x["token"][:, :1], finalize=False)
 

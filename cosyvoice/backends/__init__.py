@@ -111,9 +111,10 @@ def _graph(name: str, backend: str, manifest: dict[str, object], root: Path, dev
 
     path = root / "onnx" / graph_file(name, precision)
     if backend.startswith("onnxruntime"):
-        from cosyvoice.backends.ort import OrtGraph
+        from cosyvoice.backends.ort import OrtGraph, cpu_stage_threads
 
-        return OrtGraph(path, device)
+        # the DiT and the vocoder run in the engine's token-to-wave stage
+        return OrtGraph(path, device, cpu_stage_threads(1) if device.type == "cpu" else None)
     from cosyvoice.backends import trt
 
     sha = manifest["graphs"][path.name]["sha256"]  # type: ignore[index]

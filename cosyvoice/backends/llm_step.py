@@ -171,10 +171,10 @@ class GraphBackbone:
 def attach_step(llm: nn.Module, model_root: Path, precision: str) -> nn.Module:
     """``llm`` (a CosyVoice3LM, float32) with its Qwen2 stack run by the ``llm_step`` graph of ``precision``;
     the stack's torch weights are left as they are (:func:`release_stack` frees them)."""
-    from cosyvoice.backends.ort import OrtGraph
+    from cosyvoice.backends.ort import OrtGraph, cpu_stage_threads
 
     path = ensure_step(llm.llm, model_root, precision)
-    llm.llm.runner = GraphBackbone(OrtGraph(path, torch.device("cpu")), llm.llm)
+    llm.llm.runner = GraphBackbone(OrtGraph(path, torch.device("cpu"), cpu_stage_threads(0)), llm.llm)
     return llm
 
 

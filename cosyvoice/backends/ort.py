@@ -24,8 +24,23 @@ def cuda_provider_available() -> bool:
     return "CUDAExecutionProvider" in ort.get_available_providers()
 
 
+def cpu_stage_threads(stage: int) -> int:
+    """Intra-op threads of engine stage ``stage`` (0: the LLM, 1: token-to-wave) as the engine lays them out over
+    torch's thread count (:func:`~cosyvoice.engine.engine.stage_threads`)."""
+    from cosyvoice.engine.engine import stage_threads
+
+    return stage_threads(torch.get_num_threads())[stage]
+
+
 class OrtGraph:
-    """One onnxruntime session on ``device`` (CPU, or CUDA through the CUDA execution provider)."""
+    """One onnxruntime session on ``device`` (CPU, or CUDA through the CUDA execution provider).
+
+    ``threads``: its intra-op threads (None: onnxruntime's default, one per physical core). On the CPU the callers
+    pass their engine stage's share (:func:`cpu_stage_threads`): each session owns a pool, and the LLM's and the
+    token-to-wave stage's run at once, so pools of every core each would oversubscribe them. On the CPU the session
+    also runs without onnxruntime's memory arena: an arena keeps its largest activations (the DiT's over the
+    longest call) for the process's life, beside the allocator's own free lists.
+    """
 
     def __init__(self, path: Path, device: torch.device, threads: int | None = None) -> None:
         import onnxruntime as ort
@@ -35,8 +50,10 @@ class OrtGraph:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
             options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1  # the sequential executor: a graph's ops run one after another
         # no busy-waiting between ops: the LLM's thread shares the cores with these sessions
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.enable_cpu_mem_arena = device.type != "cpu"
         if device.type == "cuda":
             if not cuda_provider_available():
                 raise ModelBundleError("onnxruntime has no CUDA execution provider here: install onnxruntime-gpu "

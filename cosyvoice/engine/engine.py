@@ -29,6 +29,7 @@ import torch
 
 from cosyvoice.config import CosyVoice3Config
 from cosyvoice.engine.graphs import CompiledDiT
+from cosyvoice.engine.memory import default_flow_cache_mb, free_memory_bytes
 from cosyvoice.engine.plan import Ticket
 from cosyvoice.engine.scheduler import LLMScheduler
 from cosyvoice.engine.session import AudioChunk, CancelToken, ChunkSchedule, Session
@@ -115,6 +116,9 @@ class Engine:
             # TF32 convolutions move the vocoder's audio by ~1e-2 (golden README §12); docs/differences.md
             torch.backends.cudnn.allow_tf32 = False
         self.limits = limits or Limits.from_env()
+        # all flow caches' budget in MiB, fixed at the start (a share of the device's free memory unless set)
+        self.flow_cache_mb = self.limits.flow_cache_mb if self.limits.flow_cache_mb is not None \
+            else default_flow_cache_mb(free_memory_bytes(device))
         self.sample_rate = config.sample_rate
         self.fixed_tokens = None if fixed_tokens is None else CosyVoice3LM.check_fixed_tokens(fixed_tokens)
         self._ids = itertools.count()
@@ -194,7 +198,7 @@ class Engine:
 
     @property
     def flow_cache_bytes(self) -> int:
-        """Bytes all sessions' incremental flow caches hold now (the budget is ``limits.flow_cache_mb``)."""
+        """Bytes all sessions' incremental flow caches hold now (the budget is :attr:`flow_cache_mb`)."""
         return self.worker.flow_cache_bytes
 
     @property
@@ -205,8 +209,8 @@ class Engine:
     @property
     def flow_cache_share(self) -> float:
         """Bytes one stream's incremental flow cache may hold: ``flow_cache_mb / max_sessions``, so all caches
-        together stay within ``limits.flow_cache_mb`` whatever runs at once."""
-        return self.limits.flow_cache_mb * 2**20 / self.limits.max_sessions
+        together stay within :attr:`flow_cache_mb` whatever runs at once."""
+        return self.flow_cache_mb * 2**20 / self.limits.max_sessions
 
     def close(self) -> None:
         """Stop the scheduler and worker threads and free the KV-cache pool (running requests fail)."""

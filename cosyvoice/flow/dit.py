@@ -173,10 +173,53 @@ class Attention(nn.Module):
         v = self.to_v(x)
         q, k, v = (y.view(b, n, self.heads, self.dim_head).transpose(1, 2) for y in (q, k, v))
         if past is not None:
-            k = torch.cat((past[0], k), dim=2)
-            v = torch.cat((past[1], v), dim=2)
+            k, v = append_frames(past[0], k), append_frames(past[1], v)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.to_out[0](out.transpose(1, 2).reshape(b, n, -1)), k, v
+
+
+#: a cache buffer that must grow holds this much more than it needs, so a stream copies its keys/values a
+#: logarithmic number of times over its life instead of once per chunk
+GROWTH = 1.5
+
+
+def append_frames(past: Tensor, new: Tensor) -> Tensor:
+    """``past`` [B, H, L, D] followed by ``new`` [B, H, n, D] along the frames, written in place into the buffer
+    ``past`` is the start of when that buffer has room (the stream's own, :func:`owns_room`), else into a new
+    buffer with room to grow (:data:`GROWTH`); returns the [B, H, L + n, D] view. The frames after ``L`` of a
+    buffer are scratch: only a stream's own cache (never a shared voice prefix, :func:`compact`) has any. A traced
+    or compiled graph (ONNX export, ``torch.compile``) gets the plain concatenation: no storage, no shape logic."""
+    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return torch.cat((past, new), dim=2)
+    b, h, length, d = past.shape
+    total = length + new.shape[2]
+    if owns_room(past, total):
+        out = past.as_strided((b, h, total, d), past.stride())
+    else:
+        buffer = past.new_empty(b, h, max(total, int(total * GROWTH)), d)
+        out = buffer[:, :, :total]
+        out[:, :, :length] = past
+    out[:, :, length:] = new
+    return out
+
+
+def owns_room(past: Tensor, frames: int) -> bool:
+    """Whether ``past`` is the leading frames of a [B, H, capacity, D] buffer of at least ``frames`` frames."""
+    b, h, _, d = past.shape
+    capacity = past.stride(1) // d
+    dense = past.stride() == (h * capacity * d, capacity * d, d, 1)
+    return dense and past.storage_offset() == 0 and capacity >= frames \
+        and past.untyped_storage().nbytes() >= b * h * capacity * d * past.element_size()
+
+
+def compact(cache: DiTCache) -> DiTCache:
+    """``cache`` with its keys/values exactly their frames (no room): for a cache shared by streams, which must
+    never write into one buffer's scratch frames at once. Tensors that already are (a graph's outputs) stay."""
+    def exact(t: Tensor) -> Tensor:
+        alone = t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
+        return t if alone else t.clone()
+
+    return DiTCache(cache.length, cache.conv_tails, [(exact(k), exact(v)) for k, v in cache.kv])
 
 
 class FeedForward(nn.Module):

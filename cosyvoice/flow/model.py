@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from cosyvoice.config import FlowConfig
 from cosyvoice.flow.cfm import CausalConditionalCFM, guidance_batch, solve_euler_cfg
-from cosyvoice.flow.dit import DiTCache, PackedTrunk, cache_cat, cache_rows, conv1d
+from cosyvoice.flow.dit import DiTCache, PackedTrunk, cache_cat, cache_rows, compact, conv1d
 
 
 class PreLookaheadLayer(nn.Module):
@@ -285,14 +285,19 @@ class FlowStream:
         """The second half of :meth:`inference` for this stream alone: the new mel frames of ``step``."""
         cfm = self.flow.decoder
         mu_in, spks_in, cond_in = guidance_batch(step.mu, self.spks, step.cond)
-        past = self._caches
-        caches = list(past)
+        # each step's cache is replaced as soon as its extension exists, so the old one is freed at once instead
+        # of every step's old and new caches being held together until the last step (twice the cache)
+        caches = self._caches
 
         def velocity(x_in: Tensor, t_in: Tensor, k: int) -> Tensor:
-            out, caches[k] = cfm.estimator.forward_cached(x_in, mu_in, t_in, spks_in, cond_in, past[k], step.keep)
+            out, caches[k] = cfm.estimator.forward_cached(x_in, mu_in, t_in, spks_in, cond_in, caches[k], step.keep)
             return out
 
-        mel = solve_euler_cfg(velocity, step.noise, cfm.time_grid(step.mu, self.steps), cfm.cfg_rate)
+        try:
+            mel = solve_euler_cfg(velocity, step.noise, cfm.time_grid(step.mu, self.steps), cfm.cfg_rate)
+        except BaseException:
+            self.drop_cache()  # some steps were extended, some not: recompute from here on
+            raise
         return self._finish(step, mel, caches)
 
     @torch.inference_mode()
@@ -308,8 +313,9 @@ class FlowStream:
         mu = flow.token_condition(self.prompt_token, finalize=False)[:, :length].transpose(1, 2)
         cond = flow.prompt_condition(self.prompt_feat, length)
         self.solve(PendingExtension(self, mu, cond, flow.decoder.start_noise(0, length, mu), length))
-        # the position-conv tails are views of whole conv inputs: copies, so a kept prefix holds only itself
-        caches = tuple(DiTCache(c.length, (c.conv_tails[0].clone(), c.conv_tails[1].clone()), c.kv)
+        # copies, so a kept prefix holds only itself (the tails are views of whole conv inputs, the keys/values of
+        # buffers with room) and the streams that start from it never write into one buffer
+        caches = tuple(compact(DiTCache(c.length, (c.conv_tails[0].clone(), c.conv_tails[1].clone()), c.kv))
                        for c in self._caches)
         self._caches = list(caches)
         return VoicePrefix(length, self.steps, caches, self._mel)
@@ -332,6 +338,8 @@ class FlowStream:
             raise RuntimeError(f"finalize=False needs at least {self.flow.pre_lookahead_len} tokens "
                                     f"(prompt included) to use as look-ahead")
         self._tokens = tokens
+        if finalize and not streaming:
+            self.drop_cache()  # the last call, under full attention: the chunk-causal cache has no use left
         if not streaming or self._caches is None:
             mel = flow.inference(tokens[:, n_prompt_tokens:], tokens.shape[1] - n_prompt_tokens, self.prompt_token,
                                  n_prompt_tokens, self.prompt_feat, n_prompt, self.embedding, streaming=streaming,
