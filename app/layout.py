@@ -257,7 +257,8 @@ class StudioPage:
         # toasts travel on the queue's stream: handlers that may warn are queued (the default)
         self.prompt.upload(studio.check_upload, self.prompt, self.prompt, **hidden)
         self.prompt.stop_recording(studio.check_upload, self.prompt, self.prompt, **hidden)
-        self.prompt.upload(lambda: (None, None), None, [self.voice, self.preview], queue=False, **PRIVATE)
+        # in the browser, at once: a server round trip could land after a voice saved meanwhile and clear it
+        self.prompt.upload(None, None, [self.voice, self.preview], js="() => [null, null]", **PRIVATE)
         # a picked voice replaces the recording
         self.voice.select(lambda: None, None, self.prompt, queue=False, **PRIVATE)
         self.voice.change(studio.preview, self.voice, self.preview, **hidden)

@@ -397,6 +397,20 @@ def _import_under_a_taken_name(page, exported: Path, prompt_wav: Path) -> None:
     sync_api.expect(page.locator("#import-name")).to_be_hidden()
 
 
+def test_a_recording_replaces_a_picked_voice(context, app: tuple, short_prompt_wav: Path) -> None:
+    """Uploading a prompt clears the picked voice and its preview in the page itself (no round trip that could
+    land after a voice saved meanwhile)."""
+    _, url = app
+    page = open_page(context, url)
+    page.click("#voice input")
+    page.get_by_role("option", name="Narrator").click()
+    sync_api.expect(page.locator("#voice input")).to_have_value("Narrator (built-in)")
+    upload_prompt(page, short_prompt_wav)
+    sync_api.expect(page.locator("#voice input")).to_have_value("")
+    sync_api.expect(page.locator("#preview audio")).to_have_count(0)
+    page.close()
+
+
 def test_chinese_page(browser, app: tuple, short_prompt_wav: Path) -> None:
     _, url = app
     ctx = browser(locale="zh-CN")
