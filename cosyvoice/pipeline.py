@@ -249,8 +249,12 @@ def run_inputs(model: Model, inputs: Iterable[tuple[ModelInput, int]], *, stream
     ``steps``: the flow's Euler steps (None: the model's); ``schedule``: first hop and last flow call (None: the
     reference's), for each input."""
     cursor = _Cursor()
-    for inp, seed in inputs:
-        if cancel.cancelled:
+    pending = iter(inputs)
+    # checked before the next input is made: a cancelled request does not featurise its next piece of text
+    while not cancel.cancelled:
+        try:
+            inp, seed = next(pending)
+        except StopIteration:
             return
         for chunk in model.engine.synthesize(inp, stream=stream, speed=speed, seed=seed, sample_offset=cursor.offset,
                                              first_index=cursor.index, text_stream=text_stream, cancel=cancel,
@@ -263,8 +267,11 @@ async def arun_inputs(model: Model, inputs: AsyncIterable[tuple[ModelInput, int]
                       steps: int | None = None, schedule: ChunkSchedule | None = None) -> AsyncIterator[AudioChunk]:
     """:func:`run_inputs` on the event loop: the engine hands chunks over without a thread per request."""
     cursor = _Cursor()
-    async for inp, seed in inputs:
-        if cancel.cancelled:
+    pending = aiter(inputs)
+    while not cancel.cancelled:  # as in run_inputs: checked before the next input is made
+        try:
+            inp, seed = await anext(pending)
+        except StopAsyncIteration:
             return
         chunks = model.engine.asynthesize(inp, stream=stream, speed=speed, seed=seed, sample_offset=cursor.offset,
                                           first_index=cursor.index, text_stream=text_stream, cancel=cancel,
