@@ -36,7 +36,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::{Request, Response};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 pub use body::{read_body, Body, BodyError};
 
@@ -157,5 +157,22 @@ pub async fn serve<H: Handler>(
     if tokio::time::timeout(deadline, async { while connections.join_next().await.is_some() {} }).await.is_err() {
         warn!("{} connection(s) still open after the grace: closed", connections.len());
         connections.abort_all();
+    }
+}
+
+/// Resolves at SIGTERM or Ctrl-C, the signals both servers drain on; where SIGTERM cannot be listened for it
+/// says so and never resolves (no signal could then be told from a failure).
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut terminate = match signal(SignalKind::terminate()) {
+        Ok(stream) => stream,
+        Err(e) => {
+            error!("cannot listen for SIGTERM: {e}");
+            return std::future::pending().await;
+        }
+    };
+    tokio::select! {
+        _ = terminate.recv() => {},
+        _ = tokio::signal::ctrl_c() => {},
     }
 }

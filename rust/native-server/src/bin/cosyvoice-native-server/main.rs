@@ -20,7 +20,7 @@ use std::sync::Arc;
 use http_front::{Body, Handler, ResponseBody};
 use hyper::{Request, Response};
 use tokio::net::TcpListener;
-use tracing::{error, info};
+use tracing::info;
 
 use crate::routes::App;
 use crate::service::Service;
@@ -90,7 +90,7 @@ async fn serve(app: App, addr: SocketAddr) -> Result<(), String> {
     let drainer = app.clone();
     let (drain_started, drain_handle) = tokio::sync::oneshot::channel();
     let shutdown = async move {
-        shutdown_signal().await;
+        http_front::shutdown_signal().await;
         info!(
             "shutting down: running requests may finish within {} s",
             drainer.service.settings.shutdown_grace_seconds
@@ -107,19 +107,4 @@ async fn serve(app: App, addr: SocketAddr) -> Result<(), String> {
     }
     info!("stopped");
     Ok(())
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut terminate = match signal(SignalKind::terminate()) {
-        Ok(stream) => stream,
-        Err(e) => {
-            error!("cannot listen for SIGTERM: {e}");
-            return std::future::pending().await;
-        }
-    };
-    tokio::select! {
-        _ = terminate.recv() => {},
-        _ = tokio::signal::ctrl_c() => {},
-    }
 }
