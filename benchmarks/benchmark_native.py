@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from benchmark_bridge import Process, _cpu_seconds, _memory_mib, _prompt  # this folder (run as a script)
 
-from benchmarks.benchmark_bridge import Process, _cpu_seconds, _memory_mib, _prompt
 from cosyvoice.tools.make_tiny_bundle import make_tiny_bundle
 
 ROOT = Path(__file__).resolve().parents[1]
