@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cosyvoice.flow.dit import DiT, DiTCache
+from cosyvoice.flow.dit import DiT
+from cosyvoice.flow.dit_cache import DiTCache
 from cosyvoice.hifigan.generator import CausalHiFTGenerator
 
 

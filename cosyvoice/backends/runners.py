@@ -2,7 +2,7 @@
 
 A runner allocates the outputs (their shapes follow from the inputs) and runs the graph; the streaming
 state stays where it is: :class:`~cosyvoice.flow.FlowStream` keeps the per-chunk K/V cache the cached
-graph returns (:class:`~cosyvoice.flow.dit.DiTCache`, the same layout as the torch path) and
+graph returns (:class:`~cosyvoice.flow.dit_cache.DiTCache`, the same layout as the torch path) and
 :class:`~cosyvoice.hifigan.HiFTStream` its phase carry and window, so both stream on every backend.
 The graphs take and return float32 (the fp16 variants cast inside); a half-precision flow's tensors are
 cast at the boundary.
@@ -15,7 +15,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from cosyvoice.flow.dit import DiT, DiTCache
+from cosyvoice.flow.dit import DiT
+from cosyvoice.flow.dit_cache import DiTCache
 from cosyvoice.hifigan.generator import CausalHiFTGenerator
 
 

@@ -30,7 +30,8 @@ from torch import Tensor, nn
 
 from cosyvoice.config import FlowConfig
 from cosyvoice.flow.cfm import CausalConditionalCFM, guidance_batch, solve_euler_cfg
-from cosyvoice.flow.dit import DiTCache, PackedTrunk, cache_cat, cache_rows, compact, conv1d
+from cosyvoice.flow.dit import PackedTrunk, conv1d
+from cosyvoice.flow.dit_cache import DiTCache, cache_cat, cache_rows, compact
 
 
 class PreLookaheadLayer(nn.Module):

@@ -35,7 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save
 from torch import Tensor
 
-from cosyvoice.flow.dit import DiTCache
+from cosyvoice.flow.dit_cache import DiTCache
 from cosyvoice.flow.model import CausalMaskedDiffWithDiT, FlowStream, VoicePrefix
 from cosyvoice.system.fs import atomic_write
 

@@ -1,0 +1,84 @@
+"""The DiT's incremental state: each finished chunk's keys/values and position-conv tails per block
+(:class:`DiTCache`), grown in place with room to spare so a stream copies its cache a logarithmic number of times,
+and the row and stacking views the batched flow uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class DiTCache:
+    """State of the finished frames ``0 .. length-1`` of one utterance at one ODE time.
+
+    ``length`` is a multiple of the chunk size: under the chunk mask these frames are final.
+    ``conv_tails`` are the last kernel-1 inputs of each position conv, ``kv`` each block's
+    keys/values [B, heads, length, dim_head] (after RoPE).
+    """
+
+    length: int
+    conv_tails: tuple[Tensor, Tensor]
+    kv: list[tuple[Tensor, Tensor]]
+
+
+#: a cache buffer that must grow holds this much more than it needs, so a stream copies its keys/values a
+#: logarithmic number of times over its life instead of once per chunk
+GROWTH = 1.5
+
+
+def append_frames(past: Tensor, new: Tensor) -> Tensor:
+    """``past`` [B, H, L, D] followed by ``new`` [B, H, n, D] along the frames, written in place into the buffer
+    ``past`` is the start of when that buffer has room (the stream's own, :func:`owns_room`), else into a new
+    buffer with room to grow (:data:`GROWTH`); returns the [B, H, L + n, D] view. The frames after ``L`` of a
+    buffer are scratch: only a stream's own cache (never a shared voice prefix, :func:`compact`) has any. A traced
+    or compiled graph (ONNX export, ``torch.compile``) gets the plain concatenation: no storage, no shape logic."""
+    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return torch.cat((past, new), dim=2)
+    b, h, length, d = past.shape
+    total = length + new.shape[2]
+    if owns_room(past, total):
+        out = past.as_strided((b, h, total, d), past.stride())
+    else:
+        buffer = past.new_empty(b, h, max(total, int(total * GROWTH)), d)
+        out = buffer[:, :, :total]
+        out[:, :, :length] = past
+    out[:, :, length:] = new
+    return out
+
+
+def owns_room(past: Tensor, frames: int) -> bool:
+    """Whether ``past`` is the leading frames of a [B, H, capacity, D] buffer of at least ``frames`` frames."""
+    b, h, _, d = past.shape
+    capacity = past.stride(1) // d
+    dense = past.stride() == (h * capacity * d, capacity * d, d, 1)
+    return dense and past.storage_offset() == 0 and capacity >= frames \
+        and past.untyped_storage().nbytes() >= b * h * capacity * d * past.element_size()
+
+
+def compact(cache: DiTCache) -> DiTCache:
+    """``cache`` with its keys/values exactly their frames (no room): for a cache shared by streams, which must
+    never write into one buffer's scratch frames at once. Tensors that already are (a graph's outputs) stay."""
+    def exact(t: Tensor) -> Tensor:
+        alone = t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
+        return t if alone else t.clone()
+
+    return DiTCache(cache.length, cache.conv_tails, [(exact(k), exact(v)) for k, v in cache.kv])
+
+
+def cache_rows(cache: DiTCache | None, lo: int, hi: int) -> DiTCache | None:
+    """Rows ``lo .. hi-1`` of a cache (views)."""
+    if cache is None:
+        return None
+    return DiTCache(cache.length, (cache.conv_tails[0][lo:hi], cache.conv_tails[1][lo:hi]),
+                    [(k[lo:hi], v[lo:hi]) for k, v in cache.kv])
+
+
+def cache_cat(caches: list[DiTCache]) -> DiTCache:
+    """Stack caches of equal length row-wise."""
+    assert len({c.length for c in caches}) == 1
+    return DiTCache(caches[0].length, tuple(torch.cat([c.conv_tails[i] for c in caches]) for i in range(2)),
+                    [(torch.cat([c.kv[i][0] for c in caches]), torch.cat([c.kv[i][1] for c in caches]))
+                     for i in range(len(caches[0].kv))])
