@@ -4,13 +4,13 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use http_front::answer::{canned, header, is_json, json_response, set, Canned};
+use http_front::answer::{canned, header, is_json, json_response, response, set, Canned};
 use http_front::auth::{key_is_valid, presented_key};
 use http_front::cors::{preflight, simple_cors};
 use http_front::metrics::Metrics;
 use http_front::{full, json, read_body, Body, BodyError, ResponseBody};
 use hyper::header::HeaderValue;
-use hyper::{Method, Request, Response, StatusCode};
+use hyper::{Method, Request, Response};
 use pyo3::PyObject;
 use tracing::info;
 
@@ -172,12 +172,7 @@ async fn blocking(app: &Arc<App>, call: impl FnOnce(&App) -> Answer + Send + 'st
         let seconds = started.elapsed().as_secs_f64();
         app.metrics.observe(&answer.mode, answer.reason.as_deref(), seconds, answer.audio_seconds);
     }
-    let mut response = Response::new(full(answer.body));
-    *response.status_mut() = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    for (name, value) in &answer.headers {
-        set(response.headers_mut(), name, value);
-    }
-    response
+    response(answer.status, &answer.headers, answer.body)
 }
 
 /// A `/synthesize` body refused before Python sees it, counted as the invalid input it is.

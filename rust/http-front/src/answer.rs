@@ -15,10 +15,15 @@ pub struct Canned {
 
 /// The response of a [`Canned`] refusal.
 pub fn canned(answer: &Canned) -> Response<ResponseBody> {
-    let mut response = Response::new(full(answer.body.clone()));
+    response(answer.status, &answer.headers, answer.body.clone())
+}
+
+/// A response of a status, its headers and a body (a status that is not HTTP's is answered 500).
+pub fn response(status: u16, headers: &[(String, String)], body: Vec<u8>) -> Response<ResponseBody> {
+    let mut response = Response::new(full(body));
     *response.status_mut() =
-        StatusCode::from_u16(answer.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    for (name, value) in &answer.headers {
+        StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    for (name, value) in headers {
         set(response.headers_mut(), name, value);
     }
     response

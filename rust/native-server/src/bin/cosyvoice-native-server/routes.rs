@@ -5,14 +5,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use http_front::answer::{canned, header, is_json, json_response, set, Canned};
+use http_front::answer::{canned, header, is_json, json_response, response, set, Canned};
 use http_front::auth::{key_is_valid, presented_key};
 use http_front::cors::{preflight, simple_cors, Cors};
 use http_front::json::Exceeded;
 use http_front::metrics::Metrics;
 use http_front::{full, json, read_body, Body, BodyError, ResponseBody};
 use hyper::header::HeaderValue;
-use hyper::{Method, Request, Response, StatusCode};
+use hyper::{Method, Request, Response};
 use tracing::info;
 
 use crate::errors::ApiError;
@@ -246,12 +246,7 @@ impl Drop for CancelOnDrop {
 }
 
 fn answer(outcome: Outcome) -> Response<ResponseBody> {
-    let mut response = Response::new(full(outcome.body));
-    *response.status_mut() = StatusCode::from_u16(outcome.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    for (name, value) in &outcome.headers {
-        set(response.headers_mut(), name, value);
-    }
-    response
+    response(outcome.status, &outcome.headers, outcome.body)
 }
 
 /// A `/synthesize` body refused before it is parsed, counted as the invalid input it is.
