@@ -51,7 +51,6 @@ import resource
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -64,7 +63,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import reference_engine
-from benchmark_performance import TEXT, _git_commit, _prompt, bench_bundle
+from benchmark_performance import TEXT, _git_commit, _prompt, bench_bundle, scratch_dir
 from cpu_floor import floor_section, process_cpu_s
 from cpu_quality import quality
 
@@ -419,7 +418,7 @@ def _profile(model_dir: Path, work: Path, fixed_tokens: int) -> dict[str, float]
 
 def main(argv: list[str] | None = None) -> dict:
     args = _parser().parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="cosyvoice-cpu-bench-"))
+    work = scratch_dir("cosyvoice-cpu-bench-")
     if args.row:
         print(json.dumps(run_row(args.model_dir, args.row, args.requests, args.lengths, work, args.flow_cache_mb)))
         return {}

@@ -26,10 +26,8 @@ import functools
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmark_cpu import cpu_model, load_average
-from benchmark_performance import TEXT, _git_commit, _prompt, bench_bundle
+from benchmark_performance import TEXT, _git_commit, _prompt, bench_bundle, scratch_dir
 
 PRECISIONS = ("fp32", "int8", "auto")
 PROMPT_TEXT = "A prompt recording of three seconds."
@@ -125,15 +123,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", type=Path, help="write settings and results here")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: run one precision in this process
     args = parser.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="cosyvoice-mem-bench-"))
+    work = scratch_dir("cosyvoice-mem-bench-")
     if args.row:
         print(json.dumps(run_row(args.model_dir, args.row, work)))
-        shutil.rmtree(work, ignore_errors=True)
         return {}
-    try:
-        return measure(args, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)  # the released-size bundle takes ~4 GB of disk
+    return measure(args, work)
 
 
 def measure(args: argparse.Namespace, work: Path) -> dict:

@@ -36,9 +36,11 @@ decode tokens/s per batch size against eager one-thread-per-request decoding.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -305,6 +307,14 @@ def _table_line(r: Row) -> str:
             f"{r.audio_s_per_request:.2f} | {r.peak_mem_mib:.0f} | {r.mem_per_stream_mib:.1f} |")
 
 
+def scratch_dir(prefix: str) -> Path:
+    """A new temporary folder, removed when the process exits however ``main`` ends (a released-size bundle
+    made in it takes ~3.5 GB of disk, and a benchmark is often stopped part-way)."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, work, True)
+    return work
+
+
 def bench_bundle(model_dir: Path | None, tiny: bool, work: Path) -> tuple[Path, str]:
     """(the model folder to measure, its label): the one given, else a random bundle made in ``work`` at the tiny
     or the released sizes (random weights cost what real ones do)."""
@@ -381,7 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtypes = [d for d in args.dtype if d == "fp32" or device.type == "cuda"]
     skipped = sorted(set(args.dtype) - set(dtypes))
 
-    work = Path(tempfile.mkdtemp(prefix="cosyvoice-bench-"))
+    work = scratch_dir("cosyvoice-bench-")
     model_dir, model = bench_bundle(args.model_dir, args.tiny, work)
     bundle = validate_model_dir(model_dir)
     # rows for every closed-loop client; open-loop requests beyond them wait in the scheduler's queue

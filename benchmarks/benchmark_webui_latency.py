@@ -27,7 +27,6 @@ import platform
 import socket
 import statistics
 import sys
-import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
@@ -194,11 +193,12 @@ def report(args: argparse.Namespace, model_dir: str, rows: dict[str, list[dict]]
 def main() -> None:
     args = _arguments()
     import torch
+    from benchmark_performance import scratch_dir
 
     from app.ui import load_studio
 
     torch.set_num_threads(1)
-    work = Path(tempfile.mkdtemp(prefix="bench-webui-"))
+    work = scratch_dir("bench-webui-")
     model_dir = args.model_dir
     if model_dir is None:
         from cosyvoice.tools.make_tiny_bundle import make_tiny_bundle

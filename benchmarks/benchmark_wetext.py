@@ -24,7 +24,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from importlib import metadata
@@ -114,9 +113,11 @@ def per_call(fn: Callable[[str], object], sentences: list[str], repeats: int) ->
 def _tokenizer_dir(model_dir: Path | None) -> tuple[Path, str]:
     if model_dir is not None:
         return model_dir, str(model_dir)
+    from benchmark_performance import scratch_dir
+
     from cosyvoice.tools.make_tiny_bundle import make_tiny_bundle
 
-    return make_tiny_bundle(Path(tempfile.mkdtemp(prefix="cosyvoice-wetext-")) / "tiny", seed=0), "tiny bundle's BPE"
+    return make_tiny_bundle(scratch_dir("cosyvoice-wetext-") / "tiny", seed=0), "tiny bundle's BPE"
 
 
 def _version(dist: str) -> str:

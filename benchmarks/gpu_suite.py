@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 checks are float32, not TF32
     elif args.tiny:
         torch.set_num_threads(1)  # the CPU smoke run: toy sizes run fastest on one thread
-    work = Path(tempfile.mkdtemp(prefix="gpu-suite-"))
+    work = bench.scratch_dir("gpu-suite-")
     dims = {} if args.tiny else {"dims": bench.RELEASED_DIMS}
     bundle_dir = make_tiny_bundle(work / "bundle", seed=0, **dims)
     suite = Suite(args.out, device, validate_model_dir(bundle_dir), args.tiny)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -120,3 +121,17 @@ def test_gpu_suite_smoke_on_cpu_and_loud_failure(tmp_path: Path, capsys) -> None
     assert results["packed-dit"]["mel_max_abs"] <= 1e-5 and results["memory-64"]["streams"] == 4
     assert status == 1 and "MISMATCH: export" in capsys.readouterr().err
     assert "| packed-dit | PASS |" in (tmp_path / "gpu_suite.md").read_text()
+
+
+def test_a_benchmarks_scratch_folder_is_gone_when_its_process_ends(tmp_path: Path) -> None:
+    """A benchmark's scratch folder (a released-size bundle is ~3.5 GB) goes with its process, even one that
+    ends with an error part-way: left behind, runs filled the disk that CI installs into."""
+    script = (f"import sys; sys.path.insert(0, {str(BENCHMARK.parent)!r}); import tempfile; "
+              f"tempfile.tempdir = {str(tmp_path)!r}; from benchmark_performance import scratch_dir; "
+              "work = scratch_dir('bench-'); (work / 'bundle.pt').write_bytes(b'x' * 1024); print(work, flush=True); "
+              "raise SystemExit('stopped part-way')")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "stopped part-way" in done.stderr
+    work = Path(done.stdout.strip())
+    assert work.parent == tmp_path and work.name.startswith("bench-")
+    assert not work.exists() and list(tmp_path.iterdir()) == []
