@@ -3,7 +3,8 @@ torch build it should install.
 
     python scripts/install_state.py check VENV EXTRAS   # exit 0 when up to date, 1 otherwise
     python scripts/install_state.py mark VENV EXTRAS    # record a successful install of EXTRAS
-    python scripts/install_state.py torch-plan          # line 1: what will be downloaded; then pip's arguments
+    python scripts/install_state.py torch-plan VENV     # line 1: what will be downloaded; then pip's arguments
+                                                        # (exit 3: not enough disk for it, said why)
     python scripts/install_state.py torch-installed     # which torch build is installed (CPU, CUDA x.y, ...)
 
 Run with the venv's own interpreter. The stamp holds a hash of what decides the install (pyproject.toml,
@@ -20,6 +21,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -132,6 +134,36 @@ def torch_plan(environ: Mapping[str, str], gpu: bool, reachable: Callable[[str],
                                        "CPU build)")
 
 
+#: disk a torch build's install takes at its peak, in GB: (into the venv, pip's downloaded wheels in the temp folder
+#: while it unpacks them). PyPI's CUDA build is ~3.3 GB of wheels that unpack to ~6 GB; the rest of the project's
+#: dependencies (onnxruntime, gradio, grpc, ...) add ~1.5 GB to the venv.
+DISK_GB = {"cpu": (1.0 + 1.5, 0.3), "cuda": (6.2 + 1.5, 3.5)}
+
+
+def room_problem(plan: TorchPlan, venv: Path, temp: Path, free: Callable[[Path], int] | None = None,
+                 device: Callable[[Path], int] | None = None) -> str | None:
+    """Why the install would run out of disk part-way, or None: pip says "No space left on device" only after
+    minutes of downloads, and leaves a half-made venv. A configured index may hold either build: the CUDA
+    build's size is assumed and a shortfall is only a warning (the message starts with ``WARNING``)."""
+    free = free or (lambda p: shutil.disk_usage(p).free)
+    device = device or (lambda p: p.stat().st_dev)
+    into, downloads = DISK_GB["cpu" if plan.build == "cpu" else "cuda"]
+    folder = venv if venv.exists() else venv.parent
+    needs = {folder: into, temp: downloads}
+    if device(folder) == device(temp):
+        needs = {folder: into + downloads}
+    short = [(path, need, free(path) / 1e9) for path, need in needs.items() if free(path) / 1e9 < need]
+    if not short:
+        return None
+    said = "; ".join(f"{path} has {have:.1f} GB free, the install needs about {need:.1f} GB there"
+                     for path, need, have in short)
+    fix = ("Free some space (e.g. `pip cache purge`, old virtual environments or build folders), or point "
+           "COSYVOICE_VENV / TMPDIR at a disk with room")
+    if plan.build == "configured":
+        return f"WARNING: if pip's configured index holds the CUDA build, {said}. {fix}"
+    return f"not enough disk for {TORCH_REQUIREMENT} ({plan.build} build): {said}. {fix}"
+
+
 def torch_build(version: str, requires: list[str]) -> str:
     """Which build an installed torch is, from its metadata (``version`` with its local tag, its requirements):
     what setup.sh reports after installing, since pip's configured indexes may hold either."""
@@ -151,12 +183,17 @@ def main(argv: list[str]) -> int:
 
         print(torch_build(metadata.version("torch"), metadata.requires("torch") or []))
         return 0
-    if argv == ["torch-plan"]:
+    if argv[:1] == ["torch-plan"] and len(argv) == 2:
         try:
             plan = torch_plan(os.environ, has_nvidia_gpu(os.environ))
         except ValueError as exc:
             print(exc, file=sys.stderr)
             return 2
+        problem = room_problem(plan, Path(argv[1]), Path(tempfile.gettempdir()))
+        if problem:
+            print(f"[setup] {problem}", file=sys.stderr)
+            if not problem.startswith("WARNING"):
+                return 3
         print("\n".join([plan.message, *plan.pip_args, TORCH_REQUIREMENT]))
         return 0
     if len(argv) != 3 or argv[0] not in ("check", "mark"):

@@ -110,7 +110,7 @@ PY="$VENV/bin/python"
 
 # torch first and pinned, in the build torch-plan chose (line 1: what it downloads; then pip's arguments).
 if ! torch_in_range "$PY"; then
-  plan_text=$("$PY" scripts/install_state.py torch-plan)
+  plan_text=$("$PY" scripts/install_state.py torch-plan "$VENV")  # exits, saying why, where the disk is too small
   mapfile -t plan <<< "$plan_text"
   log "torch: ${plan[0]}"
   "$PY" -m pip install "${plan[@]:1}"

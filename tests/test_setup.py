@@ -124,6 +124,32 @@ def test_torch_plan_picks_cpu_without_a_gpu_and_cuda_with_one() -> None:
         install_state.torch_plan({"COSYVOICE_TORCH": "rocm"}, gpu=False, reachable=reachable)
 
 
+def test_an_install_the_disk_cannot_hold_is_refused_before_pip_starts(tmp_path: Path) -> None:
+    """pip reports a full disk only after minutes of downloads: setup refuses first, saying where and how much."""
+    cuda = install_state.TorchPlan("cuda", (), "")
+    venv, temp = tmp_path / ".venv", tmp_path / "tmp"
+    gb = 10 ** 9
+
+    def one_disk(free_gb: float):
+        return {"free": lambda p: int(free_gb * gb), "device": lambda p: 1}
+
+    assert install_state.room_problem(cuda, venv, temp, **one_disk(40)) is None
+    short = install_state.room_problem(cuda, venv, temp, **one_disk(8))
+    assert short.startswith("not enough disk for torch==2.13.0 (cuda build)")
+    assert f"{tmp_path} has 8.0 GB free, the install needs about 11.2 GB there" in short  # venv + downloads, one disk
+    assert install_state.room_problem(install_state.TorchPlan("cpu", (), ""), venv, temp, **one_disk(8)) is None
+    # the downloads on another disk than the venv: each is checked for its own part
+    apart = install_state.room_problem(cuda, venv, temp, free=lambda p: (2 if p == temp else 9) * gb,
+                                       device=lambda p: 2 if p == temp else 1)
+    assert f"{temp} has 2.0 GB free, the install needs about 3.5 GB there" in apart
+    assert f"{tmp_path} has" not in apart  # the venv's disk has its 7.7 GB
+    # a configured index may hold the small CPU build: a warning only
+    configured = install_state.TorchPlan("configured", (), "")
+    assert install_state.room_problem(configured, venv, temp, **one_disk(8)).startswith("WARNING: if pip's configured")
+    # the real disk, through the command setup.sh runs: this machine has room for the CPU plan at least
+    assert install_state.room_problem(install_state.TorchPlan("cpu", (), ""), venv, tmp_path) is None
+
+
 def test_the_installed_torch_build_is_read_from_its_metadata() -> None:
     assert install_state.torch_build("2.13.0+cpu", ["filelock"]) == "torch 2.13.0+cpu, the CPU build"
     assert install_state.torch_build("2.11.0+cu128", []) == "torch 2.11.0+cu128, the CUDA 12.8 build"
@@ -156,7 +182,8 @@ def test_an_nvidia_gpu_is_seen_by_its_driver_or_nvidia_smi(tmp_path: Path) -> No
 
 
 def _torch_plan_cli(env: dict[str, str]) -> list[str]:
-    done = subprocess.run([sys.executable, "scripts/install_state.py", "torch-plan"], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "scripts/install_state.py", "torch-plan", str(ROOT / ".venv")], cwd=ROOT,
+                          env=env,
                           capture_output=True, text=True, timeout=60, check=True)
     return done.stdout.strip().splitlines()
 
