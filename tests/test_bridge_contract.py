@@ -34,6 +34,7 @@ from cosyvoice.service import TTSService
 from cosyvoice.settings import Limits, ServerSettings
 from cosyvoice.voices import VoiceLibrary
 from tests.test_rest import Server
+from waiting import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RUST_BINARY = ROOT / "rust" / "target" / "release" / "cosyvoice-server"
@@ -60,11 +61,6 @@ class Served:
         return httpx.get(f"{self.url}/ready", headers=AUTH, timeout=30).json()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _wait_for(predicate, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
@@ -87,7 +83,7 @@ class RustServer:
     itself: the bridge its Python, the native server ONNX Runtime)."""
 
     def __init__(self, model_dir: Path, workdir: Path, *flags: str, binary: Path = RUST_BINARY) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "COSYVOICE_DEVICE": "cpu", "RUST_LOG": "warn"}
         self.process = subprocess.Popen(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ import torch
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from waiting import until
+from waiting import free_port, until
 
 from cosyvoice.encoding import to_pcm16
 from cosyvoice.owners import Owners
@@ -300,9 +299,7 @@ def test_voice_registered_over_rest_is_usable_over_grpc(service: TTSService, stu
 
 def test_command_line_serves_then_stops_on_sigterm(tiny_bundle_dir: Path, tmp_path: Path, prompt_pcm16: bytes) -> None:
     """``python -m cosyvoice.server.grpc`` with the official flags: SERVING once loaded, a call, clean exit."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "COSYVOICE_DEVICE": "cpu"}
     proc = subprocess.Popen([sys.executable, "-m", "cosyvoice.server.grpc", "--model_dir", str(tiny_bundle_dir),
                              "--port", str(port), "--voice-dir", str(tmp_path / "voices"), "--max_conc", "2"],

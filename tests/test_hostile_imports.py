@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from waiting import until, until_ready
+from waiting import free_port, until, until_ready
 
 from cosyvoice.settings import Limits, ServerSettings, env_name
 
@@ -43,9 +43,7 @@ class ServerProcess:
     """``python -m cosyvoice.server.rest`` on a free loopback port with two keys, measurable from /proc."""
 
     def __init__(self, model_dir: Path, root: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = root / "server.log"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "COSYVOICE_DEVICE": "cpu"}

@@ -10,7 +10,6 @@ import contextlib
 import errno
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from test_rest import Server
-from waiting import until, until_ready
+from waiting import free_port, until, until_ready
 
 from cosyvoice.jobs import JobRunner
 from cosyvoice.server.rest import create_app
@@ -243,9 +242,7 @@ class RestProcess:
     """``python -m cosyvoice.server.rest`` on a free loopback port over a data folder, its log in a file."""
 
     def __init__(self, bundle: Path, voices: Path, data: Path, log: Path) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         env = {**os.environ, "COSYVOICE_DEVICE": "cpu", "COSYVOICE_DATA_DIR": str(data), "PYTHONPATH": str(ROOT)}
         self.log = log
         self.process = subprocess.Popen([sys.executable, "-m", "cosyvoice.server.rest", "--model-dir", str(bundle),

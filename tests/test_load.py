@@ -31,7 +31,7 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
-from waiting import until, until_ready
+from waiting import free_port, until, until_ready
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -56,17 +56,12 @@ HOSTILE = ("garbage_audio", "huge_text", "broken_json", "unknown_voice", "garbag
            "bad_websocket_start")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def server(tiny_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subprocess.Popen]]:
     """(URL, process) of a REST server in its own process; 4 sessions + 10 waiting < 16 clients, so the busy
     path (503) is part of the load."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("load") / "server.log"
     env = {**os.environ, "COSYVOICE_DEVICE": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     with open(log, "w") as out:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import io
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import httpx
 import pytest
 import ray
 from ray import serve
-from waiting import until
+from waiting import free_port, until
 
 from cosyvoice.server.ray_serve import ROUTE_PREFIX, ServeArgs, app_builder, deployment_options
 from cosyvoice.service import TTSService
@@ -28,11 +27,6 @@ APP = "cosyvoice-test"
 ORIGIN = "https://app.example"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def app(tts, tiny_bundle_dir: Path, short_prompt_wav: Path, tmp_path_factory: pytest.TempPathFactory):
@@ -40,7 +34,7 @@ def app(tts, tiny_bundle_dir: Path, short_prompt_wav: Path, tmp_path_factory: py
     voice_dir = tmp_path_factory.mktemp("ray_voices")
     library = VoiceLibrary(voice_dir, tts.frontend, model_dir=tts.model_dir)
     saved = TTSService(tts.model, library).create_voice("Ray Voice", short_prompt_wav.read_bytes(), TRANSCRIPT)
-    port = _free_port()
+    port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

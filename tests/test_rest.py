@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import uvicorn
-from waiting import until, until_ready
+from waiting import free_port, until, until_ready
 
 from cosyvoice.encoding import FORMATS
 from cosyvoice.server.rest import create_app
@@ -613,11 +613,6 @@ def test_each_router_serves_alone(service: TTSService, short_prompt_wav: Path) -
         server.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def test_sigterm_drains_then_cancels_within_the_grace(tiny_bundle_dir: Path, tmp_path: Path,
                                                      short_prompt_wav: Path) -> None:
@@ -628,7 +623,7 @@ def test_sigterm_drains_then_cancels_within_the_grace(tiny_bundle_dir: Path, tmp
     import subprocess
     import sys
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "COSYVOICE_DEVICE": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     process = subprocess.Popen([sys.executable, "-m", "cosyvoice.server.rest", "--model-dir", str(tiny_bundle_dir),
                                 "--port", str(port), "--voice-dir", str(tmp_path / "voices"), "--log-level",
@@ -663,10 +658,7 @@ def test_command_line_serves_the_model_of_cosyvoice_model_dir(tiny_bundle_dir: P
     import subprocess
     import sys
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     env = {**os.environ, "COSYVOICE_MODEL_DIR": str(tiny_bundle_dir), "COSYVOICE_DEVICE": "cpu",
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     process = subprocess.Popen([sys.executable, "-m", "cosyvoice.server.rest", "--port", str(port),

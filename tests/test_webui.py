@@ -7,7 +7,6 @@ import contextlib
 import logging
 import re
 import shutil
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from cosyvoice.frontend.prompts import zero_shot_prompt_text  # noqa: E402
 from cosyvoice.service import TTSService  # noqa: E402
 from cosyvoice.settings import ServerSettings, VoicePolicy  # noqa: E402
 from cosyvoice.voices import VoiceLibrary  # noqa: E402
+from waiting import free_port  # noqa: E402
 
 TEXT = "Hi there."  # short: the random tiny model speaks until its length limit, which grows with the text
 TRANSCRIPT = "Hello, this is a short prompt."
@@ -54,9 +54,7 @@ def make_studio(tts, root: Path, builtin_prompt: Path | None = None, api_keys: t
 @contextlib.contextmanager
 def serving(studio: Studio) -> Iterator[str]:
     """The app on a free loopback port, as ``webui.py`` serves it; yields its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     page = launch(studio, host="127.0.0.1", port=port, block=False)
     try:
         yield f"http://127.0.0.1:{port}/"

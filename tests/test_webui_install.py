@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from browser import FLAGS, require_browser
+from waiting import free_port
 
 sync_api, CHROMIUM = require_browser()
 
@@ -51,9 +52,7 @@ def webui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     fresh = check.returncode != 0
     if fresh and VENV.exists():
         shutil.rmtree(VENV)  # not upgraded in place: what `ui` no longer declares must be gone
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log_path = tmp / "webui.log"
     started = time.monotonic()
     with log_path.open("w") as log:

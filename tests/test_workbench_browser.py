@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import io
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ import numpy as np
 import pytest
 from browser import FLAGS as CHROMIUM_FLAGS
 from browser import require_browser
-from waiting import until, until_ready
+from waiting import free_port, until, until_ready
 
 sync_api, CHROMIUM = require_browser()
 
@@ -41,9 +40,7 @@ class App:
     """``python -m cosyvoice.server.rest`` on one loopback port; ``restart()`` kills it (-9) and starts it again."""
 
     def __init__(self, bundle: Path, root: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "cosyvoice.server.rest", "--model-dir", str(bundle), "--voice-dir",
                      str(root / "voices"), "--port", str(self.port), "--device", "cpu", "--log-level", "warning"]

@@ -1,8 +1,10 @@
 """The tests' one polling wait, for conditions that no event signals (another process's answers over HTTP, a
-server's counters); where the product has an event or a callback, tests wait on that instead."""
+server's counters); where the product has an event or a callback, tests wait on that instead. And the free
+loopback port the servers those tests start listen on."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -14,6 +16,13 @@ import httpx
 T = TypeVar("T")
 
 POLL_S = 0.05  # the wait returns within this of the condition holding (a server is asked 20 times a second)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now, for a server process to bind (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def until(check: Callable[[], T], timeout: float = 30.0, what: str = "condition") -> T:
