@@ -17,7 +17,7 @@ bash scripts/build_rust.sh --packages || true  # where apt cannot, the build bel
 logs=$(mktemp -d)
 trap 'kill $(jobs -p) 2> /dev/null || true; rm -rf "$logs"' EXIT  # a failed install stops the other builds
 
-# Two torch installs at once (PyPI's CUDA build where no CPU index is reachable) need ~23 GB at their peak, the
+# Two torch installs at once (PyPI's CUDA build where no CPU index is reachable) need ~17 GB at their peak, the
 # Rust target ~2 GB more: with less free, the web UI's install waits for the project's (setup.sh refuses, saying
 # so, an install its disk cannot hold at all).
 free_gb=$(df -P -BG . | awk 'NR == 2 { print $4 + 0 }')
@@ -32,7 +32,7 @@ ui_install() {
 }
 ui_wanted=0
 "${ui_env[@]}" COSYVOICE_EXTRAS=ui bash scripts/setup.sh --check > /dev/null 2>&1 || ui_wanted=1
-if [ "$ui_wanted" = 1 ] && [ "$free_gb" -ge 27 ]; then ui_install & ui=$!; ui_wanted=0; fi
+if [ "$ui_wanted" = 1 ] && [ "$free_gb" -ge 20 ]; then ui_install & ui=$!; ui_wanted=0; fi
 bash scripts/setup.sh
 if [ "$ui_wanted" = 1 ]; then ui_install & ui=$!; fi
 
