@@ -170,9 +170,10 @@ class Limits:
     max_cached_voice_bytes: int = 256 * 1024 * 1024
     max_named_voices: int = 256
     max_llm_positions: int = 4096  # KV-cache positions per session row (prompt + speech tokens), allocated once
-    # all streams' incremental flow caches together; each stream gets flow_cache_mb / max_sessions and
-    # recomputes (the reference's path) beyond it (docs/architecture.md, "Memory"); None: half of the memory
-    # free on the engine's device when it starts, at most 32768 (cosyvoice/engine/memory.py)
+    # all streams' incremental flow caches together; each stream is sure of flow_cache_mb / max_sessions, borrows
+    # what the others leave, and recomputes (the reference's path) where it finds no room (docs/architecture.md,
+    # "Memory"); None: half of the memory free on the engine's device when it starts, at most 32768
+    # (cosyvoice/engine/memory.py)
     flow_cache_mb: float | None = None
     # each voice's flow prefix (the prompt's DiT keys/values at every Euler step, cosyvoice/flow/prompt_cache.py),
     # kept across requests in memory and in the voice folder (0: not on disk); 3.6 MB per prompt frame in fp32 at

@@ -28,13 +28,13 @@ from pathlib import Path
 import httpx
 import pytest
 import soundfile as sf
+from waiting import free_port
 
 from cosyvoice.server.rest import create_app
 from cosyvoice.service import TTSService
 from cosyvoice.settings import Limits, ServerSettings
 from cosyvoice.voices import VoiceLibrary
 from tests.test_rest import Server
-from waiting import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RUST_BINARY = ROOT / "rust" / "target" / "release" / "cosyvoice-server"

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosyvoice.engine import Engine, Token2Wav
+from cosyvoice.engine import Engine, Session, T2WState, Token2Wav
 from cosyvoice.engine import engine as engine_module
-from cosyvoice.engine.memory import FLOW_CACHE_MAX_MB, default_flow_cache_mb, free_memory_bytes
+from cosyvoice.engine.memory import FLOW_CACHE_MAX_MB, FlowCacheLedger, default_flow_cache_mb, free_memory_bytes
 from cosyvoice.flow import FlowStream
 from cosyvoice.settings import Limits
 
@@ -79,3 +79,63 @@ def test_a_stream_over_a_small_machine_budget_recomputes_the_same_mel(tts, promp
     torch.testing.assert_close(torch.cat(ours, dim=2), torch.cat(reference, dim=2), atol=1e-4, rtol=0)
     bounded.close()
     recompute.close()
+
+
+def _chunks_so_far(t2w: Token2Wav, session: Session, state: T2WState, n: int) -> list:
+    """Run ``n`` of ``session``'s due chunks through ``t2w`` in this thread."""
+    return [t2w.chunk(session, state, state.take(session)) for _ in range(n) if state.due(session)]
+
+
+def _session(t2w: Token2Wav, sid: int, inp, tokens: torch.Tensor) -> tuple[Session, T2WState]:
+    """A streamed session whose LLM has finished with ``tokens``, and its token-to-wave state."""
+    session = Session(sid, 0, inp, stream=True, speed=1.0)
+    session.add_tokens(tuple(tokens.tolist()))
+    session.llm_finished(None)
+    return session, t2w.open(session)
+
+
+def test_a_stream_alone_keeps_its_cache_past_its_share(tts, prompt_wav: Path) -> None:
+    """With eight sessions' shares of the budget and one stream running, that stream borrows the rest: it keeps
+    its cache to the end (no recompute, the same audio as an unbounded engine's), where its share alone ended
+    it after two chunks."""
+    e = tts.engine
+    inp = tts.frontend.model_input("Hi there, friend.", tts.frontend.voice("A prompt.", prompt_wav))
+    tokens = torch.randint(0, e.config.flow.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
+    frames = (inp.flow_prompt_speech_token.shape[1] + 300) * e.config.flow.token_mel_ratio
+    budget_mb = 1.1 * frames * FlowStream.bytes_per_frame(e.flow) / 2**20
+    lone = Engine(e.config, e.llm, e.flow, e.hift, e.device, Limits(max_sessions=8, flow_cache_mb=budget_mb))
+    unbounded = Engine(e.config, e.llm, e.flow, e.hift, e.device, Limits(max_sessions=1))
+    assert lone.flow_cache_share < frames * FlowStream.bytes_per_frame(e.flow) / 4  # its share: about a chunk
+    got, want = list(lone.vocode(tokens, inp, stream=True)), list(unbounded.vocode(tokens, inp, stream=True))
+    assert len(got) >= 4 and lone.flow_cache_fallbacks == 0 and lone.flow_cache_bytes == 0
+    assert all(torch.equal(a.pcm, b.pcm) for a, b in zip(got, want, strict=True))
+    lone.close()
+    unbounded.close()
+
+
+def test_a_stream_within_its_share_takes_back_what_another_borrowed(tts, prompt_wav: Path) -> None:
+    """Stream A borrows past its share while alone; stream B starts and asks for its share: A is dropped to
+    recomputing (its audio goes on), B keeps its cache, and the reservations never pass the budget."""
+    e = tts.engine
+    inp = tts.frontend.model_input("Hi there, friend.", tts.frontend.voice("A prompt.", prompt_wav))
+    tokens = torch.randint(0, e.config.flow.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
+    per_frame = FlowStream.bytes_per_frame(e.flow)
+    budget = (inp.flow_prompt_speech_token.shape[1] + 300) * e.config.flow.token_mel_ratio * per_frame
+    ledger = FlowCacheLedger(budget, budget / 2)
+    t2w = Token2Wav(e.config, e.flow, e.hift, e.device, flow_cache=ledger)
+    a, a_state = _session(t2w, 0, inp, tokens)
+    b, b_state = _session(t2w, 1, inp, tokens)
+    reserved = []
+    for _ in range(4):
+        _chunks_so_far(t2w, a, a_state, 1)
+        reserved.append(ledger.reserved)
+    assert a_state.flow_stream.caching and reserved[-1] > ledger.share  # A borrowed
+    assert ledger.fallbacks == 0
+    _chunks_so_far(t2w, b, b_state, 1)
+    assert not a_state.flow_stream.caching and b_state.flow_stream.caching and ledger.fallbacks == 1
+    assert ledger.reserved <= ledger.share
+    rest = _chunks_so_far(t2w, a, a_state, 100)  # A goes on, recomputing
+    assert rest and rest[-1].final and ledger.fallbacks == 1
+    t2w.release(a)
+    t2w.release(b)
+    assert ledger.reserved == 0

@@ -16,6 +16,7 @@ from toy_lm import EOP, toy_lm
 from waiting import until
 
 from cosyvoice.engine import CancelToken, Engine, LLMScheduler, Session, Status, T2WState, Ticket, Token2Wav
+from cosyvoice.engine.memory import FlowCacheLedger
 from cosyvoice.flow import FlowStream
 from cosyvoice.llm import CosyVoice3LM, KVCache
 from cosyvoice.llm.job import Step, TokenStream, Wait, run_eager
@@ -267,7 +268,8 @@ def test_flow_cache_budget_falls_back_to_recompute(tts, prompt_wav: Path) -> Non
     assert bounded.flow_cache_fallbacks == 1 and unbounded.flow_cache_fallbacks == 0
     assert bounded.flow_cache_bytes == 0 and bounded.active_sessions == 0
     # the same session driven chunk by chunk in this thread, to read the cache between chunks
-    t2w = Token2Wav(e.config, e.flow, e.hift, e.device, flow_cache_share=bounded.flow_cache_share)
+    share = bounded.flow_cache_share  # one session: its share is the whole budget
+    t2w = Token2Wav(e.config, e.flow, e.hift, e.device, flow_cache=FlowCacheLedger(share, share))
     session = Session(0, 0, inp, stream=True, speed=1.0)
     session.add_tokens(tuple(tokens.tolist()))
     session.llm_finished(None)

@@ -17,6 +17,8 @@ import soundfile as sf
 
 gr = pytest.importorskip("gradio", reason="the web UI needs the 'ui' extra: pip install -e '.[ui]'")
 
+from waiting import free_port  # noqa: E402
+
 from app import ui  # noqa: E402
 from app.ui import Studio, build_ui, launch, load_studio  # noqa: E402
 from cosyvoice import bundle  # noqa: E402
@@ -25,7 +27,6 @@ from cosyvoice.frontend.prompts import zero_shot_prompt_text  # noqa: E402
 from cosyvoice.service import TTSService  # noqa: E402
 from cosyvoice.settings import ServerSettings, VoicePolicy  # noqa: E402
 from cosyvoice.voices import VoiceLibrary  # noqa: E402
-from waiting import free_port  # noqa: E402
 
 TEXT = "Hi there."  # short: the random tiny model speaks until its length limit, which grows with the text
 TRANSCRIPT = "Hello, this is a short prompt."

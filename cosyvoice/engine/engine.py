@@ -29,7 +29,7 @@ import torch
 
 from cosyvoice.config import CosyVoice3Config
 from cosyvoice.engine.graphs import CompiledDiT
-from cosyvoice.engine.memory import default_flow_cache_mb, free_memory_bytes
+from cosyvoice.engine.memory import FlowCacheLedger, default_flow_cache_mb, free_memory_bytes
 from cosyvoice.engine.plan import Ticket
 from cosyvoice.engine.scheduler import LLMScheduler
 from cosyvoice.engine.session import AudioChunk, CancelToken, ChunkSchedule, Session
@@ -128,7 +128,8 @@ class Engine:
             prompt_cache = PromptCache(int(self.limits.prompt_cache_mb * 2**20))
         self.prompt_cache = prompt_cache or None
         self.t2w = Token2Wav(config, self.flow, self.hift, device, incremental_flow, incremental_vocoder,
-                             self.flow_cache_share, trim_leading_silence_ms, compiled, self.prompt_cache)
+                             FlowCacheLedger(self.flow_cache_mb * 2**20, self.flow_cache_share),
+                             trim_leading_silence_ms, compiled, self.prompt_cache)
         self.threads = (threads or stage_threads(torch.get_num_threads())) if device.type == "cpu" else (None, None)
         self.scheduler = LLMScheduler(llm, self.limits.max_sessions, self.limits.max_llm_positions,
                                       cuda_graphs=cuda_graphs, threads=self.threads[0])
@@ -204,12 +205,13 @@ class Engine:
     @property
     def flow_cache_fallbacks(self) -> int:
         """Streams switched from their flow cache to recomputing by the memory budget, since the start."""
-        return self.t2w.fallbacks
+        return self.t2w.flow_cache.fallbacks
 
     @property
     def flow_cache_share(self) -> float:
-        """Bytes one stream's incremental flow cache may hold: ``flow_cache_mb / max_sessions``, so all caches
-        together stay within :attr:`flow_cache_mb` whatever runs at once."""
+        """Bytes one stream's incremental flow cache is sure of: ``flow_cache_mb / max_sessions``, so every
+        session can have its share at once; a stream borrows beyond it what the others leave of
+        :attr:`flow_cache_mb` (:class:`~cosyvoice.engine.memory.FlowCacheLedger`)."""
         return self.flow_cache_mb * 2**20 / self.limits.max_sessions
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from cosyvoice.config import CosyVoice3Config
 from cosyvoice.engine.graphs import CompiledDiT
+from cosyvoice.engine.memory import FlowCacheLedger
 from cosyvoice.engine.session import AudioChunk, ChunkPolicy, ChunkWork, Session
 from cosyvoice.engine.silence import LeadingSilenceTrim
 from cosyvoice.errors import CosyVoiceError, ResourceLimitError
@@ -101,20 +102,19 @@ class Token2Wav:
     """Flow + vocoder for one chunk of one session, on the engine's networks.
 
     ``incremental_flow`` / ``incremental_vocoder`` False: re-run the flow / vocoder over the whole utterance
-    per chunk, as the reference does (the benchmark baseline). ``flow_cache_share``: bytes one stream's
-    incremental flow cache may hold (the engine's memory budget). ``prompt_cache``: streams start from their
+    per chunk, as the reference does (the benchmark baseline). ``flow_cache``: which streams may keep their
+    incremental flow cache (the engine's memory budget; None: all of them). ``prompt_cache``: streams start from their
     voice's flow prefix, computed once per voice (:mod:`cosyvoice.flow.prompt_cache`).
     """
 
     def __init__(self, config: CosyVoice3Config, flow: CausalMaskedDiffWithDiT, hift: CausalHiFTGenerator,
                  device: torch.device, incremental_flow: bool = True, incremental_vocoder: bool = True,
-                 flow_cache_share: float = float("inf"), trim_leading_silence_ms: float | None = None,
+                 flow_cache: FlowCacheLedger | None = None, trim_leading_silence_ms: float | None = None,
                  compiled: CompiledDiT | None = None, prompt_cache: PromptCache | None = None) -> None:
         self.config, self.flow, self.hift, self.device = config, flow, hift, device
         self.sample_rate = config.sample_rate
         self.incremental_flow, self.incremental_vocoder = incremental_flow, incremental_vocoder
-        self.flow_cache_share = flow_cache_share
-        self.fallbacks = 0  # streams switched to recompute by the memory budget
+        self.flow_cache = flow_cache
         self.trim_leading_silence_ms = trim_leading_silence_ms
         self.compiled = compiled  # the packed DiT step compiled per shape bucket (every flow step goes through it)
         self.prompt_cache = prompt_cache
@@ -132,6 +132,8 @@ class Token2Wav:
     def chunks(self, items: list[tuple[Session, T2WState, ChunkWork]]) -> list[AudioChunk]:
         """Compute several sessions' chunks; their incremental flow steps run as ONE packed DiT call per Euler
         step (:func:`~cosyvoice.flow.extend_packed`), the rest (vocoder, recompute paths) one session at a time."""
+        for session, state, work in items:
+            self._open_flow_stream(session, state, work)
         mels = [self._flow(session, state, work) for session, state, work in items]
         pending = [m for m in mels if isinstance(m, PendingExtension)]
         if len(pending) > 1 or (pending and self.compiled is not None):
@@ -159,6 +161,32 @@ class Token2Wav:
         state.finished = work.final
         return chunk
 
+    def _open_flow_stream(self, session: Session, state: T2WState, work: ChunkWork) -> None:
+        """Give a streaming session its :class:`FlowStream` (from the voice's prefix where the prompt cache has
+        one) and reserve the flow-cache bytes this chunk grows it to. Run for every chunk of a packed call before
+        any of them begins: making room may drop another stream's cache, never one whose step is under way."""
+        if not (work.tokens and self.incremental_flow and (self._streaming(session, work) or state.flow_stream)):
+            return
+        inp, n_tokens = session.inp, len(work.tokens)
+        if state.flow_stream is None:
+            dev = self.device
+            voice = (self.flow, inp.flow_prompt_speech_token.to(dev), inp.prompt_speech_feat.to(dev),
+                     inp.flow_embedding.to(dev), session.steps)
+            # a stream that starts over its budget recomputes at once: no use for the voice's prefix
+            need = self._cache_need(inp.flow_prompt_speech_token.shape[1], n_tokens, session.steps)
+            cached = self.prompt_cache is not None and (self.flow_cache is None or self.flow_cache.fits(session.id,
+                                                                                                         need))
+            state.flow_stream = self.prompt_cache.stream(*voice) if cached else FlowStream(*voice)
+        if self.flow_cache is not None:
+            stream = state.flow_stream
+            self.flow_cache.reserve(session.id, stream,
+                                    self._cache_need(stream.prompt_token.shape[1], n_tokens, stream.steps))
+
+    @staticmethod
+    def _streaming(session: Session, work: ChunkWork) -> bool:
+        """The chunk-causal mask: every chunk but a ``"full"`` final one (the reference's last call)."""
+        return not work.final or session.schedule.final == "chunked"
+
     def _flow(self, session: Session, state: T2WState, work: ChunkWork) -> torch.Tensor | PendingExtension | None:
         """A chunk's new mel frames, or the incremental flow step that computes them (None: no tokens at all).
 
@@ -172,16 +200,8 @@ class Token2Wav:
             return None
         dev, inp = self.device, session.inp
         tokens = torch.tensor([work.tokens], dtype=torch.int64)
-        streaming, finalize = not work.final or session.schedule.final == "chunked", work.final
-        if self.incremental_flow and (streaming or state.flow_stream is not None):
-            if state.flow_stream is None:
-                voice = (self.flow, inp.flow_prompt_speech_token.to(dev), inp.prompt_speech_feat.to(dev),
-                         inp.flow_embedding.to(dev), session.steps)
-                # a stream that starts over its budget recomputes at once: no use for the voice's prefix
-                cached = self.prompt_cache is not None and not self._over_budget(
-                    inp.flow_prompt_speech_token.shape[1], tokens.shape[1], session.steps)
-                state.flow_stream = self.prompt_cache.stream(*voice) if cached else FlowStream(*voice)
-            self._budget_flow_cache(state.flow_stream, tokens.shape[1])
+        streaming, finalize = self._streaming(session, work), work.final
+        if state.flow_stream is not None:
             step = state.flow_stream.begin(tokens[:, state.flow_fed:].to(dev), finalize=finalize, streaming=streaming)
             state.flow_fed = tokens.shape[1]
             return step
@@ -214,17 +234,15 @@ class Token2Wav:
         state.speech_offset += out.shape[0]
         return out.float().cpu()
 
-    def _budget_flow_cache(self, stream: FlowStream, n_tokens: int) -> None:
-        """A stream that would grow past its share drops its cache and recomputes from then on (the reference's
-        path: the same output up to rounding). The share does not depend on other sessions, so neither does a
-        session's output."""
-        if stream.caching and self._over_budget(stream.prompt_token.shape[1], n_tokens, stream.steps):
-            stream.drop_cache()
-            self.fallbacks += 1
+    def release(self, session: Session) -> None:
+        """``session`` ended: its flow cache's reservation is free."""
+        if self.flow_cache is not None:
+            self.flow_cache.release(session.id)
 
-    def _over_budget(self, n_prompt_tokens: int, n_tokens: int, steps: int | None) -> bool:
+    def _cache_need(self, n_prompt_tokens: int, n_tokens: int, steps: int | None) -> int:
+        """Bytes a stream's flow cache holds once it has ``n_tokens`` after its prompt's."""
         frames = (n_prompt_tokens + n_tokens) * self.config.flow.token_mel_ratio
-        return frames * FlowStream.bytes_per_frame(self.flow, steps=steps) > self.flow_cache_share
+        return frames * FlowStream.bytes_per_frame(self.flow, steps=steps)
 
 
 def as_cosyvoice_error(exc: BaseException, stage: str) -> CosyVoiceError:
@@ -374,6 +392,7 @@ class Token2WavWorker:
     def _release(self, session: Session) -> None:
         state = self._states.pop(session)
         state.flow_stream = state.hift_stream = state.mel_cache = state.time_scale = None
+        self.t2w.release(session)
         with self._cond:
             self._cache_bytes.pop(session.id, None)
         try:
