@@ -272,16 +272,17 @@ def _engine(tts: CosyVoice3, spec: Row, cores: int) -> object:
 
 
 def run_row(model_dir: Path, row: str, requests: int, lengths: list[int], work: Path,
-            flow_cache_mb: float | None = None) -> dict[str, object]:
+            flow_cache_mb: float | None = None, max_sessions: int = 1) -> dict[str, object]:
     """One row in this process: load, warm up, first audio of ``requests`` streamed requests (each stopped at
     its first chunk), then one streamed request per length in ``lengths`` (seconds of speech: 25 tokens each)
     for the RTF; the per-stage seconds come from the first of them (see the module docstring). Each request's
     process CPU seconds too: on a shared machine they are the work, whatever the wall clock says.
-    ``flow_cache_mb``: the flow cache's budget (None: the engine's default, half the free memory)."""
+    ``flow_cache_mb``: the flow cache's budget (None: the engine's default, half the free memory);
+    ``max_sessions``: the engine's (a stream is sure of the budget over it, and borrows the rest when alone)."""
     spec = ROWS[row]
     os.environ["COSYVOICE_PROMPT_CACHE"] = "on" if spec.prefix else "off"
     start = time.perf_counter()
-    limits = Limits(max_sessions=1, queue_timeout_seconds=3600, flow_cache_mb=flow_cache_mb)
+    limits = Limits(max_sessions=max_sessions, queue_timeout_seconds=3600, flow_cache_mb=flow_cache_mb)
     tts = CosyVoice3(model_dir, device="cpu", limits=limits,
                      voice_dir=work / f"voices-{row}", backend=spec.backend, precision=spec.precision)
     load_s = time.perf_counter() - start
@@ -375,6 +376,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--floor", action="store_true", help="this machine's floor and the DiT's paths against it")
     parser.add_argument("--flow-cache-mb", type=float,
                         help="the rows' flow-cache budget (default: the engine's, half the free memory at start)")
+    parser.add_argument("--max-sessions", type=int, default=1,
+                        help="the engine's max_sessions (a server's default: 8); requests still run one at a time")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: run one row in this process, print JSON
     return parser
 
@@ -397,6 +400,7 @@ def _rows(args: argparse.Namespace, model_dir: Path, features: frozenset[str]) -
             done = subprocess.run([sys.executable, __file__, "--row", row, "--model-dir", str(model_dir),
                                    "--requests", str(args.requests),
                                    *(["--flow-cache-mb", str(args.flow_cache_mb)] if args.flow_cache_mb else []),
+                                   "--max-sessions", str(args.max_sessions),
                                    "--lengths",
                                    *map(str, args.lengths if args.long_rows is None or row in args.long_rows
                                         else args.lengths[:1])],
@@ -420,7 +424,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = _parser().parse_args(argv)
     work = scratch_dir("cosyvoice-cpu-bench-")
     if args.row:
-        print(json.dumps(run_row(args.model_dir, args.row, args.requests, args.lengths, work, args.flow_cache_mb)))
+        print(json.dumps(run_row(args.model_dir, args.row, args.requests, args.lengths, work, args.flow_cache_mb,
+                                 args.max_sessions)))
         return {}
     model_dir, model = bench_bundle(args.model_dir, args.tiny, work)
     features = fast.cpu_features()
@@ -429,7 +434,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "torch": torch.__version__, "python": platform.python_version(), "commit": _git_commit(),
                 "model": model, "lengths_s": args.lengths, "requests": args.requests,
                 "mode": "stream, 1 request at a time, batched engine, seed 0", "load_before": load_average(),
-                "flow_cache_mb": args.flow_cache_mb}
+                "flow_cache_mb": args.flow_cache_mb, "max_sessions": args.max_sessions}
     print(" | ".join(f"{k} {v}" for k, v in settings.items()), flush=True)
     report: dict[str, object] = {"settings": settings}
     if args.floor:
