@@ -198,14 +198,17 @@ def test_the_cached_graph_appends_into_the_streams_buffer(modules: dict) -> None
             assert k.shape == k_ref.shape and max((k - k_ref).abs().max(), (v - v_ref).abs().max()) <= MEL_BOUND
         return got[0][1], got[1][1]
 
+    def capacity(cache: object) -> int:
+        k = cache.kv[0][0]
+        return k.stride(1) // k.shape[3]
+
     first = both(0, chunk, (None, None), chunk)
-    buffer = first[0].kv[0][0]
-    assert buffer.stride(1) // buffer.shape[3] == int(chunk * GROWTH)  # room after the first chunk
-    partial = both(chunk, chunk + chunk // 4, first, 0)  # fits the room: written in place
-    assert partial[0].kv[0][0].data_ptr() == buffer.data_ptr() and partial[0].length == chunk
-    second = both(chunk, 2 * chunk, first, chunk)  # past the room: a new buffer, GROWTH times the frames
-    grown = second[0].kv[0][0]
-    assert grown.data_ptr() != buffer.data_ptr() and grown.stride(1) // grown.shape[3] == int(2 * chunk * GROWTH)
+    assert capacity(first[0]) == chunk  # the start: the graph's outputs themselves, no room
+    partial = both(chunk, chunk + chunk // 2, first, 0)  # no room: a new buffer, GROWTH times the frames
+    buffer = partial[0].kv[0][0]
+    assert capacity(partial[0]) == int(1.5 * chunk * GROWTH) and partial[0].length == chunk
+    second = both(chunk, 2 * chunk, partial, chunk)  # fits the room: written in place
+    assert second[0].kv[0][0].data_ptr() == buffer.data_ptr() and capacity(second[0]) == capacity(partial[0])
 
 
 def test_an_old_cached_graph_is_exported_again_or_refused(tiny_bundle_dir: Path, tmp_path: Path,

@@ -73,8 +73,10 @@ class GraphEstimator:
             outputs[f"new_k_{i}"] = torch.empty(batch, self.heads, n, self.dim_head, **f32)
             outputs[f"new_v_{i}"] = torch.empty(batch, self.heads, n, self.dim_head, **f32)
         self.cached.run(inputs, outputs)
-        present = [(append_frames(k, outputs[f"new_k_{i}"]), append_frames(v, outputs[f"new_v_{i}"]))
-                   for i, (k, v) in enumerate(kv)]
+        present = [(outputs[f"new_k_{i}"], outputs[f"new_v_{i}"]) for i in range(self.depth)]
+        if past is not None:  # at the start they are the outputs: a whole-utterance call copies nothing
+            present = [(append_frames(k, new_k), append_frames(v, new_v))
+                       for (k, v), (new_k, new_v) in zip(kv, present, strict=True)]
         return outputs["velocity"].to(x.dtype), (outputs["conv_in1"], outputs["conv_in2"]), present
 
 
