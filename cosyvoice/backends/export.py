@@ -108,7 +108,7 @@ def _estimator_specs(bundle: ModelBundle, generator: torch.Generator) -> list[Gr
     c_axes = {**axes, "mask": {0: "frames", 1: "keys"}, "tail1": {0: "batch"}, "tail2": {0: "batch"},
               "velocity": {0: "batch", 2: "frames"}, "conv_in1": {0: "batch", 2: "conv_frames"},
               "conv_in2": {0: "batch", 2: "conv_frames"}}
-    room = torch.full((batch, *first.kv[0][0].shape[1:2], 5, first.kv[0][0].shape[3]), float("nan"))
+    room = torch.full_like(first.kv[0][0][:, :, :5], float("nan"))
     for i, (k, v) in enumerate(first.kv):  # buffers with room after the past: NaN there, which must never be read
         inputs[f"cache_k_{i}"], inputs[f"cache_v_{i}"] = torch.cat((k, room), dim=2), torch.cat((v, room), dim=2)
         c_axes[f"cache_k_{i}"] = c_axes[f"cache_v_{i}"] = {0: "batch", 2: "capacity"}
