@@ -63,11 +63,12 @@ class PastFrames(NamedTuple):
 def attend_past(q: Tensor, k: Tensor, v: Tensor, past: PastFrames, mask: Tensor) -> Tensor:
     """Attention of ``q`` over ``past`` then ``k``/``v`` (the new frames) under the boolean ``mask`` [n, L + n],
     without joining keys, values or scores: one softmax over both score blocks, shifted by their common maximum
-    (onnxruntime-CPU: ~25% less than concatenating the scores at 3000 past frames, docs/perf.md)."""
+    (onnxruntime-CPU: ~25% less than concatenating the scores at 3000 past frames, docs/perf.md). The softmax is
+    float32 whatever the products' dtype, as autocast keeps it in the fp16 graphs."""
     length = past.k.shape[2]
     q = q * q.shape[-1] ** -0.5
-    old = (q @ past.k.transpose(-1, -2)).masked_fill(~mask[:, :length], float("-inf"))
-    new = (q @ k.transpose(-1, -2)).masked_fill(~mask[:, length:], float("-inf"))
+    old = (q @ past.k.transpose(-1, -2)).float().masked_fill(~mask[:, :length], float("-inf"))
+    new = (q @ k.transpose(-1, -2)).float().masked_fill(~mask[:, length:], float("-inf"))
     top = torch.maximum(old.amax(-1, keepdim=True), new.amax(-1, keepdim=True))  # an empty past's max is -inf
     old, new = (old - top).exp(), (new - top).exp()
     return (old @ past.v + new @ v) / (old.sum(-1, keepdim=True) + new.sum(-1, keepdim=True))
