@@ -22,6 +22,7 @@ from cosyvoice.backends import attach_flow, attach_hift, resolve_backend, trt
 from cosyvoice.bundle import validate_model_dir
 from cosyvoice.errors import ConfigError
 from cosyvoice.flow import FlowStream
+from cosyvoice.flow.dit_cache import GROWTH
 from cosyvoice.frontend.prompts import cross_lingual_text, instruct_text, zero_shot_prompt_text
 from cosyvoice.hifigan import HiFTStream
 
@@ -171,9 +172,77 @@ def test_tensorrt_profiles_cover_the_streaming_shapes() -> None:
             assert all(a <= b <= c for a, b, c in zip(lo, opt, hi, strict=True)), (graph, name)
     cached = trt.profiles("flow_estimator_cached", dims)
     assert set(cached) == {"x", "mu", "t", "spks", "cond", "mask", "tail1", "tail2",
-                           "past_k_0", "past_v_0", "past_k_1", "past_v_1"}
-    assert cached["past_k_0"][0][2] == 0  # an utterance's first chunk has no past keys
-    for (n, keys), x, past in zip(cached["mask"], cached["x"], cached["past_k_0"], strict=True):
-        assert n == x[2] and keys == past[2] + n
+                           "cache_k_0", "cache_v_0", "cache_k_1", "cache_v_1"}
+    assert cached["cache_k_0"][0][2] == 0  # an utterance's first chunk has no past keys
+    for (n, keys), x, buffer in zip(cached["mask"], cached["x"], cached["cache_k_0"], strict=True):
+        assert n == x[2] and keys - n <= buffer[2] <= GROWTH * keys  # the past, and room up to the growth factor
     vocoder = trt.profiles("vocoder", dims)
     assert vocoder["mel"][0][2] == 5 and vocoder["source"][0][2] == 480  # one frame, finalised
+
+
+def test_the_cached_graph_appends_into_the_streams_buffer(modules: dict) -> None:
+    """The cached graph returns the new frames' keys/values only and reads the past where the stream keeps it: they
+    are appended into the buffer's room in place (the same storage), and a full buffer grows by GROWTH; velocities
+    and keys/values equal torch's on every call."""
+    dit, ref = modules["flow_ort"].decoder.estimator, modules["flow"].decoder.estimator
+    chunk = dit.chunk_size
+    g = torch.Generator().manual_seed(3)
+    x, mu, cond = (torch.randn(2, 80, 2 * chunk, generator=g) for _ in range(3))
+    t, spks = torch.tensor([0.4, 0.4]), torch.randn(2, 80, generator=g)
+
+    def both(lo: int, hi: int, past: tuple, keep: int) -> tuple:
+        got = [d.forward_cached(x[..., lo:hi], mu[..., lo:hi], t, spks, cond[..., lo:hi], p, keep)
+               for d, p in ((dit, past[0]), (ref, past[1]))]
+        assert (got[0][0] - got[1][0]).abs().max() <= MEL_BOUND
+        for (k, v), (k_ref, v_ref) in zip(got[0][1].kv, got[1][1].kv, strict=True):
+            assert k.shape == k_ref.shape and max((k - k_ref).abs().max(), (v - v_ref).abs().max()) <= MEL_BOUND
+        return got[0][1], got[1][1]
+
+    def capacity(cache: object) -> int:
+        k = cache.kv[0][0]
+        return k.stride(1) // k.shape[3]
+
+    first = both(0, chunk, (None, None), chunk)
+    assert capacity(first[0]) == chunk  # the start: the graph's outputs themselves, no room
+    partial = both(chunk, chunk + chunk // 2, first, 0)  # no room: a new buffer, GROWTH times the frames
+    buffer = partial[0].kv[0][0]
+    assert capacity(partial[0]) == int(1.5 * chunk * GROWTH) and partial[0].length == chunk
+    second = both(chunk, 2 * chunk, partial, chunk)  # fits the room: written in place
+    assert second[0].kv[0][0].data_ptr() == buffer.data_ptr() and capacity(second[0]) == capacity(partial[0])
+
+
+def test_an_old_cached_graph_is_exported_again_or_refused(tiny_bundle_dir: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A format-1 export (past keys/values in, past + new out) is never run by this runner: its manifest's format
+    has it exported again, and such a file met anyway is refused by name, saying what to do."""
+    import json
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    from cosyvoice.backends import _graph, ensure_onnx
+    from cosyvoice.backends import export as ex
+    from cosyvoice.errors import ModelBundleError
+
+    names = ["x", "mu", "t", "spks", "cond", "mask", "tail1", "tail2", "past_k_0", "past_v_0"]
+    outputs = ["velocity", "conv_in1", "conv_in2", "k_0", "v_0"]
+    graph = helper.make_graph([helper.make_node("Identity", [names[i]], [o]) for i, o in enumerate(outputs)], "old",
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs])
+    (tmp_path / "onnx").mkdir()
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]),
+              tmp_path / "onnx" / ex.graph_file("flow_estimator_cached"))
+    with pytest.raises(ModelBundleError, match="older export returns past \\+ new"):
+        _graph("flow_estimator_cached", "onnxruntime", {}, tmp_path, torch.device("cpu"), "fp32", {"depth": 1})
+    manifest = json.loads((tiny_bundle_dir / "onnx" / ex.MANIFEST).read_text())
+    stale = tmp_path / "bundle"
+    stale.mkdir()
+    (stale / "onnx").mkdir()
+    for name in [*ex.SOURCES, *(f"onnx/{g}" for g in manifest["graphs"])]:
+        (stale / name).symlink_to(tiny_bundle_dir / name)
+    exported = []
+    monkeypatch.setattr(ex, "export_onnx", lambda root, *a, **k: exported.append(root) or {})
+    for fmt in (ex.FORMAT, 1):  # this format's export is reused; format 1's is redone
+        (stale / "onnx" / ex.MANIFEST).write_text(json.dumps({**manifest, "format": fmt}))
+        ensure_onnx(stale)
+    assert exported == [stale]

@@ -153,6 +153,24 @@ def test_auto_measures_the_onnxruntime_paths_and_keeps_its_choice(tiny_bundle_di
     assert machine_key(features, "model-a") in [r["key"] for r in data.values()]
 
 
+def test_a_new_graph_format_is_measured_afresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto's kept choice was timed on the graphs of one export format: another (the cached DiT graph's format 2
+    stopped copying the cache per call) is another key, as is a record kept before the key named formats."""
+    from cosyvoice.backends import export
+
+    store = AutoStore(tmp_path / "auto.json")
+    key = machine_key(frozenset({"avx2"}), "m")
+    assert key["graphs"] == {"dit": 2, "llm_step": 1}
+    store.put(key, "int8", "onnxruntime-int8", {"flow_fp32": {"seconds": 1.0}})
+    assert store.get(machine_key(frozenset({"avx2"}), "m"))["flow"] == "onnxruntime-int8"
+    monkeypatch.setattr(export, "FORMAT", export.FORMAT + 1)
+    assert store.get(machine_key(frozenset({"avx2"}), "m")) is None
+    monkeypatch.undo()
+    before = {k: v for k, v in key.items() if k != "graphs"}  # a store written before formats were in the key
+    store.put(before, "int8", "onnxruntime-int8", {"flow_fp32": {"seconds": 1.0}})
+    assert store.get(before) is not None and store.get(key)["key"] == key
+
+
 def test_an_unwritable_store_never_stops_a_start(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")

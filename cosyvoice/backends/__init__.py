@@ -114,7 +114,13 @@ def _graph(name: str, backend: str, manifest: dict[str, object], root: Path, dev
         from cosyvoice.backends.ort import OrtGraph, cpu_stage_threads
 
         # the DiT and the vocoder run in the engine's token-to-wave stage
-        return OrtGraph(path, device, cpu_stage_threads(1) if device.type == "cpu" else None)
+        graph = OrtGraph(path, device, cpu_stage_threads(1) if device.type == "cpu" else None)
+        if name == "flow_estimator_cached":
+            from cosyvoice.backends.graphs import check_cached_io
+
+            check_cached_io(str(path), [i.name for i in graph.session.get_inputs()],
+                            [o.name for o in graph.session.get_outputs()], dims["depth"])
+        return graph
     from cosyvoice.backends import trt
 
     sha = manifest["graphs"][path.name]["sha256"]  # type: ignore[index]

@@ -1,11 +1,11 @@
 """``auto``'s measurements, kept across restarts: which path each stage runs, per CPU and model.
 
 ``auto`` times and checks every candidate against fp32 at load (a minute at the released sizes). The result
-depends only on the CPU (its flags, model name and core count), the libraries whose kernels ran and the weights
-(the bundle's digest), so it is kept in one JSON file under that key and the next start on the same machine and
-model applies it without measuring. Another CPU, another model or another library version is another key: it is
-measured afresh (the newest :data:`KEEP` keys stay). An unreadable file counts as empty, an unwritable one is
-logged and skipped: the cache saves time, it never stops a start.
+depends only on the CPU (its flags, model name and core count), the libraries whose kernels ran, the formats of
+the graphs it timed and the weights (the bundle's digest), so it is kept in one JSON file under that key and the
+next start on the same machine and model applies it without measuring. Another CPU, model, library version or
+graph format is another key: it is measured afresh (the newest :data:`KEEP` keys stay). An unreadable file counts
+as empty, an unwritable one is logged and skipped: the cache saves time, it never stops a start.
 """
 
 from __future__ import annotations
@@ -36,10 +36,21 @@ def _ort_version() -> str:
         return "none"
 
 
+def graph_formats() -> dict[str, int]:
+    """The interfaces of the exported graphs auto times (the DiT's and the LLM step's): a new one runs differently
+    (format 2 of the DiT's cached graph stopped copying the cache per call), so what was measured on the old
+    no longer holds."""
+    from cosyvoice.backends import export, llm_step
+
+    return {"dit": export.FORMAT, "llm_step": llm_step.FORMAT}
+
+
 def machine_key(features: frozenset[str], model_digest: str) -> dict[str, object]:
-    """What ``auto``'s choice depends on: the CPU's flags, model and cores, the kernels' libraries, the weights."""
+    """What ``auto``'s choice depends on: the CPU's flags, model and cores, the kernels' libraries, the graphs'
+    formats, the weights."""
     return {"cpu_flags": sorted(features), "cpu_model": cpu_model(), "cores": torch.get_num_threads(),
-            "torch": torch.__version__, "onnxruntime": _ort_version(), "model": model_digest}
+            "torch": torch.__version__, "onnxruntime": _ort_version(), "graphs": graph_formats(),
+            "model": model_digest}
 
 
 class AutoStore:

@@ -36,7 +36,9 @@ logger = logging.getLogger(__name__)
 
 OPSET = 18
 MANIFEST = "manifest.json"
-FORMAT = 1  # bump when the graphs' interface changes: stale exports are then redone
+# bump when the graphs' interface changes: stale exports are then redone (and auto measures again,
+# auto_store.machine_key). 2: flow_estimator_cached returns only the new frames' keys/values
+FORMAT = 2
 # Parity bound of onnxruntime-CPU against PyTorch (fp32): max |diff| <= ATOL + RTOL * max |reference|.
 # Both run float32 kernels in a different order (fused attention, folded weight norm, the DFT as a conv):
 # the DiT differs by ~1e-6 relative. The vocoder turns a predicted log-magnitude into a magnitude with exp(),
@@ -106,12 +108,13 @@ def _estimator_specs(bundle: ModelBundle, generator: torch.Generator) -> list[Gr
     c_axes = {**axes, "mask": {0: "frames", 1: "keys"}, "tail1": {0: "batch"}, "tail2": {0: "batch"},
               "velocity": {0: "batch", 2: "frames"}, "conv_in1": {0: "batch", 2: "conv_frames"},
               "conv_in2": {0: "batch", 2: "conv_frames"}}
-    for i, (k, v) in enumerate(first.kv):
-        inputs[f"past_k_{i}"], inputs[f"past_v_{i}"] = k, v
-        c_axes[f"past_k_{i}"] = c_axes[f"past_v_{i}"] = {0: "batch", 2: "past"}
-        c_axes[f"k_{i}"] = c_axes[f"v_{i}"] = {0: "batch", 2: "keys"}
+    room = torch.full_like(first.kv[0][0][:, :, :5], float("nan"))
+    for i, (k, v) in enumerate(first.kv):  # buffers with room after the past: NaN there, which must never be read
+        inputs[f"cache_k_{i}"], inputs[f"cache_v_{i}"] = torch.cat((k, room), dim=2), torch.cat((v, room), dim=2)
+        c_axes[f"cache_k_{i}"] = c_axes[f"cache_v_{i}"] = {0: "batch", 2: "capacity"}
+        c_axes[f"new_k_{i}"] = c_axes[f"new_v_{i}"] = {0: "batch", 2: "frames"}
     assert list(inputs) == in_names
-    reference = [c_out, *c_convs, *(y for pair in c_kv for y in pair)]
+    reference = [c_out, *c_convs, *(y[:, :, chunk:] for pair in c_kv for y in pair)]
     cached = GraphSpec("flow_estimator_cached", CachedEstimatorGraph(dit), inputs, out_names, c_axes, reference, True)
     return [plain, cached]
 

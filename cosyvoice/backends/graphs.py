@@ -6,9 +6,14 @@ Three graphs, each with dynamic batch and time axes:
   batch axis (rows B.. unconditional, as :func:`cosyvoice.flow.cfm.guidance_batch` stacks them); the
   attention mask is an input ``[N, N]`` (bool), so one graph serves full and chunk-causal attention.
 - ``flow_estimator_cached``: the DiT extending an utterance (:meth:`DiT.forward_cached`): the new frames
-  plus the finished frames' state, the position convs' tails and every block's past keys/values, in;
-  the velocity, the convs' padded inputs and every block's keys/values (past + new) out. RoPE positions
-  start at the past length, read from the past keys' shape. Past length 0 with zero tails is the start.
+  plus the finished frames' state, the position convs' tails and every block's key/value buffers
+  ``cache_k_i``/``cache_v_i`` [B, H, capacity, D] (the stream's own, with room after the past), in; the
+  velocity, the convs' padded inputs and every block's keys/values of the NEW frames only (``new_k_i``/
+  ``new_v_i``) out, which the runner appends into the buffers in place. The past length is the mask's keys less
+  its queries ([n, past + n]); RoPE positions start there and each block reads its buffer's first past frames
+  (a Slice, one block at a time: cheaper on onnxruntime-CPU than attending over the capacity with the room
+  masked, docs/perf.md). Past length 0 with zero tails is the start. Since export format 2: format 1 took the past
+  exactly and returned past + new, a copy of the whole cache per call (:func:`check_cached_io` refuses it).
 - ``vocoder``: :meth:`CausalHiFTGenerator.decode_window`, ``(mel with conv_pre's look-ahead, excitation)
   -> waveform``. Both spectral transforms are in the graph: ONNX has no inverse STFT operator (and
   TensorRT no STFT either), so here they are convolutions with a fixed windowed DFT basis: the STFT a
@@ -26,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cosyvoice.errors import ModelBundleError
 from cosyvoice.flow.dit import DiT
-from cosyvoice.flow.dit_cache import DiTCache
+from cosyvoice.flow.dit_cache import DiTCache, PastFrames
 from cosyvoice.hifigan.generator import CausalHiFTGenerator
 
 
@@ -42,19 +48,20 @@ class EstimatorGraph(nn.Module):
 
 
 class CachedEstimatorGraph(nn.Module):
-    """Inputs ``x, mu, t, spks, cond, mask [n, past + n], tail1, tail2, past_k_0, past_v_0, ...``."""
+    """Inputs ``x, mu, t, spks, cond, mask [n, past + n], tail1, tail2, cache_k_0, cache_v_0, ...`` (buffers of at
+    least ``past`` frames); outputs the velocity, the convs' inputs and the new frames' keys/values per block."""
 
     def __init__(self, dit: DiT) -> None:
         super().__init__()
         self.dit = dit
 
     def forward(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor,
-                tail1: Tensor, tail2: Tensor, *past_kv: Tensor) -> tuple[Tensor, ...]:
-        kv = [(past_kv[2 * i], past_kv[2 * i + 1]) for i in range(len(past_kv) // 2)]
-        # DiTCache.length only sets the RoPE offset; the shape keeps it symbolic in the graph
-        past = DiTCache(past_kv[0].shape[2], (tail1, tail2), kv)
-        out, conv_inputs, present = self.dit._trunk(x, mu, t, spks, cond, mask, past)
-        return (out, *conv_inputs, *(y for pair in present for y in pair))
+                tail1: Tensor, tail2: Tensor, *buffers: Tensor) -> tuple[Tensor, ...]:
+        length = mask.shape[1] - x.shape[2]  # the true past: the buffers' frames after it are room
+        kv = [PastFrames(buffers[2 * i][:, :, :length], buffers[2 * i + 1][:, :, :length])
+              for i in range(len(buffers) // 2)]
+        out, conv_inputs, new = self.dit._trunk(x, mu, t, spks, cond, mask, DiTCache(length, (tail1, tail2), kv))
+        return (out, *conv_inputs, *(y for pair in new for y in pair))
 
 
 def cached_io_names(depth: int) -> tuple[list[str], list[str]]:
@@ -62,9 +69,19 @@ def cached_io_names(depth: int) -> tuple[list[str], list[str]]:
     inputs = ["x", "mu", "t", "spks", "cond", "mask", "tail1", "tail2"]
     outputs = ["velocity", "conv_in1", "conv_in2"]
     for i in range(depth):
-        inputs += [f"past_k_{i}", f"past_v_{i}"]
-        outputs += [f"k_{i}", f"v_{i}"]
+        inputs += [f"cache_k_{i}", f"cache_v_{i}"]
+        outputs += [f"new_k_{i}", f"new_v_{i}"]
     return inputs, outputs
+
+
+def check_cached_io(path: str, inputs: list[str], outputs: list[str], depth: int) -> None:
+    """Refuse a ``flow_estimator_cached`` file whose interface is not this version's (a format-1 export returned
+    past + new keys/values: run as this runner runs it, it would be wrong), saying how to redo it."""
+    if (sorted(inputs), sorted(outputs)) != tuple(sorted(names) for names in cached_io_names(depth)):
+        raise ModelBundleError(
+            f"{path} is not the flow_estimator_cached graph this version runs (an older export returns "
+            "past + new keys/values): delete the model folder's onnx/ to have it exported again on the next start, "
+            "or run `python -m cosyvoice.bin.export_onnx MODEL_DIR`")
 
 
 class DFTSpectral(nn.Module):

@@ -1,8 +1,9 @@
 """The DiT and vocoder runners that stand in for the torch modules, over any graph with ``run(inputs, outputs)``.
 
 A runner allocates the outputs (their shapes follow from the inputs) and runs the graph; the streaming
-state stays where it is: :class:`~cosyvoice.flow.FlowStream` keeps the per-chunk K/V cache the cached
-graph returns (:class:`~cosyvoice.flow.dit_cache.DiTCache`, the same layout as the torch path) and
+state stays where it is: :class:`~cosyvoice.flow.FlowStream` keeps the per-chunk K/V cache, which the cached
+graph reads in place and extends by the new frames it returns (:class:`~cosyvoice.flow.dit_cache.DiTCache`, the
+same buffers with room as the torch path) and
 :class:`~cosyvoice.hifigan.HiFTStream` its phase carry and window, so both stream on every backend.
 The graphs take and return float32 (the fp16 variants cast inside); a half-precision flow's tensors are
 cast at the boundary.
@@ -16,7 +17,7 @@ import torch
 from torch import Tensor
 
 from cosyvoice.flow.dit import DiT
-from cosyvoice.flow.dit_cache import DiTCache
+from cosyvoice.flow.dit_cache import DiTCache, append_frames, owns_room
 from cosyvoice.hifigan.generator import CausalHiFTGenerator
 
 
@@ -52,26 +53,41 @@ class GraphEstimator:
 
     def velocity_cached(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor,
                         past: DiTCache | None) -> tuple[Tensor, tuple[Tensor, Tensor], list[tuple[Tensor, Tensor]]]:
+        """What :meth:`DiT._trunk` returns: the graph reads each block's past where the stream keeps it (the
+        whole buffer with its room, :func:`buffer_of`) and returns the new frames' keys/values only, which are
+        appended into that buffer in place (:func:`append_frames`, grown by its factor when full)."""
         batch, n = x.shape[0], x.shape[2]
         f32 = {"dtype": torch.float32, "device": x.device}
         if past is None:  # the start of an utterance: zeros are the convs' left padding, no keys yet
             tails = (torch.zeros(batch, self.dim, self.context, **f32),) * 2
             kv = [(torch.zeros(batch, self.heads, 0, self.dim_head, **f32),) * 2] * self.depth
         else:
-            tails, kv = past.conv_tails, past.kv
+            tails, kv = past.conv_tails, [(k.float(), v.float()) for k, v in past.kv]
         inputs = self._inputs(x, mu, t, spks, cond, mask)
         inputs["tail1"], inputs["tail2"] = tails[0].float(), tails[1].float()
-        keys = kv[0][0].shape[2] + n
         outputs = {"velocity": torch.empty(batch, self.mel_dim, n, **f32),
                    "conv_in1": torch.empty(batch, self.dim, self.context + n, **f32),
                    "conv_in2": torch.empty(batch, self.dim, self.context + n, **f32)}
         for i, (k, v) in enumerate(kv):
-            inputs[f"past_k_{i}"], inputs[f"past_v_{i}"] = k.float(), v.float()
-            outputs[f"k_{i}"] = torch.empty(batch, self.heads, keys, self.dim_head, **f32)
-            outputs[f"v_{i}"] = torch.empty(batch, self.heads, keys, self.dim_head, **f32)
+            inputs[f"cache_k_{i}"], inputs[f"cache_v_{i}"] = buffer_of(k), buffer_of(v)
+            outputs[f"new_k_{i}"] = torch.empty(batch, self.heads, n, self.dim_head, **f32)
+            outputs[f"new_v_{i}"] = torch.empty(batch, self.heads, n, self.dim_head, **f32)
         self.cached.run(inputs, outputs)
-        present = [(outputs[f"k_{i}"], outputs[f"v_{i}"]) for i in range(self.depth)]
+        present = [(outputs[f"new_k_{i}"], outputs[f"new_v_{i}"]) for i in range(self.depth)]
+        if past is not None:  # at the start they are the outputs: a whole-utterance call copies nothing
+            present = [(append_frames(k, new_k), append_frames(v, new_v))
+                       for (k, v), (new_k, new_v) in zip(kv, present, strict=True)]
         return outputs["velocity"].to(x.dtype), (outputs["conv_in1"], outputs["conv_in2"]), present
+
+
+def buffer_of(past: Tensor) -> Tensor:
+    """The whole [B, H, capacity, D] buffer whose leading frames ``past`` is (:func:`owns_room`), so the graph reads
+    it in place; any other tensor as it is (the graph then makes it contiguous, and :func:`append_frames` copies it
+    into a buffer with room after the call: once per stream, e.g. after a shared voice prefix)."""
+    b, h, length, d = past.shape
+    if not owns_room(past, length):
+        return past
+    return past.as_strided((b, h, past.stride(1) // d, d), past.stride())
 
 
 class GraphVocoder:

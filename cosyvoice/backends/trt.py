@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from cosyvoice.errors import ModelBundleError
+from cosyvoice.flow.dit_cache import GROWTH
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +66,12 @@ def profiles(graph: str, dims: dict[str, int], max_batch: int = 4) -> Profile:
     shapes["mask"] = _shapes(lambda f, p: (f, p + f), new, past)
     for name in ("tail1", "tail2"):
         shapes[name] = _shapes(lambda b: (b, dims["dim"], dims["context"]), rows)
+    # the key/value buffers hold the past and room to grow into (dit_cache.append_frames)
+    capacity = (0, int(past[1] * GROWTH), int(MAX_FRAMES * GROWTH))
     for i in range(dims["depth"]):
         for kind in "kv":
-            shapes[f"past_{kind}_{i}"] = _shapes(lambda b, p: (b, dims["heads"], p, dims["dim_head"]), rows, past)
+            shapes[f"cache_{kind}_{i}"] = _shapes(lambda b, c: (b, dims["heads"], c, dims["dim_head"]), rows,
+                                                  capacity)
     return shapes
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cosyvoice.config import DiTConfig
-from cosyvoice.flow.dit_cache import DiTCache, append_frames
+from cosyvoice.flow.dit_cache import DiTCache, PastFrames, append_frames, attend_past
 from cosyvoice.flow.modulation import Modulation, ModulationCache, cacheable
 
 _LN_EPS = 1e-6
@@ -164,7 +164,8 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
                 past: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Returns the output and the keys/values of all frames attended to (past + these), per head."""
+        """Returns the output and the keys/values of all frames attended to (past + these), per head; of these
+        frames only when ``past`` is :class:`PastFrames` (the cached graph: the caller keeps the past)."""
         b, n, _ = x.shape
         # Reference quirk: RoPE is applied to the projected q/k before the head split, so only
         # the first dim_head channels (= head 0) are rotated; the other heads get no position signal.
@@ -172,9 +173,12 @@ class Attention(nn.Module):
         k = rotate_leading_channels(self.to_k(x), cos, sin)
         v = self.to_v(x)
         q, k, v = (y.view(b, n, self.heads, self.dim_head).transpose(1, 2) for y in (q, k, v))
-        if past is not None:
-            k, v = append_frames(past[0], k), append_frames(past[1], v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if isinstance(past, PastFrames):
+            out = attend_past(q, k, v, past, mask)
+        else:
+            if past is not None:
+                k, v = append_frames(past[0], k), append_frames(past[1], v)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.to_out[0](out.transpose(1, 2).reshape(b, n, -1)), k, v
 
 
