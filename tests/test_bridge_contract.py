@@ -245,6 +245,11 @@ def test_bad_requests_get_the_same_answer_from_each(python_server: Served, other
         ("POST", "/synthesize", lambda: {"content": b"", "headers": as_json}),
         ("POST", "/synthesize", lambda: {"content": b"{", "headers": as_json}),
         ("POST", "/synthesize", lambda: {"content": b"\xff\xfe{", "headers": as_json}),
+        # UTF-32, as json.loads detects it: with a BOM, without one (big-endian), a truncated last unit
+        ("POST", "/synthesize", lambda: {"content": json.dumps({"text": TEXT}).encode("utf-32"), "headers": as_json}),
+        ("POST", "/synthesize", lambda: {"content": b'{"text": "a"}'.decode().encode("utf-32-be"),
+                                         "headers": as_json}),
+        ("POST", "/synthesize", lambda: {"content": b"\xff\xfe\x00\x00{\x00\x00", "headers": as_json}),
         ("POST", "/synthesize", lambda: {"content": b"[]", "headers": as_json}),
         ("POST", "/synthesize", lambda: {"content": b'{"text": "a"}',
                                          "headers": {**AUTH, "content-type": "text/plain"}}),

@@ -1,5 +1,6 @@
 //! A `POST /synthesize` body read as the Python server reads it (`json.loads` on bytes), so a malformed one gets
-//! the same words: the encoding detected as `json.detect_encoding` does (UTF-8, UTF-8 with a BOM, UTF-16),
+//! the same words: the encoding detected as `json.detect_encoding` does (UTF-8, UTF-8 with a BOM, UTF-16,
+//! UTF-32),
 //! a decode error naming the first bad byte, and the scanner's messages ("Expecting value", "Extra data", ...).
 //! The nesting was bounded before (http-front's depth check), so the recursion here is shallow.
 
@@ -41,17 +42,52 @@ fn decode(raw: &[u8]) -> Result<String, Malformed> {
         }
         String::from_utf16(&units).map_err(|_| Malformed::Undecodable { byte: raw[start], offset: start })
     };
-    if raw.starts_with(&[0xff, 0xfe]) && !raw.starts_with(&[0xff, 0xfe, 0, 0]) {
+    // a unit that is no character (past U+10FFFF, or a surrogate, which Python's `surrogatepass` would keep
+    // and a Rust string cannot hold) and a truncated last unit name their first byte, as Python's codec does
+    let utf32 = |big: bool, start: usize| -> Result<String, Malformed> {
+        let body = &raw[start..];
+        let whole = body.len() - body.len() % 4;
+        let bad = |offset: usize| Malformed::Undecodable { byte: raw[offset], offset };
+        let text = body[..whole]
+            .chunks_exact(4)
+            .enumerate()
+            .map(|(i, q)| {
+                let unit = if big {
+                    u32::from_be_bytes([q[0], q[1], q[2], q[3]])
+                } else {
+                    u32::from_le_bytes([q[0], q[1], q[2], q[3]])
+                };
+                char::from_u32(unit).ok_or_else(|| bad(start + 4 * i))
+            })
+            .collect::<Result<String, Malformed>>()?;
+        if whole != body.len() {
+            return Err(bad(start + whole));
+        }
+        Ok(text)
+    };
+    if raw.starts_with(&[0, 0, 0xfe, 0xff]) {
+        return utf32(true, 4);
+    }
+    if raw.starts_with(&[0xff, 0xfe, 0, 0]) {
+        return utf32(false, 4);
+    }
+    if raw.starts_with(&[0xff, 0xfe]) {
         return utf16(false, 2);
     }
     if raw.starts_with(&[0xfe, 0xff]) {
         return utf16(true, 2);
     }
     let raw_utf8 = raw.strip_prefix(&[0xef, 0xbb, 0xbf]).unwrap_or(raw);
-    if raw.len() >= 4 && raw[0] == 0 && raw[1] != 0 || raw.len() == 2 && raw[0] == 0 {
+    if raw.len() >= 4 && raw[0] == 0 {
+        return if raw[1] != 0 { utf16(true, 0) } else { utf32(true, 0) };
+    }
+    if raw.len() >= 4 && raw[1] == 0 {
+        return if raw[2] != 0 || raw[3] != 0 { utf16(false, 0) } else { utf32(false, 0) };
+    }
+    if raw.len() == 2 && raw[0] == 0 {
         return utf16(true, 0);
     }
-    if raw.len() >= 4 && raw[1] == 0 && (raw[2] != 0 || raw[3] != 0) || raw.len() == 2 && raw[1] == 0 {
+    if raw.len() == 2 && raw[1] == 0 {
         return utf16(false, 0);
     }
     let skipped = raw.len() - raw_utf8.len();
@@ -289,6 +325,25 @@ mod tests {
         assert_eq!(invalid(b"\xff\xfe{"), Malformed::Undecodable { byte: 0x7b, offset: 2 });
         assert_eq!(invalid(b"\xe9"), Malformed::Undecodable { byte: 0xe9, offset: 0 });
         assert_eq!(invalid(b"{\"text\":\"\xe9\"}"), Malformed::Undecodable { byte: 0xe9, offset: 9 });
+        // UTF-32, as Python reads it: a truncated last unit, a unit past U+10FFFF
+        assert_eq!(invalid(b"\xff\xfe\x00\x00{\x00\x00"), Malformed::Undecodable { byte: 0x7b, offset: 4 });
+        assert_eq!(invalid(b"\x00\x00\x00{\x00\x00\x00"), Malformed::Undecodable { byte: 0, offset: 4 });
+        assert_eq!(invalid(b"{\x00\x00\x00\x00\x00\x11\x00"), Malformed::Undecodable { byte: 0, offset: 4 });
+    }
+
+    #[test]
+    fn utf32_bodies() {
+        let empty = serde_json::json!({});
+        for raw in [
+            &b"\xff\xfe\x00\x00{\x00\x00\x00}\x00\x00\x00"[..],
+            b"\x00\x00\xfe\xff\x00\x00\x00{\x00\x00\x00}",
+            b"{\x00\x00\x00}\x00\x00\x00",
+            b"\x00\x00\x00{\x00\x00\x00}",
+        ] {
+            assert_eq!(loads(raw).unwrap(), empty);
+        }
+        let text: Vec<u8> = "{\"text\": \"h\u{e9}\u{1f600}\"}".chars().flat_map(|c| (c as u32).to_le_bytes()).collect();
+        assert_eq!(loads(&text).unwrap()["text"], "h\u{e9}\u{1f600}");
     }
 
     #[test]
