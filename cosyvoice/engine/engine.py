@@ -98,6 +98,9 @@ class Engine:
     (:mod:`cosyvoice.flow.prompt_cache`; True: in memory within ``limits.prompt_cache_mb``; a
     :class:`PromptCache` may also persist them). The same mel up to float rounding (<= 1e-5); off by default here
     (the parity tool compares the engine's streamed mel with the reference's), on in :meth:`Model.load`.
+    ``first_chunk_priority`` (None: on a CPU only): a session's LLM is held back while its first streaming chunk
+    is computed, so that chunk has the cores (on a GPU the two stages overlap on the device instead). Tokens and
+    audio are the same either way; only when the tokens after the first chunk are decoded moves.
     ``steps`` (per request; None: the yaml's ``n_timesteps``): the flow's Euler steps. ``schedule`` (per request;
     None: the reference's): the first hop and the last flow call (:class:`~cosyvoice.engine.session.ChunkSchedule`).
     """
@@ -108,7 +111,7 @@ class Engine:
                  incremental_vocoder: bool = True, fixed_tokens: int | None = None, cuda_graphs: bool = False,
                  t2w_batch: int | None = None, trim_leading_silence_ms: float | None = None,
                  compile_dit: bool | str = False, threads: tuple[int, int] | None = None,
-                 prompt_cache: PromptCache | bool = False) -> None:
+                 prompt_cache: PromptCache | bool = False, first_chunk_priority: bool | None = None) -> None:
         self.config = config
         self.llm, self.flow, self.hift = llm.eval(), flow.eval(), hift.eval()
         self.device = device
@@ -130,6 +133,7 @@ class Engine:
         self.t2w = Token2Wav(config, self.flow, self.hift, device, incremental_flow, incremental_vocoder,
                              self.flow_cache_share, trim_leading_silence_ms, compiled, self.prompt_cache)
         self.threads = (threads or stage_threads(torch.get_num_threads())) if device.type == "cpu" else (None, None)
+        self.first_chunk_priority = device.type == "cpu" if first_chunk_priority is None else first_chunk_priority
         self.scheduler = LLMScheduler(llm, self.limits.max_sessions, self.limits.max_llm_positions,
                                       cuda_graphs=cuda_graphs, threads=self.threads[0])
         self._open_sessions = _Registry(self.scheduler)  # the worker's callbacks must not hold the engine
@@ -137,7 +141,8 @@ class Engine:
         self.worker = Token2WavWorker(self.t2w, on_release=self._open_sessions.release,
                                       on_failure=self._open_sessions.stop_llm,
                                       batch=t2w_batch or (8 if device.type == "cuda" else 1),
-                                      threads=self.threads[1])
+                                      threads=self.threads[1],
+                                      hold_llm=self._open_sessions.hold_llm if self.first_chunk_priority else None)
         # an engine dropped without close() must not leave its two threads (and the KV pool) behind
         self._finalizer = weakref.finalize(self, _stop_threads, self.scheduler, self.worker)
 
@@ -321,6 +326,13 @@ class _Registry:
             ticket = self.tickets.get(session.id)
         if ticket is not None:
             self.scheduler.cancel(ticket)
+
+    def hold_llm(self, session: Session, held: bool) -> None:
+        """Hold the session's LLM back (or release it) while the worker computes its first chunk."""
+        with self.lock:
+            ticket = self.tickets.get(session.id)
+        if ticket is not None:
+            self.scheduler.hold(ticket, held)
 
     def release(self, session: Session) -> None:
         """The worker let the session go: forget it and undo its subscriptions."""
