@@ -133,7 +133,7 @@ class Engine:
         self.t2w = Token2Wav(config, self.flow, self.hift, device, incremental_flow, incremental_vocoder,
                              self.flow_cache_share, trim_leading_silence_ms, compiled, self.prompt_cache)
         self.threads = (threads or stage_threads(torch.get_num_threads())) if device.type == "cpu" else (None, None)
-        self.first_chunk_priority = device.type == "cpu" if first_chunk_priority is None else first_chunk_priority
+        priority = device.type == "cpu" if first_chunk_priority is None else first_chunk_priority
         self.scheduler = LLMScheduler(llm, self.limits.max_sessions, self.limits.max_llm_positions,
                                       cuda_graphs=cuda_graphs, threads=self.threads[0])
         self._open_sessions = _Registry(self.scheduler)  # the worker's callbacks must not hold the engine
@@ -142,7 +142,7 @@ class Engine:
                                       on_failure=self._open_sessions.stop_llm,
                                       batch=t2w_batch or (8 if device.type == "cuda" else 1),
                                       threads=self.threads[1],
-                                      hold_llm=self._open_sessions.hold_llm if self.first_chunk_priority else None)
+                                      hold_llm=self._open_sessions.hold_llm if priority else None)
         # an engine dropped without close() must not leave its two threads (and the KV pool) behind
         self._finalizer = weakref.finalize(self, _stop_threads, self.scheduler, self.worker)
 

@@ -254,7 +254,7 @@ class Token2WavWorker:
                  on_failure: Callable[[Session], None], batch: int = 8, name: str = "cosyvoice-t2w",
                  threads: int | None = None, hold_llm: Callable[[Session, bool], None] | None = None) -> None:
         self.t2w = t2w
-        self._hold_llm = hold_llm
+        self.hold_llm = hold_llm  # None: no priority (a benchmark's row may switch it)
         self.threads = threads  # intra-op threads of this thread's torch calls (None: torch's global setting)
         self.batch = batch  # most streaming chunks packed into one DiT call (1: one session at a time)
         self.packed_calls = 0  # chunk computations that packed more than one session (tests, benchmarks)
@@ -358,10 +358,11 @@ class Token2WavWorker:
                 session.put(work)
             else:
                 items.append((session, state, work))
+        hold = self.hold_llm
         held = [session for session, state, work in items
-                if self._hold_llm is not None and not work.final and state.next_index == session.first_index]
+                if hold is not None and not work.final and state.next_index == session.first_index]
         for session in held:
-            self._hold_llm(session, True)
+            hold(session, True)
         try:
             chunks = self.t2w.chunks(items)
         except BaseException as exc:  # the sessions fail, not the worker
@@ -372,7 +373,7 @@ class Token2WavWorker:
             return
         finally:
             for session in held:
-                self._hold_llm(session, False)
+                hold(session, False)
             with self._cond:
                 for session, state, _ in items:
                     if state.flow_stream is not None:
