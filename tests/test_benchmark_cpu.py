@@ -1,4 +1,5 @@
-"""benchmark_cpu's row runner on the tiny bundle (a smoke run: no timing is asserted)."""
+"""benchmark_cpu's row runner and the first-audio breakdown on the tiny bundle (smoke runs: no timing is
+asserted)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def _bench():
+def _bench(name: str = "benchmark_cpu"):
     sys.path.insert(0, str(BENCHMARKS))  # its sibling modules (reference_engine, cpu_floor, ...)
-    spec = importlib.util.spec_from_file_location("benchmark_cpu", BENCHMARKS / "benchmark_cpu.py")
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench  # dataclasses look their module up there
     spec.loader.exec_module(bench)
@@ -33,3 +34,18 @@ def test_a_row_with_a_first_hop_and_the_llm_not_held_runs_and_says_so(
     assert r["rtf_1s"] > 0
     table = bench.rows_table({"smoke": r}, [1])
     assert table.splitlines()[-1].startswith("| smoke | fp32 ") and "| full | 4 | no |" in table
+
+
+def test_the_first_audio_breakdown_names_each_thread_and_stage(tiny_bundle_dir: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per request: the engine's two threads and its stages, in the threads they run in, with and without the
+    first-chunk priority (--alternate)."""
+    monkeypatch.setenv("COSYVOICE_PROMPT_CACHE", "on")  # main sets it: restored after the test
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    records = _bench("first_audio_breakdown").main(["--model-dir", str(tiny_bundle_dir), "--precision", "fp32",
+                                                    "--requests", "2", "--warm-ups", "1", "--alternate"])
+    assert [r["held"] for r in records] == [True, False]
+    for r in records:
+        assert r["cpu_s"] > 0 and {"cosyvoice-scheduler", "cosyvoice-t2w"} <= set(r["threads_cpu_s"])
+        assert {"llm step @ cosyvoice-scheduler", "flow (Euler loop) @ cosyvoice-t2w",
+                "vocoder @ cosyvoice-t2w"} <= set(r["stages"])
