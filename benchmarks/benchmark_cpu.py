@@ -91,8 +91,8 @@ class Row:
     stream's final call (``full``: the reference's; ``chunked``), the DiT's backend, ``reference``: the
     reference's strategy (:class:`ReferenceEngine`, fp32 torch: an LLM thread per request, flow and vocoder
     recomputed over the whole utterance per chunk), ``first_hop``: the request's first hop in speech tokens (None:
-    the reference's), and ``held``: the engine holds the LLM back while a first chunk is computed (its CPU default
-    since 2026-12-06; False: as before)."""
+    the reference's), and ``held``: the engine holds the LLM back while a first chunk is computed
+    (``Engine.first_chunk_priority``, off by default)."""
 
     precision: str = "fp32"
     staged: bool = False
@@ -102,7 +102,7 @@ class Row:
     backend: str = "torch"
     reference: bool = False
     first_hop: int | None = None
-    held: bool = True
+    held: bool = False
 
 
 #: "fp32" is today's path; the rows after it add one optimisation each, the "all" rows add them together.
@@ -116,8 +116,8 @@ ROWS: dict[str, Row] = {
     "all (auto)": Row("auto", True, True),
     "all (auto), 6 steps": Row("auto", True, True, 6),
     "all (auto), final chunked": Row("auto", True, True, final="chunked"),
-    "all (auto), LLM not held": Row("auto", True, True, held=False),
-    "all (auto), 6 steps, LLM not held": Row("auto", True, True, 6, held=False),
+    "all (auto), LLM held": Row("auto", True, True, held=True),
+    "all (auto), 6 steps, LLM held": Row("auto", True, True, 6, held=True),
     "all (auto), first hop 15": Row("auto", True, True, first_hop=15),
     "all (auto), 6 steps, first hop 15": Row("auto", True, True, 6, first_hop=15),
     "fp32 exact: onnxruntime DiT, threads, prefix": Row(staged=True, prefix=True, backend="onnxruntime"),
@@ -280,8 +280,8 @@ def _engine(tts: CosyVoice3, spec: Row, cores: int) -> object:
                                                 torch.device("cpu"), engine.limits)
     if not spec.staged:  # today's layout: both engine threads run torch's global count (both ask for every core)
         engine.scheduler.threads = engine.worker.threads = cores
-    if not spec.held:  # as before: the LLM keeps decoding while a first chunk is computed
-        engine.worker.hold_llm = None
+    if not spec.reference:
+        engine.first_chunk_priority = spec.held
     return engine
 
 

@@ -8,9 +8,9 @@ wall and process CPU seconds to the first chunk, each thread's CPU seconds over 
 (``/proc/self/task/*/stat``, named by Python's thread names: anything besides the two engine threads is a pool
 that spins or works elsewhere), and each stage's calls, wall and CPU seconds in its own thread (the LLM's steps in
 the scheduler thread; the voice-prefix lookup, the flow's Euler loop and the vocoder in the token-to-wave thread).
-``--alternate``: every other request with the engine's first-chunk priority off (the LLM keeps decoding while the
-first chunk is computed), an A/B under the same load. Why this script: benchmark_cpu's rows give totals;
-this one says which thread and stage spent them (issue 27's first-audio CPU, docs/perf.md).
+``--held``: the engine's first-chunk priority on (the LLM held back while the first chunk is computed);
+``--alternate``: on for every other request, an A/B under the same load. Why this script: benchmark_cpu's rows
+give totals; this one says which thread and stage spent them (issue 27's first-audio CPU, docs/perf.md).
 """
 
 from __future__ import annotations
@@ -102,14 +102,12 @@ class StageClock:
 
 def first_audio(tts: CosyVoice3, inp, clock: StageClock, options: dict, held: bool) -> dict[str, object]:
     """One streamed request, cancelled at its first chunk: wall, CPU, per thread and per stage to that chunk."""
-    worker = tts.engine.worker
-    hold, worker.hold_llm = worker.hold_llm, worker.hold_llm if held else None
+    tts.engine.first_chunk_priority = held
     threads, cpu, start = thread_cpu_s(), process_cpu_s(), time.perf_counter()
     chunks = tts.engine.synthesize(inp, stream=True, seed=0, fixed_tokens=250, **options)
     next(chunks)
     first, first_cpu, after = time.perf_counter() - start, process_cpu_s() - cpu, thread_cpu_s()
     chunks.close()
-    worker.hold_llm = hold
     names = {t.native_id: t.name for t in threading.enumerate()}
     per_thread: dict[str, float] = defaultdict(float)
     for tid, seconds in after.items():
@@ -127,7 +125,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     parser.add_argument("--warm-ups", type=int, default=2, help="whole 30-token requests before measuring")
     parser.add_argument("--steps", type=int, help="the flow's Euler steps (default: the model's)")
     parser.add_argument("--first-hop", type=int, help="speech tokens of the first chunk (default: the reference's)")
-    parser.add_argument("--alternate", action="store_true", help="every other request without first-chunk priority")
+    parser.add_argument("--held", action="store_true", help="the engine's first-chunk priority on")
+    parser.add_argument("--alternate", action="store_true", help="the priority on for every other request")
     parser.add_argument("--json", type=Path, help="write the requests' records here")
     args = parser.parse_args(argv)
     os.environ["COSYVOICE_PROMPT_CACHE"] = "on"
@@ -142,7 +141,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     for _ in range(args.warm_ups):
         list(tts.engine.synthesize(inp, stream=True, seed=0, fixed_tokens=30, **options))
     with StageClock() as clock:
-        records = [first_audio(tts, inp, clock, options, held=not (args.alternate and i % 2))
+        records = [first_audio(tts, inp, clock, options, held=args.held or (args.alternate and i % 2 == 0))
                    for i in range(args.requests)]
     tts.engine.close()
     for r in records:

@@ -21,19 +21,19 @@ def _bench(name: str = "benchmark_cpu"):
     return bench
 
 
-def test_a_row_with_a_first_hop_and_the_llm_not_held_runs_and_says_so(
+def test_a_row_with_a_first_hop_and_the_llm_held_runs_and_says_so(
         tiny_bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The issue's levers as rows: a request's first hop and the engine's first-chunk priority; first audio's CPU
     is counted to the first chunk, the cancelled request's tail apart."""
     bench = _bench()
     monkeypatch.setenv("COSYVOICE_PROMPT_CACHE", "off")  # run_row sets it: restored after the test
-    monkeypatch.setitem(bench.ROWS, "smoke", bench.Row(staged=True, first_hop=4, held=False))
+    monkeypatch.setitem(bench.ROWS, "smoke", bench.Row(staged=True, first_hop=4, held=True))
     r = bench.run_row(tiny_bundle_dir, "smoke", requests=2, lengths=[1], work=tmp_path)
-    assert (r["first_hop"], r["held"], r["steps"]) == (4, False, 10)
+    assert (r["first_hop"], r["held"], r["steps"]) == (4, True, 10)
     assert 0 < r["first_audio_cpu_s_p50"] <= r["first_audio_cpu_to_release_s_p50"]
     assert r["rtf_1s"] > 0
     table = bench.rows_table({"smoke": r}, [1])
-    assert table.splitlines()[-1].startswith("| smoke | fp32 ") and "| full | 4 | no |" in table
+    assert table.splitlines()[-1].startswith("| smoke | fp32 ") and "| full | 4 | yes |" in table
 
 
 def test_the_first_audio_breakdown_names_each_thread_and_stage(tiny_bundle_dir: Path, tmp_path: Path,

@@ -7,9 +7,9 @@ chunks first (they decide the time to first audio), in arrival order; then the o
 playback deadline (when the client will have played everything it was sent), earliest first. Streaming chunks
 due together run their flow step packed into one DiT call (:func:`~cosyvoice.flow.extend_packed`, up to the
 worker's ``batch`` sessions). On CUDA the worker runs on a CUDA stream of its own, so its kernels overlap the LLM
-scheduler's (default stream). With ``hold_llm`` (the engine's, on a CPU) a session's LLM is held back while its
-first chunk is computed: the tokens beyond that chunk are not needed yet, and decoding them would take a core
-from the chunk that decides the time to first audio (docs/perf.md, "first audio").
+scheduler's (default stream). With ``hold_llm`` (the engine's ``first_chunk_priority``) a session's LLM is held
+back while its first chunk is computed: the tokens beyond that chunk are not needed yet, and decoding them takes a
+core from the chunk that decides the time to first audio (docs/perf.md, 2026-12-06, 06:20).
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ class Token2WavWorker:
                  on_failure: Callable[[Session], None], batch: int = 8, name: str = "cosyvoice-t2w",
                  threads: int | None = None, hold_llm: Callable[[Session, bool], None] | None = None) -> None:
         self.t2w = t2w
-        self.hold_llm = hold_llm  # None: no priority (a benchmark's row may switch it)
+        self.hold_llm = hold_llm  # None: no priority (Engine.first_chunk_priority switches it)
         self.threads = threads  # intra-op threads of this thread's torch calls (None: torch's global setting)
         self.batch = batch  # most streaming chunks packed into one DiT call (1: one session at a time)
         self.packed_calls = 0  # chunk computations that packed more than one session (tests, benchmarks)
