@@ -16,7 +16,10 @@ ones do), the same seed and text, one streamed request at a time, exactly ``--fi
    adds one optimisation to it; ``all`` adds them together. A row that cannot run on this CPU is skipped
    with the reason (bf16 without AVX512-BF16 or AMX). ``reference strategy`` is the reference's engine
    (``benchmarks/reference_engine.py``) over the same modules, in the same run. Per row: first audio p50/p90
-   over ``--requests`` requests (each cancelled at its first chunk), the RTF of one request per ``--lengths``
+   over ``--requests`` requests (each cancelled at its first chunk), wall and the process's CPU seconds from
+   the request to its first chunk (until 2026-12-06 the CPU column ran until the cancelled request was freed, so it
+   also counted the second chunk the worker had begun and the LLM beside it; that is now the "CPU to release"
+   column), the RTF of one request per ``--lengths``
    (10 s and 60 s of speech: how cost grows with length), seconds of compute per second of audio of the LLM
    (every scheduler step, or the reference's LLM thread), the flow and the vocoder (the worker's chunks) in the
    first of them (LLM and worker overlap: the sum may exceed the wall time), load seconds (auto's self-check
@@ -84,9 +87,11 @@ from cosyvoice.settings import Limits
 class Row:
     """One ablation row: the precision, per-stage threads (else both engine threads on every core, as before),
     the voice's flow prefix (``COSYVOICE_PROMPT_CACHE``), the flow's Euler steps (None: the model's 10), the
-    stream's final call (``full``: the reference's; ``chunked``), the DiT's backend, and ``reference``: the
+    stream's final call (``full``: the reference's; ``chunked``), the DiT's backend, ``reference``: the
     reference's strategy (:class:`ReferenceEngine`, fp32 torch: an LLM thread per request, flow and vocoder
-    recomputed over the whole utterance per chunk)."""
+    recomputed over the whole utterance per chunk), ``first_hop``: the request's first hop in speech tokens (None:
+    the reference's), and ``held``: the engine holds the LLM back while a first chunk is computed
+    (``Engine.first_chunk_priority``, off by default)."""
 
     precision: str = "fp32"
     staged: bool = False
@@ -95,6 +100,8 @@ class Row:
     final: str = "full"
     backend: str = "torch"
     reference: bool = False
+    first_hop: int | None = None
+    held: bool = False
 
 
 #: "fp32" is today's path; the rows after it add one optimisation each, the "all" rows add them together.
@@ -108,6 +115,10 @@ ROWS: dict[str, Row] = {
     "all (auto)": Row("auto", True, True),
     "all (auto), 6 steps": Row("auto", True, True, 6),
     "all (auto), final chunked": Row("auto", True, True, final="chunked"),
+    "all (auto), LLM held": Row("auto", True, True, held=True),
+    "all (auto), 6 steps, LLM held": Row("auto", True, True, 6, held=True),
+    "all (auto), first hop 15": Row("auto", True, True, first_hop=15),
+    "all (auto), 6 steps, first hop 15": Row("auto", True, True, 6, first_hop=15),
     "fp32 exact: onnxruntime DiT, threads, prefix": Row(staged=True, prefix=True, backend="onnxruntime"),
     "reference strategy (fp32)": Row(reference=True),
 }
@@ -268,6 +279,8 @@ def _engine(tts: CosyVoice3, spec: Row, cores: int) -> object:
                                                 torch.device("cpu"), engine.limits)
     if not spec.staged:  # today's layout: both engine threads run torch's global count (both ask for every core)
         engine.scheduler.threads = engine.worker.threads = cores
+    if not spec.reference:
+        engine.first_chunk_priority = spec.held
     return engine
 
 
@@ -289,25 +302,29 @@ def run_row(model_dir: Path, row: str, requests: int, lengths: list[int], work: 
     engine = _engine(tts, spec, torch.get_num_threads())
     voice = tts.frontend.voice(zero_shot_prompt_text(PROMPT_TEXT), _prompt(work / "prompt.wav"))
     inp = tts.frontend.model_input(TEXT, voice)
-    options = {} if spec.reference else {"steps": spec.steps, "schedule": ChunkSchedule(final=spec.final)}
+    options = {} if spec.reference else {
+        "steps": spec.steps, "schedule": ChunkSchedule(first_hop=spec.first_hop, final=spec.final)}
 
     def request(tokens: int, first_only: bool = False) -> dict[str, float]:
-        start, cpu, first, samples = time.perf_counter(), process_cpu_s(), None, 0
+        start, cpu, first, first_cpu, samples = time.perf_counter(), process_cpu_s(), None, None, 0
         chunks = engine.synthesize(inp, stream=True, seed=0, fixed_tokens=tokens, **options)
         for chunk in chunks:
-            first = first if first is not None else time.perf_counter() - start
+            if first is None:
+                first, first_cpu = time.perf_counter() - start, process_cpu_s() - cpu
             samples += chunk.pcm.numel()
             if first_only:
-                chunks.close()  # cancels the request: only its first audio is measured
+                chunks.close()  # cancels the request (returns once it is freed): only its first audio is measured
                 break
-        return {"first": first, "total": time.perf_counter() - start, "audio": samples / tts.sample_rate,
-                "cpu": process_cpu_s() - cpu}
+        return {"first": first, "first_cpu": first_cpu, "total": time.perf_counter() - start,
+                "audio": samples / tts.sample_rate, "cpu": process_cpu_s() - cpu}
 
     warm = request(30)  # warm-up: allocations, the KV pool, noise buffers, the voice's flow prefix
     first_runs = [request(25 * max(lengths), first_only=True) for _ in range(requests)]
     firsts = [r["first"] for r in first_runs]
     result: dict[str, object] = {
-        "first_audio_cpu_s_p50": float(np.percentile([r["cpu"] for r in first_runs], 50)),
+        "first_audio_cpu_s_p50": float(np.percentile([r["first_cpu"] for r in first_runs], 50)),
+        "first_audio_cpu_to_release_s_p50": float(np.percentile([r["cpu"] for r in first_runs], 50)),
+        "first_hop": spec.first_hop, "held": spec.held,
         "precision": tts.model.plan.label, "backend": spec.backend, "reference": spec.reference,
         "threads": [] if spec.reference else [engine.scheduler.threads, engine.worker.threads],
         "first_audio_p50_s": float(np.percentile(firsts, 50)), "first_audio_p90_s": float(np.percentile(firsts, 90)),
@@ -336,7 +353,8 @@ def skip_reason(row: str, features: frozenset[str]) -> str | None:
 def rows_table(results: dict[str, object], lengths: list[int]) -> str:
     """One line per row: its settings, first audio, RTF per length, per-stage seconds per audio second."""
     head = ["row", "precision", "DiT backend", "threads (LLM, t2w)", "prefix", "steps", "final",
-            "first audio p50 / p90 s", "first audio CPU s p50", *(f"RTF {n} s" for n in lengths),
+            "first hop", "LLM held", "first audio p50 / p90 s", "first audio CPU s p50", "CPU to release s p50",
+            *(f"RTF {n} s" for n in lengths),
             *(f"CPU s per audio s, {n} s" for n in lengths), "LLM s/s", "flow s/s", "vocoder s/s",
             "load s", "peak RSS MB", "load average after"]
     lines = ["| " + " | ".join(head) + " |", "| --- " * len(head) + "|"]
@@ -347,9 +365,10 @@ def rows_table(results: dict[str, object], lengths: list[int]) -> str:
         rtfs = [f"{r[f'rtf_{n}s']:.2f}" if f"rtf_{n}s" in r else "not run" for n in lengths]
         cpus = [f"{r[f'cpu_s_per_audio_s_{n}s']:.2f}" if f"rtf_{n}s" in r else "not run" for n in lengths]
         cells = [row, r["precision"], "reference strategy" if r["reference"] else r["backend"], r["threads"],
-                 "yes" if r["prefix"] else "no", r["steps"], r["final"],
+                 "yes" if r["prefix"] else "no", r["steps"], r["final"], r["first_hop"] or "reference",
+                 "yes" if r["held"] and not r["reference"] else "no",
                  f"{r['first_audio_p50_s']:.2f} / {r['first_audio_p90_s']:.2f}", f"{r['first_audio_cpu_s_p50']:.2f}",
-                 *rtfs, *cpus,
+                 f"{r['first_audio_cpu_to_release_s_p50']:.2f}", *rtfs, *cpus,
                  *(f"{r[f'{k}_s_per_audio_s']:.2f}" for k in ("llm", "flow", "vocoder")), f"{r['load_s']:.1f}",
                  f"{r['peak_rss_mb']:.0f}", r["load_average_after"]]
         lines.append("| " + " | ".join(map(str, cells)) + " |")

@@ -268,3 +268,44 @@ def test_incremental_streaming_equals_the_reference_recompute_strategy(tts, prom
     # the vocoder: the same samples from a bounded window as from the whole mel
     for a, b in zip(run(False, True), reference, strict=True):
         assert torch.allclose(a.pcm, b.pcm, atol=1e-5, rtol=0)
+
+
+def _first_chunk_run(tts, inp, priority: bool) -> tuple[bool, torch.Tensor]:
+    """(whether the LLM made 3 steps while the first chunk was computed, the request's audio) on an engine with
+    ``first_chunk_priority``; the LLM steps every few ms when it may, so 3 steps come at once unless held back."""
+    e = tts.engine
+    engine = Engine(e.config, e.llm, e.flow, e.hift, e.device, Limits(), first_chunk_priority=priority)
+    in_first, stepped, during, seen = threading.Event(), threading.Event(), [0], []
+    computed = engine.t2w.chunks
+
+    def chunks(items):
+        first = items[0][1].next_index == 0
+        if first:
+            in_first.set()
+        out = computed(items)
+        if first:
+            seen.append(stepped.wait(0.5 if priority else 30))  # held: none come (one in flight at most)
+            in_first.clear()
+        return out
+
+    def count(*_) -> None:
+        if in_first.is_set():
+            during[0] += 1
+            if during[0] >= 3:
+                stepped.set()
+
+    engine.t2w.chunks = chunks
+    with _on_llm_forward(engine.llm, count):
+        pcm = torch.cat([c.pcm for c in engine.synthesize(inp, stream=True, seed=3, fixed_tokens=120)])
+    engine.close()
+    return seen[0], pcm
+
+
+def test_the_llm_waits_while_a_first_chunk_is_computed_and_the_audio_is_the_same(tts, prompt_wav: Path) -> None:
+    """first_chunk_priority: the session's LLM makes no step while its first chunk is computed (without it, it
+    keeps decoding), and the tokens and audio are bit-identical either way."""
+    inp = _model_input(tts, prompt_wav)
+    stepped_held, held = _first_chunk_run(tts, inp, priority=True)
+    stepped_free, free = _first_chunk_run(tts, inp, priority=False)
+    assert not stepped_held and stepped_free
+    assert torch.equal(held, free)

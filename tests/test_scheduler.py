@@ -449,3 +449,22 @@ def test_a_ticket_cancelled_before_it_is_submitted_never_runs(lm: CosyVoice3LM) 
     assert early.error is None and early.tokens == [] and ticket.status is Status.FINISHED_ABORTED
     assert busy.error is None and busy.tokens and scheduler.active == 0
     scheduler.close()
+
+
+def test_a_held_ticket_keeps_its_row_but_steps_only_once_released(lm: CosyVoice3LM) -> None:
+    """hold(): the engine holds a session's LLM back while its first chunk is computed; the other rows go on and
+    the held job's tokens, once released, are the ones it would have made unheld."""
+    scheduler = LLMScheduler(lm, rows=2, max_positions=128)
+    held: list[Ticket] = []
+    first = _Collector(at=2, action=lambda: scheduler.hold(held[0], True))  # from the scheduler thread, mid-update
+    held.append(_ticket(lm, 0, 11, first))
+    other = _Collector()
+    scheduler.submit(held[0])
+    scheduler.submit(_ticket(lm, 1, 12, other))
+    assert other.done.wait(30) and other.error is None
+    assert len(first.tokens) == 2 and not first.done.is_set()  # no step after the hold, the row still its own
+    assert held[0].status is Status.RUNNING
+    scheduler.hold(held[0], False)
+    assert first.done.wait(30) and first.error is None
+    assert first.tokens == list(lm.generate(*_request(0), 11))
+    scheduler.close()

@@ -14,8 +14,9 @@ It runs :mod:`jobs <cosyvoice.llm.job>` in the shape of vLLM v1's engine core, o
 
 A ticket's lifecycle is its :class:`~cosyvoice.engine.plan.Status`. Sessions beyond the pool's rows wait in
 the queue for a row (the engine has no admission of its own: the service's is the only one). A job that yields
-``Wait`` is parked until :meth:`LLMScheduler.wake` (a text stream's listener); when nothing can run, the thread
-sleeps on a condition variable (no polling).
+``Wait`` is parked until :meth:`LLMScheduler.wake` (a text stream's listener); a ticket the engine holds back
+(:meth:`LLMScheduler.hold`: its session's first chunk is being computed) keeps its row but does not step until
+released; when nothing can run, the thread sleeps on a condition variable (no polling).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class LLMScheduler:
         self._held: dict[int, Ticket] = {}  # row -> the ticket holding it (RUNNING or PARKED)
         self._aborted: set[Ticket] = set()  # cancelled from another thread, retired at the next schedule
         self._woken: set[Ticket] = set()  # their input may have changed: re-polled once parked
+        self._held_back: set[Ticket] = set()  # RUNNING, but not stepped until released (hold)
         self._done: list[tuple[Ticket, BaseException | None]] = []  # retired this step, listeners not yet told
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -85,6 +87,16 @@ class LLMScheduler:
         with self._cond:
             if not ticket.status.finished:
                 self._woken.add(ticket)
+                self._cond.notify()
+
+    def hold(self, ticket: Ticket, held: bool) -> None:
+        """Hold the ticket back from the steps after the current one (``held``) or release it. Why: on a CPU the
+        LLM's decoding beyond what its session's pending first chunk needs takes the cores that chunk runs on."""
+        with self._cond:
+            if held and not ticket.status.finished:
+                self._held_back.add(ticket)
+            elif not held and ticket in self._held_back:
+                self._held_back.discard(ticket)
                 self._cond.notify()
 
     def cancel(self, ticket: Ticket) -> None:
@@ -154,7 +166,8 @@ class LLMScheduler:
     def _runnable(self) -> bool:
         """Whether an iteration has anything to do (under the lock)."""
         return bool(self._aborted or (self._waiting and self._free)) or any(
-            t.status is Status.RUNNING or t in self._woken for t in self._held.values())
+            (t.status is Status.RUNNING and t not in self._held_back) or t in self._woken
+            for t in self._held.values())
 
     def schedule(self) -> SchedulePlan | None:
         """Sleep until something can run; retire cancelled, admit and start, re-poll woken tickets; the plan of
@@ -187,8 +200,10 @@ class LLMScheduler:
     def _plan(self) -> SchedulePlan:
         """The rows whose job asked for a step; a step past the row's positions ends its ticket instead."""
         plan = SchedulePlan()
+        with self._cond:
+            held_back = set(self._held_back)
         for t in sorted(self._held.values(), key=lambda t: t.row):
-            if t.status is not Status.RUNNING:
+            if t.status is not Status.RUNNING or t in held_back:
                 continue
             n = t.request.embeds.shape[0]
             if t.position + n > self.max_positions:
@@ -253,6 +268,7 @@ class LLMScheduler:
                 heapq.heappush(self._free, t.row)
             self._woken.discard(t)
             self._aborted.discard(t)
+            self._held_back.discard(t)
         t.request = None
         try:
             t.job.close()

@@ -7,7 +7,9 @@ chunks first (they decide the time to first audio), in arrival order; then the o
 playback deadline (when the client will have played everything it was sent), earliest first. Streaming chunks
 due together run their flow step packed into one DiT call (:func:`~cosyvoice.flow.extend_packed`, up to the
 worker's ``batch`` sessions). On CUDA the worker runs on a CUDA stream of its own, so its kernels overlap the LLM
-scheduler's (default stream).
+scheduler's (default stream). With ``hold_llm`` (the engine's ``first_chunk_priority``) a session's LLM is held
+back while its first chunk is computed: the tokens beyond that chunk are not needed yet, and decoding them takes a
+core from the chunk that decides the time to first audio (docs/perf.md, 2026-12-06, 06:20).
 """
 
 from __future__ import annotations
@@ -262,13 +264,15 @@ class Token2WavWorker:
     call per Euler step, up to ``batch`` sessions. ``add(session)`` hands a session over; ``notify(session)``
     says something changed (tokens, the LLM's end, a cancel). ``on_release(session)`` is called from the worker
     once the session is finished or cancelled and its LLM done; ``on_failure(session)`` when a chunk failed (the
-    engine stops the session's LLM).
+    engine stops the session's LLM). ``hold_llm(session, held)``: called with True before a session's first
+    streaming chunk is computed and with False once it is done (the engine holds that session's LLM back meanwhile).
     """
 
     def __init__(self, t2w: Token2Wav, on_release: Callable[[Session], None],
                  on_failure: Callable[[Session], None], batch: int = 8, name: str = "cosyvoice-t2w",
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, hold_llm: Callable[[Session, bool], None] | None = None) -> None:
         self.t2w = t2w
+        self.hold_llm = hold_llm  # None: no priority (Engine.first_chunk_priority switches it)
         self.threads = threads  # intra-op threads of this thread's torch calls (None: torch's global setting)
         self.batch = batch  # most streaming chunks packed into one DiT call (1: one session at a time)
         self.packed_calls = 0  # chunk computations that packed more than one session (tests, benchmarks)
@@ -372,6 +376,11 @@ class Token2WavWorker:
                 session.put(work)
             else:
                 items.append((session, state, work))
+        hold = self.hold_llm
+        held = [session for session, state, work in items
+                if hold is not None and not work.final and state.next_index == session.first_index]
+        for session in held:
+            hold(session, True)
         try:
             chunks = self.t2w.chunks(items)
         except BaseException as exc:  # the sessions fail, not the worker
@@ -381,6 +390,8 @@ class Token2WavWorker:
                 self._on_failure(session)
             return
         finally:
+            for session in held:
+                hold(session, False)
             with self._cond:
                 for session, state, _ in items:
                     if state.flow_stream is not None:
