@@ -180,6 +180,10 @@ class Limits:
     # the released size with 10 steps (half in bf16), so ~360 MB for a 3 s prompt (its first 100 frames)
     prompt_cache_mb: float = 1024.0
     prompt_cache_disk_mb: float = 4096.0
+    # hold a session's LLM back while its first streamed chunk is computed (cosyvoice.engine.Engine's
+    # first_chunk_priority): on a loaded CPU that chunk gets the cores; on a quiet one first audio is unchanged and
+    # the RTF a few % worse (docs/perf.md, 2026-12-06, 06:20)
+    first_chunk_priority: bool = False
     # audible first sound: a streamed request's leading silence is sent only from this many ms before its first
     # audible sample (cosyvoice/engine/silence.py; nothing audible is ever removed); 0: off
     trim_leading_silence_ms: float = 40.0
@@ -212,7 +216,7 @@ class Limits:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None:
+            if value is None or isinstance(value, bool):  # a bound is a number; an on/off setting has no sign
                 continue
             if value < 0 or (value == 0 and f.name not in ("queue_timeout_seconds", "max_queued_requests",
                                                             "trim_leading_silence_ms", "prompt_cache_disk_mb")):
@@ -335,7 +339,18 @@ def settings_from_args(args: argparse.Namespace,
             Limits.from_env(environ, **given("limits_", Limits)))
 
 
-_KINDS: dict[str, type] = {"int": int, "float": float, "float | None": float, "str": str, "str | None": str}
+def flag(raw: str) -> bool:
+    """An on/off setting as written in the environment or on the command line."""
+    value = raw.strip().lower()
+    if value in ("on", "true", "yes", "1"):
+        return True
+    if value in ("off", "false", "no", "0"):
+        return False
+    raise ValueError(f"{raw!r} is not on or off")
+
+
+_KINDS: dict[str, type] = {"int": int, "float": float, "float | None": float, "str": str, "str | None": str,
+                           "bool": flag}
 
 
 def _env_values(cls: type, environ: dict[str, str] | None) -> dict[str, object]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import threading
@@ -15,9 +16,9 @@ from memory_probe import live_tensors, rss_bytes
 from waiting import until
 
 from cosyvoice.engine import ChunkPolicy, Engine
-from cosyvoice.errors import CosyVoiceError
+from cosyvoice.errors import ConfigError, CosyVoiceError
 from cosyvoice.frontend.prompts import cross_lingual_text, instruct_text, zero_shot_prompt_text
-from cosyvoice.settings import Limits
+from cosyvoice.settings import Limits, add_server_arguments, settings_from_args
 from cosyvoice.tools.parity.tolerances import STREAM_MEL_ATOL
 
 PROMPT_TEXT = zero_shot_prompt_text("Hello, this is a short prompt for testing.")
@@ -309,3 +310,22 @@ def test_the_llm_waits_while_a_first_chunk_is_computed_and_the_audio_is_the_same
     stepped_free, free = _first_chunk_run(tts, inp, priority=False)
     assert not stepped_held and stepped_free
     assert torch.equal(held, free)
+
+
+def test_first_chunk_priority_is_a_deployment_setting(tts, monkeypatch: pytest.MonkeyPatch) -> None:
+    """COSYVOICE_FIRST_CHUNK_PRIORITY (and --first-chunk-priority) reach the engine; a typo is refused by name."""
+    assert Limits.from_env({}).first_chunk_priority is False
+    assert Limits.from_env({"COSYVOICE_FIRST_CHUNK_PRIORITY": "on"}).first_chunk_priority is True
+    assert Limits.from_env({"COSYVOICE_FIRST_CHUNK_PRIORITY": "false"}).first_chunk_priority is False
+    with pytest.raises(ConfigError, match="COSYVOICE_FIRST_CHUNK_PRIORITY='sometimes' is not a valid flag"):
+        Limits.from_env({"COSYVOICE_FIRST_CHUNK_PRIORITY": "sometimes"})
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    _, limits = settings_from_args(parser.parse_args(["--first-chunk-priority", "on"]), environ={})
+    assert limits.first_chunk_priority is True
+    e = tts.engine
+    engine = Engine(e.config, e.llm, e.flow, e.hift, e.device, limits)
+    assert engine.first_chunk_priority is True
+    engine.first_chunk_priority = False  # switchable between requests
+    assert engine.first_chunk_priority is False
+    engine.close()

@@ -98,11 +98,12 @@ class Engine:
     (:mod:`cosyvoice.flow.prompt_cache`; True: in memory within ``limits.prompt_cache_mb``; a
     :class:`PromptCache` may also persist them). The same mel up to float rounding (<= 1e-5); off by default here
     (the parity tool compares the engine's streamed mel with the reference's), on in :meth:`Model.load`.
-    ``first_chunk_priority`` (off by default; switchable between requests): a session's LLM is held back while its
-    first streaming chunk is computed, so that chunk has the cores to itself. Tokens and audio are the same either
-    way. Measured on two CPU cores (docs/perf.md, 2026-12-06, 06:20): it cuts first audio's CPU by the LLM's ~3 s
-    of decoding past the first hop and its wall under other load by 25-40 %, but on a quiet machine first audio's
-    wall is unchanged and the flow then waits for the LLM to reach the second chunk (RTF +5 % at 6 steps).
+    ``first_chunk_priority`` (None: ``limits.first_chunk_priority``, off unless set; switchable between requests):
+    a session's LLM is held back while its first streaming chunk is computed, so that chunk has the cores to
+    itself. Tokens and audio are the same either way. Measured on two CPU cores (docs/perf.md, 2026-12-06, 06:20):
+    it cuts first audio's CPU by the LLM's ~3 s of decoding past the first hop and its wall under other load by
+    25-40 %, but on a quiet machine first audio's wall is unchanged and the flow then waits for the LLM to reach
+    the second chunk (RTF +5 % at 6 steps).
     ``steps`` (per request; None: the yaml's ``n_timesteps``): the flow's Euler steps. ``schedule`` (per request;
     None: the reference's): the first hop and the last flow call (:class:`~cosyvoice.engine.session.ChunkSchedule`).
     """
@@ -113,7 +114,7 @@ class Engine:
                  incremental_vocoder: bool = True, fixed_tokens: int | None = None, cuda_graphs: bool = False,
                  t2w_batch: int | None = None, trim_leading_silence_ms: float | None = None,
                  compile_dit: bool | str = False, threads: tuple[int, int] | None = None,
-                 prompt_cache: PromptCache | bool = False, first_chunk_priority: bool = False) -> None:
+                 prompt_cache: PromptCache | bool = False, first_chunk_priority: bool | None = None) -> None:
         self.config = config
         self.llm, self.flow, self.hift = llm.eval(), flow.eval(), hift.eval()
         self.device = device
@@ -144,7 +145,8 @@ class Engine:
                                       on_failure=self._open_sessions.stop_llm,
                                       batch=t2w_batch or (8 if device.type == "cuda" else 1),
                                       threads=self.threads[1])
-        self.first_chunk_priority = first_chunk_priority
+        self.first_chunk_priority = self.limits.first_chunk_priority if first_chunk_priority is None \
+            else first_chunk_priority
         # an engine dropped without close() must not leave its two threads (and the KV pool) behind
         self._finalizer = weakref.finalize(self, _stop_threads, self.scheduler, self.worker)
 
