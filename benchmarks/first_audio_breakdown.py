@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmark_cpu import PROMPT_TEXT, load_average
-from benchmark_performance import TEXT, _prompt
+from benchmark_performance import TEXT, _prompt, scratch_dir
 from cpu_floor import process_cpu_s
 
 from cosyvoice.cli.cosyvoice import CosyVoice3
@@ -130,8 +130,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     parser.add_argument("--json", type=Path, help="write the requests' records here")
     args = parser.parse_args(argv)
     os.environ["COSYVOICE_PROMPT_CACHE"] = "on"
-    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"first-audio-{os.getpid()}"
-    work.mkdir(parents=True, exist_ok=True)
+    work = scratch_dir("first-audio-")
     tts = CosyVoice3(args.model_dir, device="cpu", precision=args.precision, voice_dir=work / "voices",
                      limits=Limits(max_sessions=1, queue_timeout_seconds=3600))
     print("plan", tts.model.plan.label, "| threads (LLM, t2w)", tts.engine.threads, "| load", load_average())
