@@ -171,6 +171,25 @@ def test_a_new_graph_format_is_measured_afresh(tmp_path: Path, monkeypatch: pyte
     assert store.get(before) is not None and store.get(key)["key"] == key
 
 
+def test_candidates_are_timed_on_the_threads_the_engine_gives_their_stage(tmp_path: Path) -> None:
+    """torch's candidates were timed on every core while onnxruntime's ran on the stage's threads (the engine's
+    layout): the check then measured the layout, not the kernels. Now both run as the engine will, and a record
+    timed before that is not kept (the threads are in the key)."""
+    before = torch.get_num_threads()
+    try:
+        for cores, layout in ((2, [1, 1]), (3, [1, 2]), (4, [2, 2])):
+            torch.set_num_threads(cores)
+            seen = [fast._timed(torch.get_num_threads, stage)[0] for stage in (0, 1)]
+            assert seen == layout and torch.get_num_threads() == cores  # restored after each timing
+            assert machine_key(frozenset({"avx2"}), "m")["stage_threads"] == layout
+    finally:
+        torch.set_num_threads(before)
+    store = AutoStore(tmp_path / "auto.json")
+    old = {k: v for k, v in machine_key(frozenset({"avx2"}), "m").items() if k != "stage_threads"}
+    store.put(old, "int8", "bf16", {"flow_fp32": {"seconds": 1.0}})
+    assert store.get(machine_key(frozenset({"avx2"}), "m")) is None
+
+
 def test_an_unwritable_store_never_stops_a_start(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")

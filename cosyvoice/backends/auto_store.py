@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from cosyvoice.backends.cpu import cpu_model
+from cosyvoice.backends.ort import cpu_stage_threads
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +47,11 @@ def graph_formats() -> dict[str, int]:
 
 
 def machine_key(features: frozenset[str], model_digest: str) -> dict[str, object]:
-    """What ``auto``'s choice depends on: the CPU's flags, model and cores, the kernels' libraries, the graphs'
-    formats, the weights."""
+    """What ``auto``'s choice depends on: the CPU's flags, model and cores, the threads each stage's candidates
+    are timed on (as the engine runs them; measurements from before they were are not kept), the kernels'
+    libraries, the graphs' formats, the weights."""
     return {"cpu_flags": sorted(features), "cpu_model": cpu_model(), "cores": torch.get_num_threads(),
+            "stage_threads": [cpu_stage_threads(0), cpu_stage_threads(1)],
             "torch": torch.__version__, "onnxruntime": _ort_version(), "graphs": graph_formats(),
             "model": model_digest}
 

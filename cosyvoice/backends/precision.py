@@ -41,6 +41,7 @@ import torch
 
 from cosyvoice.backends.auto_store import AutoStore, machine_key
 from cosyvoice.backends.cpu import cpu_features, native_bf16
+from cosyvoice.backends.ort import cpu_stage_threads
 from cosyvoice.errors import ConfigError
 from cosyvoice.system.malloc import trim
 
@@ -276,10 +277,19 @@ def plan_and_apply(requested: str, load_llm: Callable[[], torch.nn.Module], load
 # ---------------------------------------------------------------------------------------------- measuring
 
 
-def _timed(fn: Callable[[], T]) -> tuple[T, float]:
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
+def _timed(fn: Callable[[], T], stage: int) -> tuple[T, float]:
+    """``fn()`` and its seconds, run on the intra-op threads the engine gives ``stage`` (0: the LLM, 1: the flow),
+    as onnxruntime's candidates already are (:func:`~cosyvoice.backends.ort.cpu_stage_threads`). Timed on all
+    cores, torch's multi-threaded kernels won a quiet machine's check (torch bf16 DiT) and lost a loaded one's
+    (onnxruntime int8), while the engine runs every candidate on the stage's threads (docs/perf.md, 2026-12-06)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(cpu_stage_threads(stage))
+    try:
+        start = time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - start
+    finally:
+        torch.set_num_threads(before)
 
 
 @torch.inference_mode()
@@ -348,7 +358,7 @@ def _flow_mels(flow: torch.nn.Module, n_prompt: int = 13, n_tokens: int = 25) ->
     emb = torch.randn(1, flow.spk_embed_affine_layer.in_features, generator=gen)
     with torch.inference_mode():
         runs = [_timed(lambda s=streaming: flow.inference(tok, n_tokens, ptok, n_prompt, pfeat, pfeat.shape[1], emb,
-                                                          s, True)) for streaming in (False, True)]
+                                                          s, True), 1) for streaming in (False, True)]
     return [mel for mel, _ in runs], min(s for _, s in runs)
 
 
@@ -382,7 +392,7 @@ def check_llm(llm: torch.nn.Module, paths: tuple[str, ...], model_root: Path | N
     seq, start = forced_sequence(llm, lm_input, forced)
 
     def run(model: torch.nn.Module) -> tuple[torch.Tensor, float]:
-        runs = [_timed(lambda: teacher_forced_log_probs(model, seq, start)) for _ in range(2)]
+        runs = [_timed(lambda: teacher_forced_log_probs(model, seq, start), 0) for _ in range(2)]
         return runs[-1][0], min(s for _, s in runs)
 
     ref_lp, seconds = run(llm)
