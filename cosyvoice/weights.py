@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pickle
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
@@ -19,9 +19,11 @@ import torch
 from torch import nn
 
 from cosyvoice.errors import WeightsError
+from cosyvoice.system.pages import drop_pages, file_mappings
 
 M = TypeVar("M", bound=nn.Module)
 _REDOWNLOAD = "re-download the model (e.g. modelscope FunAudioLLM/Fun-CosyVoice3-0.5B-2512)"
+_MAPPED: set[str] = set()  # the checkpoints read_checkpoint mapped (resolved paths): what give_back may drop
 
 
 def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
@@ -32,12 +34,26 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         # mapped, not read: a tensor's pages load when first used, so the weights that another backend replaces
         # (the LLM's stack and the DiT's blocks under onnxruntime) never become resident
-        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+        mapped = zipfile.is_zipfile(path)
+        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
+        if mapped:
+            _MAPPED.add(str(path.resolve()))
     except (RuntimeError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError, ValueError, OSError) as exc:
         raise WeightsError(f"{path.name} is corrupt or truncated ({type(exc).__name__}: {exc}); {_REDOWNLOAD}") from exc
     if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
         raise WeightsError(f"{path.name} is not a state dict of tensors; {_REDOWNLOAD}")
     return sd
+
+
+def give_back(tensors: Iterable[torch.Tensor]) -> int:
+    """Hand the system the pages of the checkpoint that ``tensors`` (weights being replaced: by int8 or bf16 copies,
+    by an onnxruntime graph, by a converted copy) were read from; returns the bytes given back. Their pages stay
+    resident while the checkpoint stays mapped, which is as long as any of its tensors lives (:mod:`cosyvoice.
+    system.pages`): 1.4 GB of the released llm.pt beside its int8 replacement. Tensors not in a mapped checkpoint
+    are left alone; call it before the last reference goes (the storage must still be the checkpoint's)."""
+    storages = {id(s): s for s in (t.untyped_storage() for t in tensors if not t.is_meta and t.device.type == "cpu")}
+    spans = [(s.data_ptr(), s.nbytes()) for s in storages.values() if s.nbytes()]
+    return drop_pages(spans, file_mappings(_MAPPED)) if spans else 0
 
 
 def _key_list(keys: list[str], limit: int = 12) -> str:
@@ -110,8 +126,10 @@ def load_module(build: Callable[[], M], path: str | Path) -> M:
     tied: dict[int, list[str]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         tied.setdefault(id(param), []).append(name)
-    module.load_state_dict({k: _as_copied(v, built[k]) for k, v in sd.items()}, strict=True, assign=True)
-    del sd, built  # the module holds the only references to the weights now
+    loaded = {k: _as_copied(v, built[k]) for k, v in sd.items()}
+    give_back(v for k, v in sd.items() if loaded[k].data_ptr() != v.data_ptr())  # the sources of converted copies
+    module.load_state_dict(loaded, strict=True, assign=True)
+    del sd, built, loaded  # the module holds the only references to the weights now
     for names in (n for n in tied.values() if len(n) > 1):
         last = module.get_parameter(names[-1])
         for name in names[:-1]:

@@ -32,6 +32,7 @@ from typing import TypeVar
 import torch
 
 from cosyvoice.errors import ConfigError
+from cosyvoice.weights import give_back
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +165,9 @@ def flow_runner(flow: torch.nn.Module, model_root: Path, backend: str, device: t
 def release_blocks(flow: torch.nn.Module) -> None:
     """Free the DiT blocks' weights once a runner replaces every use of them (FlowStream reads only shapes and
     dtypes of the rest)."""
-    for param in flow.decoder.estimator.transformer_blocks.parameters():
+    params = list(flow.decoder.estimator.transformer_blocks.parameters())
+    give_back(params)  # their checkpoint pages, resident where this process exported or measured them
+    for param in params:
         param.data = param.data.new_empty(0)
 
 

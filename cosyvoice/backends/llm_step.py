@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from cosyvoice.backends.export import OPSET, graph_file, source_hashes, sources_match
 from cosyvoice.llm.qwen2 import KVCache, Qwen2Backbone
+from cosyvoice.weights import give_back
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,9 @@ def attach_step(llm: nn.Module, model_root: Path, precision: str) -> nn.Module:
 def release_stack(llm: nn.Module) -> None:
     """Free the Qwen2 layers' weights once the graph runs them (the embeddings and the speech head stay)."""
     stack = llm.llm.model.model
-    for param in [*stack.layers.parameters(), *stack.norm.parameters()]:
+    params = [*stack.layers.parameters(), *stack.norm.parameters()]
+    give_back(params)  # their checkpoint pages, resident where this process exported or measured them
+    for param in params:
         param.data = param.data.new_empty(0)
 
 

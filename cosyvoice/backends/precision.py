@@ -31,7 +31,6 @@ import copy
 import importlib.util
 import logging
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +43,7 @@ from cosyvoice.backends.cpu import cpu_features, native_bf16
 from cosyvoice.backends.ort import cpu_stage_threads
 from cosyvoice.errors import ConfigError
 from cosyvoice.system.malloc import trim
+from cosyvoice.weights import give_back
 
 logger = logging.getLogger(__name__)
 
@@ -162,20 +162,22 @@ def dit_projections(dit: torch.nn.Module) -> list[str]:
 
 def quantize_dit(dit: torch.nn.Module) -> torch.nn.Module:
     """The DiT with :func:`dit_projections` int8 (weights per output channel, activations per call)."""
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+    from torch.ao.quantization import per_channel_dynamic_qconfig
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice (the API still ships)
-        return quantize_dynamic(dit, dict.fromkeys(dit_projections(dit), per_channel_dynamic_qconfig),
-                                inplace=True)
+    from cosyvoice.backends.quant import quantize_linears
+
+    return quantize_linears(dit, dit_projections(dit), per_channel_dynamic_qconfig)
 
 
 def bf16_dit(dit: torch.nn.Module) -> torch.nn.Module:
-    """The DiT with :func:`dit_projections` holding bf16 weights (:class:`Bf16Linear`)."""
+    """The DiT with :func:`dit_projections` holding bf16 weights (:class:`Bf16Linear`); each float32 linear's
+    checkpoint pages are handed back once its copy is made (:func:`~cosyvoice.weights.give_back`)."""
     for name in dit_projections(dit):
         parent, _, child = name.rpartition(".")
         owner = dit.get_submodule(parent)
-        setattr(owner, child, Bf16Linear(getattr(owner, child)))
+        linear = getattr(owner, child)
+        setattr(owner, child, Bf16Linear(linear))
+        give_back(linear.parameters())
     return dit
 
 

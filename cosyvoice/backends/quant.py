@@ -64,9 +64,30 @@ def weight_matmuls(model: onnx.ModelProto) -> list[str]:
 def quantize_llm(llm: torch.nn.Module) -> torch.nn.Module:
     """The LLM with every linear but the unused text head replaced by torch's dynamic int8 linear (weights int8
     per tensor, activations quantised per call; fbgemm/oneDNN kernels on x86). CPU only."""
+    from torch.ao.quantization import default_dynamic_qconfig
+
+    names = [n for n, m in llm.named_modules() if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")]
+    return quantize_linears(llm, names, default_dynamic_qconfig)
+
+
+def quantize_linears(model: torch.nn.Module, names: list[str], qconfig: object) -> torch.nn.Module:
+    """``model`` with its linears ``names`` replaced by torch's dynamic int8 linear under ``qconfig``, a parent
+    module at a time, each one's float weights handed back as soon as they are replaced (:func:`~cosyvoice.weights.
+    give_back`): the pages of a mapped checkpoint read while quantising would otherwise stay resident, all of them
+    (1.4 GB of the released LLM's) by the end. Each linear is quantised on its own, so the result is the same."""
     from torch.ao.quantization import quantize_dynamic
 
-    names = {n for n, m in llm.named_modules() if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")}
+    from cosyvoice.weights import give_back
+
+    by_parent: dict[str, list[str]] = {}
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        by_parent.setdefault(parent, []).append(child)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice (the API still ships)
-        return quantize_dynamic(llm, names, dtype=torch.qint8, inplace=True)
+        for parent, children in by_parent.items():
+            owner = model.get_submodule(parent)
+            replaced = [t for c in children for t in owner.get_submodule(c).parameters()]
+            quantize_dynamic(owner, dict.fromkeys(children, qconfig), inplace=True)
+            give_back(replaced)
+    return model

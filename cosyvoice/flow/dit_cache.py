@@ -11,6 +11,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from cosyvoice.system.pages import mapped_zeros
+
 
 @dataclass
 class DiTCache:
@@ -29,12 +31,17 @@ class DiTCache:
 #: a cache buffer that must grow holds this much more than it needs, so a stream copies its keys/values a
 #: logarithmic number of times over its life instead of once per chunk
 GROWTH = 1.5
+#: on the CPU, at least this many frames of room (20 s of speech): the room is never written before the stream reaches
+#: it, so it costs address space, not memory (:func:`~cosyvoice.system.pages.mapped_zeros`), and a stream up to that
+#: long copies its cache once, when it starts from its voice's shared prefix, instead of once per growth
+ROOM_FRAMES = 1024
 
 
 def append_frames(past: Tensor, new: Tensor) -> Tensor:
     """``past`` [B, H, L, D] followed by ``new`` [B, H, n, D] along the frames, written in place into the buffer
     ``past`` is the start of when that buffer has room (the stream's own, :func:`owns_room`), else into a new
-    buffer with room to grow (:data:`GROWTH`); returns the [B, H, L + n, D] view. The frames after ``L`` of a
+    buffer with room to grow (:data:`GROWTH`; on the CPU at least :data:`ROOM_FRAMES`, in a mapping of its own);
+    returns the [B, H, L + n, D] view. The frames after ``L`` of a
     buffer are scratch: only a stream's own cache (never a shared voice prefix, :func:`compact`) has any. A traced
     or compiled graph (ONNX export, ``torch.compile``) gets the plain concatenation: no storage, no shape logic."""
     if torch.jit.is_tracing() or torch.compiler.is_compiling():
@@ -44,7 +51,10 @@ def append_frames(past: Tensor, new: Tensor) -> Tensor:
     if owns_room(past, total):
         out = past.as_strided((b, h, total, d), past.stride())
     else:
-        buffer = past.new_empty(b, h, max(total, int(total * GROWTH)), d)
+        if past.device.type == "cpu":
+            buffer = mapped_zeros((b, h, max(total + ROOM_FRAMES, int(total * GROWTH)), d), past.dtype)
+        else:  # device memory is committed when allocated (and TensorRT's profiles bound the room by GROWTH)
+            buffer = past.new_empty(b, h, max(total, int(total * GROWTH)), d)
         out = buffer[:, :, :total]
         out[:, :, :length] = past
     out[:, :, length:] = new
