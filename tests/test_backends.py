@@ -90,6 +90,20 @@ def test_int8_dit_mel_within_its_bound(modules: dict, flow_inputs: tuple) -> Non
     assert mel_int8.shape == mel.shape and (mel_int8 - mel).abs().max() <= INT8_MEL_MAX
 
 
+def test_the_int8_graph_keeps_the_stream_cache_in_float16_and_the_fp32_graph_in_float32(modules: dict) -> None:
+    """Half the fast path's cache memory (3.6 MB per mel frame at 10 steps in float32); the exact path unchanged."""
+    g = torch.Generator().manual_seed(5)
+    for name, dtype in (("flow_int8", torch.float16), ("flow_ort", torch.float32), ("flow", torch.float32)):
+        flow = modules[name]
+        dit = flow.decoder.estimator
+        chunk = dit.chunk_size
+        x, mu, cond = (torch.randn(2, 80, chunk, generator=g) for _ in range(3))
+        _, cache = dit.forward_cached(x, mu, torch.tensor([0.3, 0.3]), torch.randn(2, 80, generator=g), cond, None,
+                                      chunk)
+        assert {t.dtype for kv in cache.kv for t in kv} == {dtype}, name
+        assert FlowStream.bytes_per_frame(flow) == FlowStream.bytes_per_frame(modules["flow"]) * dtype.itemsize // 4
+
+
 def _stream(flow: object, hift: object, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     tok, ptok, pfeat, emb = inputs
     flow_stream, hift_stream = FlowStream(flow, ptok, pfeat, emb), HiFTStream(hift)

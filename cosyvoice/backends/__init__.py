@@ -145,6 +145,7 @@ def _dims(flow: torch.nn.Module | None, hift: torch.nn.Module | None) -> dict[st
 def flow_runner(flow: torch.nn.Module, model_root: Path, backend: str, device: torch.device | str) -> object:
     """The :class:`~cosyvoice.backends.runners.GraphEstimator` that runs ``flow``'s DiT on ``backend`` (a resolved
     name other than torch); fp16 graphs when the flow is half precision on CUDA. The module is left as it is."""
+    from cosyvoice.backends.export import graph_file
     from cosyvoice.backends.runners import GraphEstimator
 
     device = torch.device(device)
@@ -159,7 +160,9 @@ def flow_runner(flow: torch.nn.Module, model_root: Path, backend: str, device: t
     # the plain graph saves returning keys/values on a GPU; on the CPU one copy of the weights is worth more
     plain = _graph("flow_estimator", backend, manifest, model_root, device, precision, dims) \
         if device.type == "cuda" else None
-    return GraphEstimator(plain, cached, dit)  # type: ignore[arg-type]
+    entry = manifest["graphs"][graph_file("flow_estimator_cached", precision)]  # type: ignore[index]
+    cache_dtype = getattr(torch, entry.get("cache_dtype", "float32"))
+    return GraphEstimator(plain, cached, dit, cache_dtype)  # type: ignore[arg-type]
 
 
 def release_blocks(flow: torch.nn.Module) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
 import time
 import warnings
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from cosyvoice.backends.graphs import CachedEstimatorGraph, EstimatorGraph, VocoderGraph, cached_io_names
-from cosyvoice.backends.quant import quantize_dit
+from cosyvoice.backends.quant import half_cache, quantize_dit
 from cosyvoice.bundle import ModelBundle, validate_model_dir
 from cosyvoice.errors import ModelBundleError
 from cosyvoice.flow.dit import chunk_causal_mask
@@ -37,8 +38,9 @@ logger = logging.getLogger(__name__)
 OPSET = 18
 MANIFEST = "manifest.json"
 # bump when the graphs' interface changes: stale exports are then redone (and auto measures again,
-# auto_store.machine_key). 2: flow_estimator_cached returns only the new frames' keys/values
-FORMAT = 2
+# auto_store.machine_key). 2: flow_estimator_cached returns only the new frames' keys/values; 3: its int8 variant
+# takes and returns them in float16 (quant.half_cache)
+FORMAT = 3
 # Parity bound of onnxruntime-CPU against PyTorch (fp32): max |diff| <= ATOL + RTOL * max |reference|.
 # Both run float32 kernels in a different order (fused attention, folded weight norm, the DFT as a conv):
 # the DiT differs by ~1e-6 relative. The vocoder turns a predicted log-magnitude into a magnitude with exp(),
@@ -143,6 +145,17 @@ def _export(spec: GraphSpec, path: Path, fp16: bool) -> None:
                           dynamic_axes=spec.dynamic_axes, do_constant_folding=True)
 
 
+def _half_cache(path: Path, spec: GraphSpec) -> str:
+    """Rewrite the int8 cached DiT ``path`` with its keys/values in float16 (:func:`~cosyvoice.backends.quant.
+    half_cache`), atomically; the dtype the runner feeds it."""
+    model = onnx.load(str(path))
+    kv = [n for n in spec.inputs if n.startswith("cache_")], [n for n in spec.outputs if n.startswith("new_")]
+    tmp = path.with_suffix(f".tmp{os.getpid()}.onnx")
+    onnx.save(half_cache(model, *kv), str(tmp))
+    os.replace(tmp, path)
+    return "float16"
+
+
 def _value_info(values: list[onnx.ValueInfoProto]) -> list[dict[str, object]]:
     def dim(d: onnx.TensorShapeProto.Dimension) -> int | str:
         return d.dim_param or d.dim_value
@@ -155,13 +168,15 @@ def _parity(path: Path, spec: GraphSpec, precision: str) -> dict[str, object]:
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    outputs = session.run(None, {k: v.numpy() for k, v in spec.inputs.items()})
+    halves = {i.name for i in session.get_inputs() if i.type == "tensor(float16)"}
+    outputs = session.run(None, {k: (v.half() if k in halves else v).numpy() for k, v in spec.inputs.items()})
     atol, rtol = (ATOL, spec.rtol) if precision == "fp32" else (LOW_PRECISION_ATOL, LOW_PRECISION_RTOL)
     worst, worst_name, worst_bound = 0.0, "", 0.0
     for name, got, ref in zip(spec.outputs, outputs, spec.reference, strict=True):
         ref_np = ref.float().numpy()
         if got.shape != ref_np.shape:
             raise ModelBundleError(f"{path.name}: output {name} has shape {got.shape}, PyTorch {ref_np.shape}")
+        got = got.astype(np.float32)
         diff = float(np.abs(got - ref_np).max()) if got.size else 0.0
         bound = atol + rtol * float(np.abs(ref_np).max(initial=0.0))
         if not np.isfinite(got).all():
@@ -217,6 +232,8 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path | None = None, fp16: 
             extra: dict[str, object] = {}
             if precision == "int8":
                 extra["int8_weights"] = quantize_dit(out / graph_file(spec.name), path, int8_weights)
+                if spec.name == "flow_estimator_cached":
+                    extra["cache_dtype"] = _half_cache(path, spec)
             else:
                 _export(spec, path, precision == "fp16")
             seconds = time.perf_counter() - start

@@ -54,6 +54,40 @@ def quantize_dit(src: Path, dst: Path, weights: str | None = None) -> str:
     return quantize_matmuls(src, dst, nodes, weights or int8_weights(cpu_features()))
 
 
+def half_cache(model: onnx.ModelProto, inputs: list[str], outputs: list[str]) -> onnx.ModelProto:
+    """``model`` (in place) taking its key/value ``inputs`` and returning its key/value ``outputs`` in float16, cast
+    to and from float32 inside: the int8 cached DiT's cache, 3.6 MB per mel frame at 10 steps in float32, halves
+    (the rounding, 2^-11 relative, is well inside the int8 graph's own error). An input is cast after its Slice to
+    the past frames, so the buffer's room is never read."""
+    from onnx import TensorProto, helper
+
+    graph = model.graph
+    value = {v.name: v for v in [*graph.input, *graph.output]}
+
+    def rewire(old: str, new: str, skip: onnx.NodeProto | None = None) -> None:
+        for node in graph.node:
+            if node is not skip:
+                node.input[:] = [new if name == old else name for name in node.input]
+
+    for name in inputs:
+        value[name].type.tensor_type.elem_type = TensorProto.FLOAT16
+        users = [n for n in graph.node if name in n.input]
+        at = users[0].output[0] if len(users) == 1 and users[0].op_type == "Slice" else name
+        for info in [v for v in graph.value_info if v.name == at]:  # the Slice now yields float16
+            graph.value_info.remove(info)
+        cast = helper.make_node("Cast", [at], [f"{at}_float"], to=TensorProto.FLOAT, name=f"{name}_to_float")
+        rewire(at, cast.output[0])
+        graph.node.insert(list(graph.node).index(users[0]) + (at != name), cast)
+    for name in outputs:
+        value[name].type.tensor_type.elem_type = TensorProto.FLOAT16
+        producer = next(n for n in graph.node if name in n.output)
+        producer.output[:] = [f"{name}_float" if out == name else out for out in producer.output]
+        rewire(name, f"{name}_float")
+        graph.node.append(helper.make_node("Cast", [f"{name}_float"], [name], to=TensorProto.FLOAT16,
+                                           name=f"{name}_to_half"))
+    return model
+
+
 def weight_matmuls(model: onnx.ModelProto) -> list[str]:
     """The MatMul nodes whose second input is a stored weight (the attention products multiply activations): the
     LLM step graph's int8 nodes."""

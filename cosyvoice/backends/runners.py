@@ -29,10 +29,12 @@ class GraphEstimator:
     """:class:`cosyvoice.flow.dit.EstimatorRunner` over the ``flow_estimator_cached`` graph and optionally the
     ``flow_estimator`` one. Without the latter, a whole-utterance call runs the cached graph with no past (the
     same computation: zero tails are the convs' left padding) and drops the keys/values it also returns; on
-    the CPU that keeps one copy of the weights instead of two."""
+    the CPU that keeps one copy of the weights instead of two. ``cache_dtype``: the dtype of the cached graph's
+    keys/values (float16 for the int8 graph: :func:`~cosyvoice.backends.quant.half_cache`), which the stream's
+    cache then holds."""
 
-    def __init__(self, plain: Graph | None, cached: Graph, dit: DiT) -> None:
-        self.plain, self.cached = plain, cached
+    def __init__(self, plain: Graph | None, cached: Graph, dit: DiT, cache_dtype: torch.dtype = torch.float32) -> None:
+        self.plain, self.cached, self.cache_dtype = plain, cached, cache_dtype
         attn = dit.transformer_blocks[0].attn
         self.depth, self.heads, self.dim_head = len(dit.transformer_blocks), attn.heads, attn.dim_head
         self.dim = dit.proj_out.in_features
@@ -58,11 +60,12 @@ class GraphEstimator:
         appended into that buffer in place (:func:`append_frames`, grown by its factor when full)."""
         batch, n = x.shape[0], x.shape[2]
         f32 = {"dtype": torch.float32, "device": x.device}
+        kv_type = {"dtype": self.cache_dtype, "device": x.device}
         if past is None:  # the start of an utterance: zeros are the convs' left padding, no keys yet
             tails = (torch.zeros(batch, self.dim, self.context, **f32),) * 2
-            kv = [(torch.zeros(batch, self.heads, 0, self.dim_head, **f32),) * 2] * self.depth
+            kv = [(torch.zeros(batch, self.heads, 0, self.dim_head, **kv_type),) * 2] * self.depth
         else:
-            tails, kv = past.conv_tails, [(k.float(), v.float()) for k, v in past.kv]
+            tails, kv = past.conv_tails, [(k.to(self.cache_dtype), v.to(self.cache_dtype)) for k, v in past.kv]
         inputs = self._inputs(x, mu, t, spks, cond, mask)
         inputs["tail1"], inputs["tail2"] = tails[0].float(), tails[1].float()
         outputs = {"velocity": torch.empty(batch, self.mel_dim, n, **f32),
@@ -70,8 +73,8 @@ class GraphEstimator:
                    "conv_in2": torch.empty(batch, self.dim, self.context + n, **f32)}
         for i, (k, v) in enumerate(kv):
             inputs[f"cache_k_{i}"], inputs[f"cache_v_{i}"] = buffer_of(k), buffer_of(v)
-            outputs[f"new_k_{i}"] = torch.empty(batch, self.heads, n, self.dim_head, **f32)
-            outputs[f"new_v_{i}"] = torch.empty(batch, self.heads, n, self.dim_head, **f32)
+            outputs[f"new_k_{i}"] = torch.empty(batch, self.heads, n, self.dim_head, **kv_type)
+            outputs[f"new_v_{i}"] = torch.empty(batch, self.heads, n, self.dim_head, **kv_type)
         self.cached.run(inputs, outputs)
         present = [(outputs[f"new_k_{i}"], outputs[f"new_v_{i}"]) for i in range(self.depth)]
         if past is not None:  # at the start they are the outputs: a whole-utterance call copies nothing

@@ -249,7 +249,8 @@ class FlowStream:
         attn = dit.transformer_blocks[0].attn
         elements = (steps or flow.decoder.n_timesteps) * len(dit.transformer_blocks) * 2 * 2 * batch * attn.heads \
             * attn.dim_head
-        return elements * dit.proj_out.weight.element_size()
+        runner = getattr(dit, "runner", None)  # a graph's keys/values may be narrower than the module's weights
+        return elements * getattr(runner, "cache_dtype", dit.proj_out.weight.dtype).itemsize
 
     @property
     def finished_frames(self) -> int:
