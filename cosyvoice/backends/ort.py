@@ -37,9 +37,11 @@ class OrtGraph:
 
     ``threads``: its intra-op threads (None: onnxruntime's default, one per physical core). On the CPU the callers
     pass their engine stage's share (:func:`cpu_stage_threads`): each session owns a pool, and the LLM's and the
-    token-to-wave stage's run at once, so pools of every core each would oversubscribe them. On the CPU the session
-    also runs without onnxruntime's memory arena: an arena keeps its largest activations (the DiT's over the
-    longest call) for the process's life, beside the allocator's own free lists.
+    token-to-wave stage's run at once, so pools of every core each would oversubscribe them. On the CPU each run
+    hands its memory arena back when it ends (``memory.enable_memory_arena_shrinkage``): within a run the ops reuse
+    the arena's memory instead of mapping and faulting in fresh pages for every large activation (the DiT's last
+    call over a whole utterance faulted ~3 M pages a 10 s request without an arena), and a kept arena would hold the
+    largest activations (the DiT's over the longest call) for the process's life.
     """
 
     def __init__(self, path: Path, device: torch.device, threads: int | None = None) -> None:
@@ -53,7 +55,7 @@ class OrtGraph:
         options.inter_op_num_threads = 1  # the sequential executor: a graph's ops run one after another
         # no busy-waiting between ops: the LLM's thread shares the cores with these sessions
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        options.enable_cpu_mem_arena = device.type != "cpu"
+        options.enable_cpu_mem_arena = True
         if device.type == "cuda":
             if not cuda_provider_available():
                 raise ModelBundleError("onnxruntime has no CUDA execution provider here: install onnxruntime-gpu "
@@ -66,6 +68,9 @@ class OrtGraph:
         self.session = ort.InferenceSession(str(path), options, providers=providers)
         self._kind = "cuda" if device.type == "cuda" else "cpu"
         self._index = device.index or 0
+        self._run_options = ort.RunOptions()
+        if device.type == "cpu":
+            self._run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
 
     def run(self, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
         """Run with ``inputs`` and write into the preallocated ``outputs`` (all on this graph's device)."""
@@ -85,4 +90,4 @@ class OrtGraph:
                                 tensor.data_ptr())
         if self._kind == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # onnxruntime runs on its own stream
-        self.session.run_with_iobinding(binding)
+        self.session.run_with_iobinding(binding, self._run_options)
