@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 from app.i18n import say
@@ -23,10 +24,13 @@ def uploaded(path: str | None, zh: bool = False) -> str | None:
 
 
 class PageFiles:
-    """One root folder of handed-out files per studio (``launch`` lets Gradio serve it, nothing else)."""
+    """One root folder of handed-out files per studio (``launch`` lets Gradio serve it, nothing else), removed with
+    the studio or at the process's exit: nothing serves it after that, and each start makes a new one, so a kept
+    root would stay in the temporary folder for good (a test run left one per studio it built)."""
 
     def __init__(self) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="cosyvoice-takes-"))
+        self._remove = weakref.finalize(self, shutil.rmtree, self.root, ignore_errors=True)
 
     def folder(self) -> Path:
         """A new folder for files handed to the page; those older than a day go (as Gradio's own cache)."""

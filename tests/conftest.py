@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
+import shutil
 import tempfile
 from types import ModuleType
 
@@ -11,8 +13,11 @@ from types import ModuleType
 # of the mel/fbank features (~5e-4). The golden fixtures match MKL's CPU-independent path to ~1e-6, so the
 # tests select it. It must be set before torch's first FFT, hence before any import of torch.
 os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
-# CosyVoice3 instances the tests build without voice_dir= keep their voice library out of the working tree
-os.environ.setdefault("COSYVOICE_VOICE_DIR", tempfile.mkdtemp(prefix="cosyvoice-test-voices-"))
+# CosyVoice3 instances the tests build without voice_dir= keep their voice library out of the working tree, in a
+# folder the process that made it removes when it ends (the workers inherit it from the controller)
+if "COSYVOICE_VOICE_DIR" not in os.environ:
+    os.environ["COSYVOICE_VOICE_DIR"] = tempfile.mkdtemp(prefix="cosyvoice-test-voices-")
+    atexit.register(shutil.rmtree, os.environ["COSYVOICE_VOICE_DIR"], ignore_errors=True)
 # The suite checks the torch modules against the golden fixtures and itself; the accelerated backends (auto
 # picks onnxruntime on a CPU) are compared with torch in tests/test_backends.py, which asks for them by name.
 os.environ.setdefault("COSYVOICE_BACKEND", "torch")
