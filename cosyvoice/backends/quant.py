@@ -64,10 +64,9 @@ def half_cache(model: onnx.ModelProto, inputs: list[str], outputs: list[str]) ->
     graph = model.graph
     value = {v.name: v for v in [*graph.input, *graph.output]}
 
-    def rewire(old: str, new: str, skip: onnx.NodeProto | None = None) -> None:
+    def rewire(old: str, new: str) -> None:
         for node in graph.node:
-            if node is not skip:
-                node.input[:] = [new if name == old else name for name in node.input]
+            node.input[:] = [new if name == old else name for name in node.input]
 
     for name in inputs:
         value[name].type.tensor_type.elem_type = TensorProto.FLOAT16

@@ -82,7 +82,7 @@ def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     count = 1
     for size in shape:
         count *= size
-    nbytes = max(count * torch.empty((), dtype=dtype).element_size(), 1)
+    nbytes = max(count * dtype.itemsize, 1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # frombuffer's note that the tensor shares the buffer: the point here
         return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype, count=count).view(shape)
