@@ -181,9 +181,9 @@ class Limits:
     prompt_cache_mb: float = 1024.0
     prompt_cache_disk_mb: float = 4096.0
     # hold a session's LLM back while its first streamed chunk is computed (cosyvoice.engine.Engine's
-    # first_chunk_priority): on a loaded CPU that chunk gets the cores; on a quiet one first audio is unchanged and
-    # the RTF a few % worse (docs/perf.md, 2026-12-06, 06:20)
-    first_chunk_priority: bool = False
+    # first_chunk_priority), so that chunk has every core; None: on a CPU (first audio 6.4 -> 4.9 s on two cores,
+    # docs/perf.md, 2026-12-06, 12:00), off on a GPU, which runs both stages at once anyway
+    first_chunk_priority: bool | None = None
     # audible first sound: a streamed request's leading silence is sent only from this many ms before its first
     # audible sample (cosyvoice/engine/silence.py; nothing audible is ever removed); 0: off
     trim_leading_silence_ms: float = 40.0
@@ -350,7 +350,7 @@ def flag(raw: str) -> bool:
 
 
 _KINDS: dict[str, type] = {"int": int, "float": float, "float | None": float, "str": str, "str | None": str,
-                           "bool": flag}
+                           "bool": flag, "bool | None": flag}
 
 
 def _env_values(cls: type, environ: dict[str, str] | None) -> dict[str, object]:

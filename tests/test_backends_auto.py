@@ -177,7 +177,7 @@ def test_candidates_are_timed_on_the_threads_the_engine_gives_their_stage(tmp_pa
     timed before that is not kept (the threads are in the key)."""
     before = torch.get_num_threads()
     try:
-        for cores, layout in ((2, [1, 1]), (3, [1, 2]), (4, [2, 2])):
+        for cores, layout in ((2, [1, 2]), (3, [1, 3]), (4, [2, 4])):
             torch.set_num_threads(cores)
             seen = [fast._timed(torch.get_num_threads, stage)[0] for stage in (0, 1)]
             assert seen == layout and torch.get_num_threads() == cores  # restored after each timing

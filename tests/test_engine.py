@@ -312,9 +312,51 @@ def test_the_llm_waits_while_a_first_chunk_is_computed_and_the_audio_is_the_same
     assert torch.equal(held, free)
 
 
+def _teams(tts, inp, priority: bool) -> list[tuple[int, int]]:
+    """(chunk index, the worker's torch team when it began) of each chunk of a request on an engine whose worker
+    runs 1 thread while the LLM steps and 3 when it has none; the LLM is kept mid-request (a step waits) until the
+    first chunk has begun, so "stepping" is decided by the hold alone, never by timing."""
+    e = tts.engine
+    engine = Engine(e.config, e.llm, e.flow, e.hift, e.device, Limits(), threads=(1, 1),
+                    first_chunk_priority=priority)
+    engine.worker.wide_threads = 3
+    teams, begun, steps = [], threading.Event(), [0]
+    computed = engine.t2w.chunks
+
+    def chunks(items):
+        teams.append((items[0][1].next_index, torch.get_num_threads()))
+        begun.set()
+        return computed(items)
+
+    def wait_for_the_first_chunk(*_) -> None:
+        steps[0] += 1
+        if steps[0] > 60:  # past the first chunk's tokens (its hop, padded to whole hops with the prompt: < 50)
+            assert begun.wait(30)
+
+    engine.t2w.chunks = chunks
+    with _on_llm_forward(engine.llm, wait_for_the_first_chunk):
+        list(engine.synthesize(inp, stream=True, seed=3, fixed_tokens=120))
+    engine.close()
+    return teams
+
+
+def test_the_worker_takes_every_core_while_the_llm_has_no_step(tts, prompt_wav: Path) -> None:
+    """The worker's torch team is narrow for a chunk begun while the LLM decodes, and every core's for one begun
+    while it has no step: the first chunk with the session's LLM held, the last one after it finished."""
+    inp = _model_input(tts, prompt_wav)
+    held, free = _teams(tts, inp, priority=True), _teams(tts, inp, priority=False)
+    assert held[0] == (0, 3) and free[0] == (0, 1)
+    assert held[-1][1] == 3 and free[-1][1] == 3 and len(held) == len(free) > 2
+
+
 def test_first_chunk_priority_is_a_deployment_setting(tts, monkeypatch: pytest.MonkeyPatch) -> None:
-    """COSYVOICE_FIRST_CHUNK_PRIORITY (and --first-chunk-priority) reach the engine; a typo is refused by name."""
-    assert Limits.from_env({}).first_chunk_priority is False
+    """COSYVOICE_FIRST_CHUNK_PRIORITY (and --first-chunk-priority) reach the engine; a typo is refused by name.
+    Unset, a CPU engine holds the LLM (its first chunk then has every core) and a GPU one does not."""
+    assert Limits.from_env({}).first_chunk_priority is None
+    e = tts.engine
+    engine = Engine(e.config, e.llm, e.flow, e.hift, e.device, Limits())
+    assert engine.first_chunk_priority is (e.device.type == "cpu")
+    engine.close()
     assert Limits.from_env({"COSYVOICE_FIRST_CHUNK_PRIORITY": "on"}).first_chunk_priority is True
     assert Limits.from_env({"COSYVOICE_FIRST_CHUNK_PRIORITY": "false"}).first_chunk_priority is False
     with pytest.raises(ConfigError, match="COSYVOICE_FIRST_CHUNK_PRIORITY='sometimes' is not a valid flag"):
@@ -323,7 +365,6 @@ def test_first_chunk_priority_is_a_deployment_setting(tts, monkeypatch: pytest.M
     add_server_arguments(parser)
     _, limits = settings_from_args(parser.parse_args(["--first-chunk-priority", "on"]), environ={})
     assert limits.first_chunk_priority is True
-    e = tts.engine
     engine = Engine(e.config, e.llm, e.flow, e.hift, e.device, limits)
     assert engine.first_chunk_priority is True
     engine.first_chunk_priority = False  # switchable between requests

@@ -253,3 +253,4 @@ def test_stage_threads_never_oversubscribe_the_cores(tts) -> None:
         assert llm >= 1 and t2w >= 1 and (llm + t2w <= cores or cores == 1)
     engine = tts.engine
     assert (engine.scheduler.threads, engine.worker.threads) == stage_threads(torch.get_num_threads())
+    assert engine.worker.wide_threads == torch.get_num_threads()  # only while the LLM has no step to run

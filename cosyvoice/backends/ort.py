@@ -25,19 +25,24 @@ def cuda_provider_available() -> bool:
 
 
 def cpu_stage_threads(stage: int) -> int:
-    """Intra-op threads of engine stage ``stage`` (0: the LLM, 1: token-to-wave) as the engine lays them out over
-    torch's thread count (:func:`~cosyvoice.engine.engine.stage_threads`)."""
+    """Intra-op threads of engine stage ``stage``'s sessions (0: the LLM, 1: token-to-wave): the LLM's share of
+    torch's thread count (:func:`~cosyvoice.engine.engine.stage_threads`); token-to-wave all of it. Its sessions'
+    pools never spin (``allow_spinning`` 0): while the LLM decodes, a pool thread that finds no core waits
+    instead of burning one, and whenever the LLM has no step to run (its session held for the first chunk, the
+    request decoded) the DiT has the whole machine: on two cores the RTF 6.6 -> 4.9 with the reference's last
+    call (docs/perf.md, 2026-12-06, 12:00)."""
     from cosyvoice.engine.engine import stage_threads
 
-    return stage_threads(torch.get_num_threads())[stage]
+    cores = torch.get_num_threads()
+    return stage_threads(cores)[0] if stage == 0 else cores
 
 
 class OrtGraph:
     """One onnxruntime session on ``device`` (CPU, or CUDA through the CUDA execution provider).
 
     ``threads``: its intra-op threads (None: onnxruntime's default, one per physical core). On the CPU the callers
-    pass their engine stage's share (:func:`cpu_stage_threads`): each session owns a pool, and the LLM's and the
-    token-to-wave stage's run at once, so pools of every core each would oversubscribe them. On the CPU each run
+    pass their engine stage's (:func:`cpu_stage_threads`): each session owns a pool, and the LLM's and the
+    token-to-wave stage's run at once. On the CPU each run
     hands its memory arena back when it ends (``memory.enable_memory_arena_shrinkage``): within a run the ops reuse
     the arena's memory instead of mapping and faulting in fresh pages for every large activation (the DiT's last
     call over a whole utterance faulted ~3 M pages a 10 s request without an arena), and a kept arena would hold the

@@ -280,10 +280,11 @@ def plan_and_apply(requested: str, load_llm: Callable[[], torch.nn.Module], load
 
 
 def _timed(fn: Callable[[], T], stage: int) -> tuple[T, float]:
-    """``fn()`` and its seconds, run on the intra-op threads the engine gives ``stage`` (0: the LLM, 1: the flow),
-    as onnxruntime's candidates already are (:func:`~cosyvoice.backends.ort.cpu_stage_threads`). Timed on all
-    cores, torch's multi-threaded kernels won a quiet machine's check (torch bf16 DiT) and lost a loaded one's
-    (onnxruntime int8), while the engine runs every candidate on the stage's threads (docs/perf.md, 2026-12-06)."""
+    """``fn()`` and its seconds, run on the intra-op threads the engine gives ``stage`` (0: the LLM, 1: the flow,
+    every core: its team whenever the LLM has no step to run), as onnxruntime's candidates' sessions are
+    (:func:`~cosyvoice.backends.ort.cpu_stage_threads`). Timed on other threads than the engine's, torch's kernels
+    won a quiet machine's check (torch bf16 DiT) and lost a loaded one's (onnxruntime int8) (docs/perf.md,
+    2026-12-06, 08:03)."""
     before = torch.get_num_threads()
     torch.set_num_threads(cpu_stage_threads(stage))
     try:

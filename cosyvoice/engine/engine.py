@@ -68,9 +68,12 @@ def llm_job(llm: CosyVoice3LM, inp: ModelInput, limits: Limits, text_stream: Tok
 
 
 def stage_threads(cores: int) -> tuple[int, int]:
-    """(LLM, token-to-wave) intra-op threads for ``cores`` CPU threads: both stages run at once while a stream
-    plays, so together they must not ask for more threads than there are cores (OpenMP teams that
-    oversubscribe spin against each other); measured on two cores in docs/perf.md, "Threads"."""
+    """(LLM, token-to-wave) torch intra-op threads for ``cores`` CPU threads while both stages run: together they
+    must not ask for more threads than there are cores (OpenMP teams that oversubscribe spin against each other);
+    measured on two cores in docs/perf.md, "Threads". The worker's team takes every core for a chunk that starts
+    while the LLM has no step to run (:class:`~cosyvoice.engine.t2w.Token2WavWorker`), and onnxruntime's
+    token-to-wave sessions, whose pools never spin, always have every core
+    (:func:`~cosyvoice.backends.ort.cpu_stage_threads`)."""
     if cores <= 1:
         return 1, 1
     llm = cores // 2
@@ -94,16 +97,17 @@ class Engine:
     in CUDA graphs); a string names the ``torch.compile`` backend (default inductor).
     ``threads``: (LLM scheduler, token-to-wave worker) intra-op threads on a CPU, each set in its own thread
     (torch's thread count is per calling thread); None: :func:`stage_threads` of torch's count at construction.
+    The worker's is its team while the LLM steps: a chunk begun while the LLM has no step runs on torch's count.
     ``prompt_cache``: streams start from their voice's flow prefix, computed once per voice and step count
     (:mod:`cosyvoice.flow.prompt_cache`; True: in memory within ``limits.prompt_cache_mb``; a
     :class:`PromptCache` may also persist them). The same mel up to float rounding (<= 1e-5); off by default here
     (the parity tool compares the engine's streamed mel with the reference's), on in :meth:`Model.load`.
-    ``first_chunk_priority`` (None: ``limits.first_chunk_priority``, off unless set; switchable between requests):
-    a session's LLM is held back while its first streaming chunk is computed, so that chunk has the cores to
-    itself. Tokens and audio are the same either way. Measured on two CPU cores (docs/perf.md, 2026-12-06, 06:20):
-    it cuts first audio's CPU by the LLM's ~3 s of decoding past the first hop and its wall under other load by
-    25-40 %, but on a quiet machine first audio's wall is unchanged and the flow then waits for the LLM to reach
-    the second chunk (RTF +5 % at 6 steps).
+    ``first_chunk_priority`` (None: ``limits.first_chunk_priority``, which unset means on a CPU, off on a GPU;
+    switchable between requests): a session's LLM is held back while its first streaming chunk is computed, so
+    that chunk has the cores to itself: the worker's team and onnxruntime's DiT then run on every core. Tokens and
+    audio are the same either way. Measured on two CPU cores (docs/perf.md, 2026-12-06, 12:00): first audio
+    6.4 -> 4.9 s quiet, at the same RTF (before the DiT took both cores, a quiet machine's first audio did not
+    move and the RTF was 5 % worse: the section of 06:20).
     ``steps`` (per request; None: the yaml's ``n_timesteps``): the flow's Euler steps. ``schedule`` (per request;
     None: the reference's): the first hop and the last flow call (:class:`~cosyvoice.engine.session.ChunkSchedule`).
     """
@@ -144,9 +148,11 @@ class Engine:
         self.worker = Token2WavWorker(self.t2w, on_release=self._open_sessions.release,
                                       on_failure=self._open_sessions.stop_llm,
                                       batch=t2w_batch or (8 if device.type == "cuda" else 1),
-                                      threads=self.threads[1])
-        self.first_chunk_priority = self.limits.first_chunk_priority if first_chunk_priority is None \
-            else first_chunk_priority
+                                      threads=self.threads[1], llm_stepping=self.scheduler.stepping,
+                                      wide_threads=torch.get_num_threads() if device.type == "cpu" else None)
+        if first_chunk_priority is None:
+            first_chunk_priority = self.limits.first_chunk_priority
+        self.first_chunk_priority = device.type == "cpu" if first_chunk_priority is None else first_chunk_priority
         # an engine dropped without close() must not leave its two threads (and the KV pool) behind
         self._finalizer = weakref.finalize(self, _stop_threads, self.scheduler, self.worker)
 

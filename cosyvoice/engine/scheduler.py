@@ -106,6 +106,13 @@ class LLMScheduler:
                 self._aborted.add(ticket)
                 self._cond.notify()
 
+    def stepping(self) -> bool:
+        """Whether the LLM has a step to run: a running ticket not held back, a woken parked one, a ticket to admit
+        or to retire. When it has none (held for a first chunk, finished, waiting for text), the token-to-wave
+        worker widens its own torch team to the cores this thread leaves idle."""
+        with self._cond:
+            return self._runnable()
+
     @property
     def active(self) -> int:
         with self._cond:

@@ -266,14 +266,20 @@ class Token2WavWorker:
     once the session is finished or cancelled and its LLM done; ``on_failure(session)`` when a chunk failed (the
     engine stops the session's LLM). ``hold_llm(session, held)``: called with True before a session's first
     streaming chunk is computed and with False once it is done (the engine holds that session's LLM back meanwhile).
+    ``threads``: this thread's torch team while the LLM steps; ``wide_threads``: its team for a chunk that starts
+    while ``llm_stepping()`` says the LLM has no step to run (its session held for a first chunk, every request
+    decoded, a text stream waiting), when the LLM's cores would idle; two torch teams are never wide at once, as
+    OpenMP teams that oversubscribe the cores spin against each other (docs/perf.md, "Threads").
     """
 
     def __init__(self, t2w: Token2Wav, on_release: Callable[[Session], None],
                  on_failure: Callable[[Session], None], batch: int = 8, name: str = "cosyvoice-t2w",
-                 threads: int | None = None, hold_llm: Callable[[Session, bool], None] | None = None) -> None:
+                 threads: int | None = None, hold_llm: Callable[[Session, bool], None] | None = None,
+                 wide_threads: int | None = None, llm_stepping: Callable[[], bool] | None = None) -> None:
         self.t2w = t2w
         self.hold_llm = hold_llm  # None: no priority (Engine.first_chunk_priority switches it)
         self.threads = threads  # intra-op threads of this thread's torch calls (None: torch's global setting)
+        self.wide_threads, self.llm_stepping = wide_threads, llm_stepping
         self.batch = batch  # most streaming chunks packed into one DiT call (1: one session at a time)
         self.packed_calls = 0  # chunk computations that packed more than one session (tests, benchmarks)
         self.device = t2w.device
@@ -381,6 +387,7 @@ class Token2WavWorker:
                 if hold is not None and not work.final and state.next_index == session.first_index]
         for session in held:
             hold(session, True)
+        self._team()
         try:
             chunks = self.t2w.chunks(items)
         except BaseException as exc:  # the sessions fail, not the worker
@@ -399,6 +406,16 @@ class Token2WavWorker:
         self.packed_calls += len(items) > 1
         for (session, _, _), chunk in zip(items, chunks, strict=True):
             session.put(chunk)
+
+    def _team(self) -> None:
+        """This thread's torch team for the chunk about to run: ``wide_threads`` if the LLM has no step to run now,
+        else ``threads`` (a chunk keeps its team to its end)."""
+        if self.threads is None:
+            return
+        idle = self.wide_threads is not None and self.llm_stepping is not None and not self.llm_stepping()
+        team = self.wide_threads if idle else self.threads
+        if torch.get_num_threads() != team:
+            torch.set_num_threads(team)
 
     def _release(self, session: Session) -> None:
         state = self._states.pop(session)
