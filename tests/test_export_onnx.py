@@ -22,7 +22,7 @@ import torch
 
 from cosyvoice.backends import ensure_onnx
 from cosyvoice.backends.export import ATOL, MANIFEST, OPSET, RTOL, VOCODER_RTOL, export_onnx, parity_table, sha256_file
-from cosyvoice.backends.graphs import DFTSpectral
+from cosyvoice.backends.graphs import DFTSpectral, modulation_inputs
 from cosyvoice.bundle import validate_model_dir
 
 
@@ -63,8 +63,9 @@ def test_graphs_have_dynamic_batch_and_time_axes(exported: tuple[Path, dict], ti
     mask = dit.attention_mask(37, streaming=True, device=x.device)
     with torch.inference_mode():
         ref = dit(x, mu, t, spks, cond, streaming=True)
+        time = {name: value.numpy() for name, value in modulation_inputs(dit.modulation(t)).items()}
     session = ort.InferenceSession(str(out / "flow_estimator.fp32.onnx"), providers=["CPUExecutionProvider"])
-    got = session.run(None, {"x": x.numpy(), "mu": mu.numpy(), "t": t.numpy(), "spks": spks.numpy(),
+    got = session.run(None, {"x": x.numpy(), "mu": mu.numpy(), **time, "spks": spks.numpy(),
                              "cond": cond.numpy(), "mask": mask.numpy()})[0]
     assert np.abs(got - ref.numpy()).max() <= ATOL + RTOL * ref.abs().max().item()
 

@@ -167,8 +167,9 @@ def flow_runner(flow: torch.nn.Module, model_root: Path, backend: str, device: t
 
 def release_blocks(flow: torch.nn.Module) -> None:
     """Free the DiT blocks' weights once a runner replaces every use of them (FlowStream reads only shapes and
-    dtypes of the rest)."""
-    params = list(flow.decoder.estimator.transformer_blocks.parameters())
+    dtypes of the rest); their AdaLN linears stay: the runner feeds the graphs the modulation they compute."""
+    params = [p for block in flow.decoder.estimator.transformer_blocks
+              for name, p in block.named_parameters() if not name.startswith("attn_norm.")]
     give_back(params)  # their checkpoint pages, resident where this process exported or measured them
     for param in params:
         param.data = param.data.new_empty(0)

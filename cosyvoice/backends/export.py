@@ -27,7 +27,13 @@ import onnx
 import torch
 from torch import Tensor, nn
 
-from cosyvoice.backends.graphs import CachedEstimatorGraph, EstimatorGraph, VocoderGraph, cached_io_names
+from cosyvoice.backends.graphs import (
+    CachedEstimatorGraph,
+    EstimatorGraph,
+    VocoderGraph,
+    cached_io_names,
+    modulation_inputs,
+)
 from cosyvoice.backends.quant import half_cache, quantize_dit
 from cosyvoice.bundle import ModelBundle, validate_model_dir
 from cosyvoice.errors import ModelBundleError
@@ -39,8 +45,8 @@ OPSET = 18
 MANIFEST = "manifest.json"
 # bump when the graphs' interface changes: stale exports are then redone (and auto measures again,
 # auto_store.machine_key). 2: flow_estimator_cached returns only the new frames' keys/values; 3: its int8 variant
-# takes and returns them in float16 (quant.half_cache)
-FORMAT = 3
+# takes and returns them in float16 (quant.half_cache); 4: the DiT graphs take the time's AdaLN modulation, not t
+FORMAT = 4
 # Parity bound of onnxruntime-CPU against PyTorch (fp32): max |diff| <= ATOL + RTOL * max |reference|.
 # Both run float32 kernels in a different order (fused attention, folded weight norm, the DFT as a conv):
 # the DiT differs by ~1e-6 relative. The vocoder turns a predicted log-magnitude into a magnitude with exp(),
@@ -92,6 +98,7 @@ def _estimator_specs(bundle: ModelBundle, generator: torch.Generator) -> list[Gr
     t, spks = torch.tensor([0.3, 0.3]), randn(batch, cfg.spk_dim)
     mask = chunk_causal_mask(frames, chunk)
     with torch.inference_mode():
+        mod = modulation_inputs(dit.modulation(t))
         ref_plain = dit._trunk(x, mu, t, spks, cond, mask)[0]
         # the cached graph continues after the first chunk (computed here as the stream does)
         _, first = dit.forward_cached(x[..., :chunk], mu[..., :chunk], t, spks, cond[..., :chunk], None, chunk)
@@ -99,13 +106,13 @@ def _estimator_specs(bundle: ModelBundle, generator: torch.Generator) -> list[Gr
         c_mask = chunk_causal_mask(frames, chunk, first_query=chunk)
         c_out, c_convs, c_kv = dit._trunk(x[..., new], mu[..., new], t, spks, cond[..., new], c_mask, first)
     axes = {"x": {0: "batch", 2: "frames"}, "mu": {0: "batch", 2: "frames"}, "cond": {0: "batch", 2: "frames"},
-            "t": {0: "batch"}, "spks": {0: "batch"}}
+            "mod_blocks": {1: "batch"}, "mod_final": {0: "batch"}, "spks": {0: "batch"}}
     plain = GraphSpec("flow_estimator", EstimatorGraph(dit),
-                      {"x": x, "mu": mu, "t": t, "spks": spks, "cond": cond, "mask": mask}, ["velocity"],
+                      {"x": x, "mu": mu, **mod, "spks": spks, "cond": cond, "mask": mask}, ["velocity"],
                       {**axes, "mask": {0: "frames", 1: "frames"}, "velocity": {0: "batch", 2: "frames"}},
                       [ref_plain], True)
     in_names, out_names = cached_io_names(len(dit.transformer_blocks))
-    inputs = {"x": x[..., new], "mu": mu[..., new], "t": t, "spks": spks, "cond": cond[..., new], "mask": c_mask,
+    inputs = {"x": x[..., new], "mu": mu[..., new], **mod, "spks": spks, "cond": cond[..., new], "mask": c_mask,
               "tail1": first.conv_tails[0], "tail2": first.conv_tails[1]}
     c_axes = {**axes, "mask": {0: "frames", 1: "keys"}, "tail1": {0: "batch"}, "tail2": {0: "batch"},
               "velocity": {0: "batch", 2: "frames"}, "conv_in1": {0: "batch", 2: "conv_frames"},

@@ -2,9 +2,13 @@
 
 Three graphs, each with dynamic batch and time axes:
 
-- ``flow_estimator``: the DiT, ``(x, mu, t, spks, cond, mask) -> velocity``. The CFG batch of two is the
-  batch axis (rows B.. unconditional, as :func:`cosyvoice.flow.cfm.guidance_batch` stacks them); the
-  attention mask is an input ``[N, N]`` (bool), so one graph serves full and chunk-causal attention.
+- ``flow_estimator``: the DiT, ``(x, mu, mod_blocks, mod_final, spks, cond, mask) -> velocity``. The CFG batch
+  of two is the batch axis (rows B.. unconditional, as :func:`cosyvoice.flow.cfm.guidance_batch` stacks them); the
+  attention mask is an input ``[N, N]`` (bool), so one graph serves full and chunk-causal attention. The ODE time
+  comes in as its AdaLN modulation (:func:`modulation_inputs`; since export format 4): it depends on the time
+  alone, so the runner takes it from the DiT's :class:`~cosyvoice.flow.modulation.ModulationCache`, computed once
+  per time grid, instead of the graph reading the 22 blocks' ``dim -> 6 dim`` weights at every Euler step
+  (553 MB of float32 at the released sizes, kept float32 in the int8 graph: ~15 % of its step).
 - ``flow_estimator_cached``: the DiT extending an utterance (:meth:`DiT.forward_cached`): the new frames
   plus the finished frames' state, the position convs' tails and every block's key/value buffers
   ``cache_k_i``/``cache_v_i`` [B, H, capacity, D] (the stream's own, with room after the past), in; the
@@ -34,7 +38,14 @@ from torch import Tensor, nn
 from cosyvoice.errors import ModelBundleError
 from cosyvoice.flow.dit import DiT
 from cosyvoice.flow.dit_cache import DiTCache, PastFrames
+from cosyvoice.flow.modulation import Modulation
 from cosyvoice.hifigan.generator import CausalHiFTGenerator
+
+
+def modulation_inputs(mod: Modulation) -> dict[str, Tensor]:
+    """The DiT graphs' time inputs: every block's AdaLN modulation ``mod_blocks`` [depth, B, 6 dim] and the output
+    norm's ``mod_final`` [B, 2 dim]."""
+    return {"mod_blocks": torch.stack(mod.blocks), "mod_final": mod.final}
 
 
 class EstimatorGraph(nn.Module):
@@ -42,31 +53,34 @@ class EstimatorGraph(nn.Module):
         super().__init__()
         self.dit = dit
 
-    def forward(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor) -> Tensor:
-        out, _, _ = self.dit._trunk(x, mu, t, spks, cond, mask)
+    def forward(self, x: Tensor, mu: Tensor, mod_blocks: Tensor, mod_final: Tensor, spks: Tensor, cond: Tensor,
+                mask: Tensor) -> Tensor:
+        out, _, _ = self.dit.trunk(x, mu, Modulation(tuple(mod_blocks.unbind(0)), mod_final), spks, cond, mask)
         return out
 
 
 class CachedEstimatorGraph(nn.Module):
-    """Inputs ``x, mu, t, spks, cond, mask [n, past + n], tail1, tail2, cache_k_0, cache_v_0, ...`` (buffers of at
-    least ``past`` frames); outputs the velocity, the convs' inputs and the new frames' keys/values per block."""
+    """Inputs ``x, mu, mod_blocks, mod_final, spks, cond, mask [n, past + n], tail1, tail2, cache_k_0, cache_v_0,
+    ...`` (buffers of at least ``past`` frames); outputs the velocity, the convs' inputs and the new frames'
+    keys/values per block."""
 
     def __init__(self, dit: DiT) -> None:
         super().__init__()
         self.dit = dit
 
-    def forward(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor,
-                tail1: Tensor, tail2: Tensor, *buffers: Tensor) -> tuple[Tensor, ...]:
+    def forward(self, x: Tensor, mu: Tensor, mod_blocks: Tensor, mod_final: Tensor, spks: Tensor, cond: Tensor,
+                mask: Tensor, tail1: Tensor, tail2: Tensor, *buffers: Tensor) -> tuple[Tensor, ...]:
         length = mask.shape[1] - x.shape[2]  # the true past: the buffers' frames after it are room
         kv = [PastFrames(buffers[2 * i][:, :, :length], buffers[2 * i + 1][:, :, :length])
               for i in range(len(buffers) // 2)]
-        out, conv_inputs, new = self.dit._trunk(x, mu, t, spks, cond, mask, DiTCache(length, (tail1, tail2), kv))
+        mod = Modulation(tuple(mod_blocks.unbind(0)), mod_final)
+        out, conv_inputs, new = self.dit.trunk(x, mu, mod, spks, cond, mask, DiTCache(length, (tail1, tail2), kv))
         return (out, *conv_inputs, *(y for pair in new for y in pair))
 
 
 def cached_io_names(depth: int) -> tuple[list[str], list[str]]:
     """Input and output names of ``flow_estimator_cached`` for a DiT of ``depth`` blocks."""
-    inputs = ["x", "mu", "t", "spks", "cond", "mask", "tail1", "tail2"]
+    inputs = ["x", "mu", "mod_blocks", "mod_final", "spks", "cond", "mask", "tail1", "tail2"]
     outputs = ["velocity", "conv_in1", "conv_in2"]
     for i in range(depth):
         inputs += [f"cache_k_{i}", f"cache_v_{i}"]
@@ -76,11 +90,11 @@ def cached_io_names(depth: int) -> tuple[list[str], list[str]]:
 
 def check_cached_io(path: str, inputs: list[str], outputs: list[str], depth: int) -> None:
     """Refuse a ``flow_estimator_cached`` file whose interface is not this version's (a format-1 export returned
-    past + new keys/values: run as this runner runs it, it would be wrong), saying how to redo it."""
+    past + new keys/values, formats 1-3 take the time ``t``), saying how to redo it."""
     if (sorted(inputs), sorted(outputs)) != tuple(sorted(names) for names in cached_io_names(depth)):
         raise ModelBundleError(
-            f"{path} is not the flow_estimator_cached graph this version runs (an older export returns "
-            "past + new keys/values): delete the model folder's onnx/ to have it exported again on the next start, "
+            f"{path} is not the flow_estimator_cached graph this version runs (an older export's inputs or outputs): "
+            "delete the model folder's onnx/ to have it exported again on the next start, "
             "or run `python -m cosyvoice.bin.export_onnx MODEL_DIR`")
 
 

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from cosyvoice.backends.graphs import modulation_inputs
 from cosyvoice.flow.dit import DiT
 from cosyvoice.flow.dit_cache import DiTCache, append_frames, owns_room
 from cosyvoice.hifigan.generator import CausalHiFTGenerator
@@ -35,16 +36,16 @@ class GraphEstimator:
 
     def __init__(self, plain: Graph | None, cached: Graph, dit: DiT, cache_dtype: torch.dtype = torch.float32) -> None:
         self.plain, self.cached, self.cache_dtype = plain, cached, cache_dtype
+        self.modulation = dit.modulation  # the graphs' time input, kept per ODE time by the DiT's cache
         attn = dit.transformer_blocks[0].attn
         self.depth, self.heads, self.dim_head = len(dit.transformer_blocks), attn.heads, attn.dim_head
         self.dim = dit.proj_out.in_features
         self.mel_dim = dit.proj_out.out_features
         self.context = dit.input_embed.conv_pos_embed.context
 
-    @staticmethod
-    def _inputs(x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor) -> dict[str, Tensor]:
-        return {"x": x.float(), "mu": mu.float(), "t": t.float(), "spks": spks.float(), "cond": cond.float(),
-                "mask": mask}
+    def _inputs(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor) -> dict[str, Tensor]:
+        time = {name: value.float() for name, value in modulation_inputs(self.modulation(t)).items()}
+        return {"x": x.float(), "mu": mu.float(), **time, "spks": spks.float(), "cond": cond.float(), "mask": mask}
 
     def velocity(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor) -> Tensor:
         if self.plain is None:

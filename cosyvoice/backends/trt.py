@@ -56,7 +56,8 @@ def profiles(graph: str, dims: dict[str, int], max_batch: int = 4) -> Profile:
     new = (1, 100, 600) if cached else (1, 400, MAX_FRAMES)
     shapes: Profile = {name: _shapes(lambda b, f, c=dims[key]: (b, c, f), rows, new)
                        for name, key in (("x", "mel"), ("mu", "mu"), ("cond", "mel"))}
-    shapes["t"] = _shapes(lambda b: (b,), rows)
+    shapes["mod_blocks"] = _shapes(lambda b: (dims["depth"], b, 6 * dims["dim"]), rows)
+    shapes["mod_final"] = _shapes(lambda b: (b, 2 * dims["dim"]), rows)
     shapes["spks"] = _shapes(lambda b: (b, dims["spk"]), rows)
     if not cached:
         shapes["mask"] = _shapes(lambda f: (f, f), new)

@@ -347,11 +347,14 @@ class DiT(nn.Module):
 
     def _trunk(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor,
                past: DiTCache | None = None) -> tuple[Tensor, tuple[Tensor, Tensor], list[tuple[Tensor, Tensor]]]:
+        return self.trunk(x, mu, self.modulation(t.expand(x.shape[0]) if t.ndim == 0 else t), spks, cond, mask, past)
+
+    def trunk(self, x: Tensor, mu: Tensor, mod: Modulation, spks: Tensor, cond: Tensor, mask: Tensor,
+              past: DiTCache | None = None) -> tuple[Tensor, tuple[Tensor, Tensor], list[tuple[Tensor, Tensor]]]:
+        """The velocity, the position convs' inputs and every block's keys/values, given the ODE time's
+        :meth:`modulation`: what the exported graphs compute (their time input is the modulation)."""
         start = 0 if past is None else past.length
         x, mu, cond = x.transpose(1, 2), mu.transpose(1, 2), cond.transpose(1, 2)
-        if t.ndim == 0:
-            t = t.expand(x.shape[0])
-        mod = self.modulation(t)
         h, conv_inputs = self.input_embed(x, cond, mu, spks, None if past is None else past.conv_tails)
         cos, sin = self.rotary_embed(torch.arange(start, start + x.shape[1], device=x.device))
         cos, sin = cos.to(h.dtype), sin.to(h.dtype)
