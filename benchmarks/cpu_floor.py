@@ -72,13 +72,13 @@ def dit_step_work(dit: torch.nn.Module, new: int, past: int, batch: int = 2) -> 
 def dit_paths(model_dir: Path, golden: Path | None) -> dict[str, dict[str, float]]:
     """Each of :data:`DIT_PATHS` per Euler step, one thread, at a stream's shapes (see ``benchmark_cpu.py``'s
     module docstring)."""
-    from cosyvoice.backends import ensure_onnx
+    from cosyvoice.backends import cache_dtype, ensure_onnx
     from cosyvoice.backends.export import graph_file
     from cosyvoice.backends.ort import OrtGraph
     from cosyvoice.backends.runners import GraphEstimator
 
     torch.set_num_threads(1)
-    ensure_onnx(model_dir, "int8")  # both graphs exported (once per bundle and CPU) before the flow is loaded
+    manifest = ensure_onnx(model_dir, "int8")  # both graphs exported (once per bundle and CPU) before the flow loads
     flow = validate_model_dir(model_dir).load_flow()
     dit = flow.decoder.estimator
     cfg = flow.cfg.dit
@@ -102,7 +102,8 @@ def dit_paths(model_dir: Path, golden: Path | None) -> dict[str, dict[str, float
     results: dict[str, dict[str, float]] = {}
     for name, path in DIT_PATHS.items():
         dit.runner = None if path.startswith("torch") else GraphEstimator(
-            None, OrtGraph(root / graph_file("flow_estimator_cached", path), torch.device("cpu"), threads=1), dit)
+            None, OrtGraph(root / graph_file("flow_estimator_cached", path), torch.device("cpu"), threads=1), dit,
+            cache_dtype(manifest, path))
         dit.modulation_cache.max_bytes = 0 if path == "torch-recompute" else 64 << 20
         dit.modulation_cache.clear()
         row: dict[str, float] = {}

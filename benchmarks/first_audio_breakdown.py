@@ -8,7 +8,8 @@ wall and process CPU seconds to the first chunk, each thread's CPU seconds over 
 (``/proc/self/task/*/stat``, named by Python's thread names: anything besides the two engine threads is a pool
 that spins or works elsewhere), and each stage's calls, wall and CPU seconds in its own thread (the LLM's steps in
 the scheduler thread; the voice-prefix lookup, the flow's Euler loop and the vocoder in the token-to-wave thread).
-``--held``: the engine's first-chunk priority on (the LLM held back while the first chunk is computed);
+``--held``: the engine's first-chunk priority on (the LLM held back while the first chunk is computed; the
+engine's default on a CPU, which this script turns off without the flag, to measure both);
 ``--alternate``: on for every other request, an A/B under the same load. Why this script: benchmark_cpu's rows
 give totals; this one says which thread and stage spent them (issue 27's first-audio CPU, docs/perf.md).
 """

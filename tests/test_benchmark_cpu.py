@@ -49,3 +49,13 @@ def test_the_first_audio_breakdown_names_each_thread_and_stage(tiny_bundle_dir: 
         assert r["cpu_s"] > 0 and {"cosyvoice-scheduler", "cosyvoice-t2w"} <= set(r["threads_cpu_s"])
         assert {"llm step @ cosyvoice-scheduler", "flow (Euler loop) @ cosyvoice-t2w",
                 "vocoder @ cosyvoice-t2w"} <= set(r["stages"])
+
+
+def test_the_floor_section_times_every_dit_path_on_the_bundles_graphs(tiny_bundle_dir: Path) -> None:
+    """The floor's DiT paths run the exported graphs as the engine does (their interface drifted once: the int8
+    graph's float16 cache was fed float32 and the benchmark stopped before its rows)."""
+    results = _bench("cpu_floor").dit_paths(tiny_bundle_dir, None)
+    assert set(results) == {*_bench("cpu_floor").DIT_PATHS, "_work"}
+    for name, row in results.items():
+        if name != "_work":
+            assert len(row) == 2 and all(seconds > 0 for seconds in row.values()), name

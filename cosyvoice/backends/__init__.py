@@ -145,7 +145,6 @@ def _dims(flow: torch.nn.Module | None, hift: torch.nn.Module | None) -> dict[st
 def flow_runner(flow: torch.nn.Module, model_root: Path, backend: str, device: torch.device | str) -> object:
     """The :class:`~cosyvoice.backends.runners.GraphEstimator` that runs ``flow``'s DiT on ``backend`` (a resolved
     name other than torch); fp16 graphs when the flow is half precision on CUDA. The module is left as it is."""
-    from cosyvoice.backends.export import graph_file
     from cosyvoice.backends.runners import GraphEstimator
 
     device = torch.device(device)
@@ -160,9 +159,15 @@ def flow_runner(flow: torch.nn.Module, model_root: Path, backend: str, device: t
     # the plain graph saves returning keys/values on a GPU; on the CPU one copy of the weights is worth more
     plain = _graph("flow_estimator", backend, manifest, model_root, device, precision, dims) \
         if device.type == "cuda" else None
+    return GraphEstimator(plain, cached, dit, cache_dtype(manifest, precision))  # type: ignore[arg-type]
+
+
+def cache_dtype(manifest: dict[str, object], precision: str) -> torch.dtype:
+    """The dtype of the keys/values the ``precision`` cached DiT graph takes and returns (float16 for int8)."""
+    from cosyvoice.backends.export import graph_file
+
     entry = manifest["graphs"][graph_file("flow_estimator_cached", precision)]  # type: ignore[index]
-    cache_dtype = getattr(torch, entry.get("cache_dtype", "float32"))
-    return GraphEstimator(plain, cached, dit, cache_dtype)  # type: ignore[arg-type]
+    return getattr(torch, entry.get("cache_dtype", "float32"))
 
 
 def release_blocks(flow: torch.nn.Module) -> None:
@@ -199,5 +204,5 @@ def attach_hift(hift: HiftT, model_root: Path, backend: str, device: torch.devic
     return hift
 
 
-__all__ = ["BACKENDS", "CHOICES", "attach_flow", "attach_hift", "ensure_onnx", "flow_runner", "release_blocks",
-           "resolve_backend", "unavailable"]
+__all__ = ["BACKENDS", "CHOICES", "attach_flow", "attach_hift", "cache_dtype", "ensure_onnx", "flow_runner",
+           "release_blocks", "resolve_backend", "unavailable"]

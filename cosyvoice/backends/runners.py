@@ -19,6 +19,7 @@ from torch import Tensor
 from cosyvoice.backends.graphs import modulation_inputs
 from cosyvoice.flow.dit import DiT
 from cosyvoice.flow.dit_cache import DiTCache, append_frames, owns_room
+from cosyvoice.flow.modulation import Modulation
 from cosyvoice.hifigan.generator import CausalHiFTGenerator
 
 
@@ -36,27 +37,27 @@ class GraphEstimator:
 
     def __init__(self, plain: Graph | None, cached: Graph, dit: DiT, cache_dtype: torch.dtype = torch.float32) -> None:
         self.plain, self.cached, self.cache_dtype = plain, cached, cache_dtype
-        self.modulation = dit.modulation  # the graphs' time input, kept per ODE time by the DiT's cache
         attn = dit.transformer_blocks[0].attn
         self.depth, self.heads, self.dim_head = len(dit.transformer_blocks), attn.heads, attn.dim_head
         self.dim = dit.proj_out.in_features
         self.mel_dim = dit.proj_out.out_features
         self.context = dit.input_embed.conv_pos_embed.context
 
-    def _inputs(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor) -> dict[str, Tensor]:
-        time = {name: value.float() for name, value in modulation_inputs(self.modulation(t)).items()}
+    @staticmethod
+    def _inputs(x: Tensor, mu: Tensor, mod: Modulation, spks: Tensor, cond: Tensor, mask: Tensor) -> dict[str, Tensor]:
+        time = {name: value.float() for name, value in modulation_inputs(mod).items()}
         return {"x": x.float(), "mu": mu.float(), **time, "spks": spks.float(), "cond": cond.float(), "mask": mask}
 
-    def velocity(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor) -> Tensor:
+    def velocity(self, x: Tensor, mu: Tensor, mod: Modulation, spks: Tensor, cond: Tensor, mask: Tensor) -> Tensor:
         if self.plain is None:
-            return self.velocity_cached(x, mu, t, spks, cond, mask, None)[0]
+            return self.velocity_cached(x, mu, mod, spks, cond, mask, None)[0]
         out = x.new_empty(x.shape[0], self.mel_dim, x.shape[2], dtype=torch.float32)
-        self.plain.run(self._inputs(x, mu, t, spks, cond, mask), {"velocity": out})
+        self.plain.run(self._inputs(x, mu, mod, spks, cond, mask), {"velocity": out})
         return out.to(x.dtype)
 
-    def velocity_cached(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor,
+    def velocity_cached(self, x: Tensor, mu: Tensor, mod: Modulation, spks: Tensor, cond: Tensor, mask: Tensor,
                         past: DiTCache | None) -> tuple[Tensor, tuple[Tensor, Tensor], list[tuple[Tensor, Tensor]]]:
-        """What :meth:`DiT._trunk` returns: the graph reads each block's past where the stream keeps it (the
+        """What :meth:`DiT.trunk` returns: the graph reads each block's past where the stream keeps it (the
         whole buffer with its room, :func:`buffer_of`) and returns the new frames' keys/values only, which are
         appended into that buffer in place (:func:`append_frames`, grown by its factor when full)."""
         batch, n = x.shape[0], x.shape[2]
@@ -67,7 +68,7 @@ class GraphEstimator:
             kv = [(torch.zeros(batch, self.heads, 0, self.dim_head, **kv_type),) * 2] * self.depth
         else:
             tails, kv = past.conv_tails, [(k.to(self.cache_dtype), v.to(self.cache_dtype)) for k, v in past.kv]
-        inputs = self._inputs(x, mu, t, spks, cond, mask)
+        inputs = self._inputs(x, mu, mod, spks, cond, mask)
         inputs["tail1"], inputs["tail2"] = tails[0].float(), tails[1].float()
         outputs = {"velocity": torch.empty(batch, self.mel_dim, n, **f32),
                    "conv_in1": torch.empty(batch, self.dim, self.context + n, **f32),

@@ -249,14 +249,15 @@ class DiTBlock(nn.Module):
 
 
 class EstimatorRunner(Protocol):
-    """What an accelerated backend provides in place of :meth:`DiT._trunk` (``t`` is always ``[B]``)."""
+    """What an accelerated backend provides in place of :meth:`DiT.trunk`, given the ODE time's modulation (the
+    DiT's :meth:`~DiT.modulation`, kept per time)."""
 
-    def velocity(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor) -> Tensor:
+    def velocity(self, x: Tensor, mu: Tensor, mod: Modulation, spks: Tensor, cond: Tensor, mask: Tensor) -> Tensor:
         """The velocity [B, mel_dim, N] under the boolean attention mask [N, N]."""
 
-    def velocity_cached(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor,
+    def velocity_cached(self, x: Tensor, mu: Tensor, mod: Modulation, spks: Tensor, cond: Tensor, mask: Tensor,
                         past: DiTCache | None) -> tuple[Tensor, tuple[Tensor, Tensor], list[tuple[Tensor, Tensor]]]:
-        """What :meth:`DiT._trunk` returns with ``past``: velocity, position-conv inputs, per-block K/V."""
+        """What :meth:`DiT.trunk` returns with ``past``: velocity, position-conv inputs, per-block K/V."""
 
 
 class DiT(nn.Module):
@@ -302,7 +303,7 @@ class DiT(nn.Module):
                 streaming: bool = False) -> Tensor:
         mask = self.attention_mask(x.shape[2], streaming, x.device)
         if self.runner is not None:
-            return self.runner.velocity(x, mu, t.expand(x.shape[0]), spks, cond, mask)
+            return self.runner.velocity(x, mu, self.modulation(t.expand(x.shape[0])), spks, cond, mask)
         out, _, _ = self._trunk(x, mu, t, spks, cond, mask)
         return out
 
@@ -320,8 +321,8 @@ class DiT(nn.Module):
             raise RuntimeError(
                 f"keep={keep} does not end on a chunk boundary (start {start}, chunk {self.chunk_size})")
         mask = chunk_causal_mask(start + n, self.chunk_size, first_query=start, device=x.device)
-        trunk = self._trunk if self.runner is None else self.runner.velocity_cached
-        out, conv_inputs, kv = trunk(x, mu, t.expand(x.shape[0]), spks, cond, mask, past)
+        trunk = self.trunk if self.runner is None else self.runner.velocity_cached
+        out, conv_inputs, kv = trunk(x, mu, self.modulation(t.expand(x.shape[0])), spks, cond, mask, past)
         length = start + keep
         tails = tuple(inp[..., keep:keep + self.input_embed.conv_pos_embed.context] for inp in conv_inputs)
         cache = DiTCache(length, (tails[0], tails[1]), [(k[:, :, :length], v[:, :, :length]) for k, v in kv])
