@@ -182,7 +182,7 @@ class Limits:
     prompt_cache_disk_mb: float = 4096.0
     # hold a session's LLM back while its first streamed chunk is computed (cosyvoice.engine.Engine's
     # first_chunk_priority), so that chunk has every core; None: on a CPU (first audio 6.4 -> 4.9 s on two cores,
-    # docs/perf.md, 2026-12-06, 12:00), off on a GPU, which runs both stages at once anyway
+    # docs/perf.md, 2026-12-06, 12:20), off on a GPU, which runs both stages at once anyway
     first_chunk_priority: bool | None = None
     # audible first sound: a streamed request's leading silence is sent only from this many ms before its first
     # audible sample (cosyvoice/engine/silence.py; nothing audible is ever removed); 0: off

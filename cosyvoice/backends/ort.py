@@ -30,7 +30,7 @@ def cpu_stage_threads(stage: int) -> int:
     pools never spin (``allow_spinning`` 0): while the LLM decodes, a pool thread that finds no core waits
     instead of burning one, and whenever the LLM has no step to run (its session held for the first chunk, the
     request decoded) the DiT has the whole machine: on two cores the RTF 6.6 -> 4.9 with the reference's last
-    call (docs/perf.md, 2026-12-06, 12:00)."""
+    call (docs/perf.md, 2026-12-06, 12:20)."""
     from cosyvoice.engine.engine import stage_threads
 
     cores = torch.get_num_threads()

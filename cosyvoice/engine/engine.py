@@ -104,10 +104,11 @@ class Engine:
     (the parity tool compares the engine's streamed mel with the reference's), on in :meth:`Model.load`.
     ``first_chunk_priority`` (None: ``limits.first_chunk_priority``, which unset means on a CPU, off on a GPU;
     switchable between requests): a session's LLM is held back while its first streaming chunk is computed, so
-    that chunk has the cores to itself: the worker's team and onnxruntime's DiT then run on every core. Tokens and
-    audio are the same either way. Measured on two CPU cores (docs/perf.md, 2026-12-06, 12:00): first audio
-    6.4 -> 4.9 s quiet, at the same RTF (before the DiT took both cores, a quiet machine's first audio did not
-    move and the RTF was 5 % worse: the section of 06:20).
+    that chunk has the cores to itself: the worker's team and onnxruntime's DiT then run on every core. Tokens are
+    the same either way, and so is the audio (bit-equal in the tests; a torch kernel that split its sums by the
+    team's size would move it by float rounding). Measured on two CPU cores (docs/perf.md, 2026-12-06, 12:20):
+    first audio 6.4 -> 4.9 s quiet, at the same RTF (before the DiT took both cores, a quiet machine's first audio
+    did not move and the RTF was 5 % worse: the section of 06:20).
     ``steps`` (per request; None: the yaml's ``n_timesteps``): the flow's Euler steps. ``schedule`` (per request;
     None: the reference's): the first hop and the last flow call (:class:`~cosyvoice.engine.session.ChunkSchedule`).
     """
