@@ -326,7 +326,8 @@ def run_row(model_dir: Path, row: str, requests: int, lengths: list[int], work: 
         "first_audio_cpu_to_release_s_p50": float(np.percentile([r["cpu"] for r in first_runs], 50)),
         "first_hop": spec.first_hop, "held": not spec.reference and engine.first_chunk_priority,
         "precision": tts.model.plan.label, "backend": spec.backend, "reference": spec.reference,
-        "threads": [] if spec.reference else [engine.scheduler.threads, engine.worker.threads],
+        "threads": [] if spec.reference else [engine.scheduler.threads, engine.worker.threads,
+                                              engine.worker.wide_threads],
         "first_audio_p50_s": float(np.percentile(firsts, 50)), "first_audio_p90_s": float(np.percentile(firsts, 90)),
         "steps": spec.steps or tts.engine.default_steps, "prefix": spec.prefix, "final": spec.final,
         "warm_up_first_audio_s": warm["first"]}
@@ -352,8 +353,9 @@ def skip_reason(row: str, features: frozenset[str]) -> str | None:
 
 def rows_table(results: dict[str, object], lengths: list[int]) -> str:
     """One line per row: its settings, first audio, RTF per length, per-stage seconds per audio second."""
-    head = ["row", "precision", "DiT backend", "threads (LLM, t2w)", "prefix", "steps", "final",
-            "first hop", "LLM held", "first audio p50 / p90 s", "first audio CPU s p50", "CPU to release s p50",
+    head = ["row", "precision", "DiT backend", "threads (LLM, t2w, t2w while the LLM has no step)", "prefix",
+            "steps", "final", "first hop", "LLM held", "first audio p50 / p90 s", "first audio CPU s p50",
+            "CPU to release s p50",
             *(f"RTF {n} s" for n in lengths),
             *(f"CPU s per audio s, {n} s" for n in lengths), "LLM s/s", "flow s/s", "vocoder s/s",
             "load s", "peak RSS MB", "load average after"]
