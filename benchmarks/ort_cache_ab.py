@@ -4,10 +4,10 @@ Each ``--run LABEL TREE GRAPH`` streams one utterance through :class:`~cosyvoice
 its own (so its peak RSS is its own), with the code of ``TREE`` (a checkout or ``git archive`` of the commit to
 measure; its runner must match the graph's format) and the ``flow_estimator_cached`` file ``GRAPH`` of the same
 ``--model-dir``: random speech tokens, one chunk of tokens per call (``finalize=False``, as the engine streams),
-``--steps`` Euler steps, the DiT on one onnxruntime thread (the token-to-wave stage's share of two cores) and
-torch on one. Per-call cost is per Euler step, so fewer steps than the model's 10 reach long utterances within
-a smaller cache (bytes per frame scale with the steps) and keep each step's cost as it is: 60 s at 2 steps holds
-2.1 GB of cache (10 steps: 10.5 GB), and format 1 peaked at 8.4 GB RSS there (its per-call copies).
+``--steps`` Euler steps, the DiT on one onnxruntime thread and torch on one. Per-call cost is per Euler step, so
+fewer steps than the model's 10 reach long utterances within a smaller cache (bytes per frame scale with the
+steps) and keep each step's cost as it is: 60 s at 2 steps holds 2.1 GB of cache (10 steps: 10.5 GB), and
+format 1 peaked at 8.4 GB RSS there (its per-call copies).
 
 The table: CPU seconds per chunk in bands of the frames finished before the call (the prompt's included), then the
 flow's CPU seconds per second of audio returned (CPU RTF) of requests of ``--marks`` seconds of tokens: the first
@@ -49,7 +49,10 @@ def stream(model_dir: str, graph: str, seconds: float, steps: int, prompt_s: flo
     torch.set_num_threads(1)
     flow = validate_model_dir(model_dir).load_flow()
     dit = flow.decoder.estimator
-    dit.runner = GraphEstimator(None, OrtGraph(Path(graph), torch.device("cpu"), 1), dit)
+    session = OrtGraph(Path(graph), torch.device("cpu"), 1)
+    # an int8 graph of export format 3 or later keeps its cache in float16 (older trees' runners take no dtype)
+    half = {i.name: i.type for i in session.session.get_inputs()}.get("cache_k_0") == "tensor(float16)"
+    dit.runner = GraphEstimator(None, session, dit, *([torch.float16] if half else []))
     release_blocks(flow)
     g = torch.Generator().manual_seed(0)
     vocab, ratio = flow.input_embedding.num_embeddings, flow.token_mel_ratio

@@ -173,8 +173,9 @@ def cache_dtype(manifest: dict[str, object], precision: str) -> torch.dtype:
 def release_blocks(flow: torch.nn.Module) -> None:
     """Free the DiT blocks' weights once a runner replaces every use of them (FlowStream reads only shapes and
     dtypes of the rest); their AdaLN linears stay: the runner feeds the graphs the modulation they compute."""
-    params = [p for block in flow.decoder.estimator.transformer_blocks
-              for name, p in block.named_parameters() if not name.startswith("attn_norm.")]
+    dit = flow.decoder.estimator
+    kept = {id(p) for p in dit.modulation_weights()}
+    params = [p for p in dit.transformer_blocks.parameters() if id(p) not in kept]
     give_back(params)  # their checkpoint pages, resident where this process exported or measured them
     for param in params:
         param.data = param.data.new_empty(0)

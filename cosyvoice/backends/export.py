@@ -98,13 +98,14 @@ def _estimator_specs(bundle: ModelBundle, generator: torch.Generator) -> list[Gr
     t, spks = torch.tensor([0.3, 0.3]), randn(batch, cfg.spk_dim)
     mask = chunk_causal_mask(frames, chunk)
     with torch.inference_mode():
-        mod = modulation_inputs(dit.modulation(t))
-        ref_plain = dit._trunk(x, mu, t, spks, cond, mask)[0]
+        time = dit.modulation(t)
+        ref_plain = dit.trunk(x, mu, time, spks, cond, mask)[0]
         # the cached graph continues after the first chunk (computed here as the stream does)
         _, first = dit.forward_cached(x[..., :chunk], mu[..., :chunk], t, spks, cond[..., :chunk], None, chunk)
         new = slice(chunk, frames)
         c_mask = chunk_causal_mask(frames, chunk, first_query=chunk)
-        c_out, c_convs, c_kv = dit._trunk(x[..., new], mu[..., new], t, spks, cond[..., new], c_mask, first)
+        c_out, c_convs, c_kv = dit.trunk(x[..., new], mu[..., new], time, spks, cond[..., new], c_mask, first)
+    mod = modulation_inputs(time)
     axes = {"x": {0: "batch", 2: "frames"}, "mu": {0: "batch", 2: "frames"}, "cond": {0: "batch", 2: "frames"},
             "mod_blocks": {1: "batch"}, "mod_final": {0: "batch"}, "spks": {0: "batch"}}
     plain = GraphSpec("flow_estimator", EstimatorGraph(dit),

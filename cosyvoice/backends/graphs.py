@@ -48,6 +48,11 @@ def modulation_inputs(mod: Modulation) -> dict[str, Tensor]:
     return {"mod_blocks": torch.stack(mod.blocks), "mod_final": mod.final}
 
 
+def modulation_of(mod_blocks: Tensor, mod_final: Tensor) -> Modulation:
+    """The :class:`Modulation` a graph's :func:`modulation_inputs` stand for."""
+    return Modulation(tuple(mod_blocks.unbind(0)), mod_final)
+
+
 class EstimatorGraph(nn.Module):
     def __init__(self, dit: DiT) -> None:
         super().__init__()
@@ -55,7 +60,7 @@ class EstimatorGraph(nn.Module):
 
     def forward(self, x: Tensor, mu: Tensor, mod_blocks: Tensor, mod_final: Tensor, spks: Tensor, cond: Tensor,
                 mask: Tensor) -> Tensor:
-        out, _, _ = self.dit.trunk(x, mu, Modulation(tuple(mod_blocks.unbind(0)), mod_final), spks, cond, mask)
+        out, _, _ = self.dit.trunk(x, mu, modulation_of(mod_blocks, mod_final), spks, cond, mask)
         return out
 
 
@@ -73,8 +78,8 @@ class CachedEstimatorGraph(nn.Module):
         length = mask.shape[1] - x.shape[2]  # the true past: the buffers' frames after it are room
         kv = [PastFrames(buffers[2 * i][:, :, :length], buffers[2 * i + 1][:, :, :length])
               for i in range(len(buffers) // 2)]
-        mod = Modulation(tuple(mod_blocks.unbind(0)), mod_final)
-        out, conv_inputs, new = self.dit.trunk(x, mu, mod, spks, cond, mask, DiTCache(length, (tail1, tail2), kv))
+        out, conv_inputs, new = self.dit.trunk(x, mu, modulation_of(mod_blocks, mod_final), spks, cond, mask,
+                                               DiTCache(length, (tail1, tail2), kv))
         return (out, *conv_inputs, *(y for pair in new for y in pair))
 
 

@@ -282,14 +282,15 @@ class DiT(nn.Module):
         the eager CPU path (:mod:`cosyvoice.flow.modulation`: the same values, computed once)."""
         if not cacheable(t):
             return self._modulation(t)
-        return self.modulation_cache.get(t, self._modulation_weights(), self._modulation)
+        return self.modulation_cache.get(t, self.modulation_weights(), self._modulation)
 
     def _modulation(self, t: Tensor) -> Modulation:
         emb = self.time_embed(t)
         return Modulation(tuple(b.attn_norm.modulation(emb) for b in self.transformer_blocks),
                           self.norm_out.modulation(emb))
 
-    def _modulation_weights(self) -> list[Tensor]:
+    def modulation_weights(self) -> list[Tensor]:
+        """Every weight :meth:`modulation` reads (the time MLP and each AdaLN linear)."""
         modules = [self.time_embed, self.norm_out, *(b.attn_norm for b in self.transformer_blocks)]
         return [p for m in modules for p in m.parameters()]
 
@@ -302,10 +303,10 @@ class DiT(nn.Module):
     def forward(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                 streaming: bool = False) -> Tensor:
         mask = self.attention_mask(x.shape[2], streaming, x.device)
+        mod = self.modulation(t.expand(x.shape[0]))
         if self.runner is not None:
-            return self.runner.velocity(x, mu, self.modulation(t.expand(x.shape[0])), spks, cond, mask)
-        out, _, _ = self._trunk(x, mu, t, spks, cond, mask)
-        return out
+            return self.runner.velocity(x, mu, mod, spks, cond, mask)
+        return self.trunk(x, mu, mod, spks, cond, mask)[0]
 
     def forward_cached(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                        past: DiTCache | None, keep: int) -> tuple[Tensor, DiTCache]:
@@ -345,10 +346,6 @@ class DiT(nn.Module):
         buckets it was built for (cosyvoice/engine/graphs.py).
         """
         return _forward_packed(self, x, mu, t, spks, cond, pasts, lengths, keeps, trunk, buckets)
-
-    def _trunk(self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, mask: Tensor,
-               past: DiTCache | None = None) -> tuple[Tensor, tuple[Tensor, Tensor], list[tuple[Tensor, Tensor]]]:
-        return self.trunk(x, mu, self.modulation(t.expand(x.shape[0]) if t.ndim == 0 else t), spks, cond, mask, past)
 
     def trunk(self, x: Tensor, mu: Tensor, mod: Modulation, spks: Tensor, cond: Tensor, mask: Tensor,
               past: DiTCache | None = None) -> tuple[Tensor, tuple[Tensor, Tensor], list[tuple[Tensor, Tensor]]]:
