@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 from dataclasses import replace
 
 from app.ui import BUILTIN_VOICE_DIR, DEMO_MODEL_DIR, launch, load_studio
@@ -55,6 +56,9 @@ def main(argv: list[str] | None = None) -> None:
         studio = load_studio(args.model_dir, voice_dir=args.voice_dir, demo_dir=args.demo_dir,
                              builtin_dir=args.builtin_voice_dir, device=args.device, precision=args.precision,
                              settings=settings)
+    # a service manager's stop (SIGTERM: systemd, docker, a Space) ends the page as Ctrl-C does: the server closes
+    # and the process's exit hooks run, which remove the handed-out files' folder (app.files.PageFiles)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     launch(studio, host=args.host, port=args.port)
 
 
