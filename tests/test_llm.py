@@ -11,6 +11,7 @@ from toy_lm import EOP, SPEECH, toy_lm
 from cosyvoice.config import SamplingConfig
 from cosyvoice.llm import CosyVoice3LM, KVCache, SeededSampler, nucleus_candidates, nucleus_rows, ras_sample_rows
 from cosyvoice.llm.model import MAX_SILENT_RUN
+from cosyvoice.llm.qwen2 import grouped_attention
 from cosyvoice.llm.sampling import history_tails, uniforms
 from cosyvoice.tools.parity.llm import check
 from cosyvoice.weights import read_checkpoint
@@ -98,6 +99,24 @@ def test_kv_cache_decode_equals_full_forward(lm: CosyVoice3LM) -> None:
             out = lm.llm(torch.cat([seq[:, a:a + 1], other[:, b:b + 1]]), torch.tensor([[a], [b]]), batch)
             torch.testing.assert_close(out[0, 0], full[0, a], atol=1e-5, rtol=0)
             torch.testing.assert_close(out[1, 0], full_other[0, b], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("new", [1, 3])
+def test_grouped_attention_equals_attention_over_repeated_heads(new: int) -> None:
+    """The released shape (14 query heads over 2 kv heads): stacking each kv head's query heads gives what
+    repeating the keys/values per query head gives, for decode steps and multi-position calls, rows masked
+    differently (a row at an earlier position sees fewer slots)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 14, new, 64, generator=gen)
+    k, v = torch.randn(2, 2, 40, 64, generator=gen), torch.randn(2, 2, 40, 64, generator=gen)
+    positions = torch.tensor([[30 + i for i in range(new)], [11 + i for i in range(new)]])
+    mask = (torch.arange(40)[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(7, dim=1), v.repeat_interleave(7, dim=1), attn_mask=mask)
+    torch.testing.assert_close(grouped_attention(q, k, v, mask), want, atol=1e-5, rtol=1e-5)
+    # the second row never reads a slot past its position: changing those slots changes nothing of it
+    k[1, :, 11 + new:] = 1e3
+    torch.testing.assert_close(grouped_attention(q, k, v, mask)[1], want[1], atol=1e-5, rtol=1e-5)
 
 
 def test_generation_reproducible_per_seed(lm: CosyVoice3LM) -> None:

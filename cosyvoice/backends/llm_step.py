@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 NAME = "llm_step"
 PRECISIONS = ("fp32", "int8")
-FORMAT = 1  # bump when the graph's interface changes: stale exports are then redone
+FORMAT = 2  # bump when the graph's interface changes: stale exports are then redone
 SOURCES = ("llm.pt",)
 
 

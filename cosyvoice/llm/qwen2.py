@@ -28,7 +28,8 @@ from cosyvoice.errors import ResourceLimitError
 from cosyvoice.system.pages import mapped_zeros
 
 # cuDNN attention (torch's first pick for bf16/fp16 on recent GPUs) builds a new plan for every new
-# key length, i.e. at every decode step: ~100 ms each on an H100. The other backends have no such cost.
+# key length (~100 ms each on an H100), and whole sequences come in every length. The other backends
+# have no such cost.
 _ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -69,6 +70,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate ``x`` [B, heads, T, D] by the tables [B, T, D] (HF Qwen2 ``rotate_half`` convention)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + _rotate_half(x) * sin
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention [B, heads, T, D] of ``q`` [B, heads, T, D] over ``k``/``v`` [B, kv_heads, S, D] under ``mask``
+    [B, 1, T, S], query head ``h`` reading kv head ``h // (heads / kv_heads)``: each kv head's query heads are
+    stacked into one matrix, so the keys and values are read as they are. Repeating them per query head copied
+    the whole past seven times per layer at every decode step (most of a step's time past a few hundred
+    positions, in torch and in the exported graph). Scores and softmax in float32."""
+    b, heads, t, d = q.shape
+    kv = k.shape[1]
+    stacked = q.reshape(b, kv, heads // kv * t, d) * d ** -0.5
+    scores = torch.matmul(stacked, k.transpose(-1, -2)).float().view(b, kv, heads // kv, t, -1)
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    weights = scores.softmax(-1).to(v.dtype).view(b, kv, heads // kv * t, -1)
+    return torch.matmul(weights, v).view(b, heads, t, d)
 
 
 @dataclass(frozen=True, eq=False)
@@ -168,11 +184,13 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if cache is not None:
+        if cache is None:
+            groups = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
             k, v = cache.update(self.layer, positions, k, v)
-        groups = self.n_heads // self.n_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cache is None)
+            out = grouped_attention(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
