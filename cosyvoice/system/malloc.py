@@ -8,29 +8,19 @@ glibc returns an arena's freed pages to the system only from its top, so memory 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+from cosyvoice.system.libc import function
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter
 
 
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
-
-
-_LIBC = _libc()
+_MALLOPT, _MALLOC_TRIM = function("mallopt"), function("malloc_trim")
 
 
 def limit_arenas(count: int) -> bool:
     """At most ``count`` malloc arenas from now on (threads already running keep theirs)."""
-    return bool(_LIBC is not None and _LIBC.mallopt(M_ARENA_MAX, count))
+    return bool(_MALLOPT is not None and _MALLOPT(M_ARENA_MAX, count))
 
 
 def trim() -> bool:
     """Return the free pages of every malloc arena to the system."""
-    return bool(_LIBC is not None and _LIBC.malloc_trim(0))
+    return bool(_MALLOC_TRIM is not None and _MALLOC_TRIM(0))

@@ -11,7 +11,6 @@ file's bytes in again.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import sys
 import warnings
@@ -20,19 +19,14 @@ from pathlib import Path
 
 import torch
 
+from cosyvoice.system.libc import function
+
 MADV_DONTNEED = 4  # Linux
 PAGE = mmap.PAGESIZE
 
 
 def _madvise() -> ctypes._CFuncPtr | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name, use_errno=True) if name else None
-    except OSError:
-        return None
-    fn = getattr(libc, "madvise", None)
+    fn = function("madvise") if sys.platform.startswith("linux") else None
     if fn is not None:
         fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
     return fn
