@@ -77,7 +77,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     [B, 1, T, S], query head ``h`` reading kv head ``h // (heads / kv_heads)``: each kv head's query heads are
     stacked into one matrix, so the keys and values are read as they are. Repeating them per query head copied
     the whole past seven times per layer at every decode step (most of a step's time past a few hundred
-    positions, in torch and in the exported graph). Scores and softmax in float32."""
+    positions, in torch and in the exported graph). The softmax runs in float32 whatever the dtype."""
     b, heads, t, d = q.shape
     kv = k.shape[1]
     stacked = q.reshape(b, kv, heads // kv * t, d) * d ** -0.5
