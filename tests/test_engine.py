@@ -15,7 +15,7 @@ import torch
 from memory_probe import live_tensors, rss_bytes
 from waiting import until
 
-from cosyvoice.engine import ChunkPolicy, Engine
+from cosyvoice.engine import CancelToken, ChunkPolicy, Engine
 from cosyvoice.errors import ConfigError, CosyVoiceError
 from cosyvoice.frontend.prompts import cross_lingual_text, instruct_text, zero_shot_prompt_text
 from cosyvoice.settings import Limits, add_server_arguments, settings_from_args
@@ -118,6 +118,40 @@ def test_closing_the_stream_stops_the_llm_within_one_step(tts, prompt_wav: Path)
     engine.close()
 
 
+
+
+def test_a_cancel_from_another_thread_ends_the_reader_while_the_worker_computes(tts, prompt_wav: Path) -> None:
+    """A whole (unstreamed) utterance is one flow call of seconds on a real model: a token cancelled meanwhile
+    (a Stop button, a server draining) ends the reader at once, and the worker frees the session after that call;
+    closing the iterator itself still returns only once the session is freed."""
+    engine = _engine_like(tts)
+    entered, proceed = threading.Event(), threading.Event()
+
+    def hold(*_) -> None:  # the worker is inside the flow until the test lets it go on
+        entered.set()
+        assert proceed.wait(60), "the test never let the flow go on"
+
+    handle = engine.flow.decoder.estimator.register_forward_pre_hook(hold)
+    try:
+        token, ended = CancelToken(), threading.Event()
+        chunks: list[torch.Tensor] = []
+
+        def read() -> None:
+            chunks.extend(c.pcm for c in engine.synthesize(_model_input(tts, prompt_wav), seed=0, fixed_tokens=30,
+                                                           cancel=token))
+            ended.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert entered.wait(60), "the flow never ran"
+        token.cancel()
+        assert ended.wait(10), "the cancelled reader waited for the flow call to end"
+        assert chunks == [] and engine.active_sessions == 1  # the worker still holds the session
+    finally:
+        proceed.set()
+        handle.remove()
+    until(lambda: engine.active_sessions == 0, 30, "the worker's release after its flow call")
+    engine.close()
 
 
 def test_thirty_requests_half_abandoned_leave_nothing_behind(tts, short_prompt_wav: Path) -> None:

@@ -167,8 +167,9 @@ class Engine:
 
         ``text_stream``: the text arrives over time (bi-streaming); ``inp.text`` is then unused. Inputs arrive
         validated (the service's job). Nothing runs before the first ``next()``. Closing the iterator cancels
-        the request; so does ``cancel.cancel()`` from any thread (the LLM stops within one step and the
-        iterator ends without a final chunk).
+        the request and returns once the engine has freed it; ``cancel.cancel()`` from any thread ends the
+        iterator at once, without a final chunk (the LLM stops within one step; the worker frees the session when
+        the chunk it may be computing ends: a whole utterance's, delivered unstreamed, takes seconds).
         """
         job = self._job(inp, text_stream, fixed_tokens)
         return self._iterate(lambda: self._open(inp, stream, speed, seed, sample_offset, first_index, cancel,
@@ -317,7 +318,9 @@ class Engine:
                 if chunk.final:
                     return
         finally:
-            self._close(session, wait=True)
+            # whoever ends the iteration (close, an error, the last chunk) holds nothing once it returns; a reader
+            # woken by a cancel from elsewhere answers at once (a server draining answers within its grace)
+            self._close(session, wait=cancel is None or not cancel.cancelled)
 
 
 class _Registry:
