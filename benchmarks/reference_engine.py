@@ -105,6 +105,8 @@ class ReferenceEngine:
                 if isinstance(work, BaseException):
                     raise work
                 chunk = self.t2w.chunk(session, state, work)  # in the caller's thread
+                if chunk is None:  # cancelled meanwhile
+                    return
                 yield chunk
                 if chunk.final:
                     return

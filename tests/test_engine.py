@@ -122,16 +122,19 @@ def test_closing_the_stream_stops_the_llm_within_one_step(tts, prompt_wav: Path)
 
 def test_a_cancel_from_another_thread_ends_the_reader_while_the_worker_computes(tts, prompt_wav: Path) -> None:
     """A whole (unstreamed) utterance is one flow call of seconds on a real model: a token cancelled meanwhile
-    (a Stop button, a server draining) ends the reader at once, and the worker frees the session after that call;
-    closing the iterator itself still returns only once the session is freed."""
+    (a Stop button, a server draining) ends the reader at once; the worker's flow stops before its next Euler step,
+    the vocoder never runs, and the session is freed."""
     engine = _engine_like(tts)
     entered, proceed = threading.Event(), threading.Event()
+    flow_steps, vocoder_calls = [], []
 
-    def hold(*_) -> None:  # the worker is inside the flow until the test lets it go on
+    def hold(*_) -> None:  # the worker is inside the flow's first step until the test lets it go on
+        flow_steps.append(1)
         entered.set()
         assert proceed.wait(60), "the test never let the flow go on"
 
-    handle = engine.flow.decoder.estimator.register_forward_pre_hook(hold)
+    handles = [engine.flow.decoder.estimator.register_forward_pre_hook(hold),
+               engine.hift.f0_predictor.register_forward_pre_hook(lambda *_: vocoder_calls.append(1))]
     try:
         token, ended = CancelToken(), threading.Event()
         chunks: list[torch.Tensor] = []
@@ -147,10 +150,13 @@ def test_a_cancel_from_another_thread_ends_the_reader_while_the_worker_computes(
         token.cancel()
         assert ended.wait(10), "the cancelled reader waited for the flow call to end"
         assert chunks == [] and engine.active_sessions == 1  # the worker still holds the session
+        proceed.set()
+        until(lambda: engine.active_sessions == 0, 30, "the worker's release after its flow step")
+        assert len(flow_steps) == 1 and vocoder_calls == []
     finally:
         proceed.set()
-        handle.remove()
-    until(lambda: engine.active_sessions == 0, 30, "the worker's release after its flow call")
+        for handle in handles:
+            handle.remove()
     engine.close()
 
 

@@ -31,6 +31,7 @@ from cosyvoice.engine.session import AudioChunk, ChunkPolicy, ChunkWork, Session
 from cosyvoice.engine.silence import LeadingSilenceTrim
 from cosyvoice.errors import CosyVoiceError, ResourceLimitError
 from cosyvoice.flow import CausalMaskedDiffWithDiT, FlowStream, PendingExtension, extend_packed
+from cosyvoice.flow.cfm import Stopped
 from cosyvoice.flow.prompt_cache import PromptCache
 from cosyvoice.hifigan import CausalHiFTGenerator, HiFTStream
 from cosyvoice.hifigan.speed import MelTimeScale
@@ -126,14 +127,16 @@ class Token2Wav:
         return T2WState.open(session, self.config.flow.pre_lookahead_len, self.trim_leading_silence_ms,
                              self.sample_rate)
 
-    def chunk(self, session: Session, state: T2WState, work: ChunkWork) -> AudioChunk:
-        """Compute ``work`` and advance ``state``'s offsets."""
+    def chunk(self, session: Session, state: T2WState, work: ChunkWork) -> AudioChunk | None:
+        """Compute ``work`` and advance ``state``'s offsets (None: the session was cancelled meanwhile)."""
         return self.chunks([(session, state, work)])[0]
 
     @torch.inference_mode()
-    def chunks(self, items: list[tuple[Session, T2WState, ChunkWork]]) -> list[AudioChunk]:
+    def chunks(self, items: list[tuple[Session, T2WState, ChunkWork]]) -> list[AudioChunk | None]:
         """Compute several sessions' chunks; their incremental flow steps run as ONE packed DiT call per Euler
-        step (:func:`~cosyvoice.flow.extend_packed`), the rest (vocoder, recompute paths) one session at a time."""
+        step (:func:`~cosyvoice.flow.extend_packed`), the rest (vocoder, recompute paths) one session at a time.
+        A session cancelled meanwhile gets None: its own flow call stops before the next Euler step, its vocoder
+        does not run (an unstreamed utterance's are seconds of the one worker's time that nobody would hear)."""
         for session, state, work in items:
             self._open_flow_stream(session, state, work)
         mels = [self._flow(session, state, work) for session, state, work in items]
@@ -144,7 +147,8 @@ class Token2Wav:
         else:
             solved = iter([p.stream.solve(p) for p in pending])
         mels = [next(solved) if isinstance(m, PendingExtension) else m for m in mels]
-        return [self._emit(session, state, work, mel) for (session, state, work), mel in zip(items, mels, strict=True)]
+        return [None if session.cancelled else self._emit(session, state, work, mel)
+                for (session, state, work), mel in zip(items, mels, strict=True)]
 
     def _emit(self, session: Session, state: T2WState, work: ChunkWork, mel: torch.Tensor | None) -> AudioChunk:
         """Vocode a chunk's new mel and advance ``state``'s offsets."""
@@ -190,7 +194,8 @@ class Token2Wav:
         return not work.final or session.schedule.final == "chunked"
 
     def _flow(self, session: Session, state: T2WState, work: ChunkWork) -> torch.Tensor | PendingExtension | None:
-        """A chunk's new mel frames, or the incremental flow step that computes them (None: no tokens at all).
+        """A chunk's new mel frames, or the incremental flow step that computes them (None: no tokens at all, or
+        the session was cancelled during its flow call).
 
         A streaming session's flow calls go through its :class:`FlowStream` (given only the new tokens; it reuses
         the finished chunk-causal chunks instead of recomputing the utterance, equal within float rounding, and
@@ -208,10 +213,14 @@ class Token2Wav:
             state.flow_fed = tokens.shape[1]
             return step
         prompt_token, prompt_feat = inp.flow_prompt_speech_token.to(dev), inp.prompt_speech_feat.to(dev)
-        mel = self.flow.inference(
-            token=tokens.to(dev), token_len=tokens.shape[1], prompt_token=prompt_token,
-            prompt_token_len=prompt_token.shape[1], prompt_feat=prompt_feat, prompt_feat_len=prompt_feat.shape[1],
-            embedding=inp.flow_embedding.to(dev), streaming=streaming, finalize=finalize, n_steps=session.steps)
+        try:
+            mel = self.flow.inference(
+                token=tokens.to(dev), token_len=tokens.shape[1], prompt_token=prompt_token,
+                prompt_token_len=prompt_token.shape[1], prompt_feat=prompt_feat, prompt_feat_len=prompt_feat.shape[1],
+                embedding=inp.flow_embedding.to(dev), streaming=streaming, finalize=finalize, n_steps=session.steps,
+                stop=lambda: session.cancelled)
+        except Stopped:
+            return None
         return mel[:, :, work.start * self.config.flow.token_mel_ratio:]
 
     def vocode(self, state: T2WState, mel: torch.Tensor, streaming: bool, finalize: bool,
@@ -405,7 +414,8 @@ class Token2WavWorker:
                         self._cache_bytes[session.id] = state.flow_stream.cache_bytes
         self.packed_calls += len(items) > 1
         for (session, _, _), chunk in zip(items, chunks, strict=True):
-            session.put(chunk)
+            if chunk is not None:
+                session.put(chunk)
 
     def _team(self) -> None:
         """This thread's torch team for the chunk about to run: ``wide_threads`` if the LLM has no step to run now,

@@ -41,13 +41,21 @@ def guidance_batch(mu: Tensor, spks: Tensor, cond: Tensor) -> tuple[Tensor, Tens
             torch.cat((cond, torch.zeros_like(cond))))
 
 
-def solve_euler_cfg(velocity: Velocity, z: Tensor, t_grid: Tensor, cfg_rate: float) -> Tensor:
-    """Euler-integrate from ``z`` over ``t_grid`` with classifier-free guidance of strength ``cfg_rate``."""
+class Stopped(Exception):
+    """The caller's ``stop()`` said so before an Euler step: nobody wants this mel any more."""
+
+
+def solve_euler_cfg(velocity: Velocity, z: Tensor, t_grid: Tensor, cfg_rate: float,
+                    stop: Callable[[], bool] | None = None) -> Tensor:
+    """Euler-integrate from ``z`` over ``t_grid`` with classifier-free guidance of strength ``cfg_rate``;
+    ``stop`` is polled before each step (True raises :class:`Stopped`)."""
     x = z
     t = t_grid[0]
     dt = t_grid[1] - t_grid[0]
     n_steps = t_grid.shape[0] - 1
     for step in range(n_steps):
+        if stop is not None and stop():
+            raise Stopped
         v = velocity(torch.cat((x, x)), t.expand(2 * x.shape[0]), step)
         v_cond, v_uncond = v.chunk(2)
         x = x + dt * ((1.0 + cfg_rate) * v_cond - cfg_rate * v_uncond)
@@ -94,13 +102,14 @@ class CausalConditionalCFM(nn.Module):
         return time_grid(n_steps or self.n_timesteps, self.t_scheduler, like.device, like.dtype)
 
     def forward(self, mu: Tensor, spks: Tensor, cond: Tensor, streaming: bool = False,
-                n_steps: int | None = None) -> Tensor:
+                n_steps: int | None = None, stop: Callable[[], bool] | None = None) -> Tensor:
         """Mel [B, mel_dim, N] for token features ``mu`` [B, C, N], speaker ``spks`` [B, S], prompt mel ``cond``;
-        ``n_steps`` Euler steps (None: the model's): fewer are faster and coarser (F5-TTS's speed/quality knob)."""
+        ``n_steps`` Euler steps (None: the model's): fewer are faster and coarser (F5-TTS's speed/quality knob);
+        ``stop``: see :func:`solve_euler_cfg`."""
         z = self.start_noise(0, mu.shape[2], mu)
         mu_in, spks_in, cond_in = guidance_batch(mu, spks, cond)
 
         def velocity(x_in: Tensor, t_in: Tensor, step: int) -> Tensor:
             return self.estimator(x_in, mu_in, t_in, spks_in, cond_in, streaming=streaming)
 
-        return solve_euler_cfg(velocity, z, self.time_grid(mu, n_steps), self.cfg_rate)
+        return solve_euler_cfg(velocity, z, self.time_grid(mu, n_steps), self.cfg_rate, stop)

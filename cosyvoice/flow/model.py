@@ -112,7 +112,8 @@ class CausalMaskedDiffWithDiT(nn.Module):
     @torch.inference_mode()
     def inference(self, token: Tensor, token_len: Tensor | int, prompt_token: Tensor, prompt_token_len: Tensor | int,
                   prompt_feat: Tensor, prompt_feat_len: Tensor | int, embedding: Tensor,
-                  streaming: bool, finalize: bool, n_steps: int | None = None) -> Tensor:
+                  streaming: bool, finalize: bool, n_steps: int | None = None,
+                  stop: Callable[[], bool] | None = None) -> Tensor:
         """Mel frames after the prompt, float32 [B, output_size, T_out].
 
         ``token`` [B, T], ``prompt_token`` [B, P] speech-token ids; ``prompt_feat`` [B, F, mels]
@@ -122,7 +123,8 @@ class CausalMaskedDiffWithDiT(nn.Module):
         attention, ``finalize=False`` treats the last ``pre_lookahead_len`` tokens as
         look-ahead only. T_out = (P + T [- pre_lookahead_len]) * token_mel_ratio - F; when
         that is not positive (nothing beyond the prompt yet) the result is empty. ``n_steps``: Euler steps of
-        the flow (None: the model's ``n_timesteps``).
+        the flow (None: the model's ``n_timesteps``). ``stop``: polled before each Euler step; True raises
+        :class:`~cosyvoice.flow.cfm.Stopped` (an utterance-long call of a cancelled request ends within one step).
 
         The reference returns ``(mel, None)`` (the None is an unused cache slot); this returns the mel only.
         """
@@ -136,7 +138,7 @@ class CausalMaskedDiffWithDiT(nn.Module):
         mu = self.token_condition(tokens, finalize)
         spks = self.speaker_condition(embedding)
         cond = self.prompt_condition(prompt_feat, n_frames)
-        mel = self.decoder(mu.transpose(1, 2), spks, cond, streaming=streaming, n_steps=n_steps)
+        mel = self.decoder(mu.transpose(1, 2), spks, cond, streaming=streaming, n_steps=n_steps, stop=stop)
         return mel[:, :, n_prompt:].float()  # the reference always hands float32 to the vocoder
 
     def voice_frames(self, n_prompt_tokens: int, n_prompt_frames: int) -> int:
