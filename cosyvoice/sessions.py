@@ -157,12 +157,9 @@ class SynthesisSession(_Session, Iterator[AudioChunk]):
         if self._ending.done:
             return
         try:
-            # from the reader's thread, before the token: the engine has freed its session when this returns (a
-            # token cancelled first would end the reader without waiting, as a cancel from elsewhere does)
-            self._chunks.close()
+            self._ending.cancel() if reason == "cancelled" else None
+            self._chunks.close()  # the engine releases its session (at most one LLM step)
         finally:
-            if reason == "cancelled":
-                self._ending.cancel()
             self._ending.finish(reason)
 
 

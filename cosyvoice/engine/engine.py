@@ -311,16 +311,18 @@ class Engine:
         if cancel is not None and cancel.cancelled:
             return
         session = open_session()  # on the first next(): an iterator never started starts nothing
+        woken = False
         try:
-            while (item := session.get()) is not None:  # None: cancelled from another thread
+            while (item := session.get()) is not None:
                 chunk = _unwrap(item)
                 yield chunk
                 if chunk.final:
                     return
+            woken = True  # None: cancelled from another thread
         finally:
             # whoever ends the iteration (close, an error, the last chunk) holds nothing once it returns; a reader
             # woken by a cancel from elsewhere answers at once (a server draining answers within its grace)
-            self._close(session, wait=cancel is None or not cancel.cancelled)
+            self._close(session, wait=not woken)
 
 
 class _Registry:

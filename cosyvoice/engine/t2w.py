@@ -30,8 +30,7 @@ from cosyvoice.engine.memory import FlowCacheLedger
 from cosyvoice.engine.session import AudioChunk, ChunkPolicy, ChunkWork, Session
 from cosyvoice.engine.silence import LeadingSilenceTrim
 from cosyvoice.errors import CosyVoiceError, ResourceLimitError
-from cosyvoice.flow import CausalMaskedDiffWithDiT, FlowStream, PendingExtension, extend_packed
-from cosyvoice.flow.cfm import Stopped
+from cosyvoice.flow import CausalMaskedDiffWithDiT, FlowStream, PendingExtension, Stopped, extend_packed
 from cosyvoice.flow.prompt_cache import PromptCache
 from cosyvoice.hifigan import CausalHiFTGenerator, HiFTStream
 from cosyvoice.hifigan.speed import MelTimeScale
