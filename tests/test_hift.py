@@ -8,6 +8,7 @@ import torch
 from cosyvoice.errors import ResourceLimitError
 from cosyvoice.hifigan import CausalHiFTGenerator, rename_hift_key
 from cosyvoice.hifigan.f0_predictor import LOOKAHEAD
+from cosyvoice.hifigan.generator import Snake
 from cosyvoice.tools.parity import hift as hift_parity
 from cosyvoice.tools.parity.common import Golden
 from cosyvoice.tools.parity.tolerances import HIFT_AUDIO_ATOL
@@ -99,6 +100,8 @@ def test_fold_weight_norm_keeps_output(golden: Golden, vocoder: CausalHiFTGenera
     folded.fold_weight_norm()
     assert "conv_pre.weight" in folded.state_dict()
     assert "f0_predictor.condnet.0.parametrizations.weight.original0" in folded.state_dict()
+    assert not any("weight64" in key for key in folded.state_dict())  # the F0 predictor's float64 copies are not
+    assert folded.f0_predictor.weight64_0.dtype == torch.float64  # saved, and are evaluated in float64
     # the same g * v / ||v||, computed once instead of per call: bit-equal, so the engine folds at load
     assert torch.equal(folded.inference(mel)[0], vocoder.inference(mel)[0])
 
@@ -118,3 +121,15 @@ def test_float64_and_global_rng(golden: Golden, vocoder: CausalHiFTGenerator, me
     assert speech64.dtype == torch.float64
     assert torch.equal(torch.random.get_rng_state(), state)  # inference draws nothing from the global RNG
     torch.testing.assert_close(speech64.float(), vocoder.inference(mel)[0], atol=1e-3, rtol=0)
+
+
+def test_snake_writes_the_next_convolutions_padding() -> None:
+    snake = Snake(4)
+    with torch.no_grad():
+        snake.alpha.copy_(torch.tensor([0.5, 1.0, 2.0, 3.0]))
+    x = torch.randn(2, 4, 37, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():  # the tensor F.pad would make, bit for bit: the convolution reads it unchanged
+        padded = snake(x, 10)
+        assert torch.equal(padded, torch.nn.functional.pad(snake(x), (10, 0)))
+    assert torch.equal(padded[..., :10], torch.zeros(2, 4, 10))
+    assert torch.equal(snake(x, 10), padded)  # with autograd (and traced): the same operations
