@@ -120,6 +120,7 @@ ROWS: dict[str, Row] = {
     "all (auto), first hop 15": Row("auto", True, True, first_hop=15),
     "all (auto), 6 steps, first hop 15": Row("auto", True, True, 6, first_hop=15),
     "fp32 exact: onnxruntime DiT, threads, prefix": Row(staged=True, prefix=True, backend="onnxruntime"),
+    "fp32 exact: torch, threads, prefix": Row(staged=True, prefix=True),
     "reference strategy (fp32)": Row(reference=True),
 }
 PROMPT_TEXT = "A prompt recording of three seconds."
