@@ -112,6 +112,18 @@ def upload_prompt(page, path: Path) -> None:
     sync_api.expect(page.locator("#prompt [data-testid='waveform-controls']")).to_be_attached(timeout=15000)
 
 
+def status_says(page, text: str, timeout: float | None = None) -> None:
+    """The status line comes to say ``text`` (Playwright's default wait unless ``timeout``); else the failure carries
+    what the page showed instead: a take refused or failed says why in a toast and leaves the status line empty."""
+    try:
+        sync_api.expect(page.locator("#status")).to_contain_text(text, timeout=timeout)
+    except AssertionError as exc:
+        shown = {"status": page.locator("#status").inner_text(timeout=1000),
+                 "voice": page.locator("#voice input").input_value(timeout=1000),
+                 "toasts": page.get_by_test_id("toast-text").all_inner_texts()}
+        raise AssertionError(f"{exc}\nthe page showed {shown}") from None
+
+
 def toast(page, text: str) -> None:
     """A warning toast saying ``text`` appears; then it is closed, as a person would."""
     sync_api.expect(page.get_by_test_id("toast-text").filter(has_text=text).first).to_be_visible(timeout=15000)
@@ -165,7 +177,7 @@ def test_each_tab_plays_while_generating(context, app: tuple, mode: str, short_p
     page.fill("#seed input", "2")
     sync_api.expect(page.locator("#stream input")).to_be_checked()
     page.click("#generate")
-    sync_api.expect(page.locator("#status")).to_contain_text("Take 1:", timeout=60000)  # the server finished
+    status_says(page, "Take 1:", timeout=60000)  # the server finished
     page.wait_for_function("() => { const t = Object.values(window.cvStudio.takes).at(-1);"
                            " return t && t.streamDone && t.firstSoundAt !== null }")
     summary = take_summary(page)
@@ -173,7 +185,7 @@ def test_each_tab_plays_while_generating(context, app: tuple, mode: str, short_p
     t = record(studio, mode, summary)
     # the audio started playing before the server finished generating
     assert t["clickAt"] < t["server_first_chunk"] <= t["firstSoundAt"] < t["server_finished"], t
-    sync_api.expect(page.locator("#status")).to_contain_text("Take 1:")
+    status_says(page, "Take 1:")
     # what was heard and when is the player's to say, in the browser's own time
     first = (summary["firstSoundAt"] - summary["clickAt"]) / 1000
     sync_api.expect(page.locator("#live-player")).to_contain_text(f"first sound {first:.2f} s after the click")
@@ -207,7 +219,7 @@ def test_stop_ends_a_long_take_and_frees_the_session(context, app: tuple, short_
     sync_api.expect(page.locator("#live-player")).to_have_attribute("data-state", "stopped")
     sync_api.expect(page.locator("#generate")).to_be_enabled(timeout=5000)
     sync_api.expect(page.locator("#stop")).to_be_disabled()
-    sync_api.expect(page.locator("#status")).to_contain_text("stopped")  # what was made is kept, marked stopped
+    status_says(page, "stopped")  # what was made is kept, marked stopped
     deadline = time.time() + 10
     def busy() -> bool:
         return bool(studio.service.model.engine.active_sessions or studio.service.status().active_sessions
@@ -219,7 +231,7 @@ def test_stop_ends_a_long_take_and_frees_the_session(context, app: tuple, short_
     TIMINGS["stop"] = {"stop_click_to_server_finished_ms": round((studio.times[take_id].finished - stopped_at) * 1000)}
     page.fill("#text textarea", TEXT)  # the session is free: the next take runs to the end
     page.click("#generate")
-    sync_api.expect(page.locator("#status")).to_contain_text("Take 2:", timeout=60000)
+    status_says(page, "Take 2:", timeout=60000)
     assert_usable(page)
     page.close()
 
@@ -245,7 +257,7 @@ def test_without_websockets_the_player_says_why_nothing_plays(context, tts, tmp_
         sync_api.expect(player).to_be_visible()
         assert page.evaluate("() => getComputedStyle(document.getElementById('live-player')).color") == \
             "rgb(185, 28, 28)"
-        sync_api.expect(page.locator("#status")).to_contain_text("Take 1:", timeout=60000)  # made all the same
+        status_says(page, "Take 1:", timeout=60000)  # made all the same
         for line in (page.locator("#status"), player):
             sync_api.expect(line).not_to_contain_text("first")
         assert take_summary(page)["samples"] == 0
@@ -344,7 +356,7 @@ def test_a_saved_voice_survives_a_restart(tts, browser, tmp_path: Path, short_pr
                             ).to_be_attached(timeout=15000)
             page.fill("#text textarea", TEXT)
             page.click("#generate")
-            sync_api.expect(page.locator("#status")).to_contain_text("voice: Survivor", timeout=60000)
+            status_says(page, "voice: Survivor", timeout=60000)
             exported = _rename_export_delete_and_import(page, tmp_path / "exported.voice.safetensors")
             _import_under_a_taken_name(page, exported, short_prompt_wav)
             page.close()
@@ -424,8 +436,8 @@ def test_chinese_page(browser, app: tuple, short_prompt_wav: Path) -> None:
         upload_prompt(page, short_prompt_wav)
         page.fill("#text textarea", TEXT)
         page.click("#generate")
-        sync_api.expect(page.locator("#status")).to_contain_text("第 1 条：", timeout=60000)
-        sync_api.expect(page.locator("#status")).to_contain_text("声音：上传的录音")
+        status_says(page, "第 1 条：", timeout=60000)
+        status_says(page, "声音：上传的录音")
         sync_api.expect(page.locator(".take-meta").first).to_contain_text("模式 跨语种")
         page.evaluate("() => window.cvStudio.stop()")
         sync_api.expect(page.get_by_role("tab", name="跨语种")).to_be_visible()
@@ -525,7 +537,7 @@ def _assert_served_in_click_order_one_at_a_time(pages: list, studio, ids: list[s
     """The first two tabs' takes made in click order, the second's audio only after the first's session closed;
     the stopped and the closed tabs' takes never made audio."""
     for page, number in ((pages[0], 1), (pages[1], 2)):  # one browser's tabs: one history
-        sync_api.expect(page.locator("#status")).to_contain_text(f"Take {number}:", timeout=120000)
+        status_says(page, f"Take {number}:", timeout=120000)
         sync_api.expect(page.locator("#generate")).to_be_enabled()
     starts = [studio.times[i].start for i in ids[:2]]
     assert starts[0] < starts[1], starts  # first come, first served
@@ -667,7 +679,7 @@ def _take_with_format(context, url: str, short_prompt_wav: Path, fmt: str):
     page.click("#format input")
     page.get_by_role("option", name=fmt).click()
     page.click("#generate")
-    sync_api.expect(page.locator("#status")).to_contain_text("Take 1:", timeout=60000)
+    status_says(page, "Take 1:", timeout=60000)
     page.evaluate("() => window.cvStudio.stop()")  # the noise of the tiny model need not play on
     return page
 
@@ -715,7 +727,7 @@ def test_signing_in_with_a_key(tts, browser, tmp_path: Path, short_prompt_wav: P
             upload_prompt(page, short_prompt_wav)
             page.fill("#text textarea", TEXT)
             page.click("#generate")
-            sync_api.expect(page.locator("#status")).to_contain_text("Take 1:", timeout=60000)
+            status_says(page, "Take 1:", timeout=60000)
             page.wait_for_function("() => { const t = Object.values(window.cvStudio.takes).at(-1);"
                                    " return t && t.streamDone && t.samples > 0 }")  # the live audio came too
             page.evaluate("() => window.cvStudio.stop()")
@@ -809,7 +821,7 @@ def _two_takes_grow_the_history_incrementally(page, studio, fetched: list[str]) 
         page.fill("#text textarea", f"Take number {n}.")
         page.fill("#seed input", str(seed))
         page.click("#generate")
-        sync_api.expect(page.locator("#status")).to_contain_text(f"Take {n}:", timeout=60000)
+        status_says(page, f"Take {n}:", timeout=60000)
         page.evaluate("() => window.cvStudio.stop()")
         sync_api.expect(history.locator(".take")).to_have_count(n)
     takes = history.locator(".take")
@@ -845,7 +857,7 @@ def _a_batch_take_opens_and_is_reproduced(page, context, studio) -> None:
     sync_api.expect(page.locator("#stream input")).not_to_be_checked()
     page.click("#generate")
     # the history numbers the takes made on the page (its two and this one), not the batch's rows
-    sync_api.expect(page.locator("#status")).to_contain_text("Take 3:", timeout=60000)
+    status_says(page, "Take 3:", timeout=60000)
     again = studio.store.takes(owner=None, any_owner=True)[-1]
     assert np.array_equal(studio.store.read_audio(again), studio.store.read_audio(made))  # the same samples
     page.click("#take-history .history-view[data-view=mine]")
@@ -875,7 +887,7 @@ def test_the_chunk_schedule_in_the_advanced_settings_reaches_the_take(context, a
     assert_usable(page)
     page.fill("#first-hop input", "7")
     page.click("#generate")
-    sync_api.expect(page.locator("#status")).to_contain_text("Take 1:", timeout=60000)
+    status_says(page, "Take 1:", timeout=60000)
     page.evaluate("() => window.cvStudio.stop()")
     take = studio.store.takes(owner=None, any_owner=True)[-1].provenance
     assert (take["final"], take["first_hop"], take["seed"]) == ("chunked", 7, 6)
