@@ -64,6 +64,9 @@ __all__ = ["SEED_DRAWS", "TENSOR_PROMPT_RATE", "AsyncSynthesisSession", "Outcome
            "failure_reason", "mode_label"]
 
 logger = logging.getLogger(__name__)
+#: how long a drain waits, after cancelling, for the engine to finish the chunks it was computing for cancelled
+#: requests (one Euler step of an utterance's flow, or the vocoder call under way)
+SETTLE_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -232,7 +235,10 @@ class TTSService(ServiceModel, ServiceVoices):
 
     async def drain(self, grace_seconds: float) -> None:
         """Graceful shutdown: refuse new requests ("shutting down"), let running ones finish for up to
-        ``grace_seconds``, then cancel the rest (each engine session stops within one LLM step)."""
+        ``grace_seconds``, then cancel the rest (each engine session stops within one LLM step). Returns once the
+        engine computes for nobody (at most :data:`SETTLE_SECONDS` more): a cancelled request answers at once, but
+        the engine lets go of it after the chunk it is computing, and a process that exits meanwhile can crash in
+        its native libraries' teardown (the Rust bridge server exited with SIGSEGV so)."""
         self._admission.close()
         deadline = time.monotonic() + grace_seconds
         while self._admission.active and time.monotonic() < deadline:
@@ -241,6 +247,12 @@ class TTSService(ServiceModel, ServiceVoices):
             logger.warning("shutdown: cancelling %d requests still running after %g s", self._admission.active,
                            grace_seconds)
             self.cancel_all()
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while self.model.engine.active_sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.model.engine.active_sessions:
+            logger.warning("shutdown: the engine still computes for %d cancelled requests after %g s",
+                           self.model.engine.active_sessions, SETTLE_SECONDS)
 
     def cancel_all(self) -> None:
         """Cancel every running request (thread-safe)."""

@@ -14,6 +14,7 @@ mod http;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use http_front::{Body, Handler, ResponseBody};
 use hyper::{Request, Response};
@@ -22,6 +23,10 @@ use tracing::info;
 
 use crate::bridge::Bridge;
 use crate::http::App;
+
+/// The longest the service's drain waits, after cancelling, for the engine to let go (`SETTLE_SECONDS` in
+/// `cosyvoice/service.py`).
+const ENGINE_SETTLE: Duration = Duration::from_secs(10);
 
 fn main() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -101,8 +106,10 @@ async fn serve(app: App, addr: SocketAddr) -> Result<(), String> {
     let settings = app.bridge.config.front.clone();
     http_front::serve(listener, settings.clone(), Arc::new(Routes(app)), shutdown).await;
     if let Ok(drain) = drain_handle.await {
-        // the service's drain ends at the grace too; a hung one does not keep the process
-        let _ = tokio::time::timeout(settings.close_delay, drain).await;
+        // the service's drain ends at the grace, then waits for the engine to finish the chunks it was computing
+        // for the requests it cancelled (exiting while they run can crash in the native libraries' teardown);
+        // a hung drain does not keep the process
+        let _ = tokio::time::timeout(settings.close_delay + ENGINE_SETTLE, drain).await;
     }
     info!("stopped");
     Ok(())
