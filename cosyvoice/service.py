@@ -235,10 +235,8 @@ class TTSService(ServiceModel, ServiceVoices):
 
     async def drain(self, grace_seconds: float) -> None:
         """Graceful shutdown: refuse new requests ("shutting down"), let running ones finish for up to
-        ``grace_seconds``, then cancel the rest (each engine session stops within one LLM step). Returns once the
-        engine computes for nobody (at most :data:`SETTLE_SECONDS` more): a cancelled request answers at once, but
-        the engine lets go of it after the chunk it is computing, and a process that exits meanwhile can crash in
-        its native libraries' teardown (the Rust bridge server exited with SIGSEGV so)."""
+        ``grace_seconds``, then cancel the rest (each engine session stops within one LLM step); returns once
+        :meth:`settle` does."""
         self._admission.close()
         deadline = time.monotonic() + grace_seconds
         while self._admission.active and time.monotonic() < deadline:
@@ -247,12 +245,20 @@ class TTSService(ServiceModel, ServiceVoices):
             logger.warning("shutdown: cancelling %d requests still running after %g s", self._admission.active,
                            grace_seconds)
             self.cancel_all()
-        deadline = time.monotonic() + SETTLE_SECONDS
+        await asyncio.to_thread(self.settle)
+
+    def settle(self, timeout: float = SETTLE_SECONDS) -> bool:
+        """Wait until the engine computes for nobody (False after ``timeout``, said in the log): a cancelled request
+        answers at once, but the engine lets go of it after the chunk it is computing, and a process that exits
+        meanwhile can crash in its native libraries' teardown (the Rust bridge server exited with SIGSEGV so)."""
+        deadline = time.monotonic() + timeout
         while self.model.engine.active_sessions and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+            time.sleep(0.02)
         if self.model.engine.active_sessions:
             logger.warning("shutdown: the engine still computes for %d cancelled requests after %g s",
-                           self.model.engine.active_sessions, SETTLE_SECONDS)
+                           self.model.engine.active_sessions, timeout)
+            return False
+        return True
 
     def cancel_all(self) -> None:
         """Cancel every running request (thread-safe)."""

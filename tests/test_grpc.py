@@ -226,6 +226,18 @@ def test_busy_is_resource_exhausted(tts, service: TTSService, saved_voice) -> No
         srv.stop(0)
 
 
+def test_stop_returns_once_the_engine_let_go_of_the_cancelled_streams(tts, service: TTSService, saved_voice) -> None:
+    """A process exits after ``stop``: the engine must not still compute a cancelled stream's chunk then."""
+    srv = GrpcServer("127.0.0.1", 0, max_streams=2)
+    srv.serve(service)
+    with grpc.insecure_channel(srv.address) as ch:
+        request = pb.Request(sft_request=pb.sftRequest(spk_id=saved_voice.id, tts_text=LONG_TEXT * 4))
+        running = pb_grpc.CosyVoiceStub(ch).Inference(request)
+        next(running)  # streaming
+        srv.stop(0)
+        assert tts.engine.active_sessions == 0
+
+
 def test_api_keys_are_required_when_configured(service: TTSService, saved_voice) -> None:
     srv = GrpcServer("127.0.0.1", 0, owners=Owners(("s3cret",)))
     srv.serve(service)

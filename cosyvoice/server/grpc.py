@@ -252,9 +252,12 @@ class GrpcServer:
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     def stop(self, grace: float | None = 10.0) -> None:
-        """Health turns NOT_SERVING at once; running streams get ``grace`` seconds, then are cancelled."""
+        """Health turns NOT_SERVING at once; running streams get ``grace`` seconds, then are cancelled; returns once
+        the engine has let go of them (:meth:`TTSService.settle`)."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        if self.servicer.service is not None:
+            self.servicer.service.settle()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
