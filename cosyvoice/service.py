@@ -247,18 +247,13 @@ class TTSService(ServiceModel, ServiceVoices):
             self.cancel_all()
         await asyncio.to_thread(self.settle)
 
-    def settle(self, timeout: float = SETTLE_SECONDS) -> bool:
-        """Wait until the engine computes for nobody (False after ``timeout``, said in the log): a cancelled request
-        answers at once, but the engine lets go of it after the chunk it is computing, and a process that exits
-        meanwhile can crash in its native libraries' teardown (the Rust bridge server exited with SIGSEGV so)."""
-        deadline = time.monotonic() + timeout
-        while self.model.engine.active_sessions and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if self.model.engine.active_sessions:
+    def settle(self, timeout: float = SETTLE_SECONDS) -> None:
+        """Wait until the engine computes for nobody (at most ``timeout``; past it, said in the log): a cancelled
+        request answers at once, but the engine lets go of it after the chunk it is computing, and a process that
+        exits meanwhile can crash in its native libraries' teardown (the Rust bridge server exited with SIGSEGV so)."""
+        if not self.model.engine.wait_idle(timeout):
             logger.warning("shutdown: the engine still computes for %d cancelled requests after %g s",
                            self.model.engine.active_sessions, timeout)
-            return False
-        return True
 
     def cancel_all(self) -> None:
         """Cancel every running request (thread-safe)."""

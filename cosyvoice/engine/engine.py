@@ -222,6 +222,11 @@ class Engine:
     def active_sessions(self) -> int:
         return self._open_sessions.count
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until the engine holds no session: a cancelled one is released when the chunk it was computing
+        ends. False if some still is after ``timeout`` seconds."""
+        return self._open_sessions.wait_empty(timeout)
+
     @property
     def flow_cache_bytes(self) -> int:
         """Bytes all sessions' incremental flow caches hold now (the budget is :attr:`flow_cache_mb`)."""
@@ -330,7 +335,7 @@ class _Registry:
 
     def __init__(self, scheduler: LLMScheduler) -> None:
         self.scheduler = scheduler
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()  # notified when a session is released
         self.sessions: dict[int, Session] = {}
         self.tickets: dict[int, Ticket] = {}  # set by the caller before its ticket is submitted
         self.cleanups: dict[int, list[Callable[[], None]]] = {}
@@ -360,12 +365,17 @@ class _Registry:
         if ticket is not None:
             self.scheduler.hold(ticket, held)
 
+    def wait_empty(self, timeout: float) -> bool:
+        with self.lock:
+            return self.lock.wait_for(lambda: not self.sessions, timeout)
+
     def release(self, session: Session) -> None:
         """The worker let the session go: forget it and undo its subscriptions."""
         with self.lock:
             self.sessions.pop(session.id, None)
             self.tickets.pop(session.id, None)
             cleanups = self.cleanups.pop(session.id, [])
+            self.lock.notify_all()
         for undo in cleanups:
             undo()
 
