@@ -58,6 +58,16 @@ class ResourceLimitError(CosyVoiceError):
     """A configured limit (sessions, lengths) stops the request; retry later or shorten it."""
 
 
+class CancelledByShutdown(ResourceLimitError):
+    """The server shut down while the request ran and cancelled it: its audio is cut short, so it is no answer."""
+
+    def __init__(self) -> None:
+        super().__init__("shutting down: this request was cancelled; retry on another server")
+
+    def __reduce__(self) -> tuple:
+        return type(self), ()
+
+
 class StorageError(ResourceLimitError):
     """The server cannot write what was asked (disk full, folder read-only): nothing was saved, nothing lost."""
 

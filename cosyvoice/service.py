@@ -256,9 +256,10 @@ class TTSService(ServiceModel, ServiceVoices):
                            self.model.engine.active_sessions, timeout)
 
     def cancel_all(self) -> None:
-        """Cancel every running request (thread-safe)."""
+        """Cancel every running request, as the service shuts down (thread-safe): their readers are told so
+        (:meth:`~cosyvoice.sessions.AsyncSynthesisSession.raise_if_shut_down`), and cut-short audio is no answer."""
         for ending in list(self._sessions):
-            ending.cancel()
+            ending.cancel(shutdown=True)
 
     # ------------------------------------------------------------------ admission (a sync and an asyncio face)
 

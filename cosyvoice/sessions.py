@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from cosyvoice import pipeline
 from cosyvoice.engine import AudioChunk, CancelToken
-from cosyvoice.errors import CosyVoiceError, InvalidInputError, NotFoundError, ResourceLimitError
+from cosyvoice.errors import CancelledByShutdown, CosyVoiceError, InvalidInputError, NotFoundError, ResourceLimitError
 from cosyvoice.pipeline import TextFeed
 from cosyvoice.request import PreparedRequest
 
@@ -59,6 +59,7 @@ class Ending:
         self.first: float | None = None
         self.samples = 0
         self.done = False
+        self.shut_down = False  # cancelled by the service's shutdown, not by its reader
         self._lock = threading.Lock()
 
     @property
@@ -83,7 +84,9 @@ class Ending:
             exc._outcome_reported = True
         return failure_reason(exc)
 
-    def cancel(self) -> None:
+    def cancel(self, shutdown: bool = False) -> None:
+        """Stop the request; ``shutdown``: the service stops it as it shuts down (its reader is told so)."""
+        self.shut_down = self.shut_down or shutdown
         self.token.cancel()
         if self.feed is not None:
             self.feed.close()
@@ -121,6 +124,12 @@ class _Session:
     def cancel(self) -> None:
         """Thread-safe: the engine stops within one LLM step; a reader waiting for the next chunk returns."""
         self._ending.cancel()
+
+    def raise_if_shut_down(self) -> None:
+        """After the chunks ended: raise :class:`CancelledByShutdown` if the service's shutdown cancelled the
+        request, whose audio then stopped short; an adapter says so instead of answering as if it were whole."""
+        if self._ending.shut_down:
+            raise CancelledByShutdown
 
 
 class SynthesisSession(_Session, Iterator[AudioChunk]):

@@ -618,12 +618,17 @@ def test_each_router_serves_alone(service: TTSService, short_prompt_wav: Path) -
 
 def test_sigterm_drains_then_cancels_within_the_grace(tiny_bundle_dir: Path, tmp_path: Path,
                                                      short_prompt_wav: Path) -> None:
-    """SIGTERM: running streams get ``--shutdown-grace-seconds``, then are cancelled; the server exits (uvicorn
-    alone would wait for this ~100 s stream to finish)."""
+    """SIGTERM: running requests get ``--shutdown-grace-seconds``, then are cancelled; the server exits (uvicorn
+    alone would wait for these ~100 s requests to finish). A cancelled request is never answered as if it were
+    whole: a stream's body stays unfinished, a whole file is a 503 that says why, a socket never says done."""
+    import json
     import os
     import signal
     import subprocess
     import sys
+
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
 
     port = free_port()
     env = {**os.environ, "COSYVOICE_DEVICE": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -631,23 +636,52 @@ def test_sigterm_drains_then_cancels_within_the_grace(tiny_bundle_dir: Path, tmp
                                 "--port", str(port), "--voice-dir", str(tmp_path / "voices"), "--log-level",
                                 "warning", "--shutdown-grace-seconds", "2"], env=env)
     url = f"http://127.0.0.1:{port}"
+    text = "Hello there, my friend. " * 20
     try:
         until_ready(process, url)
         voice = httpx.post(f"{url}/v1/voices", data={"name": "Ada", "transcript": TRANSCRIPT}, timeout=60,
                            files={"audio": ("a.wav", short_prompt_wav.read_bytes(), "audio/wav")})
         assert voice.status_code == 201, voice.text
-        body = {"input": "Hello there, my friend. " * 20, "voice": "Ada", "response_format": "pcm"}
-        with httpx.Client(timeout=120) as client, \
-                client.stream("POST", f"{url}/v1/audio/speech", json=body) as response:
-            audio = response.iter_raw()
-            next(audio)
-            process.send_signal(signal.SIGTERM)
-            sent = time.monotonic()
-            with contextlib.suppress(httpx.HTTPError):
-                for _ in audio:
-                    pass
+        whole: list[httpx.Response | Exception] = []
+
+        def synthesize() -> None:
+            body = {"text": text, "prompt_audio": base64.b64encode(short_prompt_wav.read_bytes()).decode()}
+            try:
+                whole.append(httpx.post(f"{url}/synthesize", json=body, timeout=120))
+            except httpx.HTTPError as exc:
+                whole.append(exc)
+
+        worker = threading.Thread(target=synthesize, daemon=True)
+        worker.start()
+        with connect(url.replace("http://", "ws://") + "/v1/audio/stream", open_timeout=30) as socket:
+            for message in ({"type": "start", "voice": "Ada"}, {"type": "text", "text": text}, {"type": "end"}):
+                socket.send(json.dumps(message))
+            body = {"input": text, "voice": "Ada", "response_format": "pcm"}
+            with httpx.Client(timeout=120) as client, \
+                    client.stream("POST", f"{url}/v1/audio/speech", json=body) as response:
+                audio = response.iter_raw()
+                next(audio)
+                until(lambda: httpx.get(f"{url}/ready", timeout=5).json()["active_sessions"] == 3, 30,
+                      "the three requests running")
+                process.send_signal(signal.SIGTERM)
+                sent = time.monotonic()
+                with pytest.raises(httpx.RemoteProtocolError):  # the chunked body never completes
+                    for _ in audio:
+                        pass
+            events = []
+            with contextlib.suppress(ConnectionClosed):
+                while True:
+                    message = socket.recv(timeout=30)
+                    if isinstance(message, str):
+                        events.append(json.loads(message)["type"])
+            assert "done" not in events and socket.close_code in (1012, 1013), (events, socket.close_code)
+        worker.join(30)
         assert process.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
-        assert time.monotonic() - sent < 2 + 6, "the drain did not end the stream at the grace"
+        assert time.monotonic() - sent < 2 + 6, "the drain did not end the requests at the grace"
+        assert isinstance(whole[0], httpx.Response) and whole[0].status_code == 503, whole
+        error = whole[0].json()["error"]
+        assert (error["type"], error["message"]) == ("busy", "shutting down: this request was cancelled; retry on "
+                                                             "another server")
     finally:
         if process.poll() is None:
             process.kill()

@@ -13,7 +13,13 @@ import pytest
 import soundfile as sf
 import torch
 
-from cosyvoice.errors import AlreadyExistsError, InvalidInputError, NotFoundError, ResourceLimitError
+from cosyvoice.errors import (
+    AlreadyExistsError,
+    CancelledByShutdown,
+    InvalidInputError,
+    NotFoundError,
+    ResourceLimitError,
+)
 from cosyvoice.frontend.prompts import cross_lingual_text, instruct_text, zero_shot_prompt_text
 from cosyvoice.service import Outcome, SynthesisRequest, TTSService, allowed_path, draw_seed
 from cosyvoice.settings import Limits
@@ -374,12 +380,24 @@ def test_drain_refuses_new_requests_then_cancels_running_ones(tts, library: Voic
             await service.asynthesize(request)
         await asyncio.wait_for(drain, 10)
         assert tts.engine.active_sessions == 0  # the drain returns once the engine computes for nobody
-        rest = [chunk async for chunk in running]  # the engine stopped it: the iteration ends
+        rest = [chunk async for chunk in running]  # the engine stopped it: the iteration ends...
+        with pytest.raises(CancelledByShutdown, match="retry on another server"):
+            running.raise_if_shut_down()  # ...and its reader learns why: the audio is cut short
         return rest
 
     rest = asyncio.run(scenario())
     assert not any(c.final for c in rest)
     assert service.active_sessions == 0 and "cancelled" in [o.reason for o in seen]
+
+
+def test_a_request_its_reader_cancels_is_not_reported_as_shut_down(service: TTSService,
+                                                                   short_prompt_wav: Path) -> None:
+    request = SynthesisRequest(TEXT * 4, "cross_lingual", prompt_audio=short_prompt_wav.read_bytes(), seed=3)
+    with service.synthesize(request) as session:
+        next(session)
+        session.cancel()  # a Stop button, a client that hung up
+        assert not any(chunk.final for chunk in session)
+        session.raise_if_shut_down()  # raises nothing: the reader knows why it stopped
 
 
 def test_an_unseeded_request_gets_the_one_seed_draw_below_2_53(service: TTSService, short_prompt_wav: Path) -> None:

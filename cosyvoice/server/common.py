@@ -29,10 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cosyvoice.context import StudioContext
 from cosyvoice.encoding import AudioEncoder, AudioFormat, audio_format, encode_audio
-from cosyvoice.errors import (
-    CosyVoiceError,
-    InvalidInputError,
-)
+from cosyvoice.errors import CancelledByShutdown, CosyVoiceError, InvalidInputError
 from cosyvoice.owners import Caller, Owners, PublicRoute, no_public_route
 from cosyvoice.server.errors import CLIENT_GONE, HttpError, http_error, invalid_request, log_error
 from cosyvoice.server.metrics import ServiceMetrics
@@ -339,6 +336,8 @@ class SessionStream(StreamingResponse):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:  # the client went away while we were sending
             pass
+        except CancelledByShutdown:  # the client sees a body that never completes, not a short file
+            logger.warning("shutting down: a stream was cancelled; closing its response unfinished")
         except Exception:  # after the headers: end the connection without completing the body
             logger.exception("synthesis failed mid-stream; closing the response unfinished")
         finally:
@@ -356,6 +355,7 @@ def audio_stream(session: AsyncSynthesisSession, fmt: str | AudioFormat, headers
             data = encoder.encode(chunk.pcm)
             if data:
                 yield _sse_delta(data) if sse else data
+        session.raise_if_shut_down()
         tail = encoder.finish()
         if tail:
             yield _sse_delta(tail) if sse else tail
@@ -374,7 +374,8 @@ def audio_stream(session: AsyncSynthesisSession, fmt: str | AudioFormat, headers
 
 async def collect(session: AsyncSynthesisSession, receive: Receive) -> torch.Tensor | None:
     """All of a session's samples, or ``None`` when the client went away first: its disconnect cancels the
-    session at once (the LLM stops within one step), not when the audio would have been sent."""
+    session at once (the LLM stops within one step), not when the audio would have been sent. Raises
+    :class:`~cosyvoice.errors.CancelledByShutdown` (503) when the server's shutdown cancelled it."""
     gone = False
 
     async def watch() -> None:
@@ -391,6 +392,7 @@ async def collect(session: AsyncSynthesisSession, receive: Receive) -> torch.Ten
         await session.aclose()
     if gone:
         return None
+    session.raise_if_shut_down()
     return torch.cat(pieces) if pieces else torch.zeros(0)
 
 

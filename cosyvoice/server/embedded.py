@@ -26,7 +26,7 @@ from starlette.middleware.cors import CORSMiddleware
 from cosyvoice.context import StudioContext, load_service
 from cosyvoice.encoding import audio_format
 from cosyvoice.engine import CancelToken
-from cosyvoice.errors import ResourceLimitError
+from cosyvoice.errors import CancelledByShutdown
 from cosyvoice.server.bridge import BRIDGE_FIELDS, BridgeSynthesis, contract_request
 from cosyvoice.server.common import (
     ServerState,
@@ -168,7 +168,7 @@ class EmbeddedBridge:
                 with service.synthesize(request, cancel=cancel, owner=self._owner(authorization)) as session:
                     pieces = [chunk.pcm for chunk in session]
             if cancel.cancelled:  # by the drain (a client that left hears nothing); the session counted it
-                cancelled = ResourceLimitError("shutting down: this request was cancelled; retry on another server")
+                cancelled = CancelledByShutdown()
                 cancelled._outcome_reported = True
                 raise cancelled
             pcm = torch.cat(pieces) if pieces else torch.zeros(0)
