@@ -10,6 +10,9 @@ the page's Web Audio player over ``app.live`` as it is made. Invalid input becom
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,6 +34,8 @@ from cosyvoice.service import TTSService
 from cosyvoice.settings import ServerSettings, default_voice_dir
 from cosyvoice.tools.make_tiny_bundle import model_dir_or_demo
 from cosyvoice.voices import BUILTIN_VOICE_DIR
+
+logger = logging.getLogger("app.ui")  # the web UI logs under one name, which operators and tests filter on
 
 # what webui.py and the tests take from here: the start-up, the page, its download formats and the encoder
 __all__ = ["BUILTIN_VOICE_DIR", "DEMO_MODEL_DIR", "DOWNLOAD_FORMATS", "Studio", "build_ui", "launch", "load_studio",
@@ -84,5 +89,21 @@ def launch(studio: Studio, *, host: str = "127.0.0.1", port: int = 8000, block: 
     page.app.include_router(longform_router(studio.context))
     page.app.include_router(workbench_router(studio.context))
     if block:
-        page.block_thread()
+        _serve_until_stopped(page, studio)
     return page
+
+
+def _serve_until_stopped(page: gr.Blocks, studio: Studio) -> None:
+    """Serve until Ctrl-C or SIGTERM, then drain the service while the page still answers: running takes and
+    jobs' requests may finish for the settings' grace (a take that finishes is kept; new ones are told the server
+    is shutting down), the rest are cancelled. The page closes once the engine computes for nobody, then the
+    context (its jobs end interrupted, resumable at the next start; the stores close): a process that exits while
+    the engine's threads still compute can crash in its native libraries' teardown."""
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        grace = studio.context.settings.shutdown_grace_seconds
+        logger.info("shutting down: running takes and jobs may finish within %g s", grace)
+        asyncio.run(studio.service.drain(grace))
+    page.close()
+    studio.context.close()

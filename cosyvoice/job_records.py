@@ -60,7 +60,7 @@ class JobState(str, enum.Enum):
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"
-    INTERRUPTED = "interrupted"  # its process died while it ran; resume() continues it
+    INTERRUPTED = "interrupted"  # its process stopped or died while it ran; resume() continues it
 
     @property
     def active(self) -> bool:

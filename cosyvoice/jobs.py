@@ -42,11 +42,12 @@ from cosyvoice.system.sqlite import open_store
 logger = logging.getLogger(__name__)
 
 # a job as the features read it, and its state, from the rows it is kept in
-__all__ = ["MODEL_ERROR", "WATCH_SECONDS", "Cancelled", "Interrupted", "Job", "JobGone", "JobRunner", "JobState",
-           "Kind", "Made", "Task", "describe", "release", "runner", "synthesize"]
+__all__ = ["MODEL_ERROR", "STOPPED_WHILE_RUNNING", "WATCH_SECONDS", "Cancelled", "Interrupted", "Job", "JobGone",
+           "JobRunner", "JobState", "Kind", "Made", "Task", "describe", "release", "runner", "synthesize"]
 
 WATCH_SECONDS = 0.5  # how soon a cancel written by another process reaches the job's running process
 MODEL_ERROR = "model error, see server log"
+STOPPED_WHILE_RUNNING = "the server stopped while it ran; resume it"
 
 
 class Cancelled(Exception):
@@ -103,14 +104,8 @@ def synthesize(service: TTSService, request: SynthesisRequest, token: CancelToke
     own = CancelToken()  # the request's: the service's shutdown cancels it, not the job
     unsubscribe = token.subscribe(own.cancel)
     try:
-        try:
-            session = service.synthesize(request, cancel=own, wait=True, owner=owner)
-        except ResourceLimitError:  # a waiting request is refused when cancelled or shutting down, or too long
-            if token.cancelled:
-                raise Cancelled from None
-            if service.shutting_down:
-                raise Interrupted from None
-            raise
+        session = service.synthesize(request, cancel=own, wait=True, owner=owner)
+        prepared = session.prepared
         with session:
             for chunk in session:
                 if first is None and chunk.pcm.numel():
@@ -119,7 +114,12 @@ def synthesize(service: TTSService, request: SynthesisRequest, token: CancelToke
                 tokens[-1].extend(chunk.tokens)
                 if chunk.final:
                     tokens.append([])
-            prepared = session.prepared
+    except ResourceLimitError:  # refused while it waited (cancelled, shutting down, too long), or cut short
+        if token.cancelled:
+            raise Cancelled from None
+        if service.shutting_down:  # CancelledByShutdown, or the engine closed under it as the process exits
+            raise Interrupted from None
+        raise
     finally:
         unsubscribe()
     if token.cancelled:
@@ -232,7 +232,8 @@ class JobRunner(JobRecords):
         return self.job(job_id)
 
     def close(self) -> None:
-        """Cancel this process's jobs, wait for their workers, close the database."""
+        """Stop this process's jobs (interrupted: another start resumes them), wait for their workers, close the
+        database."""
         with self._wake:
             self._closed = True
             tokens = list(self._tokens.values())
@@ -299,7 +300,7 @@ class JobRunner(JobRecords):
         end, error = JobState.DONE, None
         for task in tasks:
             if token.cancelled:
-                end = JobState.CANCELLED
+                end, error = self._stopped(job.id)
                 break
             self._update(job.id, current=task.key)
             started = time.perf_counter()
@@ -307,10 +308,10 @@ class JobRunner(JobRecords):
             try:
                 task.run(token)
             except Cancelled:
-                end = JobState.CANCELLED
+                end, error = self._stopped(job.id)
                 break
             except Interrupted:
-                end, error = JobState.INTERRUPTED, "the server stopped while it ran; resume it"
+                end, error = JobState.INTERRUPTED, STOPPED_WHILE_RUNNING
                 break
             except JobGone as exc:
                 logger.info("job %s ends: %s", job.id, exc)
@@ -329,11 +330,18 @@ class JobRunner(JobRecords):
                 break
         else:
             if token.cancelled:
-                end = JobState.CANCELLED
+                end, error = self._stopped(job.id)
         final = self.job(job.id)
         if end is JobState.DONE and final.total and final.failed == final.total:
             end = JobState.FAILED  # every item failed: the items' errors say why
         self._update(job.id, state=end.value, current=None, error=error, finished=self.clock())
+
+    def _stopped(self, job_id: str) -> tuple[JobState, str | None]:
+        """How a job whose token was cancelled ends: cancelled by its user, or interrupted (resumable, as a dead
+        process's job) when this process's runner closed under it."""
+        if self._closed and not self.job(job_id).cancel:
+            return JobState.INTERRUPTED, STOPPED_WHILE_RUNNING
+        return JobState.CANCELLED, None
 
     @staticmethod
     def _record_failure(job_id: str, task: Task, failure: str) -> None:
@@ -387,7 +395,7 @@ def runner(data_dir: str | Path, workers: int = 1, clock: Callable[[], float] = 
 
 
 def release(jobs: JobRunner) -> None:
-    """One user fewer; the last one closes the runner (its jobs here are cancelled)."""
+    """One user fewer; the last one closes the runner (its jobs here are interrupted)."""
     with _runners_lock:
         jobs.users -= 1
         if jobs.users > 0:

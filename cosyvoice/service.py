@@ -256,8 +256,8 @@ class TTSService(ServiceModel, ServiceVoices):
                            self.model.engine.active_sessions, timeout)
 
     def cancel_all(self) -> None:
-        """Cancel every running request, as the service shuts down (thread-safe): their readers are told so
-        (:meth:`~cosyvoice.sessions.AsyncSynthesisSession.raise_if_shut_down`), and cut-short audio is no answer."""
+        """Cancel every running request, as the service shuts down (thread-safe): their readers' iterations raise
+        :class:`~cosyvoice.errors.CancelledByShutdown`: cut-short audio is no answer."""
         for ending in list(self._sessions):
             ending.cancel(shutdown=True)
 

@@ -91,6 +91,14 @@ class Ending:
         if self.feed is not None:
             self.feed.close()
 
+    def raise_if_shut_down(self) -> None:
+        """Chunks that stopped because the service shut down are no whole answer: their reader gets
+        :class:`CancelledByShutdown` (a 503 where it can still be said) instead of an end that looks complete."""
+        if self.shut_down:
+            error = CancelledByShutdown()
+            error._outcome_reported = True  # reported as cancelled when the chunks ended
+            raise error
+
     def finish(self, reason: str | None) -> bool:
         """End the request once (True the first time): the slot goes back, the outcome is reported."""
         with self._lock:
@@ -125,17 +133,12 @@ class _Session:
         """Thread-safe: the engine stops within one LLM step; a reader waiting for the next chunk returns."""
         self._ending.cancel()
 
-    def raise_if_shut_down(self) -> None:
-        """After the chunks ended: raise :class:`CancelledByShutdown` if the service's shutdown cancelled the
-        request, whose audio then stopped short; an adapter says so instead of answering as if it were whole."""
-        if self._ending.shut_down:
-            raise CancelledByShutdown
-
 
 class SynthesisSession(_Session, Iterator[AudioChunk]):
     """One admitted request's audio. Iterate for :class:`AudioChunk`; ``close()`` (or leaving a ``with``
     block, or dropping it) ends the request, cancels the engine session and frees the slot. ``cancel()``
-    may be called from any thread: the engine stops within one LLM step and the reader's iteration ends.
+    may be called from any thread: the engine stops within one LLM step and the reader's iteration ends (with
+    :class:`~cosyvoice.errors.CancelledByShutdown` when the service's shutdown cancelled it).
     A text-stream session takes its text through ``writer``."""
 
     _chunks: Iterator[AudioChunk]
@@ -145,8 +148,12 @@ class SynthesisSession(_Session, Iterator[AudioChunk]):
             raise StopIteration
         try:
             chunk = next(self._chunks)
+        except StopIteration:
+            self._finish(self._ending.reason(None))
+            self._ending.raise_if_shut_down()
+            raise
         except BaseException as exc:
-            self._finish(self._ending.reason(None if isinstance(exc, StopIteration) else exc))
+            self._finish(self._ending.reason(exc))
             raise
         return self._ending.passed(chunk)
 
@@ -174,7 +181,8 @@ class SynthesisSession(_Session, Iterator[AudioChunk]):
 
 class AsyncSynthesisSession(_Session, AsyncIterator[AudioChunk]):
     """One admitted request's audio on the event loop, with no thread of its own: the engine hands chunks to
-    the loop directly. ``cancel()`` works from any thread; ``aclose()`` ends the request."""
+    the loop directly. ``cancel()`` works from any thread; ``aclose()`` ends the request. As the sync session,
+    its iteration raises :class:`~cosyvoice.errors.CancelledByShutdown` when the service's shutdown cancelled it."""
 
     _chunks: AsyncIterator[AudioChunk]
     _reading = False  # a reader is waiting in ``__anext__``
@@ -188,6 +196,7 @@ class AsyncSynthesisSession(_Session, AsyncIterator[AudioChunk]):
             chunk = await self._chunks.__anext__()
         except StopAsyncIteration:
             ending.finish(ending.reason(None))
+            ending.raise_if_shut_down()
             raise
         except BaseException as exc:
             ending.cancel()

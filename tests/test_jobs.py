@@ -207,6 +207,23 @@ def test_a_running_batch_can_be_cancelled_and_keeps_its_takes(serve, tmp_path: P
         assert sorted(t["row"] for t in takes) == list(range(1, batch["done"] + 1))
 
 
+def test_a_batch_the_servers_shutdown_stops_is_interrupted_and_keeps_no_cut_short_take(
+        serve, service: TTSService, tmp_path: Path) -> None:
+    """The drain cancels the row being made: the batch ends ``interrupted`` (resumable), its finished rows kept,
+    and the cut-short row is no take (its session's iteration raises instead of ending as if whole)."""
+    import asyncio
+
+    rows = [{"text": "Hello there, my friend. " * 20, "voice": "Narrator", "seed": i} for i in range(1, 4)]
+    with httpx.Client(base_url=serve(tmp_path / "data"), timeout=60) as client:
+        batch_id = client.post("/workbench/api/batches", json={"rows": rows}).json()["id"]
+        until(lambda: service.active_sessions == 1, 60, "the first row being made")
+        asyncio.run(service.drain(grace_seconds=0))
+        batch = finished_batch(client, batch_id, 30)
+        assert (batch["state"], batch["done"], batch["failed"]) == ("interrupted", 0, 0), batch
+        assert batch["error"] == "the server stopped while it ran; resume it"
+        assert client.get("/workbench/api/takes", params={"batch": batch_id}).json()["takes"] == []
+
+
 def _written_bytes() -> int:
     """Bytes this process has passed to write() (Linux): every thread's, the job worker's included."""
     with open("/proc/self/io") as f:

@@ -380,9 +380,10 @@ def test_drain_refuses_new_requests_then_cancels_running_ones(tts, library: Voic
             await service.asynthesize(request)
         await asyncio.wait_for(drain, 10)
         assert tts.engine.active_sessions == 0  # the drain returns once the engine computes for nobody
-        rest = [chunk async for chunk in running]  # the engine stopped it: the iteration ends...
-        with pytest.raises(CancelledByShutdown, match="retry on another server"):
-            running.raise_if_shut_down()  # ...and its reader learns why: the audio is cut short
+        rest = []
+        with pytest.raises(CancelledByShutdown, match="retry on another server"):  # not an end that looks whole
+            async for chunk in running:
+                rest.append(chunk)
         return rest
 
     rest = asyncio.run(scenario())
@@ -395,9 +396,8 @@ def test_a_request_its_reader_cancels_is_not_reported_as_shut_down(service: TTSS
     request = SynthesisRequest(TEXT * 4, "cross_lingual", prompt_audio=short_prompt_wav.read_bytes(), seed=3)
     with service.synthesize(request) as session:
         next(session)
-        session.cancel()  # a Stop button, a client that hung up
+        session.cancel()  # a Stop button, a client that hung up: the iteration just ends, as its reader expects
         assert not any(chunk.final for chunk in session)
-        session.raise_if_shut_down()  # raises nothing: the reader knows why it stopped
 
 
 def test_an_unseeded_request_gets_the_one_seed_draw_below_2_53(service: TTSService, short_prompt_wav: Path) -> None:

@@ -355,7 +355,6 @@ def audio_stream(session: AsyncSynthesisSession, fmt: str | AudioFormat, headers
             data = encoder.encode(chunk.pcm)
             if data:
                 yield _sse_delta(data) if sse else data
-        session.raise_if_shut_down()
         tail = encoder.finish()
         if tail:
             yield _sse_delta(tail) if sse else tail
@@ -392,7 +391,6 @@ async def collect(session: AsyncSynthesisSession, receive: Receive) -> torch.Ten
         await session.aclose()
     if gone:
         return None
-    session.raise_if_shut_down()
     return torch.cat(pieces) if pieces else torch.zeros(0)
 
 

@@ -166,7 +166,6 @@ async def audio_stream_socket(ws: WebSocket) -> None:
         async for chunk in session:
             await send_audio(ws, encoder.encode(chunk.pcm), chunk)
             chunks, samples = chunks + 1, samples + chunk.pcm.numel()
-        session.raise_if_shut_down()
         await send_audio(ws, encoder.finish(), None)
         if problems:
             raise problems[0]
