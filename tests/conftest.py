@@ -85,6 +85,16 @@ def tiny_bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_bundle(tmp_path_factory.mktemp("bundle") / "tiny", seed=7, dims=TinyDims(dit_heads=2))
 
 
+@pytest.fixture(scope="session")
+def llm_graph_bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny bundle with LLM heads of 16 dimensions (hidden 32, two heads): the onnxruntime LLM step's attention
+    kernel takes multiples of 16 (``llm_step.supported``), the golden layout's heads have 4."""
+    from cosyvoice.tools.make_tiny_bundle import TinyDims, make_tiny_bundle
+
+    return make_tiny_bundle(tmp_path_factory.mktemp("bundle") / "tiny_llm_graph", seed=7,
+                            dims=TinyDims(dit_heads=2, hidden=32, heads=2))
+
+
 def _voiced_wav(path: Path, seconds: float, sr: int = 24000) -> Path:
     """A voiced, vowel-like signal: harmonics of a gliding F0 under a syllable envelope."""
     import numpy as np

@@ -109,9 +109,9 @@ def test_an_int8_graph_for_another_cpu_is_exported_again(tiny_bundle_dir: Path, 
     assert ensure_onnx(tiny_bundle_dir, "int8")["graphs"][name]["int8_weights"] == mine
 
 
-def test_auto_measures_the_onnxruntime_paths_and_keeps_its_choice(tiny_bundle_dir: Path, tmp_path: Path,
+def test_auto_measures_the_onnxruntime_paths_and_keeps_its_choice(llm_graph_bundle_dir: Path, tmp_path: Path,
                                                                   monkeypatch) -> None:
-    bundle = validate_model_dir(tiny_bundle_dir)
+    bundle = validate_model_dir(llm_graph_bundle_dir)
     features = fast.cpu_features()
     store = AutoStore(tmp_path / "auto.json")
     digest = {"value": "model-a"}

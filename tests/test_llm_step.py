@@ -1,4 +1,5 @@
-"""The LLM's Qwen2 stack as one onnxruntime graph per step (cosyvoice.backends.llm_step), on the tiny bundle.
+"""The LLM's Qwen2 stack as one onnxruntime graph per step (cosyvoice.backends.llm_step), on the tiny bundle with
+heads the graph's attention kernel takes (``llm_graph_bundle_dir``).
 
 Bounds against torch fp32 on the same weights:
 - the fp32 graph: hidden states within 1e-5 of torch (float rounding of another kernel order; measured ~1e-6)
@@ -22,14 +23,15 @@ from cosyvoice.backends import precision as fast
 from cosyvoice.backends.export import graph_file
 from cosyvoice.backends.quant import int8_weights, weight_matmuls
 from cosyvoice.bundle import validate_model_dir
+from cosyvoice.errors import ModelBundleError
 from cosyvoice.llm import CosyVoice3LM
 
 EXACT = 1e-5
 
 
 @pytest.fixture(scope="module")
-def models(tiny_bundle_dir: Path) -> dict[str, CosyVoice3LM]:
-    bundle = validate_model_dir(tiny_bundle_dir)
+def models(llm_graph_bundle_dir: Path) -> dict[str, CosyVoice3LM]:
+    bundle = validate_model_dir(llm_graph_bundle_dir)
     out = {"torch": bundle.load_llm()}
     for kind in fast.ORT_LLM:
         out[kind] = fast.apply_llm(bundle.load_llm(), kind, bundle.root)
@@ -87,22 +89,22 @@ def test_the_int8_graph_holds_the_llm_bound(models: dict[str, CosyVoice3LM]) -> 
 
 
 def test_the_int8_graph_quantises_every_weight_matmul_for_this_cpu(models: dict[str, CosyVoice3LM],
-                                                                   tiny_bundle_dir: Path) -> None:
-    """Every stored-weight MatMul of the stack (q, k, v, o, gate, up, down per layer) is int8, u8 or s8 as this
-    CPU's kernels need; the attention products stay float. (``models`` writes the graphs: this test reads them.)"""
-    onnx_dir = tiny_bundle_dir / "onnx"
-    layers = validate_model_dir(tiny_bundle_dir).config.llm.qwen.num_hidden_layers
-    assert len(weight_matmuls(onnx.load(str(onnx_dir / graph_file(llm_step.NAME))))) == 7 * layers
+                                                                   llm_graph_bundle_dir: Path) -> None:
+    """Every stored-weight MatMul of the stack (q/k/v packed, o, gate/up packed, down per layer) is int8, u8 or s8
+    as this CPU's kernels need. (``models`` writes the graphs: this test reads them.)"""
+    onnx_dir = llm_graph_bundle_dir / "onnx"
+    layers = validate_model_dir(llm_graph_bundle_dir).config.llm.qwen.num_hidden_layers
+    assert len(weight_matmuls(onnx.load(str(onnx_dir / graph_file(llm_step.NAME))))) == 4 * layers
     model = onnx.load(str(onnx_dir / graph_file(llm_step.NAME, "int8")))
     assert not weight_matmuls(model)
     expected = onnx.TensorProto.INT8 if int8_weights(fast.cpu_features()) == "s8" else onnx.TensorProto.UINT8
     quantised = {n.input[1] for n in model.graph.node if n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul")}
-    assert len(quantised) == 7 * layers
+    assert len(quantised) == 4 * layers
     assert {t.data_type for t in model.graph.initializer if t.name in quantised} == {expected}
 
 
-def test_a_changed_llm_is_exported_again(tiny_bundle_dir: Path, tmp_path: Path) -> None:
-    root = Path(shutil.copytree(tiny_bundle_dir, tmp_path / "bundle", ignore=shutil.ignore_patterns("onnx")))
+def test_a_changed_llm_is_exported_again(llm_graph_bundle_dir: Path, tmp_path: Path) -> None:
+    root = Path(shutil.copytree(llm_graph_bundle_dir, tmp_path / "bundle", ignore=shutil.ignore_patterns("onnx")))
     path = llm_step.ensure_step(validate_model_dir(root).load_llm().llm, root, "fp32")
     before = path.stat().st_mtime_ns
     assert llm_step.ensure_step(validate_model_dir(root).load_llm().llm, root, "fp32").stat().st_mtime_ns == before
@@ -118,21 +120,34 @@ def test_a_changed_llm_is_exported_again(tiny_bundle_dir: Path, tmp_path: Path) 
         assert (ran.llm(seq) - lm.llm(seq)).abs().max() <= EXACT  # the graph follows the new weights
 
 
-def test_the_engine_decodes_through_the_graph(tts, tiny_bundle_dir: Path, tmp_path: Path,
+def test_the_engine_decodes_through_the_graph(llm_graph_bundle_dir: Path, tmp_path: Path,
                                               short_prompt_wav: Path) -> None:
     """The scheduler's prefills and batched steps on the fp32 graph give the torch engine's audio (same seed,
     streamed and whole): the runner reads and writes the scheduler's own KV cache."""
     from cosyvoice.cli.cosyvoice import CosyVoice3
 
-    graphed = CosyVoice3(tiny_bundle_dir, device="cpu", voice_dir=tmp_path, backend="torch", precision="fp32")
+    models = [CosyVoice3(llm_graph_bundle_dir, device="cpu", voice_dir=tmp_path / name, backend="torch",
+                         precision="fp32") for name in ("torch", "graphed")]
     try:
-        fast.apply_llm(graphed.engine.llm, "onnxruntime", tiny_bundle_dir)
+        fast.apply_llm(models[1].engine.llm, "onnxruntime", llm_graph_bundle_dir)
         for stream in (True, False):
             pcm = []
-            for model in (tts, graphed):
+            for model in models:
                 voice = model.frontend.voice("<|endofprompt|>a prompt", short_prompt_wav)
                 inp = model.frontend.model_input("Some words to speak.", voice)
                 pcm.append(torch.cat([c.pcm for c in model.engine.synthesize(inp, stream=stream, seed=3)]))
             assert pcm[0].shape == pcm[1].shape and (pcm[0] - pcm[1]).abs().max() <= 1e-3
     finally:
-        graphed.engine.close()
+        for model in models:
+            model.engine.close()
+
+
+def test_a_stack_the_graph_cannot_run_is_left_to_torch(tiny_bundle_dir: Path) -> None:
+    """The golden layout's 4-dimensional heads are not the attention kernel's: the graph is refused, auto leaves
+    its candidates out."""
+    lm = validate_model_dir(tiny_bundle_dir).load_llm()
+    assert not llm_step.supported(lm.llm.cfg)
+    with pytest.raises(ModelBundleError, match="multiple of 16"):
+        llm_step.ensure_step(lm.llm, tiny_bundle_dir, "fp32")
+    kind, _, checks = fast.check_llm(lm, tuple(fast.ORT_LLM), tiny_bundle_dir)
+    assert kind == "fp32" and set(checks) == {"llm_fp32"}

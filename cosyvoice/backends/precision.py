@@ -387,9 +387,11 @@ def check_llm(llm: torch.nn.Module, paths: tuple[str, ...], model_root: Path | N
     """(the LLM's path, the LLM, every candidate's measurements against fp32 on its weights): :func:`fastest` of
     ``paths`` (timed on the same check, the better of two runs), else fp32 (the module given). An onnxruntime
     candidate (:data:`ORT_LLM`) is a shadow running the step graph; the stack's torch weights are freed only
-    when it wins."""
-    from cosyvoice.backends.llm_step import attach_step, release_stack
+    when it wins. The step graph's candidates are left out where it cannot run the stack (:func:`~cosyvoice.
+    backends.llm_step.supported`)."""
+    from cosyvoice.backends.llm_step import attach_step, release_stack, supported
 
+    paths = tuple(k for k in paths if k not in ORT_LLM or supported(llm.llm.cfg))
     started = time.perf_counter()
     lm_input, forced = _synthetic_llm_input(llm)
     seq, start = forced_sequence(llm, lm_input, forced)
