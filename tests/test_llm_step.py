@@ -44,10 +44,12 @@ def _sequences(lm: CosyVoice3LM, n: int = 20) -> torch.Tensor:
 
 @torch.inference_mode()
 def _stepped(lm: CosyVoice3LM, seq: torch.Tensor, prefill: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden states of a prefill then single steps [T - prefill + 1, H], the cache written)."""
+    """(hidden states of a prefill, a second one over its past (a text stream's next piece), then single steps,
+    the cache written)."""
     cache = lm.llm.new_cache(1, seq.shape[1])
-    hidden = [lm.decode_step(seq[:, :prefill], 0, cache)[0]]
-    hidden += [lm.decode_step(seq[:, i:i + 1], i, cache)[0] for i in range(prefill, seq.shape[1])]
+    hidden = [lm.decode_step(seq[:, :prefill], 0, cache)[0], lm.decode_step(seq[:, prefill:prefill + 4], prefill,
+                                                                             cache)[0]]
+    hidden += [lm.decode_step(seq[:, i:i + 1], i, cache)[0] for i in range(prefill + 4, seq.shape[1])]
     return torch.cat(hidden), cache.k
 
 
