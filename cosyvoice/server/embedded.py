@@ -167,7 +167,9 @@ class EmbeddedBridge:
                 service = self.state.service()
                 with service.synthesize(request, cancel=cancel, owner=self._owner(authorization)) as session:
                     pieces = [chunk.pcm for chunk in session]
-            if cancel.cancelled:  # by the drain (a client that left hears nothing); the session counted it
+            # the Rust front cancelled its token (the client left, or its connection closed at shutdown): no
+            # whole answer, and nobody hears it; the service's own drain raises from the session instead
+            if cancel.cancelled:  # the session counted it
                 cancelled = CancelledByShutdown()
                 cancelled._outcome_reported = True
                 raise cancelled
