@@ -23,6 +23,7 @@ import torch
 from cosyvoice.backends import ensure_onnx
 from cosyvoice.backends.export import ATOL, MANIFEST, OPSET, RTOL, VOCODER_RTOL, export_onnx, parity_table, sha256_file
 from cosyvoice.backends.graphs import DFTSpectral, modulation_inputs
+from cosyvoice.backends.quant import fuse_gelu
 from cosyvoice.bundle import validate_model_dir
 
 
@@ -68,6 +69,29 @@ def test_graphs_have_dynamic_batch_and_time_axes(exported: tuple[Path, dict], ti
     got = session.run(None, {"x": x.numpy(), "mu": mu.numpy(), **time, "spks": spks.numpy(),
                              "cond": cond.numpy(), "mask": mask.numpy()})[0]
     assert np.abs(got - ref.numpy()).max() <= ATOL + RTOL * ref.abs().max().item()
+
+
+def test_the_int8_graphs_run_one_fused_gelu_per_block(exported: tuple[Path, dict], tiny_bundle_dir: Path) -> None:
+    """The int8 DiT graphs' tanh GELUs are onnxruntime FastGelu nodes, and fusing them moves the fp32 graph's
+    velocity by float rounding only."""
+    out, _ = exported
+    depth = len(validate_model_dir(tiny_bundle_dir).load_flow().decoder.estimator.transformer_blocks)
+    for name in ("flow_estimator", "flow_estimator_cached"):
+        ops = [n.op_type for n in onnx.load(str(out / f"{name}.int8.onnx"), load_external_data=False).graph.node]
+        assert ops.count("FastGelu") == depth, name
+    plain = onnx.load(str(out / "flow_estimator.fp32.onnx"))
+    g = torch.Generator().manual_seed(2)
+    x, mu, cond = (torch.randn(2, 80, 23, generator=g).numpy() for _ in range(3))
+    dit = validate_model_dir(tiny_bundle_dir).load_flow().decoder.estimator
+    with torch.inference_mode():
+        time = {k: v.numpy() for k, v in modulation_inputs(dit.modulation(torch.tensor([0.3, 0.3]))).items()}
+    feed = {"x": x, "mu": mu, **time, "spks": torch.randn(2, 80, generator=g).numpy(), "cond": cond,
+            "mask": dit.attention_mask(23, streaming=True, device=torch.device("cpu")).numpy()}
+    want = ort.InferenceSession(plain.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    fused = fuse_gelu(plain)
+    assert [n.op_type for n in fused.graph.node].count("FastGelu") == depth
+    got = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
 def test_dft_basis_stft_and_istft_equal_torch() -> None:

@@ -6,11 +6,13 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cosyvoice.config import CFMConfig, DiTConfig, FlowConfig
 from cosyvoice.errors import ResourceLimitError
 from cosyvoice.flow import CausalMaskedDiffWithDiT
 from cosyvoice.flow.dit import DiT, chunk_causal_mask
+from cosyvoice.flow.dit_cache import PastFrames, attend_past
 from cosyvoice.flow.model import FlowStream
 from cosyvoice.tools.parity import flow as flow_parity
 from cosyvoice.tools.parity.tolerances import FLOW_MEL_ATOL
@@ -94,6 +96,21 @@ def test_chunk_mask_structure() -> None:
     expected = torch.tensor([[1, 1, 1, 0, 0, 0, 0]] * 3 + [[1, 1, 1, 1, 1, 1, 0]] * 3 + [[1] * 7], dtype=torch.bool)
     assert torch.equal(mask, expected)
     assert torch.equal(chunk_causal_mask(7, 3, first_query=4), expected[4:])
+
+
+@pytest.mark.parametrize("past", [CHUNK, 3 * CHUNK])
+def test_attention_over_a_kept_past_equals_attention_over_all_frames(past: int) -> None:
+    """The cached graph's attention (past and new score blocks, the new frames' mask as a -inf bias, shifted scores
+    clamped before exp) equals SDPA over past + new under the chunk mask, masked keys included."""
+    g = torch.Generator().manual_seed(4)
+    new = 2 * CHUNK + 3  # two whole chunks and a partial one: the new frames mask each other
+    q, k, v = (torch.randn(2, 4, new, 16, generator=g) * 3 for _ in range(3))
+    pk, pv = (torch.randn(2, 4, past, 16, generator=g) * 3 for _ in range(2))
+    mask = chunk_causal_mask(past + new, CHUNK, first_query=past)
+    assert not mask[:, past:].all()
+    got = attend_past(q, k, v, PastFrames(pk, pv), mask)
+    want = F.scaled_dot_product_attention(q, torch.cat((pk, k), 2), torch.cat((pv, v), 2), attn_mask=mask)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_first_chunk_of_streaming_equals_full_attention_on_it(flow) -> None:

@@ -45,8 +45,9 @@ OPSET = 18
 MANIFEST = "manifest.json"
 # bump when the graphs' interface changes: stale exports are then redone (and auto measures again,
 # auto_store.machine_key). 2: flow_estimator_cached returns only the new frames' keys/values; 3: its int8 variant
-# takes and returns them in float16 (quant.half_cache); 4: the DiT graphs take the time's AdaLN modulation, not t
-FORMAT = 4
+# takes and returns them in float16 (quant.half_cache); 4: the DiT graphs take the time's AdaLN modulation, not t;
+# 5: the same interface, redone for speed: the attention's mask as a bias (dit_cache.attend_past), the int8 GELUs fused
+FORMAT = 5
 # Parity bound of onnxruntime-CPU against PyTorch (fp32): max |diff| <= ATOL + RTOL * max |reference|.
 # Both run float32 kernels in a different order (fused attention, folded weight norm, the DFT as a conv):
 # the DiT differs by ~1e-6 relative. The vocoder turns a predicted log-magnitude into a magnitude with exp(),

@@ -70,17 +70,29 @@ class PastFrames(NamedTuple):
     v: Tensor
 
 
+#: how far below its row's top score a score is clamped before exp(): e^-80 (~1.8e-35) is beneath float32's
+#: resolution of the softmax's sum, which is at least 1 (the top's own term). onnxruntime-CPU's exp() takes a slow
+#: path wherever its result underflows (~18x per element, docs/perf.md), as every masked score's (-inf) does
+SCORE_FLOOR = -80.0
+
+
 def attend_past(q: Tensor, k: Tensor, v: Tensor, past: PastFrames, mask: Tensor) -> Tensor:
     """Attention of ``q`` over ``past`` then ``k``/``v`` (the new frames) under the boolean ``mask`` [n, L + n],
     without joining keys, values or scores: one softmax over both score blocks, shifted by their common maximum
     (onnxruntime-CPU: ~25% less than concatenating the scores at 3000 past frames, docs/perf.md). The softmax is
-    float32 whatever the products' dtype, as autocast keeps it in the fp16 graphs."""
+    float32 whatever the products' dtype, as autocast keeps it in the fp16 graphs.
+
+    Only the mask's columns of the new frames are read: the past is finished chunks, which every query of a
+    chunk-causal or full mask sees. The new frames' mask enters as an additive bias (0 or -inf; onnxruntime's
+    ``Where`` over the broadcast scores costs ~6x its ``Add``), and their shifted scores are clamped at
+    :data:`SCORE_FLOOR` before exp(), so a masked key weighs e^-80 of the top one instead of exactly 0."""
     length = past.k.shape[2]
     q = q * q.shape[-1] ** -0.5
-    old = (q @ past.k.transpose(-1, -2)).float().masked_fill(~mask[:, :length], float("-inf"))
-    new = (q @ k.transpose(-1, -2)).float().masked_fill(~mask[:, length:], float("-inf"))
+    bias = torch.where(mask[:, length:], 0.0, float("-inf"))
+    old = (q @ past.k.transpose(-1, -2)).float()
+    new = (q @ k.transpose(-1, -2)).float() + bias
     top = torch.maximum(old.amax(-1, keepdim=True), new.amax(-1, keepdim=True))  # an empty past's max is -inf
-    old, new = (old - top).exp(), (new - top).exp()
+    old, new = (old - top).exp(), (new - top).clamp_min(SCORE_FLOOR).exp()
     return (old @ past.v + new @ v) / (old.sum(-1, keepdim=True) + new.sum(-1, keepdim=True))
 
 
