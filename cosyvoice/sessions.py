@@ -58,6 +58,7 @@ class Ending:
         self.feed: TextFeed | None = None  # a text stream's input, set before its session is made
         self.first: float | None = None
         self.samples = 0
+        self.finals = 0  # segments whose last chunk the reader got
         self.done = False
         self.shut_down = False  # cancelled by the service's shutdown, not by its reader
         self._lock = threading.Lock()
@@ -73,13 +74,21 @@ class Ending:
         if chunk.pcm.numel() and self.first is None:
             self.first = time.perf_counter() - self.started
         self.samples += chunk.pcm.numel()
+        self.finals += chunk.final
         return chunk
+
+    @property
+    def complete(self) -> bool:
+        """The reader got every segment's last chunk: the audio is whole, whatever cancel comes after it. A text
+        stream's segments are not known in advance: never complete by this count."""
+        segments = self.prepared.segments
+        return bool(segments) and self.finals >= len(segments)
 
     def reason(self, exc: BaseException | None) -> str | None:
         """The outcome of chunks that stopped: with ``exc``, the error they raised (marked as reported: adapters
         that report errors they catch skip it); without, their end (cancelled if the token was)."""
         if exc is None:
-            return "cancelled" if self.token.cancelled else None
+            return "cancelled" if self.token.cancelled and not self.complete else None
         with contextlib.suppress(AttributeError):
             exc._outcome_reported = True
         return failure_reason(exc)
@@ -93,8 +102,9 @@ class Ending:
 
     def raise_if_shut_down(self) -> None:
         """Chunks that stopped because the service shut down are no whole answer: their reader gets
-        :class:`CancelledByShutdown` (a 503 where it can still be said) instead of an end that looks complete."""
-        if self.shut_down:
+        :class:`CancelledByShutdown` (a 503 where it can still be said) instead of an end that looks complete; a
+        request whose last chunk was already read is whole, and ends as such."""
+        if self.shut_down and not self.complete:
             error = CancelledByShutdown()
             error._outcome_reported = True  # reported as cancelled when the chunks ended
             raise error

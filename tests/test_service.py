@@ -391,6 +391,24 @@ def test_drain_refuses_new_requests_then_cancels_running_ones(tts, library: Voic
     assert service.active_sessions == 0 and "cancelled" in [o.reason for o in seen]
 
 
+def test_a_request_whose_last_chunk_was_read_ends_whole_when_the_shutdown_lands_after_it(
+        service: TTSService, short_prompt_wav: Path) -> None:
+    """The drain's cancel can land between the last chunk and the reader's next call: the audio is whole, so the
+    iteration ends (a server answers 200, a batch keeps the take) and the outcome is not a cancel."""
+    seen: list[Outcome] = []
+    service.add_listener(seen.append)
+    request = SynthesisRequest(TEXT, "cross_lingual", prompt_audio=short_prompt_wav.read_bytes(), seed=3,
+                               stream=True)
+    with service.synthesize(request) as session:
+        chunks = [next(session)]
+        while not chunks[-1].final:
+            chunks.append(next(session))
+        assert len(session.prepared.segments) == 1
+        service.cancel_all()
+        assert list(session) == []  # no CancelledByShutdown
+    assert [o.reason for o in seen] == [None]
+
+
 def test_a_request_its_reader_cancels_is_not_reported_as_shut_down(service: TTSService,
                                                                    short_prompt_wav: Path) -> None:
     request = SynthesisRequest(TEXT * 4, "cross_lingual", prompt_audio=short_prompt_wav.read_bytes(), seed=3)
