@@ -115,6 +115,31 @@ def _stream(flow: object, hift: object, inputs: tuple) -> tuple[torch.Tensor, to
     return torch.cat(mels, dim=2), torch.cat(wavs, dim=1)
 
 
+def test_only_a_streams_chunk_calls_keep_onnxruntimes_arena(modules: dict, flow_inputs: tuple) -> None:
+    """A stream's chunk calls leave onnxruntime's CPU arena to the next one (faulting it in afresh cost the int8
+    DiT's chunk steps 5 %); a call without a past (a whole utterance's, this stream's first) hands it back."""
+    flow = modules["flow_int8"]
+    runner, seen = flow.decoder.estimator.runner, []
+    graph = runner.cached
+
+    class Recording:
+        def run(self, inputs: dict, outputs: dict, bounded: bool = False) -> None:
+            seen.append((inputs["mask"].shape[1] > inputs["x"].shape[2], bounded))
+            graph.run(inputs, outputs, bounded)
+
+    tok, ptok, pfeat, emb = flow_inputs
+    hop = flow.decoder.estimator.chunk_size // flow.cfg.token_mel_ratio
+    runner.cached = Recording()
+    try:
+        stream = FlowStream(flow, ptok, pfeat, emb)
+        for lo in range(0, tok.shape[1], hop):
+            stream.inference(tok[:, lo:lo + hop], finalize=lo + hop >= tok.shape[1])
+    finally:
+        runner.cached = graph
+    assert {past for past, _ in seen} == {False, True}  # the first call and the last (the reference's, whole)
+    assert all(bounded == past for past, bounded in seen)
+
+
 def test_incremental_streams_work_on_onnxruntime(modules: dict, flow_inputs: tuple) -> None:
     """FlowStream (cached DiT graph with per-chunk K/V) and HiFTStream (bounded window) on onnxruntime."""
     mel, wav = _stream(modules["flow"], modules["hift"], flow_inputs)

@@ -24,7 +24,7 @@ from cosyvoice.hifigan.generator import CausalHiFTGenerator
 
 
 class Graph(Protocol):
-    def run(self, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None: ...
+    def run(self, inputs: dict[str, Tensor], outputs: dict[str, Tensor], bounded: bool = False) -> None: ...
 
 
 class GraphEstimator:
@@ -42,6 +42,7 @@ class GraphEstimator:
         self.dim = dit.proj_out.in_features
         self.mel_dim = dit.proj_out.out_features
         self.context = dit.input_embed.conv_pos_embed.context
+        self.chunk_frames = 4 * dit.chunk_size  # a stream's chunk call (a chunk or two and the look-ahead) is fewer
 
     @staticmethod
     def _inputs(x: Tensor, mu: Tensor, mod: Modulation, spks: Tensor, cond: Tensor, mask: Tensor) -> dict[str, Tensor]:
@@ -77,7 +78,7 @@ class GraphEstimator:
             inputs[f"cache_k_{i}"], inputs[f"cache_v_{i}"] = buffer_of(k), buffer_of(v)
             outputs[f"new_k_{i}"] = torch.empty(batch, self.heads, n, self.dim_head, **kv_type)
             outputs[f"new_v_{i}"] = torch.empty(batch, self.heads, n, self.dim_head, **kv_type)
-        self.cached.run(inputs, outputs)
+        self.cached.run(inputs, outputs, bounded=past is not None and n <= self.chunk_frames)
         present = [(outputs[f"new_k_{i}"], outputs[f"new_v_{i}"]) for i in range(self.depth)]
         if past is not None:  # at the start they are the outputs: a whole-utterance call copies nothing
             present = [(append_frames(k, new_k), append_frames(v, new_v))

@@ -149,7 +149,8 @@ class TrtGraph:
                 raise ModelBundleError(f"TensorRT could not load {self.plan_path}; delete it to rebuild")
             self.context = self.engine.create_execution_context()
 
-    def run(self, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
+    def run(self, inputs: dict[str, Tensor], outputs: dict[str, Tensor], bounded: bool = False) -> None:
+        """Run on the current CUDA stream (``bounded`` is the CPU arena's concern: see :meth:`OrtGraph.run`)."""
         held = []
         for name, tensor in inputs.items():
             tensor = tensor.contiguous()
