@@ -37,35 +37,73 @@ def _cpu_seconds(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
+#: the DiT's projection shapes the GEMM peaks are measured at: 2 x 100 frames (a first chunk's CFG pair) by the
+#: 1024 x 1024 and 1024 x 2048 projections, and 2 x 450 (a final call) by 1024 x 1024
+GEMM_SHAPES = {"200x1024x1024": (200, 1024, 1024), "200x1024x2048": (200, 1024, 2048),
+               "900x1024x1024": (900, 1024, 1024)}
+
+
 def machine_floor() -> dict[str, float]:
-    """One thread's fp32 GEMM peak at the DiT's shapes (2 x 100 frames by the 1024 x 1024 and 1024 x 2048
-    projections, the best of them) and its GEMV read bandwidth over a 256 MB weight."""
+    """One thread's fp32 GEMM peak at the DiT's shapes (:data:`GEMM_SHAPES`, the best of them), its int8 GEMM peak
+    at the same shapes (:func:`int8_gemm_gops`) and its GEMV read bandwidth over a 256 MB weight."""
     torch.set_num_threads(1)
     out: dict[str, float] = {}
-    for name, (m, k, n) in {"gemm_200x1024x1024": (200, 1024, 1024), "gemm_200x1024x2048": (200, 1024, 2048),
-                            "gemm_900x1024x1024": (900, 1024, 1024)}.items():
+    for name, (m, k, n) in GEMM_SHAPES.items():
         a, b = torch.randn(m, k), torch.randn(k, n)
         seconds = _cpu_seconds(lambda a=a, b=b: [a @ b for _ in range(10)], 3) / 10
-        out[f"{name}_gflops"] = 2 * m * k * n / seconds / 1e9
+        out[f"gemm_{name}_gflops"] = 2 * m * k * n / seconds / 1e9
     out["gemm_peak_gflops"] = max(v for k, v in out.items() if k.startswith("gemm_"))
+    for name, shape in GEMM_SHAPES.items():
+        out[f"int8_gemm_{name}_gops"] = int8_gemm_gops(*shape)
+    out["int8_gemm_peak_gops"] = max(v for k, v in out.items() if k.startswith("int8_gemm_"))
     w, x = torch.randn(8192, 8192), torch.randn(8192)
     seconds = _cpu_seconds(lambda: [torch.mv(w, x) for _ in range(5)], 3) / 5
     out["gemv_gb_per_s"] = w.numel() * 4 / seconds / 1e9
     return out
 
 
+def int8_gemm_gops(m: int, k: int, n: int) -> float:
+    """One thread's int8 multiply-adds per second (as 2 ops each) of onnxruntime's ``MatMulInteger`` at [m, k] x
+    [k, n]: the kernel the int8 graphs' projections run, u8 activations by the weight type the int8 DiT stores on
+    this CPU (:func:`~cosyvoice.backends.quant.int8_weights`: s8 with VNNI, else u8), int32 out."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from cosyvoice.backends.cpu import cpu_features
+    from cosyvoice.backends.quant import int8_weights
+
+    rng = np.random.default_rng(0)
+    signed = int8_weights(cpu_features()) == "s8"
+    b = rng.integers(-128 if signed else 0, 128 if signed else 256, (k, n)).astype(np.int8 if signed else np.uint8)
+    graph = helper.make_graph([helper.make_node("MatMulInteger", ["a", "b"], ["y"])], "int8_gemm",
+                              [helper.make_tensor_value_info("a", TensorProto.UINT8, [m, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.INT32, [m, n])],
+                              [numpy_helper.from_array(b, "b")])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    a = rng.integers(0, 256, (m, k)).astype(np.uint8)
+    seconds = _cpu_seconds(lambda: [session.run(None, {"a": a}) for _ in range(10)], 3) / 10
+    return 2 * m * k * n / seconds / 1e9
+
+
 def dit_step_work(dit: torch.nn.Module, new: int, past: int, batch: int = 2) -> dict[str, float]:
-    """FLOPs of one DiT call over ``new`` frames after ``past`` cached ones (a CFG pair), and the bytes of AdaLN
-    weights it reads when it recomputes the modulation."""
+    """FLOPs of one DiT call over ``new`` frames after ``past`` cached ones (a CFG pair), of them its projections'
+    (the int8 graph's int8 work; the attention products and the position convs stay float32), and the bytes of
+    AdaLN weights it reads when it recomputes the modulation."""
     block = dit.transformer_blocks[0]
     dim, inner = dit.proj_out.in_features, block.attn.heads * block.attn.dim_head
     ff = block.ff.ff[0][0].out_features
     conv = dit.input_embed.conv_pos_embed.conv1[0]
-    per_block = 2 * new * (3 * dim * inner + inner * dim + 2 * dim * ff) + 4 * new * (past + new) * inner
+    projections = 2 * new * (3 * dim * inner + inner * dim + 2 * dim * ff)
+    per_block = projections + 4 * new * (past + new) * inner
     convs = 2 * 2 * new * dim * (dim // conv.groups) * conv.kernel_size[0]
-    flops = batch * (len(dit.transformer_blocks) * per_block + convs)
+    depth = len(dit.transformer_blocks)
+    flops = batch * (depth * per_block + convs)
     adaln = sum(b.attn_norm.linear.weight.numel() for b in dit.transformer_blocks) * 4
-    return {"gflop": flops / 1e9, "adaln_gb": adaln / 1e9}
+    return {"gflop": flops / 1e9, "int8_gflop": batch * depth * projections / 1e9, "adaln_gb": adaln / 1e9}
 
 
 @torch.inference_mode()
@@ -140,7 +178,8 @@ def llm_work(lm: torch.nn.Module) -> dict[str, float]:
     attn = stack.layers[0].self_attn
     attention = 2 * len(stack.layers) * PREFILL * PREFILL * attn.n_heads * attn.head_dim  # QK and AV, half masked
     return {"decode_gb_fp32": 4 * (linear_params + other) / 1e9, "decode_gb_int8": (linear_params + 4 * other) / 1e9,
-            "prefill_gflop": (2 * PREFILL * (linear_params + lm.llm_decoder.weight.numel()) + attention) / 1e9}
+            "prefill_gflop": (2 * PREFILL * (linear_params + lm.llm_decoder.weight.numel()) + attention) / 1e9,
+            "prefill_int8_gflop": 2 * PREFILL * linear_params / 1e9}
 
 
 def _llm_path(ref: torch.nn.Module, kind: str, model_dir: Path) -> torch.nn.Module:
@@ -204,15 +243,19 @@ def vocoder_path(model_dir: Path, seconds: int = 2) -> dict[str, float]:
 
 def stage_floor_table(floor: dict[str, float], llm: dict[str, dict[str, float]], vocoder: dict[str, float]) -> str:
     """The LLM's paths and the vocoder against this machine's floor: decode per token = its weight bytes over
-    the GEMV bandwidth, prefill and vocoder = their FLOPs over the GEMM peak."""
+    the GEMV bandwidth, prefill and vocoder = their FLOPs over the GEMM peak of their precision (an int8 path's
+    stack linears over the int8 peak, the rest over the fp32 one)."""
     work, peak, bandwidth = llm["_work"], floor["gemm_peak_gflops"], floor["gemv_gb_per_s"]
+    int8_prefill = work["prefill_int8_gflop"] / floor["int8_gemm_peak_gops"] + \
+        (work["prefill_gflop"] - work["prefill_int8_gflop"]) / peak
     rows = ["| stage, path (1 thread) | measured CPU s | floor s | floor / measured | LLM KL vs fp32 (nats) |",
             "| --- | --- | --- | --- | --- |"]
     for name, row in llm.items():
         if name == "_work":
             continue
         weights = "decode_gb_int8" if "int8" in name else "decode_gb_fp32"
-        for label, seconds, floor_s in (("prefill, 160 positions", row["prefill s"], work["prefill_gflop"] / peak),
+        prefill = int8_prefill if "int8" in name else work["prefill_gflop"] / peak
+        for label, seconds, floor_s in (("prefill, 160 positions", row["prefill s"], prefill),
                                         ("decode, per token", row["decode s per token"], work[weights] / bandwidth)):
             rows.append(f"| LLM {label}, {name} | {seconds:.4f} | {floor_s:.4f} | {floor_s / seconds:.2f} | "
                         f"{row['llm_kl_mean']:.2e} |")
@@ -223,9 +266,10 @@ def stage_floor_table(floor: dict[str, float], llm: dict[str, dict[str, float]],
 
 
 def floor_table(floor: dict[str, float], paths: dict[str, dict[str, float]]) -> str:
-    """Per path and shape: seconds per step, the step's floor, the fraction of the floor reached."""
+    """Per path and shape: seconds per step, the step's floor (the int8 graph's projections over the int8 GEMM
+    peak, the rest of its work over the fp32 one), the fraction of the floor reached."""
     work = paths["_work"]
-    peak, bandwidth = floor["gemm_peak_gflops"], floor["gemv_gb_per_s"]
+    peak, bandwidth, int8_peak = floor["gemm_peak_gflops"], floor["gemv_gb_per_s"], floor["int8_gemm_peak_gops"]
     rows = ["| DiT path (1 thread, per Euler step) | shape | CPU s | floor s | floor / measured | mel rel. RMS "
             "| mel max abs |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, row in paths.items():
@@ -236,7 +280,8 @@ def floor_table(floor: dict[str, float], paths: dict[str, dict[str, float]]) -> 
                 continue
             label = key[:-2]
             reads = work[f"{label} adaln_gb"] / bandwidth if name.endswith("(before)") else 0.0
-            floor_s = work[f"{label} gflop"] / peak + reads
+            int8 = work[f"{label} int8_gflop"] if name.endswith("int8") else 0.0
+            floor_s = int8 / int8_peak + (work[f"{label} gflop"] - int8) / peak + reads
             rms, mx = row.get("mel_rel_rms"), row.get("mel_max_abs")
             rows.append(f"| {name} | {label} | {seconds:.3f} | {floor_s:.3f} | {floor_s / seconds:.2f} | "
                         f"{'' if rms is None else f'{rms:.2e}'} | {'' if mx is None else f'{mx:.2e}'} |")
