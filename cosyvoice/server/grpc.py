@@ -244,7 +244,10 @@ class GrpcServer:
             raise ConfigError(f"cannot listen on {host}:{port} ({exc}); is another server using the port?") from exc
         self.address = f"{host}:{self.port}"
         self._metrics_server = None
+        before = set(threading.enumerate())
         self.server.start()
+        # grpc's serving thread (a daemon), which :meth:`stop` joins
+        self._serving = [t for t in threading.enumerate() if t not in before and t.daemon]
 
     def serve(self, service: TTSService) -> None:
         """Start answering with ``service``; health turns SERVING."""
@@ -256,6 +259,10 @@ class GrpcServer:
         the engine has let go of them (:meth:`TTSService.settle`)."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        # the serving thread signals the stop, then still frees grpc's objects in C++: a process exiting meanwhile
+        # ends it there, inside a noexcept frame, and aborts ("terminate called without an active exception")
+        for thread in self._serving:
+            thread.join(timeout=10)
         if self.servicer.service is not None:
             self.servicer.service.settle()
         if self._metrics_server is not None:
