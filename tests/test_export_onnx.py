@@ -75,14 +75,14 @@ def test_the_int8_graphs_run_one_fused_gelu_per_block(exported: tuple[Path, dict
     """The int8 DiT graphs' tanh GELUs are onnxruntime FastGelu nodes, and fusing them moves the fp32 graph's
     velocity by float rounding only."""
     out, _ = exported
-    depth = len(validate_model_dir(tiny_bundle_dir).load_flow().decoder.estimator.transformer_blocks)
+    dit = validate_model_dir(tiny_bundle_dir).load_flow().decoder.estimator
+    depth = len(dit.transformer_blocks)
     for name in ("flow_estimator", "flow_estimator_cached"):
         ops = [n.op_type for n in onnx.load(str(out / f"{name}.int8.onnx"), load_external_data=False).graph.node]
         assert ops.count("FastGelu") == depth, name
     plain = onnx.load(str(out / "flow_estimator.fp32.onnx"))
     g = torch.Generator().manual_seed(2)
     x, mu, cond = (torch.randn(2, 80, 23, generator=g).numpy() for _ in range(3))
-    dit = validate_model_dir(tiny_bundle_dir).load_flow().decoder.estimator
     with torch.inference_mode():
         time = {k: v.numpy() for k, v in modulation_inputs(dit.modulation(torch.tensor([0.3, 0.3]))).items()}
     feed = {"x": x, "mu": mu, **time, "spks": torch.randn(2, 80, generator=g).numpy(), "cond": cond,

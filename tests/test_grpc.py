@@ -227,7 +227,8 @@ def test_busy_is_resource_exhausted(tts, service: TTSService, saved_voice) -> No
 
 
 def test_stop_returns_once_the_engine_let_go_of_the_cancelled_streams(tts, service: TTSService, saved_voice) -> None:
-    """A process exits after ``stop``: the engine must not still compute a cancelled stream's chunk then,"""
+    """A process exits after ``stop``: the engine must not still compute a cancelled stream's chunk then, nor
+    grpc's serving thread still free its C++ objects (an exit then aborts the process)."""
     srv = GrpcServer("127.0.0.1", 0, max_streams=2)
     srv.serve(service)
     with grpc.insecure_channel(srv.address) as ch:
@@ -236,7 +237,6 @@ def test_stop_returns_once_the_engine_let_go_of_the_cancelled_streams(tts, servi
         next(running)  # streaming
         srv.stop(0)
         assert tts.engine.active_sessions == 0
-        # nor grpc's serving thread still in its C++ teardown (an exit then aborts the process)
         assert srv._serving and not any(thread.is_alive() for thread in srv._serving)
 
 
