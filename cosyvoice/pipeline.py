@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from cosyvoice.backends import attach_flow, attach_hift, resolve_backend
+from cosyvoice.backends import attach_flow, attach_hift, attach_llm, resolve_backend
 from cosyvoice.backends import precision as fast
 from cosyvoice.bundle import bundle_digest, open_model_dir
 from cosyvoice.engine import AudioChunk, CancelToken, ChunkSchedule, Engine
@@ -75,11 +75,12 @@ class Model:
              limits: Limits | None = None, download_root: str | Path = "pretrained_models",
              backend: str | None = None, precision: str | None = None, prompt_cache: bool | None = None) -> Model:
         """A local model folder or a ModelScope id; half precision only on CUDA (the reference ignores it on CPU).
-        ``backend`` runs the flow estimator and the vocoder on torch, onnxruntime or tensorrt (None:
-        ``COSYVOICE_BACKEND``, else automatic; :mod:`cosyvoice.backends`). ``precision`` chooses fp32, bf16 or
-        int8 weights for the LLM and the DiT on a CPU, or ``auto`` (None: ``COSYVOICE_PRECISION``, else fp32;
-        :mod:`cosyvoice.backends.precision`). ``prompt_cache``: keep each voice's flow prefix across requests
-        (None: ``COSYVOICE_PROMPT_CACHE``, on unless set off); the service also keeps it on disk with the voices."""
+        ``backend`` runs the flow estimator and the vocoder (on a CPU with onnxruntime also the LLM's stack) on
+        torch, onnxruntime or tensorrt (None: ``COSYVOICE_BACKEND``, else automatic; :mod:`cosyvoice.backends`).
+        ``precision`` chooses fp32, bf16 or int8 weights for the LLM and the DiT on a CPU, or ``auto`` (None:
+        ``COSYVOICE_PRECISION``, else fp32; :mod:`cosyvoice.backends.precision`). ``prompt_cache``: keep each
+        voice's flow prefix across requests (None: ``COSYVOICE_PROMPT_CACHE``, on unless set off); the service
+        also keeps it on disk with the voices."""
         wanted = precision or precision_from_env()
         bundle = open_model_dir(model_dir, download_root)
         device = torch.device(device) if device is not None else torch.device(
@@ -104,6 +105,7 @@ class Model:
             llm, flow = bundle.load_llm(device, precision, marker), bundle.load_flow(device, precision)
             name = next(k for k, v in PRECISIONS.items() if v == precision)
             plan = fast.PrecisionPlan(wanted, name, name)
+        llm = attach_llm(llm, bundle.root, backend, device)
         flow = attach_flow(flow, bundle.root, backend, device)
         hift = attach_hift(bundle.load_hift(device), bundle.root, backend, device)
         hift.fold_weight_norm()  # bit-equal output without recomputing g * v / ||v|| per call (after the export)

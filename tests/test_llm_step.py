@@ -18,7 +18,7 @@ import onnx
 import pytest
 import torch
 
-from cosyvoice.backends import llm_step
+from cosyvoice.backends import attach_llm, llm_step
 from cosyvoice.backends import precision as fast
 from cosyvoice.backends.export import graph_file
 from cosyvoice.backends.quant import int8_weights, weight_matmuls
@@ -146,10 +146,42 @@ def test_the_engine_decodes_through_the_graph(llm_graph_bundle_dir: Path, tmp_pa
 
 def test_a_stack_the_graph_cannot_run_is_left_to_torch(tiny_bundle_dir: Path) -> None:
     """The golden layout's 4-dimensional heads are not the attention kernel's: the graph is refused, auto leaves
-    its candidates out."""
+    its candidates out, an onnxruntime backend keeps the torch stack."""
     lm = validate_model_dir(tiny_bundle_dir).load_llm()
     assert not llm_step.supported(lm.llm.cfg)
     with pytest.raises(ModelBundleError, match="multiple of 16"):
         llm_step.ensure_step(lm.llm, tiny_bundle_dir, "fp32")
     kind, _, checks = fast.check_llm(lm, tuple(fast.ORT_LLM), tiny_bundle_dir)
     assert kind == "fp32" and set(checks) == {"llm_fp32"}
+    assert attach_llm(lm, tiny_bundle_dir, "onnxruntime", "cpu").llm.runner is None  # an onnxruntime backend too
+
+
+def test_an_onnxruntime_backend_runs_the_stack_in_the_fp32_graph(llm_graph_bundle_dir: Path, tmp_path: Path,
+                                                                  short_prompt_wav: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``backend="onnxruntime"`` decodes the LLM in the fp32 step graph, its stack's torch weights freed, and speaks
+    as the same backend over the torch stack does (same seed, streamed); the torch backend keeps the stack."""
+    import cosyvoice.pipeline
+    from cosyvoice.backends.llm_step import GraphBackbone
+    from cosyvoice.cli.cosyvoice import CosyVoice3
+
+    root = Path(shutil.copytree(llm_graph_bundle_dir, tmp_path / "bundle", ignore=shutil.ignore_patterns("onnx")))
+    graphed = CosyVoice3(root, device="cpu", voice_dir=tmp_path / "graphed", backend="onnxruntime", precision="fp32")
+    monkeypatch.setattr(cosyvoice.pipeline, "attach_llm", lambda llm, *_: llm)
+    stacked = CosyVoice3(root, device="cpu", voice_dir=tmp_path / "stacked", backend="onnxruntime", precision="fp32")
+    torch_backend = CosyVoice3(root, device="cpu", voice_dir=tmp_path / "torch", backend="torch", precision="fp32")
+    models = [graphed, stacked, torch_backend]
+    try:
+        stack = graphed.engine.llm.llm
+        assert isinstance(stack.runner, GraphBackbone) and torch_backend.engine.llm.llm.runner is None
+        assert Path(stack.runner.graph.session._model_path).name == graph_file(llm_step.NAME, "fp32")
+        assert all(p.numel() == 0 for p in stack.model.model.layers.parameters())
+        pcm = []
+        for model in (graphed, stacked):
+            voice = model.frontend.voice("<|endofprompt|>a prompt", short_prompt_wav)
+            inp = model.frontend.model_input("Some words to speak.", voice)
+            pcm.append(torch.cat([c.pcm for c in model.engine.synthesize(inp, stream=True, seed=3)]))
+        assert pcm[0].shape == pcm[1].shape and (pcm[0] - pcm[1]).abs().max() <= 1e-3
+    finally:
+        for model in models:
+            model.engine.close()

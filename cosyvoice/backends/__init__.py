@@ -1,12 +1,14 @@
-"""Accelerated backends for the flow estimator (the DiT) and the vocoder: torch, onnxruntime, tensorrt.
+"""Accelerated backends for the flow estimator (the DiT), the vocoder and, on a CPU, the LLM's stack: torch,
+onnxruntime, tensorrt.
 
 ``backend`` is chosen once per engine (constructor keyword, ``--backend`` flags, ``COSYVOICE_BACKEND``):
 
 - ``torch``: the modules themselves.
 - ``onnxruntime``: the graphs of :mod:`cosyvoice.backends.graphs` in onnxruntime, on the CPU or with the
-  CUDA execution provider (``onnxruntime-gpu``) on a CUDA device.
+  CUDA execution provider (``onnxruntime-gpu``) on a CUDA device; on the CPU the LLM's Qwen2 stack too, as its
+  float32 step graph (:func:`attach_llm`).
 - ``onnxruntime-int8``: the same with the DiT's per-frame matmuls int8 dynamic-quantised
-  (:mod:`cosyvoice.backends.quant`); CPU only.
+  (:mod:`cosyvoice.backends.quant`); CPU only (the LLM's step graph stays float32).
 - ``tensorrt``: TensorRT engines built from the same ONNX (:mod:`cosyvoice.backends.trt`); CUDA only.
 - ``auto`` (the default): torch, on a CPU too. The fast CPU path (``onnxruntime-int8``: ~2x on two cores,
   docs/perf.md) changes the audio beyond the golden tolerances (its int8 bound is stated there) and exports
@@ -40,6 +42,7 @@ BACKENDS = ("torch", "onnxruntime", "onnxruntime-int8", "tensorrt")
 CHOICES = ("auto", *BACKENDS)
 FlowT = TypeVar("FlowT", bound=torch.nn.Module)
 HiftT = TypeVar("HiftT", bound=torch.nn.Module)
+LlmT = TypeVar("LlmT", bound=torch.nn.Module)
 
 
 def resolve_backend(requested: str | None, device: torch.device | str) -> str:
@@ -191,6 +194,20 @@ def attach_flow(flow: FlowT, model_root: Path, backend: str, device: torch.devic
     return flow
 
 
+def attach_llm(llm: LlmT, model_root: Path, backend: str, device: torch.device | str) -> LlmT:
+    """``llm`` (float32) with its Qwen2 stack run by the float32 step graph (:mod:`cosyvoice.backends.llm_step`) on
+    an onnxruntime backend on the CPU, where the graph can run the stack: the same numbers within float rounding
+    (hidden states within ~1e-6, the auto check's KL ~1e-8 nats) at 1.1-1.5x torch's fp32 decode (docs/perf.md),
+    which is what the exact fp32 path spends most of its LLM time in. The stack's torch weights are freed."""
+    if not backend.startswith("onnxruntime") or torch.device(device).type != "cpu":
+        return llm
+    from cosyvoice.backends.llm_step import attach_step, release_stack, supported
+
+    if supported(llm.llm.cfg):  # type: ignore[union-attr]
+        release_stack(attach_step(llm, model_root, "fp32"))
+    return llm
+
+
 def attach_hift(hift: HiftT, model_root: Path, backend: str, device: torch.device | str) -> HiftT:
     """``hift`` with its decoder (mel + excitation -> audio) run on ``backend`` (F0 and the source stay torch);
     it stays float32."""
@@ -205,5 +222,5 @@ def attach_hift(hift: HiftT, model_root: Path, backend: str, device: torch.devic
     return hift
 
 
-__all__ = ["BACKENDS", "CHOICES", "attach_flow", "attach_hift", "cache_dtype", "ensure_onnx", "flow_runner",
-           "release_blocks", "resolve_backend", "unavailable"]
+__all__ = ["BACKENDS", "CHOICES", "attach_flow", "attach_hift", "attach_llm", "cache_dtype", "ensure_onnx",
+           "flow_runner", "release_blocks", "resolve_backend", "unavailable"]
