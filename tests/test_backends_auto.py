@@ -154,17 +154,18 @@ def test_auto_measures_the_onnxruntime_paths_and_keeps_its_choice(llm_graph_bund
 
 
 def test_a_new_graph_format_is_measured_afresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto's kept choice was timed on the graphs of one export format: another (the cached DiT graph's format 2
-    stopped copying the cache per call) is another key, as is a record kept before the key named formats."""
+    """auto's kept choice was timed on the graphs of one export format and the torch paths of one version: another
+    (the cached DiT graph's format 2 stopped copying the cache per call, the torch bf16 DiT's 2 caches bf16) is
+    another key, as is a record kept before the key named formats."""
     from cosyvoice.backends import export, llm_step
 
     store = AutoStore(tmp_path / "auto.json")
     key = machine_key(frozenset({"avx2"}), "m")
-    assert key["graphs"] == {"dit": export.FORMAT, "llm_step": llm_step.FORMAT} and export.FORMAT >= 3
+    assert key["graphs"] == {"dit": export.FORMAT, "llm_step": llm_step.FORMAT, "torch": fast.TORCH_FORMAT}
     store.put(key, "int8", "onnxruntime-int8", {"flow_fp32": {"seconds": 1.0}})
     assert store.get(machine_key(frozenset({"avx2"}), "m"))["flow"] == "onnxruntime-int8"
-    for module in (export, llm_step):  # the LLM step graph's format 2 reads the past once per step
-        monkeypatch.setattr(module, "FORMAT", module.FORMAT + 1)
+    for module, name in ((export, "FORMAT"), (llm_step, "FORMAT"), (fast, "TORCH_FORMAT")):
+        monkeypatch.setattr(module, name, getattr(module, name) + 1)
         assert store.get(machine_key(frozenset({"avx2"}), "m")) is None
         monkeypatch.undo()
     before = {k: v for k, v in key.items() if k != "graphs"}  # a store written before formats were in the key

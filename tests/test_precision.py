@@ -87,6 +87,25 @@ def test_bf16_weights_are_stored_and_the_rest_stays_float32(golden_models: tuple
     assert mel.dtype == torch.float32
 
 
+def test_the_bf16_dit_attends_in_bf16_and_a_stream_caches_half_the_bytes(golden: Golden, golden_models: tuple
+                                                                           ) -> None:
+    """Its keys/values are bf16 (the projections' outputs are already), so a stream holds half the cache of fp32,
+    and what it says it holds (the engine's cache budget) is what it holds. (Its sound against fp32, streamed
+    too: the bounds test above.)"""
+    fp32 = golden_models[1]
+    flow = fast.apply_flow(copy.deepcopy(fp32), "bf16")
+    assert {b.attn.compute_dtype for b in flow.decoder.estimator.transformer_blocks} == {torch.bfloat16}
+    assert 2 * FlowStream.bytes_per_frame(flow) == FlowStream.bytes_per_frame(fp32)
+    tok, ptok, pfeat, emb = _flow_inputs(golden)
+    with torch.inference_mode():
+        stream = FlowStream(flow, ptok, pfeat, emb)
+        stream.inference(tok[:, :20], False)
+        stream.inference(tok[:, 20:30], False)
+    kv = [t for cache in stream._caches for pair in cache.kv for t in pair]
+    assert {t.dtype for t in kv} == {torch.bfloat16}
+    assert stream.cache_bytes == sum(t.shape[0] * t.shape[1] * t.shape[2] * t.shape[3] * 2 for t in kv) > 0
+
+
 def test_int8_quantises_exactly_the_projections_of_the_onnx_int8_graph(golden_models: tuple) -> None:
     dit = fast.apply_flow(copy.deepcopy(golden_models[1]), "int8").decoder.estimator
     dynamic = torch.ao.nn.quantized.dynamic.Linear

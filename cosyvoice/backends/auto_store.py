@@ -38,12 +38,13 @@ def _ort_version() -> str:
 
 
 def graph_formats() -> dict[str, int]:
-    """The interfaces of the exported graphs auto times (the DiT's and the LLM step's): a new one runs differently
+    """The formats of what auto times: the exported graphs' interfaces (the DiT's and the LLM step's) and what the
+    torch candidates compute (:data:`~cosyvoice.backends.precision.TORCH_FORMAT`). A new one runs differently
     (format 2 of the DiT's cached graph stopped copying the cache per call), so what was measured on the old
     no longer holds."""
-    from cosyvoice.backends import export, llm_step
+    from cosyvoice.backends import export, llm_step, precision
 
-    return {"dit": export.FORMAT, "llm_step": llm_step.FORMAT}
+    return {"dit": export.FORMAT, "llm_step": llm_step.FORMAT, "torch": precision.TORCH_FORMAT}
 
 
 def machine_key(features: frozenset[str], model_digest: str) -> dict[str, object]:

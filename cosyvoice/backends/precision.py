@@ -55,6 +55,9 @@ BOUNDS = {"mel_rel_rms": 0.01, "mel_max_abs": 0.05, "llm_kl_mean": 0.02}
 ORT_FLOW = ("onnxruntime", "onnxruntime-int8")
 #: the LLM's onnxruntime paths: its stack as one graph per step (:mod:`cosyvoice.backends.llm_step`) -> precision
 ORT_LLM = {"onnxruntime": "fp32", "onnxruntime-int8": "int8"}
+#: what the torch candidates compute, in auto's kept key (:func:`~cosyvoice.backends.auto_store.graph_formats`):
+#: 2, the bf16 DiT's attention and cached keys/values in bf16 (1: in float32)
+TORCH_FORMAT = 2
 T = TypeVar("T")
 
 
@@ -170,14 +173,17 @@ def quantize_dit(dit: torch.nn.Module) -> torch.nn.Module:
 
 
 def bf16_dit(dit: torch.nn.Module) -> torch.nn.Module:
-    """The DiT with :func:`dit_projections` holding bf16 weights (:class:`Bf16Linear`); each float32 linear's
-    checkpoint pages are handed back once its copy is made (:func:`~cosyvoice.weights.give_back`)."""
+    """The DiT with :func:`dit_projections` holding bf16 weights (:class:`Bf16Linear`) and its attention in bf16
+    between them (``Attention.compute_dtype``: the keys/values a stream caches are half the bytes); each float32
+    linear's checkpoint pages are handed back once its copy is made (:func:`~cosyvoice.weights.give_back`)."""
     for name in dit_projections(dit):
         parent, _, child = name.rpartition(".")
         owner = dit.get_submodule(parent)
         linear = getattr(owner, child)
         setattr(owner, child, Bf16Linear(linear))
         give_back(linear.parameters())
+    for block in dit.transformer_blocks:
+        block.attn.compute_dtype = torch.bfloat16
     return dit
 
 

@@ -152,10 +152,18 @@ def chunk_causal_mask(n_keys: int, chunk: int, first_query: int = 0, device: tor
 
 
 class Attention(nn.Module):
+    """Multi-head self-attention with RoPE on its first head's channels (the reference's layout, see forward).
+
+    ``compute_dtype``: what its products run in and the keys/values it returns (and a stream caches) are held in:
+    None, its input's dtype; bfloat16 where its projections are (:func:`cosyvoice.backends.precision.bf16_dit`):
+    their outputs are bf16 values already (but the rotated channels), the output projection rounds the result to
+    bf16 anyway, and a cache of half the bytes is what a stream holds and reads at every step."""
+
     def __init__(self, dim: int, heads: int, dim_head: int) -> None:
         super().__init__()
         self.heads = heads
         self.dim_head = dim_head
+        self.compute_dtype: torch.dtype | None = None
         inner = heads * dim_head
         self.to_q = nn.Linear(dim, inner)
         self.to_k = nn.Linear(dim, inner)
@@ -173,13 +181,16 @@ class Attention(nn.Module):
         k = rotate_leading_channels(self.to_k(x), cos, sin)
         v = self.to_v(x)
         q, k, v = (y.view(b, n, self.heads, self.dim_head).transpose(1, 2) for y in (q, k, v))
+        if self.compute_dtype is not None:
+            q, k, v = q.to(self.compute_dtype), k.to(self.compute_dtype), v.to(self.compute_dtype)
         if isinstance(past, PastFrames):
             out = attend_past(q, k, v, past, mask)
         else:
             if past is not None:
                 k, v = append_frames(past[0], k), append_frames(past[1], v)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.to_out[0](out.transpose(1, 2).reshape(b, n, -1)), k, v
+        out = self.to_out[0](out.transpose(1, 2).reshape(b, n, -1))
+        return (out if out.dtype == x.dtype else out.to(x.dtype)), k, v
 
 
 class FeedForward(nn.Module):
@@ -441,7 +452,7 @@ def _forward_packed(dit: DiT, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, co
     def pad(y: Tensor) -> Tensor:
         return F.pad(y, (0, padded_width - y.shape[2], 0, 0, 0, rows - batch))
 
-    past_k = x.new_zeros(depth, rows, attn.heads, past_width, attn.dim_head)
+    past_k = x.new_zeros(depth, rows, attn.heads, past_width, attn.dim_head, dtype=attn.compute_dtype or x.dtype)
     past_v = torch.zeros_like(past_k)
     tails = x.new_zeros(2, rows, dim, context)
     for b, p in enumerate(pasts):

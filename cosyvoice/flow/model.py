@@ -252,7 +252,8 @@ class FlowStream:
         elements = (steps or flow.decoder.n_timesteps) * len(dit.transformer_blocks) * 2 * 2 * batch * attn.heads \
             * attn.dim_head
         runner = getattr(dit, "runner", None)  # a graph's keys/values may be narrower than the module's weights
-        return elements * getattr(runner, "cache_dtype", dit.proj_out.weight.dtype).itemsize
+        own = dit.transformer_blocks[0].attn.compute_dtype or dit.proj_out.weight.dtype
+        return elements * getattr(runner, "cache_dtype", own).itemsize
 
     @property
     def finished_frames(self) -> int:
