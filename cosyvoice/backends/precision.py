@@ -2,10 +2,10 @@
 
 - ``fp32``: every module as loaded; bit-equal to the golden fixtures.
 - ``bf16``: weights stored in bfloat16 (converted once at load, not autocast per call): the whole LLM (it then
-  runs in bf16; its sampler takes float32 log-probs) and the DiT's per-frame projections (:func:`bf16_dit`:
-  the residual stream, norms, attention and solver stay float32; a DiT wholly in bf16 moved the golden mel by
-  3% RMS, beyond the bound). Fast only where the CPU computes bf16 natively (AVX512-BF16 or AMX,
-  :func:`cpu_features`); elsewhere each op converts.
+  runs in bf16; its sampler takes float32 log-probs) and the DiT's per-frame projections with the attention
+  between them (:func:`bf16_dit`: a stream caches bf16 keys/values; the residual stream, norms and solver stay
+  float32; a DiT wholly in bf16 moved the golden mel by 3% RMS, beyond the bound). Fast only where the CPU
+  computes bf16 natively (AVX512-BF16 or AMX, :func:`cpu_features`); elsewhere each op converts.
 - ``int8``: torch's dynamic int8 linears (weights int8, activations quantised per call; fbgemm kernels, VNNI
   where the CPU has it): every LLM linear but the unused text head (:func:`cosyvoice.backends.quant.quantize_llm`)
   and the DiT blocks' attention and feed-forward projections, per output channel (:func:`quantize_dit`).
