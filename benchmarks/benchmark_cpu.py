@@ -31,8 +31,9 @@ ones do), the same seed and text, one streamed request at a time, exactly ``--fi
    the model (wall and CPU seconds of the same work per layout).
 
 5. **Floor** (``--floor``): this machine's own peaks in the same run, one thread, CPU time: fp32 GEMM at the
-   DiT's shapes (GFLOPS), int8 GEMM at the same shapes (onnxruntime's ``MatMulInteger``, the kernel of the int8
-   graphs' projections; GOPS) and GEMV read bandwidth over a weight far larger than the caches (GB/s); then the DiT
+   DiT's shapes (GFLOPS; the better of torch's BLAS and onnxruntime's MLAS), int8 GEMM at the same shapes
+   (onnxruntime's ``MatMulInteger``, the kernel of the int8 graphs' projections; GOPS) and GEMV read bandwidth
+   over a weight far larger than the caches (GB/s); then the DiT
    per Euler step on each path (:data:`DIT_PATHS`: today's torch fp32 recomputing the AdaLN modulation, torch
    with the modulation cache, onnxruntime fp32, onnxruntime int8) at the stream's shapes, beside the step's
    floor (its FLOPs over the GEMM peak of their precision, the int8 graph's projections over the int8 one, plus its

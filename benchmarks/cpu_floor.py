@@ -8,6 +8,7 @@ import resource
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from cpu_quality import golden_flow_inputs, mel_errors, quality_mels
 
@@ -44,15 +45,18 @@ GEMM_SHAPES = {"200x1024x1024": (200, 1024, 1024), "200x1024x2048": (200, 1024, 
 
 
 def machine_floor() -> dict[str, float]:
-    """One thread's fp32 GEMM peak at the DiT's shapes (:data:`GEMM_SHAPES`, the best of them), its int8 GEMM peak
-    at the same shapes (:func:`int8_gemm_gops`) and its GEMV read bandwidth over a 256 MB weight."""
+    """One thread's fp32 GEMM peak at the DiT's shapes (:data:`GEMM_SHAPES`, the best of them and of two libraries:
+    torch's BLAS and onnxruntime's MLAS, which on an AMD CPU outruns MKL, so that the floor is the machine's), its
+    int8 GEMM peak at the same shapes (:func:`int8_gemm_gops`) and its GEMV read bandwidth over a 256 MB weight."""
     torch.set_num_threads(1)
     out: dict[str, float] = {}
     for name, (m, k, n) in GEMM_SHAPES.items():
         a, b = torch.randn(m, k), torch.randn(k, n)
         seconds = _cpu_seconds(lambda a=a, b=b: [a @ b for _ in range(10)], 3) / 10
         out[f"gemm_{name}_gflops"] = 2 * m * k * n / seconds / 1e9
-    out["gemm_peak_gflops"] = max(v for k, v in out.items() if k.startswith("gemm_"))
+    for name, shape in GEMM_SHAPES.items():
+        out[f"ort_gemm_{name}_gflops"] = ort_gemm_gflops(*shape)
+    out["gemm_peak_gflops"] = max(v for k, v in out.items() if "gemm_" in k)
     for name, shape in GEMM_SHAPES.items():
         out[f"int8_gemm_{name}_gops"] = int8_gemm_gops(*shape)
     out["int8_gemm_peak_gops"] = max(v for k, v in out.items() if k.startswith("int8_gemm_"))
@@ -62,31 +66,46 @@ def machine_floor() -> dict[str, float]:
     return out
 
 
+def _ort_matmul_rate(op: str, a: np.ndarray, b: np.ndarray) -> float:
+    """One thread's multiply-adds per second, counted as 2 ops each, of onnxruntime's ``op`` (``MatMul`` or
+    ``MatMulInteger``) for ``a`` [m, k] by the stored weight ``b`` [k, n] (numpy arrays)."""
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+    from onnx.helper import np_dtype_to_tensor_dtype
+
+    (m, k), n = a.shape, b.shape[1]
+    out_type = np_dtype_to_tensor_dtype(a.dtype if op == "MatMul" else np.dtype(np.int32))
+    graph = helper.make_graph([helper.make_node(op, ["a", "b"], ["y"])], "gemm",
+                              [helper.make_tensor_value_info("a", np_dtype_to_tensor_dtype(a.dtype), [m, k])],
+                              [helper.make_tensor_value_info("y", out_type, [m, n])],
+                              [numpy_helper.from_array(b, "b")])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    seconds = _cpu_seconds(lambda: [session.run(None, {"a": a}) for _ in range(10)], 3) / 10
+    return 2 * m * k * n / seconds / 1e9
+
+
+def ort_gemm_gflops(m: int, k: int, n: int) -> float:
+    """One thread's fp32 GFLOP/s of onnxruntime's ``MatMul`` (MLAS) at [m, k] x [k, n]: the kernel the fp32 graphs'
+    projections run."""
+    rng = np.random.default_rng(0)
+    return _ort_matmul_rate("MatMul", rng.standard_normal((m, k), dtype=np.float32),
+                            rng.standard_normal((k, n), dtype=np.float32))
+
+
 def int8_gemm_gops(m: int, k: int, n: int) -> float:
     """One thread's int8 multiply-adds per second (as 2 ops each) of onnxruntime's ``MatMulInteger`` at [m, k] x
     [k, n]: the kernel the int8 graphs' projections run, u8 activations by the weight type the int8 DiT stores on
     this CPU (:func:`~cosyvoice.backends.quant.int8_weights`: s8 with VNNI, else u8), int32 out."""
-    import numpy as np
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
     from cosyvoice.backends.cpu import cpu_features
     from cosyvoice.backends.quant import int8_weights
 
     rng = np.random.default_rng(0)
     signed = int8_weights(cpu_features()) == "s8"
     b = rng.integers(-128 if signed else 0, 128 if signed else 256, (k, n)).astype(np.int8 if signed else np.uint8)
-    graph = helper.make_graph([helper.make_node("MatMulInteger", ["a", "b"], ["y"])], "int8_gemm",
-                              [helper.make_tensor_value_info("a", TensorProto.UINT8, [m, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.INT32, [m, n])],
-                              [numpy_helper.from_array(b, "b")])
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    a = rng.integers(0, 256, (m, k)).astype(np.uint8)
-    seconds = _cpu_seconds(lambda: [session.run(None, {"a": a}) for _ in range(10)], 3) / 10
-    return 2 * m * k * n / seconds / 1e9
+    return _ort_matmul_rate("MatMulInteger", rng.integers(0, 256, (m, k)).astype(np.uint8), b)
 
 
 def dit_step_work(dit: torch.nn.Module, new: int, past: int, batch: int = 2) -> dict[str, float]:
