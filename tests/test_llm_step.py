@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx
 import pytest
@@ -25,6 +26,9 @@ from cosyvoice.backends.quant import int8_weights, weight_matmuls
 from cosyvoice.bundle import validate_model_dir
 from cosyvoice.errors import ModelBundleError
 from cosyvoice.llm import CosyVoice3LM
+
+if TYPE_CHECKING:
+    from cosyvoice.cli.cosyvoice import CosyVoice3
 
 EXACT = 1e-5
 
@@ -122,6 +126,13 @@ def test_a_changed_llm_is_exported_again(llm_graph_bundle_dir: Path, tmp_path: P
         assert (ran.llm(seq) - lm.llm(seq)).abs().max() <= EXACT  # the graph follows the new weights
 
 
+def _speak(model: CosyVoice3, prompt_wav: Path, stream: bool) -> torch.Tensor:
+    """A short zero-shot utterance of ``model``, seed 3."""
+    voice = model.frontend.voice("<|endofprompt|>a prompt", prompt_wav)
+    inp = model.frontend.model_input("Some words to speak.", voice)
+    return torch.cat([c.pcm for c in model.engine.synthesize(inp, stream=stream, seed=3)])
+
+
 def test_the_engine_decodes_through_the_graph(llm_graph_bundle_dir: Path, tmp_path: Path,
                                               short_prompt_wav: Path) -> None:
     """The scheduler's prefills and batched steps on the fp32 graph give the torch engine's audio (same seed,
@@ -133,11 +144,7 @@ def test_the_engine_decodes_through_the_graph(llm_graph_bundle_dir: Path, tmp_pa
     try:
         fast.apply_llm(models[1].engine.llm, "onnxruntime", llm_graph_bundle_dir)
         for stream in (True, False):
-            pcm = []
-            for model in models:
-                voice = model.frontend.voice("<|endofprompt|>a prompt", short_prompt_wav)
-                inp = model.frontend.model_input("Some words to speak.", voice)
-                pcm.append(torch.cat([c.pcm for c in model.engine.synthesize(inp, stream=stream, seed=3)]))
+            pcm = [_speak(model, short_prompt_wav, stream) for model in models]
             assert pcm[0].shape == pcm[1].shape and (pcm[0] - pcm[1]).abs().max() <= 1e-3
     finally:
         for model in models:
@@ -176,11 +183,7 @@ def test_an_onnxruntime_backend_runs_the_stack_in_the_fp32_graph(llm_graph_bundl
         assert isinstance(stack.runner, GraphBackbone) and torch_backend.engine.llm.llm.runner is None
         assert Path(stack.runner.graph.session._model_path).name == graph_file(llm_step.NAME, "fp32")
         assert all(p.numel() == 0 for p in stack.model.model.layers.parameters())
-        pcm = []
-        for model in (graphed, stacked):
-            voice = model.frontend.voice("<|endofprompt|>a prompt", short_prompt_wav)
-            inp = model.frontend.model_input("Some words to speak.", voice)
-            pcm.append(torch.cat([c.pcm for c in model.engine.synthesize(inp, stream=True, seed=3)]))
+        pcm = [_speak(model, short_prompt_wav, stream=True) for model in (graphed, stacked)]
         assert pcm[0].shape == pcm[1].shape and (pcm[0] - pcm[1]).abs().max() <= 1e-3
     finally:
         for model in models:
