@@ -33,11 +33,12 @@ ones do), the same seed and text, one streamed request at a time, exactly ``--fi
 5. **Floor** (``--floor``): this machine's own peaks in the same run, one thread, CPU time: fp32 GEMM at the
    DiT's shapes (GFLOPS; the better of torch's BLAS and onnxruntime's MLAS), int8 GEMM at the same shapes
    (onnxruntime's ``MatMulInteger``, the kernel of the int8 graphs' projections; GOPS) and GEMV read bandwidth
-   over a weight far larger than the caches (GB/s); then the DiT
-   per Euler step on each path (:data:`DIT_PATHS`: today's torch fp32 recomputing the AdaLN modulation, torch
-   with the modulation cache, onnxruntime fp32, onnxruntime int8) at the stream's shapes, beside the step's
-   floor (its FLOPs over the GEMM peak of their precision, the int8 graph's projections over the int8 one, plus its
-   AdaLN weights over the bandwidth where it reads them), and each
+   over a weight far larger than the caches (GB/s), and bf16 GEMM (torch's); then the DiT per Euler step on each
+   path (:data:`DIT_PATHS`: today's torch fp32 recomputing the AdaLN modulation, torch with the modulation cache,
+   onnxruntime fp32, onnxruntime int8, torch bf16 where native) at the stream's shapes, beside the step's floor
+   (its FLOPs over the GEMM peak of their precision, the int8 graph's projections over the int8 one, the bf16
+   DiT's projections and attention over the bf16 one, plus its AdaLN weights over the bandwidth where it reads
+   them), and each
    path's mel error against torch fp32 whole, chunk-masked and streamed (the quality bounds at these sizes);
    the LLM on each of :data:`LLM_PATHS` (prefill and decode per token against their floors: FLOPs over the GEMM
    peak, weight bytes over the GEMV bandwidth; KL against fp32) and the vocoder per audio second (its FLOPs,

@@ -14,6 +14,7 @@ from cpu_quality import golden_flow_inputs, mel_errors, quality_mels
 
 from cosyvoice.backends import precision as fast
 from cosyvoice.bundle import validate_model_dir
+from cosyvoice.flow.dit_cache import DiTCache
 from cosyvoice.hifigan import HiFTStream
 
 
@@ -23,9 +24,17 @@ def process_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-#: the DiT's paths the floor section measures (label -> torch, or an onnxruntime graph precision)
+#: the DiT's paths the floor section measures (label -> torch, or an onnxruntime graph precision); the torch bf16
+#: one (projections and attention, :func:`~cosyvoice.backends.precision.bf16_dit`) where the CPU computes bf16
+#: natively, as auto tries it; last, as it converts the module in place
 DIT_PATHS = {"torch fp32, AdaLN recomputed (before)": "torch-recompute", "torch fp32 + AdaLN cache": "torch",
-             "onnxruntime fp32": "fp32", "onnxruntime int8": "int8"}
+             "onnxruntime fp32": "fp32", "onnxruntime int8": "int8", "torch bf16 + AdaLN cache": "torch-bf16"}
+
+
+def dit_paths_here() -> dict[str, str]:
+    """:data:`DIT_PATHS` this CPU runs (bf16 only where it is native)."""
+    native = fast.native_bf16(fast.cpu_features())
+    return {name: path for name, path in DIT_PATHS.items() if path != "torch-bf16" or native}
 
 
 def _cpu_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -47,7 +56,8 @@ GEMM_SHAPES = {"200x1024x1024": (200, 1024, 1024), "200x1024x2048": (200, 1024, 
 def machine_floor() -> dict[str, float]:
     """One thread's fp32 GEMM peak at the DiT's shapes (:data:`GEMM_SHAPES`, the best of them and of two libraries:
     torch's BLAS and onnxruntime's MLAS, which on an AMD CPU outruns MKL, so that the floor is the machine's), its
-    int8 GEMM peak at the same shapes (:func:`int8_gemm_gops`) and its GEMV read bandwidth over a 256 MB weight."""
+    bf16 one (torch's, the kernel of the bf16 DiT), its int8 GEMM peak at the same shapes (:func:`int8_gemm_gops`)
+    and its GEMV read bandwidth over a 256 MB weight."""
     torch.set_num_threads(1)
     out: dict[str, float] = {}
     for name, (m, k, n) in GEMM_SHAPES.items():
@@ -57,6 +67,11 @@ def machine_floor() -> dict[str, float]:
     for name, shape in GEMM_SHAPES.items():
         out[f"ort_gemm_{name}_gflops"] = ort_gemm_gflops(*shape)
     out["gemm_peak_gflops"] = max(v for k, v in out.items() if "gemm_" in k)
+    for name, (m, k, n) in GEMM_SHAPES.items():
+        a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
+        seconds = _cpu_seconds(lambda a=a, b=b: [a @ b for _ in range(10)], 3) / 10
+        out[f"bf16_gemm_{name}_gflops"] = 2 * m * k * n / seconds / 1e9
+    out["bf16_gemm_peak_gflops"] = max(v for k, v in out.items() if k.startswith("bf16_gemm_"))
     for name, shape in GEMM_SHAPES.items():
         out[f"int8_gemm_{name}_gops"] = int8_gemm_gops(*shape)
     out["int8_gemm_peak_gops"] = max(v for k, v in out.items() if k.startswith("int8_gemm_"))
@@ -122,7 +137,8 @@ def dit_step_work(dit: torch.nn.Module, new: int, past: int, batch: int = 2) -> 
     depth = len(dit.transformer_blocks)
     flops = batch * (depth * per_block + convs)
     adaln = sum(b.attn_norm.linear.weight.numel() for b in dit.transformer_blocks) * 4
-    return {"gflop": flops / 1e9, "int8_gflop": batch * depth * projections / 1e9, "adaln_gb": adaln / 1e9}
+    return {"gflop": flops / 1e9, "int8_gflop": batch * depth * projections / 1e9,
+            "bf16_gflop": batch * depth * per_block / 1e9, "adaln_gb": adaln / 1e9}
 
 
 @torch.inference_mode()
@@ -157,7 +173,11 @@ def dit_paths(model_dir: Path, golden: Path | None) -> dict[str, dict[str, float
     golden_inputs = golden_flow_inputs(golden) if golden is not None else None
     reference = quality_mels(flow, golden_inputs) if golden_inputs is not None else None
     results: dict[str, dict[str, float]] = {}
-    for name, path in DIT_PATHS.items():
+    for name, path in dit_paths_here().items():
+        if path == "torch-bf16":
+            fast.bf16_dit(dit)
+            inputs = {label: (*head, _bf16_cache(cache), new, past)
+                      for label, (*head, cache, new, past) in inputs.items()}
         dit.runner = None if path.startswith("torch") else GraphEstimator(
             None, OrtGraph(root / graph_file("flow_estimator_cached", path), torch.device("cpu"), threads=1), dit,
             cache_dtype(manifest, path))
@@ -177,6 +197,13 @@ def dit_paths(model_dir: Path, golden: Path | None) -> dict[str, dict[str, float
     results["_work"] = {f"{label} {k}": v for label, (*_, new, past) in inputs.items()
                         for k, v in dit_step_work(dit, new, past).items()}
     return results
+
+
+def _bf16_cache(cache: DiTCache | None) -> DiTCache | None:
+    """``cache`` with its keys/values in bf16, as the bf16 DiT's attention keeps them."""
+    if cache is None:
+        return None
+    return DiTCache(cache.length, cache.conv_tails, [(k.bfloat16(), v.bfloat16()) for k, v in cache.kv])
 
 
 #: the LLM's paths the floor section measures (label -> precision.apply_llm's kind)
@@ -286,7 +313,8 @@ def stage_floor_table(floor: dict[str, float], llm: dict[str, dict[str, float]],
 
 def floor_table(floor: dict[str, float], paths: dict[str, dict[str, float]]) -> str:
     """Per path and shape: seconds per step, the step's floor (the int8 graph's projections over the int8 GEMM
-    peak, the rest of its work over the fp32 one), the fraction of the floor reached."""
+    peak, the bf16 DiT's projections and attention products over the bf16 one, the rest of its work over the fp32
+    one), the fraction of the floor reached."""
     work = paths["_work"]
     peak, bandwidth, int8_peak = floor["gemm_peak_gflops"], floor["gemv_gb_per_s"], floor["int8_gemm_peak_gops"]
     rows = ["| DiT path (1 thread, per Euler step) | shape | CPU s | floor s | floor / measured | mel rel. RMS "
@@ -300,7 +328,9 @@ def floor_table(floor: dict[str, float], paths: dict[str, dict[str, float]]) -> 
             label = key[:-2]
             reads = work[f"{label} adaln_gb"] / bandwidth if name.endswith("(before)") else 0.0
             int8 = work[f"{label} int8_gflop"] if name.endswith("int8") else 0.0
-            floor_s = int8 / int8_peak + (work[f"{label} gflop"] - int8) / peak + reads
+            bf16 = work[f"{label} bf16_gflop"] if name.startswith("torch bf16") else 0.0
+            floor_s = int8 / int8_peak + bf16 / floor["bf16_gemm_peak_gflops"] + \
+                (work[f"{label} gflop"] - int8 - bf16) / peak + reads
             rms, mx = row.get("mel_rel_rms"), row.get("mel_max_abs")
             rows.append(f"| {name} | {label} | {seconds:.3f} | {floor_s:.3f} | {floor_s / seconds:.2f} | "
                         f"{'' if rms is None else f'{rms:.2e}'} | {'' if mx is None else f'{mx:.2e}'} |")
