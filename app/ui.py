@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from cosyvoice.server.longform import longform_router
 from cosyvoice.server.workbench import rater_route, workbench_router
 from cosyvoice.service import TTSService
 from cosyvoice.settings import ServerSettings, default_voice_dir
+from cosyvoice.system.signals import wait_in_main_thread
 from cosyvoice.tools.make_tiny_bundle import model_dir_or_demo
 from cosyvoice.voices import BUILTIN_VOICE_DIR
 
@@ -100,7 +100,7 @@ def _serve_until_stopped(page: gr.Blocks, studio: Studio) -> None:
     context (its jobs end interrupted, resumable at the next start; the stores close): a process that exits while
     the engine's threads still compute can crash in its native libraries' teardown."""
     try:
-        threading.Event().wait()
+        wait_in_main_thread()
     except KeyboardInterrupt:
         grace = studio.context.settings.shutdown_grace_seconds
         logger.info("shutting down: running takes and jobs may finish within %g s", grace)

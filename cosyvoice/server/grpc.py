@@ -62,6 +62,7 @@ from cosyvoice.server.proto import cosyvoice_pb2 as pb
 from cosyvoice.server.proto import cosyvoice_pb2_grpc as pb_grpc
 from cosyvoice.service import SynthesisRequest, TTSService
 from cosyvoice.settings import add_server_arguments, settings_from_args
+from cosyvoice.system.signals import wait_in_main_thread
 
 logger = logging.getLogger(__name__)
 
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         port = server.serve_metrics(settings.host, args.metrics_port)
         logger.info("metrics on http://%s:%d/metrics", settings.host, port)
     with MemoryKeeper(lambda: server.servicer.service):
-        stopped.wait()
+        wait_in_main_thread(stopped)
     logger.info("shutting down: running streams may finish within %g s", settings.shutdown_grace_seconds)
     server.stop(settings.shutdown_grace_seconds)
     return 0
