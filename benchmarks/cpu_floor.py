@@ -60,17 +60,13 @@ def machine_floor() -> dict[str, float]:
     and its GEMV read bandwidth over a 256 MB weight."""
     torch.set_num_threads(1)
     out: dict[str, float] = {}
-    for name, (m, k, n) in GEMM_SHAPES.items():
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        seconds = _cpu_seconds(lambda a=a, b=b: [a @ b for _ in range(10)], 3) / 10
-        out[f"gemm_{name}_gflops"] = 2 * m * k * n / seconds / 1e9
+    for name, shape in GEMM_SHAPES.items():
+        out[f"gemm_{name}_gflops"] = torch_gemm_gflops(*shape, torch.float32)
     for name, shape in GEMM_SHAPES.items():
         out[f"ort_gemm_{name}_gflops"] = ort_gemm_gflops(*shape)
     out["gemm_peak_gflops"] = max(v for k, v in out.items() if "gemm_" in k)
-    for name, (m, k, n) in GEMM_SHAPES.items():
-        a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
-        seconds = _cpu_seconds(lambda a=a, b=b: [a @ b for _ in range(10)], 3) / 10
-        out[f"bf16_gemm_{name}_gflops"] = 2 * m * k * n / seconds / 1e9
+    for name, shape in GEMM_SHAPES.items():
+        out[f"bf16_gemm_{name}_gflops"] = torch_gemm_gflops(*shape, torch.bfloat16)
     out["bf16_gemm_peak_gflops"] = max(v for k, v in out.items() if k.startswith("bf16_gemm_"))
     for name, shape in GEMM_SHAPES.items():
         out[f"int8_gemm_{name}_gops"] = int8_gemm_gops(*shape)
@@ -79,6 +75,12 @@ def machine_floor() -> dict[str, float]:
     seconds = _cpu_seconds(lambda: [torch.mv(w, x) for _ in range(5)], 3) / 5
     out["gemv_gb_per_s"] = w.numel() * 4 / seconds / 1e9
     return out
+
+
+def torch_gemm_gflops(m: int, k: int, n: int, dtype: torch.dtype) -> float:
+    """One thread's GFLOP/s of torch's matmul in ``dtype`` at [m, k] x [k, n]."""
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    return 2 * m * k * n / (_cpu_seconds(lambda: [a @ b for _ in range(10)], 3) / 10) / 1e9
 
 
 def _ort_matmul_rate(op: str, a: np.ndarray, b: np.ndarray) -> float:
