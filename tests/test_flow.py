@@ -126,6 +126,18 @@ def test_first_chunk_of_streaming_equals_full_attention_on_it(flow) -> None:
     assert (chunked[..., CHUNK:] - full[..., CHUNK:]).abs().max() > 1e-3  # later frames do see the future
 
 
+def test_the_residual_stream_is_frame_major(flow) -> None:
+    """Every block reads and adds to the input embedding in place of layout: a transposed one would make each norm
+    and projection copy it first and each residual add stride across it (a third of the bf16 DiT's time but its
+    products, docs/perf.md)."""
+    dit: DiT = flow.decoder.estimator
+    g = torch.Generator().manual_seed(3)
+    x, mu, cond = (torch.randn(2, 2 * CHUNK, 80, generator=g) for _ in range(3))
+    with torch.no_grad():
+        h, _ = dit.input_embed(x, cond, mu, torch.randn(2, 80, generator=g))
+    assert h.is_contiguous()
+
+
 def test_batch_of_two_equals_two_singles(flow) -> None:
     a, b = inputs(11, seed=1), inputs(11, seed=2)
     both = {k: torch.cat((a[k], b[k])) for k in a}

@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cosyvoice.backends import precision as fast
 from cosyvoice.bundle import validate_model_dir
@@ -78,13 +79,42 @@ def test_bf16_weights_are_stored_and_the_rest_stays_float32(golden_models: tuple
     assert {p.dtype for p in llm.parameters()} == {torch.bfloat16}
     dit = flow.decoder.estimator
     stored = {n: m for n, m in dit.named_modules() if isinstance(m, fast.Bf16Linear)}
-    assert sorted(stored) == sorted(fast.dit_projections(golden_models[1].decoder.estimator))
+    # the feed-forward's first layer carries its GELU (the Sequential of both is replaced)
+    projections = [n.removesuffix(".0") if n.endswith(".ff.ff.0.0") else n
+                   for n in fast.dit_projections(golden_models[1].decoder.estimator)]
+    assert sorted(stored) == sorted(projections)
+    assert sorted(n for n, m in stored.items() if m.gelu) == sorted(n for n in projections if n.endswith(".ff.0"))
     assert all(m.weight.dtype == torch.bfloat16 for m in stored.values())
+    native = fast.native_bf16(fast.cpu_features()) and torch.backends.mkldnn.is_available()
+    assert all(isinstance(m, fast.PackedBf16Linear) == native for m in stored.values())
     assert dit.proj_out.weight.dtype == flow.input_embedding.weight.dtype == torch.float32
     tok = torch.zeros(1, 10, dtype=torch.long)
     with torch.inference_mode():
         mel = flow.inference(tok, 10, tok[:, :0], 0, torch.zeros(1, 0, 80), 0, torch.ones(1, 192), False, True)
     assert mel.dtype == torch.float32
+
+
+@pytest.mark.skipif(not (fast.native_bf16(fast.cpu_features()) and torch.backends.mkldnn.is_available()),
+                    reason="oneDNN packs bf16 weights where the CPU computes bf16 natively")
+@pytest.mark.parametrize("gelu", [False, True])
+def test_a_packed_bf16_layer_computes_what_the_plain_one_does(gelu: bool) -> None:
+    """The same bf16 products; the packed layer applies its GELU to the float32 accumulator, so it rounds once
+    where the plain one rounds twice: it is never further from float32 arithmetic on the same bf16 operands."""
+    torch.manual_seed(0)  # test-only random weights
+    linear = torch.nn.Linear(96, 160)
+    x = torch.randn(2, 7, 96) * 4
+    plain, packed = fast.Bf16Linear(linear, gelu), fast.PackedBf16Linear(linear, gelu)
+    want = F.linear(*(t.bfloat16().float() for t in (x, linear.weight, linear.bias)))
+    want = F.gelu(want, approximate="tanh") if gelu else want
+    errors = {}
+    with torch.inference_mode():
+        for name, layer in (("plain", plain), ("packed", packed)):
+            got = layer(x)
+            assert got.dtype == torch.bfloat16 and got.shape == want.shape
+            errors[name] = ((got.float() - want).abs() / (want.abs() + 1e-2)).max().item()
+    # one rounding; the plain GELU also carries its input's rounding through its slope
+    assert errors["packed"] <= 2 ** -8 and errors["plain"] <= 2 ** -5, errors
+    assert errors["packed"] <= errors["plain"], errors
 
 
 def test_the_bf16_dit_attends_in_bf16_and_a_stream_caches_half_the_bytes(golden: Golden, golden_models: tuple

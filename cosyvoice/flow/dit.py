@@ -112,7 +112,9 @@ class InputEmbedding(nn.Module):
         spks = spks.unsqueeze(1).expand(-1, x.shape[1], -1)
         h = self.proj(torch.cat((x, cond, mu, spks), dim=-1))
         pos, conv_inputs = self.conv_pos_embed(h, tails)
-        return pos + h, conv_inputs
+        # h first: an elementwise result takes its first operand's layout, and pos is a transposed view; the
+        # residual stream must be frame-major, or every norm and projection of every block copies it
+        return h + pos, conv_inputs
 
 
 class RotaryEmbedding(nn.Module):
@@ -131,12 +133,16 @@ class RotaryEmbedding(nn.Module):
         return angles.cos(), angles.sin()
 
 
-def rotate_leading_channels(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Apply RoPE to the first ``cos.shape[-1]`` channels of ``x`` [B, N, C]; the remaining channels pass through."""
+def rotate_leading_channels(x: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """Apply RoPE to the first ``cos.shape[-1]`` channels of ``x`` [B, N, C]; the remaining channels pass through.
+    ``dtype``: the result's (None: type promotion's), the rotated channels rounded to it once."""
     width = cos.shape[-1]
     rot, rest = x[..., :width], x[..., width:]
     rot_half = torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1).reshape(rot.shape)  # pairs (2i, 2i+1)
-    return torch.cat((rot * cos + rot_half * sin, rest), dim=-1)
+    rotated = rot * cos + rot_half * sin
+    if dtype is None:
+        return torch.cat((rotated, rest), dim=-1)
+    return torch.cat((rotated.to(dtype), rest.to(dtype)), dim=-1)
 
 
 def chunk_causal_mask(n_keys: int, chunk: int, first_query: int = 0, device: torch.device | None = None) -> Tensor:
@@ -157,7 +163,8 @@ class Attention(nn.Module):
     ``compute_dtype``: what its products run in and the keys/values it returns (and a stream caches) are held in:
     None, its input's dtype; bfloat16 where its projections are (:func:`cosyvoice.backends.precision.bf16_dit`):
     their outputs are bf16 values already (but the rotated channels), the output projection rounds the result to
-    bf16 anyway, and a cache of half the bytes is what a stream holds and reads at every step."""
+    bf16 anyway, and a cache of half the bytes is what a stream holds and reads at every step. The output is the
+    output projection's (bf16 there), which the block's residual promotes to its own dtype."""
 
     def __init__(self, dim: int, heads: int, dim_head: int) -> None:
         super().__init__()
@@ -175,22 +182,24 @@ class Attention(nn.Module):
         """Returns the output and the keys/values of all frames attended to (past + these), per head; of these
         frames only when ``past`` is :class:`PastFrames` (the cached graph: the caller keeps the past)."""
         b, n, _ = x.shape
+        dtype = self.compute_dtype
+        if dtype is not None:
+            x = x.to(dtype)  # once for the three projections
         # Reference quirk: RoPE is applied to the projected q/k before the head split, so only
         # the first dim_head channels (= head 0) are rotated; the other heads get no position signal.
-        q = rotate_leading_channels(self.to_q(x), cos, sin)
-        k = rotate_leading_channels(self.to_k(x), cos, sin)
+        q = rotate_leading_channels(self.to_q(x), cos, sin, dtype)
+        k = rotate_leading_channels(self.to_k(x), cos, sin, dtype)
         v = self.to_v(x)
         q, k, v = (y.view(b, n, self.heads, self.dim_head).transpose(1, 2) for y in (q, k, v))
-        if self.compute_dtype is not None:
-            q, k, v = q.to(self.compute_dtype), k.to(self.compute_dtype), v.to(self.compute_dtype)
+        if dtype is not None:
+            v = v.to(dtype)
         if isinstance(past, PastFrames):
             out = attend_past(q, k, v, past, mask)
         else:
             if past is not None:
                 k, v = append_frames(past[0], k), append_frames(past[1], v)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        out = self.to_out[0](out.transpose(1, 2).reshape(b, n, -1))
-        return (out if out.dtype == x.dtype else out.to(x.dtype)), k, v
+        return self.to_out[0](out.transpose(1, 2).reshape(b, n, -1)), k, v
 
 
 class FeedForward(nn.Module):
