@@ -189,6 +189,14 @@ window.cvStudio = (() => {
 // draws it as "queue: 2/2 | 0.6s", which the page hides (show_progress="hidden"). This reads the same stream:
 // the join request names the take (its first input is the take id) and its answer the event id; a copy of the
 // stream's body is read here, the original goes to Gradio untouched.
+//
+// The same reading keeps every click's answer: Gradio's client reads the stream only while it thinks one is open
+// (it opens one when a join is answered while none is, and lets it go at the server's close_stream, sent once the
+// session has no event left). A join the server answers just after that close, a click at that moment, can reach
+// the client before the close does on a busy machine: the client then waits for the event on a stream that is
+// ending, and the click's outcome (its toast, its outputs) never comes. So a join's answer goes on to the client
+// only once the open stream has carried a message of its event (the server sends the event's place at once) or the
+// client has let that stream go (it opens a new one for the event).
 window.cvQueue = (() => {
   const ZH = (navigator.language || "").startsWith("zh");
   const WORDS = {
@@ -201,6 +209,9 @@ window.cvQueue = (() => {
   const early = {};  // event id -> its latest message, when it came before the join's answer
   const stopped = new Set();  // takes stopped by the page: still in Gradio's queue until their handler runs
   let shown = "";  // the take whose place is on the line
+  const carried = new Set();  // the latest events the stream carried a message of (a join's answer may come later)
+  const waiting = new Map();  // event id -> what lets its held join answer go on
+  let open = null;  // the stream the client reads: { gone } (a promise kept once the client has let it go)
 
   function ordinal(n) {
     const tens = n % 100, ones = n % 10;
@@ -247,49 +258,106 @@ window.cvQueue = (() => {
   function heard(message) {
     const id = message && message.event_id;
     if (!id) return;
+    carried.delete(id);
+    carried.add(id);
+    if (carried.size > 100) carried.delete(carried.values().next().value);
+    if (waiting.has(id)) waiting.get(id)();
     if (takeOf[id]) said(message, takeOf[id]);
     else if (message.msg === "process_completed") delete early[id];
     else early[id] = message;
   }
 
+  // the stream's messages, to heard(); true if it ended with the server's close_stream
   async function read(body) {
     const reader = body.pipeThrough(new TextDecoderStream()).getReader();
-    let rest = "";
+    let rest = "", closed = false;
     try {
       for (;;) {
         const { value, done } = await reader.read();
-        if (done) return;
+        if (done) return closed;
         const lines = (rest + value).split(/\r?\n/);
         rest = lines.pop();
         for (const text of lines) {
           if (!text.startsWith("data:")) continue;
-          try { heard(JSON.parse(text.slice(5))); } catch (err) { /* not a queue message */ }
+          let message;
+          try { message = JSON.parse(text.slice(5)); } catch (err) { continue; /* not a queue message */ }
+          closed = closed || message.msg === "close_stream";
+          heard(message);
         }
       }
     } catch (err) { /* the stream was closed: Gradio's copy says so */ }
+    return closed;
+  }
+
+  // a join's answer, once the stream the client reads carries its event or is let go (then the client opens a new
+  // one; a stream opened meanwhile must carry the event as well)
+  async function served(id) {
+    while (open && !carried.has(id)) {
+      const stream = open;
+      await new Promise((resolve) => {
+        waiting.set(id, resolve);
+        stream.gone.then(resolve);
+      });
+      waiting.delete(id);
+    }
+  }
+
+  // the stream the client reads from now on: let go when the client aborts it (its answer to close_stream), or at
+  // once if it fails or ends without that close
+  function opened(signal) {
+    let letGo;
+    const stream = { gone: new Promise((resolve) => { letGo = resolve; }) };
+    stream.letGo = letGo;
+    stream.gone.then(() => { if (open === stream) open = null; });
+    if (signal) signal.addEventListener("abort", letGo, { once: true });
+    open = stream;
+    return stream;
+  }
+
+  // the take a join starts, if it is one (its first input is the take id)
+  function takeOfJoin(init) {
+    try {
+      const takeId = JSON.parse(init.body).data[0];
+      return typeof takeId === "string" && window.cvStudio && window.cvStudio.takes[takeId] ? takeId : null;
+    } catch (err) {
+      return null;
+    }
   }
 
   const original = window.fetch.bind(window);
   window.fetch = async (input, init) => {
     const url = typeof input === "string" ? input : input instanceof URL ? input.href : input.url;
     const path = new URL(url, window.location.href).pathname;
-    const response = await original(input, init);
-    if (path.endsWith("/queue/join") && init && typeof init.body === "string") {
-      let takeId = null;
-      try { takeId = JSON.parse(init.body).data[0]; } catch (err) { /* not a take */ }
-      if (typeof takeId === "string" && window.cvStudio && window.cvStudio.takes[takeId]) {
-        response.clone().json().then(({ event_id: id }) => {
-          takeOf[id] = takeId;
-          if (early[id]) said(early[id], takeId);
-          delete early[id];
-        }).catch(() => {});
+    if (path.endsWith("/queue/data")) {
+      const signal = (init && init.signal) || (input instanceof Request ? input.signal : null);
+      const stream = opened(signal);
+      let response;
+      try {
+        response = await original(input, init);
+      } catch (err) {
+        stream.letGo();
+        throw err;
       }
-    } else if (path.endsWith("/queue/data") && response.ok && response.body) {
+      if (!response.ok || !response.body) {
+        stream.letGo();
+        return response;
+      }
       const [mine, theirs] = response.body.tee();
-      read(mine);
+      read(mine).then((closed) => { if (!closed || !signal) stream.letGo(); });
       return new Response(theirs, { status: response.status, statusText: response.statusText,
                                     headers: response.headers });
     }
+    const response = await original(input, init);
+    if (!path.endsWith("/queue/join") || !response.ok) return response;
+    const { event_id: id } = await response.clone().json().catch(() => ({}));
+    if (!id) return response;
+    const takeId = takeOfJoin(init);
+    if (takeId) {
+      takeOf[id] = takeId;
+      if (early[id]) said(early[id], takeId);
+      delete early[id];
+    }
+    await served(id);
     return response;
   };
 

@@ -70,6 +70,33 @@ QUEUE_WATCH = """(() => {
 })()"""
 
 
+# The network as a busy machine may deliver it: the queue stream's close_stream reaches the page only at
+# window.cvNet.release(), while the answers to joins come through (cvNet.answered counts them). Installed before the
+# page's own scripts, so their fetch wrapper takes this one for the network.
+HELD_CLOSE = """(() => {
+  const net = window.cvNet = { held: [], answered: 0, hold: true };
+  net.release = () => { net.hold = false; net.held.splice(0).forEach((go) => go()); };
+  const original = window.fetch.bind(window);
+  window.fetch = async (input, init) => {
+    const response = await original(input, init);
+    const url = String(input.url || input);
+    if (url.includes("/queue/join")) net.answered += 1;
+    if (!url.includes("/queue/data") || !response.body) return response;
+    const reader = response.body.getReader();
+    const body = new ReadableStream({ async pull(out) {
+      const { value, done } = await reader.read();
+      if (done) return out.close();
+      if (net.hold && new TextDecoder().decode(value).includes("close_stream")) {
+        await new Promise((go) => net.held.push(go));
+      }
+      out.enqueue(value);
+    } });
+    return new Response(body, { status: response.status, statusText: response.statusText,
+                                headers: response.headers });
+  };
+})()"""
+
+
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     with sync_api.sync_playwright() as playwright:
@@ -648,6 +675,29 @@ def test_uploads_and_messages_as_a_visitor_sees_them(context, app: tuple, tmp_pa
     sync_api.expect(page.locator("#mic-message")).to_contain_text("No microphone was found")
     page.screenshot(path=str(ARTIFACTS / "webui-no-microphone.png"))
     page.close()
+
+
+def test_a_click_answered_as_the_event_stream_closes_still_shows_its_outcome(browser, app: tuple) -> None:
+    """A click the server takes just after closing the page's event stream (the session's events were all done),
+    its answer reaching the browser before that close, as on a busy machine: its warning still shows (Gradio's
+    client alone would wait for it on the closing stream, and the toast would never come)."""
+    _, url = app
+    ctx = browser(locale="en-US")
+    ctx.add_init_script(HELD_CLOSE)
+    try:
+        page = open_page(ctx, url)
+        page.click("#manage")
+        page.click("#save")  # no recording: a warning, and then the server closes the stream
+        page.wait_for_function("() => window.cvNet.held.length > 0")
+        answered = page.evaluate("window.cvNet.answered")
+        page.click("#rename")  # no voice picked: a warning
+        page.wait_for_function(f"() => window.cvNet.answered > {answered}")
+        page.evaluate("window.cvNet.release()")
+        texts = page.get_by_test_id("toast-text")
+        sync_api.expect(texts.filter(has_text="upload or record a prompt voice first")).to_be_visible()
+        sync_api.expect(texts.filter(has_text="pick a saved voice to rename")).to_be_visible(timeout=15000)
+    finally:
+        ctx.close()
 
 
 def test_narrow_screen_puts_the_voice_picker_above_generate(browser, app: tuple) -> None:
