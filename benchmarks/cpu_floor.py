@@ -131,7 +131,7 @@ def dit_step_work(dit: torch.nn.Module, new: int, past: int, batch: int = 2) -> 
     AdaLN weights it reads when it recomputes the modulation."""
     block = dit.transformer_blocks[0]
     dim, inner = dit.proj_out.in_features, block.attn.heads * block.attn.dim_head
-    ff = block.ff.ff[0][0].out_features
+    ff = block.ff.ff[2].in_features  # the second layer's (the first may carry its GELU: bf16_dit)
     conv = dit.input_embed.conv_pos_embed.conv1[0]
     projections = 2 * new * (3 * dim * inner + inner * dim + 2 * dim * ff)
     per_block = projections + 4 * new * (past + new) * inner
