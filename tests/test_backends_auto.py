@@ -109,8 +109,23 @@ def test_an_int8_graph_for_another_cpu_is_exported_again(tiny_bundle_dir: Path, 
     assert ensure_onnx(tiny_bundle_dir, "int8")["graphs"][name]["int8_weights"] == mine
 
 
+class Neighbours:
+    """Stands in for :class:`~cosyvoice.system.cpu_load.OtherWork` where a test decides how busy the machine was
+    while auto measured (the suite's own workers keep the cores busy: what is measured would be the suite)."""
+
+    def __init__(self, share: float | None) -> None:
+        self._share = share
+
+    def __call__(self) -> Neighbours:
+        return self
+
+    def share(self) -> float | None:
+        return self._share
+
+
 def test_auto_measures_the_onnxruntime_paths_and_keeps_its_choice(llm_graph_bundle_dir: Path, tmp_path: Path,
                                                                   monkeypatch) -> None:
+    monkeypatch.setattr(fast, "OtherWork", Neighbours(0.0))
     bundle = validate_model_dir(llm_graph_bundle_dir)
     features = fast.cpu_features()
     store = AutoStore(tmp_path / "auto.json")
@@ -151,6 +166,28 @@ def test_auto_measures_the_onnxruntime_paths_and_keeps_its_choice(llm_graph_bund
     data = json.loads((tmp_path / "auto.json").read_text())
     assert {r["key"]["model"] for r in data.values()} == {"model-a", "model-b"}
     assert machine_key(features, "model-a") in [r["key"] for r in data.values()]
+
+
+def test_a_choice_measured_beside_other_work_is_measured_again_at_the_next_start(tiny_bundle_dir: Path,
+                                                                                  tmp_path: Path, monkeypatch) -> None:
+    """A neighbour that starts or stops between two candidates ranks them by itself: such a choice runs, says so
+    on the page and in /ready, and the next start measures again; a quiet measurement is then kept for good."""
+    bundle = validate_model_dir(tiny_bundle_dir)
+    store = AutoStore(tmp_path / "auto.json")
+    features = fast.cpu_features()
+
+    def plan(others: float | None) -> fast.PrecisionPlan:
+        monkeypatch.setattr(fast, "OtherWork", Neighbours(others))
+        return fast.plan_and_apply("auto", bundle.load_llm, bundle.load_flow, features, None, store, lambda: "m")[0]
+
+    busy = plan(0.6)
+    assert busy.busy and not busy.kept and busy.describe()["others"] == 0.6
+    assert "beside other work on 60% of the cores: measured again at the next start" in busy.summary
+    again = plan(0.05)
+    assert not again.kept and not again.busy and again.measured_at >= busy.measured_at
+    kept = plan(0.9)  # a quiet measurement is kept, whatever the machine does at later starts
+    assert kept.kept and kept.others == 0.05 and not kept.busy and "beside" not in kept.summary
+    assert plan(None).kept  # unknown (no /proc/stat) counts as quiet
 
 
 def test_a_new_graph_format_is_measured_afresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

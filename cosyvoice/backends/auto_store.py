@@ -58,7 +58,8 @@ def machine_key(features: frozenset[str], model_digest: str) -> dict[str, object
 
 
 class AutoStore:
-    """One JSON file of ``{key digest: {"key": ..., "measured_at": ..., "llm": ..., "flow": ..., "checks": ...}}``."""
+    """One JSON file of ``{key digest: {"key": ..., "measured_at": ..., "llm": ..., "flow": ..., "checks": ...,
+    "others": ...}}``."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -86,10 +87,12 @@ class AutoStore:
             found = self._read().get(self.digest(key))
         return found if isinstance(found, dict) and found.get("key") == key else None
 
-    def put(self, key: dict[str, object], llm: str, flow: str, checks: dict[str, dict[str, float]]) -> str:
-        """Keep a measurement for ``key``; returns when it was measured (ISO time)."""
+    def put(self, key: dict[str, object], llm: str, flow: str, checks: dict[str, dict[str, float]],
+            others: float | None = None) -> str:
+        """Keep a measurement for ``key`` (``others``: the share of the cores other work took meanwhile, None when
+        unknown); returns when it was measured (ISO time)."""
         when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        record = {"key": key, "measured_at": when, "llm": llm, "flow": flow, "checks": checks}
+        record = {"key": key, "measured_at": when, "llm": llm, "flow": flow, "checks": checks, "others": others}
         with self._lock:
             data = self._read()
             data[self.digest(key)] = record

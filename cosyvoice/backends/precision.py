@@ -42,6 +42,7 @@ from cosyvoice.backends.auto_store import AutoStore, machine_key
 from cosyvoice.backends.cpu import cpu_features, native_bf16
 from cosyvoice.backends.ort import cpu_stage_threads
 from cosyvoice.errors import ConfigError
+from cosyvoice.system.cpu_load import OtherWork
 from cosyvoice.system.malloc import trim
 from cosyvoice.weights import give_back
 
@@ -55,6 +56,10 @@ BOUNDS = {"mel_rel_rms": 0.01, "mel_max_abs": 0.05, "llm_kl_mean": 0.02}
 ORT_FLOW = ("onnxruntime", "onnxruntime-int8")
 #: the LLM's onnxruntime paths: its stack as one graph per step (:mod:`cosyvoice.backends.llm_step`) -> precision
 ORT_LLM = {"onnxruntime": "fp32", "onnxruntime-int8": "int8"}
+#: auto's checks timed beside other work taking more than this share of the cores (another program, a neighbour on
+#: the host): its choice runs, but is measured again at the next start rather than kept for good, since a neighbour
+#: that starts or stops between two candidates ranks them by itself (:class:`~cosyvoice.system.cpu_load.OtherWork`)
+BUSY_SHARE = 0.25
 #: what the torch candidates compute, in auto's kept key (:func:`~cosyvoice.backends.auto_store.graph_formats`):
 #: 3, the bf16 DiT's projections packed by oneDNN with the GELU on the accumulator where bf16 is native (2: the
 #: attention and cached keys/values in bf16; 1: in float32)
@@ -95,6 +100,12 @@ class PrecisionPlan:
     checks: dict[str, dict[str, float]] = field(default_factory=dict)  # auto: candidate -> measured bounds
     measured_at: str = ""  # auto: when the checks were measured (ISO time)
     kept: bool = False  # auto: the checks were read from the store, not measured at this start
+    others: float | None = None  # auto: the share of the cores other work took while it measured (None: unknown)
+
+    @property
+    def busy(self) -> bool:
+        """Whether auto measured beside other work (:data:`BUSY_SHARE`): the next start measures again."""
+        return self.others is not None and self.others > BUSY_SHARE
 
     @property
     def label(self) -> str:
@@ -126,12 +137,14 @@ class PrecisionPlan:
                     rows.append(f"{mark}{kind} {check['seconds']:.2f} s" + (f" ({errors})" if errors else ""))
             parts.append(f"{stage.upper() if stage == 'llm' else stage}: " + "; ".join(rows))
         when = f"kept from {self.measured_at}" if self.kept else f"measured {self.measured_at}"
+        if self.busy:
+            when += f" beside other work on {self.others:.0%} of the cores: measured again at the next start"
         return " | ".join(parts) + f" | {when}"
 
     def describe(self) -> dict[str, object]:
         return {"requested": self.requested, "llm": self.llm, "flow": self.flow, "vocoder": self.vocoder,
                 "cpu": list(self.cpu), "checks": self.checks, "label": self.label, "measured_at": self.measured_at,
-                "kept": self.kept, "summary": self.summary}
+                "kept": self.kept, "others": self.others, "summary": self.summary}
 
 
 def check_name(name: str) -> str:
@@ -283,22 +296,29 @@ def plan_and_apply(requested: str, load_llm: Callable[[], torch.nn.Module], load
         key = machine_key(features, model_digest()) if store is not None and model_digest is not None else None
         kept = store.get(key) if key is not None else None
         if kept is not None:
-            llm = apply_llm(load_llm(), str(kept["llm"]), model_root)
-            trim()
-            flow = apply_flow(load_flow(), str(kept["flow"]), model_root)
-            trim()
-            plan = PrecisionPlan("auto", str(kept["llm"]), str(kept["flow"]), cpu=cpu,
-                                 checks=kept["checks"], measured_at=str(kept["measured_at"]), kept=True)
-            logger.info("precision: %s (auto's measurements kept from %s)", plan.label, plan.measured_at)
-            return plan, llm, flow
+            plan = PrecisionPlan("auto", str(kept["llm"]), str(kept["flow"]), cpu=cpu, checks=kept["checks"],
+                                 measured_at=str(kept["measured_at"]), kept=True, others=kept.get("others"))
+            if not plan.busy:
+                llm = apply_llm(load_llm(), plan.llm, model_root)
+                trim()
+                flow = apply_flow(load_flow(), plan.flow, model_root)
+                trim()
+                logger.info("precision: %s (auto's measurements kept from %s)", plan.label, plan.measured_at)
+                return plan, llm, flow
+            logger.info("precision: auto's kept measurements (%s) ran beside other work on %.0f%% of the cores: "
+                        "measuring again", plan.measured_at, 100 * plan.others)
+        others = OtherWork()
         llm_kind, llm, llm_checks = check_llm(load_llm(), llm_candidates(features, model_root), model_root)
         trim()
         flow_kind, flow, flow_checks = check_flow(load_flow(), flow_candidates(features, model_root), model_root)
         trim()
-        checks = {**llm_checks, **flow_checks}
-        when = store.put(key, llm_kind, flow_kind, checks) if key is not None else ""
-        plan = PrecisionPlan("auto", llm_kind, flow_kind, cpu=cpu, checks=checks, measured_at=when)
+        checks, share = {**llm_checks, **flow_checks}, others.share()
+        when = store.put(key, llm_kind, flow_kind, checks, share) if key is not None else ""
+        plan = PrecisionPlan("auto", llm_kind, flow_kind, cpu=cpu, checks=checks, measured_at=when, others=share)
         logger.info("precision: %s", plan.label)
+        if plan.busy:
+            logger.warning("precision: auto measured beside other work on %.0f%% of the cores; its choice may not be "
+                           "this machine's best: the next start measures again", 100 * share)
         return plan, llm, flow
     if requested == "bf16" and not native_bf16(features):
         logger.warning("precision bf16 on a CPU without AVX512-BF16 or AMX: every op converts, expect it to "
@@ -482,7 +502,7 @@ def check_flow(flow: torch.nn.Module, paths: tuple[str, ...], model_root: Path |
     return chosen, tried[chosen], checks
 
 
-__all__ = ["BOUNDS", "CHOICES", "ORT_FLOW", "ORT_LLM", "AutoStore", "Bf16Linear", "PackedBf16Linear", "PrecisionPlan",
-           "apply_flow", "apply_llm", "bf16_dit", "candidates", "check_flow", "check_llm", "cpu_features",
-           "dit_projections", "fastest", "flow_candidates", "holds", "llm_candidates", "llm_kl", "mel_error",
-           "native_bf16", "plan_and_apply", "quantize_dit", "resolve", "shadow"]
+__all__ = ["BOUNDS", "BUSY_SHARE", "CHOICES", "ORT_FLOW", "ORT_LLM", "AutoStore", "Bf16Linear", "PackedBf16Linear",
+           "PrecisionPlan", "apply_flow", "apply_llm", "bf16_dit", "candidates", "check_flow", "check_llm",
+           "cpu_features", "dit_projections", "fastest", "flow_candidates", "holds", "llm_candidates", "llm_kl",
+           "mel_error", "native_bf16", "plan_and_apply", "quantize_dit", "resolve", "shadow"]
