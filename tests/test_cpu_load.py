@@ -14,15 +14,21 @@ import pytest
 from cosyvoice.system.cpu_load import OtherWork, machine_busy_seconds
 
 
-def _stat(path: Path, busy_ticks: int) -> None:
-    path.write_text(f"cpu  {busy_ticks} 0 0 5000 7 0 0 0 0 0\ncpu0 1 0 0 2500 0 0 0 0 0 0\n"
-                    f"cpu1 1 0 0 2500 0 0 0 0 0 0\nintr 1\n")
+def _stat(path: Path, busy_ticks: int) -> int:
+    """A /proc/stat whose first core this process may run on has been busy ``busy_ticks``; the number of those
+    cores. A core it may not run on is busy too: it does not count."""
+    mine = sorted(os.sched_getaffinity(0))
+    lines = [f"cpu  {busy_ticks + 10 ** 6} 0 0 5000 7 0 0 0 0 0"]
+    lines += [f"cpu{n} {busy_ticks if n == mine[0] else 0} 0 0 2500 3 0 0 0 0 0" for n in mine]
+    lines += [f"cpu{max(mine) + 1} 1000000 0 0 0 0 0 0 0 0 0", "intr 1"]
+    path.write_text("\n".join(lines) + "\n")
+    return len(mine)
 
 
 def test_other_work_is_the_machines_busy_time_less_this_process(tmp_path: Path) -> None:
     stat = tmp_path / "stat"
-    _stat(stat, 100)
-    assert machine_busy_seconds(stat) == (100 / os.sysconf("SC_CLK_TCK"), 2)  # idle and iowait are not busy
+    cores = _stat(stat, 100)
+    assert machine_busy_seconds(stat) == (100 / os.sysconf("SC_CLK_TCK"), cores)  # idle and iowait are not busy
     quiet, busy = OtherWork(stat), OtherWork(stat)
     sum(range(10 ** 5))  # this process's own work is not the others'
     assert quiet.share() == 0.0

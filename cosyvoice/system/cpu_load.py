@@ -2,9 +2,9 @@
 
 Timings taken beside other work say little about the code timed: auto's precision checks (:mod:`cosyvoice.backends.
 precision`) compare candidates by their seconds, and a neighbour that starts or stops between two candidates ranks
-them by the neighbour. The kernel counts every core's busy time (``/proc/stat``: user, nice, system, interrupts and
-the time a hypervisor gave to other guests); less this process's own CPU time, that is the other work. Elsewhere than
-Linux nothing is known: :class:`OtherWork` says None.
+them by the neighbour. The kernel counts each core's busy time (``/proc/stat``: user, nice, system, interrupts and
+the time a hypervisor gave to other guests); over the cores this process may run on, less its own CPU time, that is
+the other work. Elsewhere than Linux nothing is known: :class:`OtherWork` says None.
 """
 
 from __future__ import annotations
@@ -19,17 +19,23 @@ _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
 
 
 def machine_busy_seconds(stat: Path = Path("/proc/stat")) -> tuple[float, int] | None:
-    """(CPU seconds the machine's cores have been busy since boot, how many cores /proc/stat counts), or None where
-    the kernel does not say."""
+    """(CPU seconds the cores this process may run on have been busy since boot, how many of them), or None where
+    the kernel does not say. Only those cores (its CPU affinity, in a container its cpuset): work elsewhere on the
+    host does not compete with it."""
     try:
         lines = stat.read_text(encoding="ascii").splitlines()
     except OSError:
         return None
-    fields = lines[0].split() if lines else []
-    cores = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
-    if len(fields) < 9 or fields[0] != "cpu" or not cores:
-        return None
-    return sum(int(fields[1 + i]) for i in _BUSY_FIELDS) / os.sysconf("SC_CLK_TCK"), cores
+    mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    busy, cores = 0, 0
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 9 or not fields[0].startswith("cpu") or not fields[0][3:].isdigit():
+            continue
+        if mine is None or int(fields[0][3:]) in mine:
+            busy += sum(int(fields[1 + i]) for i in _BUSY_FIELDS)
+            cores += 1
+    return (busy / os.sysconf("SC_CLK_TCK"), cores) if cores else None
 
 
 class OtherWork:
