@@ -85,8 +85,7 @@ def test_bf16_weights_are_stored_and_the_rest_stays_float32(golden_models: tuple
     assert sorted(stored) == sorted(projections)
     assert sorted(n for n, m in stored.items() if m.gelu) == sorted(n for n in projections if n.endswith(".ff.0"))
     assert all(m.weight.dtype == torch.bfloat16 for m in stored.values())
-    native = fast.native_bf16(fast.cpu_features()) and torch.backends.mkldnn.is_available()
-    assert all(isinstance(m, fast.PackedBf16Linear) == native for m in stored.values())
+    assert all(isinstance(m, fast.PackedBf16Linear) == fast.packs_bf16() for m in stored.values())
     assert dit.proj_out.weight.dtype == flow.input_embedding.weight.dtype == torch.float32
     tok = torch.zeros(1, 10, dtype=torch.long)
     with torch.inference_mode():
@@ -94,8 +93,7 @@ def test_bf16_weights_are_stored_and_the_rest_stays_float32(golden_models: tuple
     assert mel.dtype == torch.float32
 
 
-@pytest.mark.skipif(not (fast.native_bf16(fast.cpu_features()) and torch.backends.mkldnn.is_available()),
-                    reason="oneDNN packs bf16 weights where the CPU computes bf16 natively")
+@pytest.mark.skipif(not fast.packs_bf16(), reason="oneDNN packs bf16 weights where the CPU computes bf16 natively")
 @pytest.mark.parametrize("gelu", [False, True])
 def test_a_packed_bf16_layer_computes_what_the_plain_one_does(gelu: bool) -> None:
     """The same bf16 products; the packed layer applies its GELU to the float32 accumulator, so it rounds once

@@ -189,6 +189,11 @@ class PackedBf16Linear(Bf16Linear):
                                                   "gelu" if self.gelu else "none", [], "tanh" if self.gelu else "")
 
 
+def packs_bf16() -> bool:
+    """Whether :func:`bf16_dit` packs its projections here (:class:`PackedBf16Linear`): bf16 native, oneDNN in torch."""
+    return native_bf16(cpu_features()) and torch.backends.mkldnn.is_available()
+
+
 def dit_projections(dit: torch.nn.Module) -> list[str]:
     """The DiT linears a fast path changes: every block's attention q/k/v/out and feed-forward layers, which
     hold nearly all of its FLOPs (the layers of the ONNX int8 graph, :mod:`cosyvoice.backends.quant`). The AdaLN
@@ -213,7 +218,7 @@ def bf16_dit(dit: torch.nn.Module) -> torch.nn.Module:
     attention in bf16 between them (``Attention.compute_dtype``: the keys/values a stream caches are half the
     bytes); each float32 linear's checkpoint pages are handed back once its copy is made
     (:func:`~cosyvoice.weights.give_back`)."""
-    layer = PackedBf16Linear if native_bf16(cpu_features()) and torch.backends.mkldnn.is_available() else Bf16Linear
+    layer = PackedBf16Linear if packs_bf16() else Bf16Linear
     for name in dit_projections(dit):
         parent, _, child = name.rpartition(".")
         owner = dit.get_submodule(parent)
@@ -505,4 +510,4 @@ def check_flow(flow: torch.nn.Module, paths: tuple[str, ...], model_root: Path |
 __all__ = ["BOUNDS", "BUSY_SHARE", "CHOICES", "ORT_FLOW", "ORT_LLM", "AutoStore", "Bf16Linear", "PackedBf16Linear",
            "PrecisionPlan", "apply_flow", "apply_llm", "bf16_dit", "candidates", "check_flow", "check_llm",
            "cpu_features", "dit_projections", "fastest", "flow_candidates", "holds", "llm_candidates", "llm_kl",
-           "mel_error", "native_bf16", "plan_and_apply", "quantize_dit", "resolve", "shadow"]
+           "mel_error", "native_bf16", "packs_bf16", "plan_and_apply", "quantize_dit", "resolve", "shadow"]

@@ -13,8 +13,8 @@ import os
 import time
 from pathlib import Path
 
-#: the fields of /proc/stat's ``cpu`` line that are busy time (user nice system idle iowait irq softirq steal ...):
-#: every one but idle and iowait
+#: the fields of a core's /proc/stat line (``cpuN``) that are busy time (user nice system idle iowait irq softirq
+#: steal ...): every one but idle and iowait
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
 
 
