@@ -195,8 +195,10 @@ window.cvStudio = (() => {
 // session has no event left). A join the server answers just after that close, a click at that moment, can reach
 // the client before the close does on a busy machine: the client then waits for the event on a stream that is
 // ending, and the click's outcome (its toast, its outputs) never comes. So a join's answer goes on to the client
-// only once the open stream has carried a message of its event (the server sends the event's place at once) or the
-// client has let that stream go (it opens a new one for the event).
+// only once the open stream has carried a message of its event (the server sends the event's place at once) or
+// that stream has ended and the client has read its end (it then opens a new one for the event). The end is read
+// from the stream itself: the client's abort at close_stream is no sign, as it aborts the client's latest stream,
+// which an upload's progress stream replaces.
 window.cvQueue = (() => {
   const ZH = (navigator.language || "").startsWith("zh");
   const WORDS = {
@@ -211,7 +213,7 @@ window.cvQueue = (() => {
   let shown = "";  // the take whose place is on the line
   const carried = new Set();  // the latest events the stream carried a message of (a join's answer may come later)
   const waiting = new Map();  // event id -> what lets its held join answer go on
-  let open = null;  // the stream the client reads: { gone } (a promise kept once the client has let it go)
+  let open = null;  // the stream the client reads: { gone } (a promise kept once the client has read its end)
 
   function ordinal(n) {
     const tens = n % 100, ones = n % 10;
@@ -267,29 +269,27 @@ window.cvQueue = (() => {
     else early[id] = message;
   }
 
-  // the stream's messages, to heard(); true if it ended with the server's close_stream
+  // the stream's messages, to heard(), until it ends
   async function read(body) {
     const reader = body.pipeThrough(new TextDecoderStream()).getReader();
-    let rest = "", closed = false;
+    let rest = "";
     try {
       for (;;) {
         const { value, done } = await reader.read();
-        if (done) return closed;
+        if (done) return;
         const lines = (rest + value).split(/\r?\n/);
         rest = lines.pop();
         for (const text of lines) {
           if (!text.startsWith("data:")) continue;
           let message;
           try { message = JSON.parse(text.slice(5)); } catch (err) { continue; /* not a queue message */ }
-          closed = closed || message.msg === "close_stream";
           heard(message);
         }
       }
     } catch (err) { /* the stream was closed: Gradio's copy says so */ }
-    return closed;
   }
 
-  // a join's answer, once the stream the client reads carries its event or is let go (then the client opens a new
+  // a join's answer, once the stream the client reads carries its event or has ended (then the client opens a new
   // one; a stream opened meanwhile must carry the event as well)
   async function served(id) {
     while (open && !carried.has(id)) {
@@ -302,14 +302,12 @@ window.cvQueue = (() => {
     }
   }
 
-  // the stream the client reads from now on: let go when the client aborts it (its answer to close_stream), or at
-  // once if it fails or ends without that close
-  function opened(signal) {
+  // the stream the client reads from now on, until letGo()
+  function opened() {
     let letGo;
     const stream = { gone: new Promise((resolve) => { letGo = resolve; }) };
     stream.letGo = letGo;
     stream.gone.then(() => { if (open === stream) open = null; });
-    if (signal) signal.addEventListener("abort", letGo, { once: true });
     open = stream;
     return stream;
   }
@@ -329,8 +327,7 @@ window.cvQueue = (() => {
     const url = typeof input === "string" ? input : input instanceof URL ? input.href : input.url;
     const path = new URL(url, window.location.href).pathname;
     if (path.endsWith("/queue/data")) {
-      const signal = (init && init.signal) || (input instanceof Request ? input.signal : null);
-      const stream = opened(signal);
+      const stream = opened();
       let response;
       try {
         response = await original(input, init);
@@ -343,7 +340,9 @@ window.cvQueue = (() => {
         return response;
       }
       const [mine, theirs] = response.body.tee();
-      read(mine).then((closed) => { if (!closed || !signal) stream.letGo(); });
+      // the client reads its copy of the same bytes in microtasks: a task after this copy ends, it has taken in
+      // the close_stream (its stream is no longer open) and opens a new stream for the answers let go
+      read(mine).then(() => setTimeout(stream.letGo, 0));
       return new Response(theirs, { status: response.status, statusText: response.statusText,
                                     headers: response.headers });
     }

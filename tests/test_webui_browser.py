@@ -700,6 +700,31 @@ def test_a_click_answered_as_the_event_stream_closes_still_shows_its_outcome(bro
         ctx.close()
 
 
+def test_an_upload_as_the_event_stream_closes_holds_no_click_back(browser, app: tuple, short_prompt_wav: Path) -> None:
+    """A recording uploaded while the page's event stream is closing (a picked voice's preview was its last event):
+    Gradio's client answers close_stream by aborting its latest stream, which the upload's progress stream is by
+    then; the upload's own step and every later click still go through (they used to wait for an abort of the
+    event stream that never came: the voice stayed picked and no button answered again)."""
+    _, url = app
+    ctx = browser(locale="en-US")
+    ctx.add_init_script(HELD_CLOSE)
+    try:
+        page = open_page(ctx, url)
+        page.click("#voice input")
+        page.get_by_role("option", name="Narrator").click()  # its preview is the session's last event
+        page.wait_for_function("() => window.cvNet.held.length > 0")
+        answered = page.evaluate("window.cvNet.answered")
+        upload_prompt(page, short_prompt_wav)  # a progress stream, then the recording's check joins the queue
+        page.wait_for_function(f"() => window.cvNet.answered > {answered}")
+        page.evaluate("window.cvNet.release()")
+        sync_api.expect(page.locator("#voice input")).to_have_value("")
+        page.click("#manage")
+        page.click("#rename")  # no voice picked now: a warning
+        toast(page, "pick a saved voice to rename")
+    finally:
+        ctx.close()
+
+
 def test_narrow_screen_puts_the_voice_picker_above_generate(browser, app: tuple) -> None:
     _, url = app
     ctx = browser(locale="en-US")
