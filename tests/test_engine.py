@@ -15,7 +15,7 @@ import torch
 from memory_probe import live_tensors, rss_bytes
 from waiting import until
 
-from cosyvoice.engine import CancelToken, ChunkPolicy, Engine
+from cosyvoice.engine import CancelToken, ChunkPolicy, ChunkSchedule, Engine
 from cosyvoice.errors import ConfigError, CosyVoiceError
 from cosyvoice.frontend.prompts import cross_lingual_text, instruct_text, zero_shot_prompt_text
 from cosyvoice.settings import Limits, add_server_arguments, settings_from_args
@@ -157,6 +157,48 @@ def test_a_cancel_from_another_thread_ends_the_reader_while_the_worker_computes(
         proceed.set()
         for handle in handles:
             handle.remove()
+    engine.close()
+
+
+@pytest.mark.parametrize("final", ["full", "chunked"])
+def test_a_cancel_ends_a_streamed_flow_call_before_its_next_euler_step(tts, prompt_wav: Path, final: str) -> None:
+    """A stream's flow calls are ten Euler steps each, its last one (full attention over the whole utterance, or
+    the chunked extension) the longest: a token cancelled during one ends it before its next step, so the worker
+    is free for the next request at once instead of finishing a chunk nobody will hear."""
+    engine = _engine_like(tts)
+    armed, entered, proceed = threading.Event(), threading.Event(), threading.Event()
+    steps_after_arming = []
+
+    def hold(*_) -> None:  # once armed, the worker waits inside the step it is in until the test lets it go on
+        if armed.is_set():
+            steps_after_arming.append(1)
+            entered.set()
+            assert proceed.wait(60), "the test never let the flow go on"
+
+    handle = engine.flow.decoder.estimator.input_embed.register_forward_pre_hook(hold)
+    try:
+        token, ended = CancelToken(), threading.Event()
+        chunks: list[torch.Tensor] = []
+
+        def read() -> None:
+            for chunk in engine.synthesize(_model_input(tts, prompt_wav), stream=True, seed=0, fixed_tokens=60,
+                                           cancel=token, schedule=ChunkSchedule(final=final)):
+                chunks.append(chunk.pcm)
+                armed.set()  # the first chunk is out: the next flow call is the last one
+            ended.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert entered.wait(60), "the last flow call never ran"
+        token.cancel()
+        assert ended.wait(10), "the cancelled reader waited for the flow call to end"
+        assert len(chunks) == 1 and engine.active_sessions == 1  # the worker still holds the session
+        proceed.set()
+        until(lambda: engine.active_sessions == 0, 30, "the worker's release after its flow step")
+        assert len(steps_after_arming) == 1  # of the call's 10
+    finally:
+        proceed.set()
+        handle.remove()
     engine.close()
 
 

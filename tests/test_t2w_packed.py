@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cosyvoice.bundle import validate_model_dir
+from cosyvoice.flow.cfm import Stopped
 from cosyvoice.flow.model import FlowStream, extend_packed
 from cosyvoice.tools.parity.tolerances import STREAM_MEL_ATOL
 
@@ -77,6 +78,28 @@ def test_packed_dit_gives_each_session_its_alone_mel(flow, seeds: tuple[int, ...
         for a, p in zip(alone[seed], packed[seed], strict=True):
             assert a.shape == p.shape and a.shape[2] > 0
             assert torch.allclose(a, p, atol=STREAM_MEL_ATOL, rtol=0), (seed, (a - p).abs().max().item())
+
+
+def test_a_stop_ends_a_packed_call_before_its_next_euler_step(flow) -> None:
+    """Every session in a packed call cancelled: the call ends before its next Euler step, not after all ten."""
+    steps = []
+    for seed in (0, 1):
+        stream, tokens = _stream(flow, seed)
+        steps.append(stream.begin(tokens[:, :_plan(stream.prompt_token.shape[1], 1)[0][1]], finalize=False))
+    estimator, calls, polls = flow.decoder.estimator, [], []
+    packed = estimator.forward_packed
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return packed(*args, **kwargs)
+
+    estimator.forward_packed = counted
+    try:
+        with pytest.raises(Stopped):
+            extend_packed(steps, stop=lambda: polls.append(1) or len(polls) > 3)
+    finally:
+        del estimator.forward_packed
+    assert len(calls) == 3 and len(polls) == 4  # polled before each step: three of the model's 10 ran
 
 
 def _recording(engine_t2w) -> dict[int, list[torch.Tensor]]:

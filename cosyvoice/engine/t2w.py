@@ -134,17 +134,26 @@ class Token2Wav:
     def chunks(self, items: list[tuple[Session, T2WState, ChunkWork]]) -> list[AudioChunk | None]:
         """Compute several sessions' chunks; their incremental flow steps run as ONE packed DiT call per Euler
         step (:func:`~cosyvoice.flow.extend_packed`), the rest (vocoder, recompute paths) one session at a time.
-        A session cancelled meanwhile gets None: its own flow call stops before the next Euler step, its vocoder
-        does not run (an unstreamed utterance's are seconds of the one worker's time that nobody would hear)."""
+        A session cancelled meanwhile gets None: its own flow call stops before the next Euler step (a packed
+        call once every session in it is cancelled), its vocoder does not run (an unstreamed utterance's are
+        seconds of the one worker's time that nobody would hear)."""
         for session, state, work in items:
             self._open_flow_stream(session, state, work)
         mels = [self._flow(session, state, work) for session, state, work in items]
         pending = [m for m in mels if isinstance(m, PendingExtension)]
-        if len(pending) > 1 or (pending and self.compiled is not None):
-            compiled = (self.compiled.trunk, self.compiled.buckets) if self.compiled is not None else ()
-            solved = iter(extend_packed(pending, *compiled))
-        else:
-            solved = iter([p.stream.solve(p) for p in pending])
+        waiting = [session for (session, _, _), m in zip(items, mels, strict=True) if isinstance(m, PendingExtension)]
+
+        def stop() -> bool:
+            return all(session.cancelled for session in waiting)
+
+        try:
+            if len(pending) > 1 or (pending and self.compiled is not None):
+                compiled = (self.compiled.trunk, self.compiled.buckets) if self.compiled is not None else ()
+                solved = iter(extend_packed(pending, *compiled, stop=stop))
+            else:
+                solved = iter([p.stream.solve(p, stop) for p in pending])
+        except Stopped:
+            solved = iter([None] * len(pending))
         mels = [next(solved) if isinstance(m, PendingExtension) else m for m in mels]
         return [None if session.cancelled else self._emit(session, state, work, mel)
                 for (session, state, work), mel in zip(items, mels, strict=True)]
@@ -208,7 +217,11 @@ class Token2Wav:
         tokens = torch.tensor([work.tokens], dtype=torch.int64)
         streaming, finalize = self._streaming(session, work), work.final
         if state.flow_stream is not None:
-            step = state.flow_stream.begin(tokens[:, state.flow_fed:].to(dev), finalize=finalize, streaming=streaming)
+            try:
+                step = state.flow_stream.begin(tokens[:, state.flow_fed:].to(dev), finalize=finalize,
+                                               streaming=streaming, stop=lambda: session.cancelled)
+            except Stopped:
+                return None
             state.flow_fed = tokens.shape[1]
             return step
         prompt_token, prompt_feat = inp.flow_prompt_speech_token.to(dev), inp.prompt_speech_feat.to(dev)

@@ -286,8 +286,9 @@ class FlowStream:
         return step if isinstance(step, Tensor) else self.solve(step)
 
     @torch.inference_mode()
-    def solve(self, step: PendingExtension) -> Tensor:
-        """The second half of :meth:`inference` for this stream alone: the new mel frames of ``step``."""
+    def solve(self, step: PendingExtension, stop: Callable[[], bool] | None = None) -> Tensor:
+        """The second half of :meth:`inference` for this stream alone: the new mel frames of ``step``. ``stop``:
+        polled before each Euler step (True raises :class:`~cosyvoice.flow.cfm.Stopped`)."""
         cfm = self.flow.decoder
         mu_in, spks_in, cond_in = guidance_batch(step.mu, self.spks, step.cond)
         # each step's cache is replaced as soon as its extension exists, so the old one is freed at once instead
@@ -299,7 +300,7 @@ class FlowStream:
             return out
 
         try:
-            mel = solve_euler_cfg(velocity, step.noise, cfm.time_grid(step.mu, self.steps), cfm.cfg_rate)
+            mel = solve_euler_cfg(velocity, step.noise, cfm.time_grid(step.mu, self.steps), cfm.cfg_rate, stop)
         except BaseException:
             self.drop_cache()  # some steps were extended, some not: recompute from here on
             raise
@@ -326,10 +327,13 @@ class FlowStream:
         return VoicePrefix(length, self.steps, caches, self._mel)
 
     @torch.inference_mode()
-    def begin(self, token: Tensor, finalize: bool, streaming: bool | None = None) -> Tensor | PendingExtension:
+    def begin(self, token: Tensor, finalize: bool, streaming: bool | None = None,
+              stop: Callable[[], bool] | None = None) -> Tensor | PendingExtension:
         """The first half of :meth:`inference`: the new mel when there is nothing to extend (recompute, or no
         new frame), else the :class:`PendingExtension` that :func:`extend_packed` computes, alone or packed
-        with other streams' (the engine's token-to-wave batching)."""
+        with other streams' (the engine's token-to-wave batching). ``stop``: polled before each Euler step of a
+        recompute made here (the last call under full attention is the longest of a stream); True raises
+        :class:`~cosyvoice.flow.cfm.Stopped` and leaves the stream of no further use."""
         flow = self.flow
         streaming = not finalize if streaming is None else streaming
         if self._finalized:
@@ -348,7 +352,7 @@ class FlowStream:
         if not streaming or self._caches is None:
             mel = flow.inference(tokens[:, n_prompt_tokens:], tokens.shape[1] - n_prompt_tokens, self.prompt_token,
                                  n_prompt_tokens, self.prompt_feat, n_prompt, self.embedding, streaming=streaming,
-                                 finalize=finalize, n_steps=self.steps)
+                                 finalize=finalize, n_steps=self.steps, stop=stop)
             return self._new_frames(mel)
         n_frames = flow._frames_for(tokens.shape[1], finalize)
         if n_frames <= n_prompt:
@@ -411,14 +415,16 @@ class PendingExtension:
 
 @torch.inference_mode()
 def extend_packed(steps: list[PendingExtension], trunk: PackedTrunk | None = None,
-                  buckets: Callable[[int, int, int], tuple[int, int, int]] | None = None) -> list[Tensor]:
+                  buckets: Callable[[int, int, int], tuple[int, int, int]] | None = None,
+                  stop: Callable[[], bool] | None = None) -> list[Tensor]:
     """Solve the ODE of several streams' extensions in ONE DiT call per Euler step; each stream's new mel.
 
     Streams of one flow model; each may have its own batch (guidance doubles it), prompt, speaker, cache length
     and chunk length. Rows are right-padded to the widest (``DiT.forward_packed`` states the policy), so every
     step evaluates one [2 x rows, C, width] batch; the Euler update is per element, so each stream's result is
     what it gets alone up to float rounding. ``trunk`` / ``buckets``: a compiled DiT core and its shape buckets
-    (:class:`~cosyvoice.engine.graphs.CompiledDiT`).
+    (:class:`~cosyvoice.engine.graphs.CompiledDiT`). ``stop``: polled before each Euler step (True raises
+    :class:`~cosyvoice.flow.cfm.Stopped`).
     """
     flow = steps[0].stream.flow
     cfm = flow.decoder
@@ -453,7 +459,7 @@ def extend_packed(steps: list[PendingExtension], trunk: PackedTrunk | None = Non
         return out
 
     mel = solve_euler_cfg(velocity, torch.cat([pad(s.noise) for s in steps]), cfm.time_grid(mu, n_steps),
-                          cfm.cfg_rate)
+                          cfm.cfg_rate, stop)
     return [s.stream._finish(s, mel[offsets[i]:offsets[i] + rows[i], :, :s.frames],
                              [new_caches[k][i] for k in range(n_steps)])
             for i, s in enumerate(steps)]
