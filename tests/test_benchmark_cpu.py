@@ -1,5 +1,5 @@
-"""benchmark_cpu's row runner and the first-audio breakdown on the tiny bundle (smoke runs: no timing is
-asserted)."""
+"""benchmark_cpu's row runner, the first-audio breakdown and the cancel benchmark on the tiny bundle (smoke runs:
+no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -59,3 +59,17 @@ def test_the_floor_section_times_every_dit_path_on_the_bundles_graphs(tiny_bundl
     for name, row in results.items():
         if name != "_work":
             assert len(row) == 2 and all(seconds > 0 for seconds in row.values()), name
+
+
+def test_the_cancel_benchmark_stops_a_take_after_each_chunk_and_times_the_next(tiny_bundle_dir: Path, tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                                capsys) -> None:
+    """A Stop after every chunk but the last, each followed by a freed engine and by a next take that is heard."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    result = _bench("benchmark_cancel").main(["--model-dir", str(tiny_bundle_dir), "--precision", "fp32",
+                                              "--seconds", "6", "--repeats", "1", "--delay", "0"])
+    assert result["chunks"] >= 2 and [row["k"] for row in result["rows"]] == list(range(1, result["chunks"]))
+    for row in result["rows"]:
+        assert min(row["freed_s"]) >= 0 and min(row["next_first_audio_s"]) > 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[-1].startswith("| (no Stop: an idle engine) |") and "the last call" in table[-2]
