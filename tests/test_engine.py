@@ -7,6 +7,7 @@ import contextlib
 import gc
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -120,6 +121,26 @@ def test_closing_the_stream_stops_the_llm_within_one_step(tts, prompt_wav: Path)
 
 
 
+def _cancel_while_held(engine: Engine, read: Callable[[CancelToken], None], entered: threading.Event,
+                       proceed: threading.Event, what: str) -> None:
+    """Run ``read(token)`` on a thread and cancel its token once the worker is held inside a flow step
+    (``entered``): the reader ends at once while the worker still holds the session, which it frees after the
+    step once let go on (``proceed``)."""
+    token, ended = CancelToken(), threading.Event()
+
+    def run() -> None:
+        read(token)
+        ended.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    assert entered.wait(60), f"{what} never ran"
+    token.cancel()
+    assert ended.wait(10), "the cancelled reader waited for the flow call to end"
+    assert engine.active_sessions == 1  # the worker still holds the session
+    proceed.set()
+    until(lambda: engine.active_sessions == 0, 30, "the worker's release after its flow step")
+
+
 def test_a_cancel_from_another_thread_ends_the_reader_while_the_worker_computes(tts, prompt_wav: Path) -> None:
     """A whole (unstreamed) utterance is one flow call of seconds on a real model: a token cancelled meanwhile
     (a Stop button, a server draining) ends the reader at once; the worker's flow stops before its next Euler step,
@@ -136,23 +157,14 @@ def test_a_cancel_from_another_thread_ends_the_reader_while_the_worker_computes(
     handles = [engine.flow.decoder.estimator.register_forward_pre_hook(hold),
                engine.hift.f0_predictor.register_forward_pre_hook(lambda *_: vocoder_calls.append(1))]
     try:
-        token, ended = CancelToken(), threading.Event()
         chunks: list[torch.Tensor] = []
 
-        def read() -> None:
+        def read(token: CancelToken) -> None:
             chunks.extend(c.pcm for c in engine.synthesize(_model_input(tts, prompt_wav), seed=0, fixed_tokens=30,
                                                            cancel=token))
-            ended.set()
 
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        assert entered.wait(60), "the flow never ran"
-        token.cancel()
-        assert ended.wait(10), "the cancelled reader waited for the flow call to end"
-        assert chunks == [] and engine.active_sessions == 1  # the worker still holds the session
-        proceed.set()
-        until(lambda: engine.active_sessions == 0, 30, "the worker's release after its flow step")
-        assert len(flow_steps) == 1 and vocoder_calls == []
+        _cancel_while_held(engine, read, entered, proceed, "the flow")
+        assert chunks == [] and len(flow_steps) == 1 and vocoder_calls == []
     finally:
         proceed.set()
         for handle in handles:
@@ -177,25 +189,16 @@ def test_a_cancel_ends_a_streamed_flow_call_before_its_next_euler_step(tts, prom
 
     handle = engine.flow.decoder.estimator.input_embed.register_forward_pre_hook(hold)
     try:
-        token, ended = CancelToken(), threading.Event()
         chunks: list[torch.Tensor] = []
 
-        def read() -> None:
+        def read(token: CancelToken) -> None:
             for chunk in engine.synthesize(_model_input(tts, prompt_wav), stream=True, seed=0, fixed_tokens=60,
                                            cancel=token, schedule=ChunkSchedule(final=final)):
                 chunks.append(chunk.pcm)
                 armed.set()  # the first chunk is out: the next flow call is the last one
-            ended.set()
 
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        assert entered.wait(60), "the last flow call never ran"
-        token.cancel()
-        assert ended.wait(10), "the cancelled reader waited for the flow call to end"
-        assert len(chunks) == 1 and engine.active_sessions == 1  # the worker still holds the session
-        proceed.set()
-        until(lambda: engine.active_sessions == 0, 30, "the worker's release after its flow step")
-        assert len(steps_after_arming) == 1  # of the call's 10
+        _cancel_while_held(engine, read, entered, proceed, "the last flow call")
+        assert len(chunks) == 1 and len(steps_after_arming) == 1  # of the call's 10
     finally:
         proceed.set()
         handle.remove()

@@ -139,6 +139,18 @@ def upload_prompt(page, path: Path) -> None:
     sync_api.expect(page.locator("#prompt [data-testid='waveform-controls']")).to_be_attached(timeout=15000)
 
 
+@contextlib.contextmanager
+def page_with_held_close(browser, url: str) -> Iterator:
+    """A page of the app whose event stream's close_stream reaches it only at ``window.cvNet.release()``
+    (:data:`HELD_CLOSE`), in a context of its own."""
+    ctx = browser(locale="en-US")
+    ctx.add_init_script(HELD_CLOSE)
+    try:
+        yield open_page(ctx, url)
+    finally:
+        ctx.close()
+
+
 def status_says(page, text: str, timeout: float | None = None) -> None:
     """The status line comes to say ``text`` (Playwright's default wait unless ``timeout``); else the failure carries
     what the page showed instead: a take refused or failed says why in a toast and leaves the status line empty."""
@@ -681,11 +693,7 @@ def test_a_click_answered_as_the_event_stream_closes_still_shows_its_outcome(bro
     """A click the server takes just after closing the page's event stream (the session's events were all done),
     its answer reaching the browser before that close, as on a busy machine: its warning still shows (Gradio's
     client alone would wait for it on the closing stream, and the toast would never come)."""
-    _, url = app
-    ctx = browser(locale="en-US")
-    ctx.add_init_script(HELD_CLOSE)
-    try:
-        page = open_page(ctx, url)
+    with page_with_held_close(browser, app[1]) as page:
         page.click("#manage")
         page.click("#save")  # no recording: a warning, and then the server closes the stream
         page.wait_for_function("() => window.cvNet.held.length > 0")
@@ -696,8 +704,6 @@ def test_a_click_answered_as_the_event_stream_closes_still_shows_its_outcome(bro
         texts = page.get_by_test_id("toast-text")
         sync_api.expect(texts.filter(has_text="upload or record a prompt voice first")).to_be_visible()
         sync_api.expect(texts.filter(has_text="pick a saved voice to rename")).to_be_visible(timeout=15000)
-    finally:
-        ctx.close()
 
 
 def test_an_upload_as_the_event_stream_closes_holds_no_click_back(browser, app: tuple, short_prompt_wav: Path) -> None:
@@ -705,11 +711,7 @@ def test_an_upload_as_the_event_stream_closes_holds_no_click_back(browser, app: 
     Gradio's client answers close_stream by aborting its latest stream, which the upload's progress stream is by
     then; the upload's own step and every later click still go through (they used to wait for an abort of the
     event stream that never came: the voice stayed picked and no button answered again)."""
-    _, url = app
-    ctx = browser(locale="en-US")
-    ctx.add_init_script(HELD_CLOSE)
-    try:
-        page = open_page(ctx, url)
+    with page_with_held_close(browser, app[1]) as page:
         page.click("#voice input")
         page.get_by_role("option", name="Narrator").click()  # its preview is the session's last event
         page.wait_for_function("() => window.cvNet.held.length > 0")
@@ -721,8 +723,6 @@ def test_an_upload_as_the_event_stream_closes_holds_no_click_back(browser, app: 
         page.click("#manage")
         page.click("#rename")  # no voice picked now: a warning
         toast(page, "pick a saved voice to rename")
-    finally:
-        ctx.close()
 
 
 def test_narrow_screen_puts_the_voice_picker_above_generate(browser, app: tuple) -> None:
