@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -33,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmark_cpu import PROMPT_TEXT, load_average
-from benchmark_performance import TEXT, _prompt, bench_bundle, scratch_dir
+from benchmark_performance import TEXT, _git_commit, _prompt, bench_bundle, scratch_dir
 from cpu_floor import process_cpu_s
 
 import cosyvoice
@@ -41,16 +40,6 @@ from cosyvoice.cli.cosyvoice import CosyVoice3
 from cosyvoice.engine import AudioChunk, CancelToken, Engine
 from cosyvoice.frontend.prompts import zero_shot_prompt_text
 from cosyvoice.settings import Limits
-
-
-def code_revision() -> str:
-    """The commit of the ``cosyvoice`` package this run imports (not of this script)."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=Path(cosyvoice.__file__).parent)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def freed_after(engine: Engine, poll_s: float = 0.002) -> float:
@@ -147,7 +136,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                      voice_dir=work / "voices", precision=args.precision)
     result = run(tts, args.seconds, args.repeats, args.delay, work)
     tts.engine.close()
-    print(f"bundle: {label}; code {code_revision()}; {platform.processor() or platform.machine()}, "
+    code = _git_commit(Path(cosyvoice.__file__).parent)  # the revision measured, wherever this script lives
+    print(f"bundle: {label}; code {code}; {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads; torch {torch.__version__}; precision {tts.model.plan.label}; "
           f"{args.seconds} s takes in {result['chunks']} chunks, the Stop {args.delay} s after a chunk, "
           f"{args.repeats} repeats; "

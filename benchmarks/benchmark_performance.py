@@ -281,10 +281,11 @@ def llm_only(llm, batch_sizes: list[int], tokens: int, device: torch.device,
     return rows
 
 
-def _git_commit() -> str:
+def _git_commit(where: Path = Path(__file__).parent) -> str:
+    """The short commit of the checkout holding ``where`` (by default, these benchmarks')."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).parent)
+                             cwd=where)
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
