@@ -1,9 +1,9 @@
 """Slow and hostile clients against both servers on loopback, with the HTTP bounds set to a second or two:
 the Rust ``cosyvoice-server`` (its front, rust/http-front) and the Python REST server (uvicorn with
 ``uvicorn_options`` and ``BodyGuard``). Slow headers are closed at the header timeout while a normal request
-is answered, a slow body is cut with a 408 (the same answer from both), an idle keep-alive connection is
-closed, connections over the cap get a 503, and SIGTERM ends the Rust server within the grace with slow
-clients connected.
+is answered, a slow body is cut with a 408 (the same answer from both) that a client still sending reads
+whole, an idle keep-alive connection is closed, connections over the cap get a 503, and SIGTERM ends the
+Rust server within the grace with slow clients connected.
 """
 
 from __future__ import annotations
@@ -164,6 +164,21 @@ def test_a_body_trickled_under_the_minimum_rate_is_cut(strict: Served) -> None:
                     sock.sendall(b" ")
         assert _response(sock, SLACK)[0] == 408
         assert time.monotonic() - started < BODY_TIMEOUT + SLACK
+
+
+def test_a_client_still_sending_its_body_after_the_408_reads_it_and_is_not_reset(strict: Served) -> None:
+    """A client that writes its whole body before reading (most do) is answered mid-body: the server reads on
+    and drops the rest for a while, so the client's bytes meet no closed socket, whose reset would lose the
+    answer it has not read yet."""
+    with socket.create_connection(_address(strict.url), timeout=10) as sock:
+        sock.sendall(b"POST /synthesize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n"
+                     b"Content-Type: application/json\r\n" + f"Authorization: Bearer {KEY}\r\n\r\n".encode())
+        with selectors.DefaultSelector() as selector:
+            selector.register(sock, selectors.EVENT_READ)
+            assert selector.select(timeout=BODY_TIMEOUT + SLACK), "no answer to a silent body"
+        sock.sendall(b" " * 20000)  # the answer and the server's FIN have arrived; the body goes on
+        assert _response(sock, SLACK)[0] == 408
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0  # a reset leaves ECONNRESET or EPIPE
 
 
 def test_an_idle_keep_alive_connection_is_closed(strict: Served) -> None:

@@ -1,10 +1,10 @@
 """The HTTP bounds a hostile client meets, in the Python REST server as in the Rust front (rust/http-front):
 a request's head within ``header_timeout_seconds`` (uvicorn has no such bound: :func:`uvicorn_options` adds
 one), a body at no fewer than ``body_min_bytes_per_second`` and never silent for ``body_timeout_seconds``
-(:class:`BodyGuard`, 408), JSON nested at most ``max_json_depth`` levels and holding at most
-``max_json_values`` values, checked before a parser recurses into it or builds millions of objects (400),
-idle keep-alive connections closed after ``keep_alive_timeout_seconds`` and at most ``max_connections``
-served at once (uvicorn's own options, 503).
+(:class:`BodyGuard`, 408, then a lingering close that a client still sending reads it through), JSON nested
+at most ``max_json_depth`` levels and holding at most ``max_json_values`` values, checked before a parser
+recurses into it or builds millions of objects (400), idle keep-alive connections closed after
+``keep_alive_timeout_seconds`` and at most ``max_connections`` served at once (uvicorn's own options, 503).
 
 The refusals are the same :class:`HttpError` answers the Rust bridge sends (``EmbeddedBridge.config``).
 """
@@ -15,6 +15,7 @@ import asyncio
 import email.message
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -192,12 +193,49 @@ class BodyGuard:
                 return b"".join(parts)
 
 
-def _header_timed_protocol(header_timeout: float) -> type[H11Protocol]:
+LINGER_SECONDS = 2.0  # how long a connection answered mid-body still reads (and drops) the client's bytes
+
+
+class _LingeringTransport:
+    """A connection's transport whose ``close`` while the client is still sending its request body (an early
+    answer: the 408 of a slow body) sends the answer and a FIN, then reads and drops the client's bytes until it
+    closes or ``LINGER_SECONDS`` pass. A socket closed with bytes unread, or receiving bytes after its close,
+    answers with a reset, and a client still sending loses the answer it has not read yet."""
+
+    def __init__(self, transport: asyncio.Transport, sending: Callable[[], bool],
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self._transport, self._sending, self._loop = transport, sending, loop
+        self._timer: asyncio.TimerHandle | None = None
+        self.lingering = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        if self.is_closing():
+            return
+        if not (self._sending() and self._transport.can_write_eof()):
+            self._transport.close()
+            return
+        self.lingering = True
+        self._transport.write_eof()
+        self._transport.resume_reading()
+        self._timer = self._loop.call_later(LINGER_SECONDS, self._transport.close)
+
+    def lost(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def _bounded_protocol(header_timeout: float) -> type[H11Protocol]:
     """uvicorn's h11 protocol, closing a connection whose request head is not complete ``header_timeout``
     seconds after it opened or its previous answer ended (uvicorn's keep-alive timeout only closes a
-    connection that sends nothing)."""
+    connection that sends nothing), and closing one answered mid-body as :class:`_LingeringTransport` does."""
 
-    class HeaderTimedH11Protocol(H11Protocol):
+    class BoundedH11Protocol(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
 
         def _arm(self) -> None:
@@ -215,9 +253,13 @@ def _header_timed_protocol(header_timeout: float) -> type[H11Protocol]:
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            self.transport = _LingeringTransport(  # type: ignore[assignment]
+                transport, lambda: self.conn.their_state is h11.SEND_BODY, self.loop)
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if self.transport.lingering:  # type: ignore[attr-defined]
+                return
             super().data_received(data)
             if self.conn.their_state is not h11.IDLE:
                 self._disarm()
@@ -229,13 +271,14 @@ def _header_timed_protocol(header_timeout: float) -> type[H11Protocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self.transport.lost()  # type: ignore[attr-defined]
             super().connection_lost(exc)
 
-    return HeaderTimedH11Protocol
+    return BoundedH11Protocol
 
 
 def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:
     """The ``uvicorn.Config`` arguments of the HTTP bounds."""
-    return {"http": _header_timed_protocol(settings.header_timeout_seconds),
+    return {"http": _bounded_protocol(settings.header_timeout_seconds),
             "timeout_keep_alive": settings.keep_alive_timeout_seconds,
             "limit_concurrency": settings.max_connections}

@@ -1,5 +1,6 @@
-//! One connection under the front's bounds: hyper's header read timeout, the idle keep-alive close, and the
-//! shutdown that drains it (or closes it at once when no request runs) and ends it at the grace.
+//! One connection under the front's bounds: hyper's header read timeout, the idle keep-alive close, the
+//! shutdown that drains it (or closes it at once when no request runs) and ends it at the grace, and the
+//! lingering close of a connection hyper ends itself (an answer given before the body was read).
 
 use std::convert::Infallible;
 use std::io;
@@ -17,7 +18,7 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::Request;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
@@ -152,37 +153,65 @@ pub(crate) async fn serve<H: Handler>(
     let service = service_fn(move |request: Request<Incoming>| {
         let in_flight = InFlight::start(&counter);
         let handler = handler.clone();
-        async move {
+        Box::pin(async move {
             let request = request.map(|body| Body::new(body, body_timeout, min_rate));
             let response = handler.handle(request).await;
             Ok::<_, Infallible>(response.map(|inner| Tracked { inner, _in_flight: in_flight }.boxed_unsync()))
-        }
+        })
     });
-    let connection = builder(&settings).serve_connection(io, service);
-    tokio::pin!(connection);
+    let mut connection = builder(&settings).serve_connection(io, service);
     let idle = idle(&activity, settings.keep_alive_timeout);
     tokio::pin!(idle);
     let (mut closing, mut stopped) = (false, false);
     let far = Instant::now() + Duration::from_secs(365 * 24 * 3600);
     let ends = tokio::time::sleep_until(far);
     tokio::pin!(ends);
-    loop {
+    let ended_itself = loop {
         tokio::select! {
-            _ = connection.as_mut() => return,
+            done = std::future::poll_fn(|cx| connection.poll_without_shutdown(cx)) => {
+                break done.is_ok() && !closing && !stopped;
+            }
             _ = &mut idle, if !closing => {
                 closing = true;
-                connection.as_mut().graceful_shutdown();
+                Pin::new(&mut connection).graceful_shutdown();
             }
             changed = stopping.changed(), if !stopped => {
                 stopped = true;
                 if changed.is_err() || activity.head_in_progress() {
                     return; // no request runs here: a head half sent is not waited for
                 }
-                connection.as_mut().graceful_shutdown(); // idle: closed now; running: closed after its answer
+                Pin::new(&mut connection).graceful_shutdown(); // idle: closed now; running: after its answer
                 ends.as_mut().reset(Instant::now() + settings.grace + settings.close_delay);
             }
             _ = &mut ends => return,
         }
+    };
+    let mut stream = connection.into_parts().io.into_inner().inner;
+    if ended_itself {
+        linger(&mut stream, &mut stopping).await;
+    } else {
+        let _ = stream.shutdown().await;
+    }
+}
+
+/// How long a connection hyper ended itself still reads (and drops) what its client sends.
+const LINGER: Duration = Duration::from_secs(2);
+
+/// Send the FIN after the last answer, then read and drop the client's bytes until it closes, [`LINGER`]
+/// passes or the server stops. A socket closed with bytes unread, or receiving bytes after its close, answers
+/// with a reset, and a client still sending its body (answered early: the 408 of a slow body) would lose the
+/// answer it has not read yet.
+async fn linger(stream: &mut TcpStream, stopping: &mut watch::Receiver<bool>) {
+    if stream.shutdown().await.is_err() {
+        return;
+    }
+    let drain = async {
+        let mut sink = [0u8; 8192];
+        while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
+    };
+    tokio::select! {
+        _ = tokio::time::timeout(LINGER, drain) => {}
+        _ = stopping.changed() => {}
     }
 }
 

@@ -4,7 +4,8 @@
 //!
 //! - a request's head must arrive within [`Settings::header_timeout`] (slowloris);
 //! - its body is read with [`Settings::body_timeout`] between bytes and at [`Settings::body_min_rate`] on
-//!   average ([`Body`], [`read_body`]: the handler answers the [`BodyError`]);
+//!   average ([`Body`], [`read_body`]: the handler answers the [`BodyError`]); a connection answered before
+//!   its body was read sends its FIN and drops what still comes for a while, so the client reads the answer;
 //! - an idle keep-alive connection is closed after [`Settings::keep_alive_timeout`];
 //! - at most [`Settings::max_connections`] connections are served; the next ones get the handler's
 //!   [`Handler::over_capacity`] answer (503) and are closed;
