@@ -21,9 +21,9 @@ ones do), the same seed and text, one streamed request at a time, exactly ``--fi
    also counted the second chunk the worker had begun and the LLM beside it; that is now the "CPU to release"
    column), the RTF of one request per ``--lengths``
    (10 s and 60 s of speech: how cost grows with length), seconds of compute per second of audio of the LLM
-   (every scheduler step, or the reference's LLM thread), the flow and the vocoder (the worker's chunks) in the
-   first of them (LLM and worker overlap: the sum may exceed the wall time), load seconds (auto's self-check
-   included), peak RSS (VmHWM). A new optimisation is one more entry in :data:`ROWS`.
+   (every scheduler step, or the reference's LLM thread), the flow and the vocoder (the worker's chunks) in
+   each of them (wall seconds; LLM and worker overlap: the sum may exceed the wall time), load seconds (auto's
+   self-check included), peak RSS (VmHWM). A new optimisation is one more entry in :data:`ROWS`.
 3. **Quality** (``--golden``): each fast path against fp32 on the golden inputs (the DiT's mel whole, chunk-
    masked and streamed; the LLM's mean KL per teacher-forced step), at the benchmark's sizes and on the golden
    tiny bundle, against :data:`cosyvoice.backends.precision.BOUNDS`.
@@ -293,7 +293,7 @@ def run_row(model_dir: Path, row: str, requests: int, lengths: list[int], work: 
             flow_cache_mb: float | None = None, max_sessions: int = 1) -> dict[str, object]:
     """One row in this process: load, warm up, first audio of ``requests`` streamed requests (each stopped at
     its first chunk), then one streamed request per length in ``lengths`` (seconds of speech: 25 tokens each)
-    for the RTF; the per-stage seconds come from the first of them (see the module docstring). Each request's
+    for the RTF, each with its per-stage seconds (see the module docstring). Each request's
     process CPU seconds too: on a shared machine they are the work, whatever the wall clock says.
     ``flow_cache_mb``: the flow cache's budget (None: the engine's default, half the free memory);
     ``max_sessions``: the engine's (a stream is sure of the budget over it, and borrows the rest when alone)."""
@@ -336,13 +336,12 @@ def run_row(model_dir: Path, row: str, requests: int, lengths: list[int], work: 
         "first_audio_p50_s": float(np.percentile(firsts, 50)), "first_audio_p90_s": float(np.percentile(firsts, 90)),
         "steps": spec.steps or tts.engine.default_steps, "prefix": spec.prefix, "final": spec.final,
         "warm_up_first_audio_s": warm["first"]}
-    for i, seconds in enumerate(lengths):
+    for seconds in lengths:
         with StageTimer() as timer:
             run = request(25 * seconds)
         result[f"rtf_{seconds}s"] = run["total"] / run["audio"]
         result[f"cpu_s_per_audio_s_{seconds}s"] = run["cpu"] / run["audio"]
-        if i == 0:
-            result.update({f"{stage}_s_per_audio_s": s / run["audio"] for stage, s in timer.seconds.items()})
+        result[f"stages_{seconds}s"] = {stage: s / run["audio"] for stage, s in timer.seconds.items()}
     result.update(load_average_after=load_average(), load_s=load_s, peak_rss_mb=peak_rss_mb(),
                   checks=tts.model.plan.checks, flow_cache_mb=round(tts.engine.flow_cache_mb),
                   flow_cache_fallbacks=tts.engine.flow_cache_fallbacks)
@@ -362,7 +361,8 @@ def rows_table(results: dict[str, object], lengths: list[int]) -> str:
             "steps", "final", "first hop", "LLM held", "first audio p50 / p90 s", "first audio CPU s p50",
             "CPU to release s p50",
             *(f"RTF {n} s" for n in lengths),
-            *(f"CPU s per audio s, {n} s" for n in lengths), "LLM s/s", "flow s/s", "vocoder s/s",
+            *(f"CPU s per audio s, {n} s" for n in lengths),
+            *(f"LLM / flow / vocoder s per audio s, {n} s" for n in lengths),
             "load s", "peak RSS MB", "load average after"]
     lines = ["| " + " | ".join(head) + " |", "| --- " * len(head) + "|"]
     for row, r in results.items():
@@ -371,12 +371,13 @@ def rows_table(results: dict[str, object], lengths: list[int]) -> str:
             continue
         rtfs = [f"{r[f'rtf_{n}s']:.2f}" if f"rtf_{n}s" in r else "not run" for n in lengths]
         cpus = [f"{r[f'cpu_s_per_audio_s_{n}s']:.2f}" if f"rtf_{n}s" in r else "not run" for n in lengths]
+        stages = [" / ".join(f"{r[f'stages_{n}s'][k]:.2f}" for k in ("llm", "flow", "vocoder"))
+                  if f"rtf_{n}s" in r else "not run" for n in lengths]
         cells = [row, r["precision"], "reference strategy" if r["reference"] else r["backend"], r["threads"],
                  "yes" if r["prefix"] else "no", r["steps"], r["final"], r["first_hop"] or "reference",
                  "yes" if r["held"] and not r["reference"] else "no",
                  f"{r['first_audio_p50_s']:.2f} / {r['first_audio_p90_s']:.2f}", f"{r['first_audio_cpu_s_p50']:.2f}",
-                 f"{r['first_audio_cpu_to_release_s_p50']:.2f}", *rtfs, *cpus,
-                 *(f"{r[f'{k}_s_per_audio_s']:.2f}" for k in ("llm", "flow", "vocoder")), f"{r['load_s']:.1f}",
+                 f"{r['first_audio_cpu_to_release_s_p50']:.2f}", *rtfs, *cpus, *stages, f"{r['load_s']:.1f}",
                  f"{r['peak_rss_mb']:.0f}", r["load_average_after"]]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
@@ -389,7 +390,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--fixed-tokens", type=int, default=75, help="speech tokens of the profile (75 = 3 s)")
     parser.add_argument("--requests", type=int, default=5, help="measured requests per row (first audio p50/p90)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[10, 60],
-                        help="seconds of speech of each row's RTF requests (the first gives the per-stage split)")
+                        help="seconds of speech of each row's RTF requests")
     parser.add_argument("--long-rows", nargs="*", choices=list(ROWS),
                         help="rows that run every --lengths (default: all); the others only the first")
     parser.add_argument("--rows", nargs="*", choices=list(ROWS), default=list(ROWS))
