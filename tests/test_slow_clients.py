@@ -205,6 +205,60 @@ def _answered_busy(sock: socket.socket) -> bool:
         return bool(selector.select(timeout=SLACK)) and sock.recv(65536).startswith(b"HTTP/1.1 503")
 
 
+CAPPED = {"max_connections": 1, "header_timeout_seconds": 60, "body_timeout_seconds": 60,
+          "keep_alive_timeout_seconds": 60, "body_min_bytes_per_second": 0}
+
+
+@pytest.fixture(params=["python", "rust"])
+def capped(request: pytest.FixtureRequest, tmp_path: Path, audio_dir: Path) -> Iterator[str]:
+    """A server of each kind serving one connection at a time (its URL)."""
+    if request.param == "rust":
+        server = RustServer(request.getfixturevalue("tiny_bundle_dir"), tmp_path, *_rust_flags(audio_dir),
+                            *_flags(CAPPED))
+    else:
+        tts = request.getfixturevalue("tts")
+        library = VoiceLibrary(tmp_path / "voices", tts.frontend, model_dir=tts.model_dir)
+        settings = ServerSettings(api_keys=(KEY,), allowed_audio_dir=str(audio_dir), **CAPPED)
+        server = Server(create_app(settings, TTSService(tts.model, library, Limits(**LIMITS))),
+                        **uvicorn_options(settings))
+    yield server.url
+    server.stop()
+
+
+def test_a_client_over_the_cap_still_sending_its_body_reads_the_503(capped: str) -> None:
+    """The busy answer comes before the request's body is read: a client still sending it reads the 503, not a
+    reset."""
+    held = sock = None
+    try:
+        for _ in range(5):
+            held = socket.create_connection(_address(capped), timeout=10)
+            held.sendall(HALF_HEAD)
+            sock = socket.create_connection(_address(capped), timeout=10)
+            sock.sendall(b"POST /synthesize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n"
+                         b"Content-Type: application/json\r\n" + f"Authorization: Bearer {KEY}\r\n\r\n{{".encode())
+            with selectors.DefaultSelector() as selector:
+                selector.register(held, selectors.EVENT_READ)
+                selector.register(sock, selectors.EVENT_READ)
+                answered = {key.fileobj for key, _ in selector.select(timeout=SLACK)}
+            if sock in answered:
+                break
+            # the server's readiness probe still held the one place when ours came: try again
+            held.close()
+            sock.close()
+        assert sock is not None and sock.fileno() != -1, "no busy answer"
+        sock.sendall(b" " * 20000)  # the answer has arrived; the body goes on
+        sock.settimeout(SLACK)
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+        assert raw.startswith(b"HTTP/1.1 503"), raw[:200]
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0  # a reset leaves ECONNRESET or EPIPE
+    finally:
+        for s in (held, sock):
+            if s is not None:
+                s.close()
+
+
 def test_connections_over_the_cap_get_503_then_sigterm_ends_with_slow_clients_connected(
         tiny_bundle_dir: Path, tmp_path: Path, audio_dir: Path) -> None:
     """Two connections allowed: a slow head and a slow body hold them, a third gets the busy answer; SIGTERM

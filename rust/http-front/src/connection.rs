@@ -215,7 +215,8 @@ async fn linger(stream: &mut TcpStream, stopping: &mut watch::Receiver<bool>) {
     }
 }
 
-/// A connection over the cap: `handler`'s over-capacity answer to its first request, then closed.
+/// A connection over the cap: `handler`'s over-capacity answer to its first request, then closed (lingering:
+/// a client may still be sending that request's body).
 pub(crate) async fn refuse<H: Handler>(
     stream: TcpStream,
     settings: Arc<Settings>,
@@ -225,14 +226,19 @@ pub(crate) async fn refuse<H: Handler>(
     let service = service_fn(move |_request: Request<Incoming>| {
         let mut response = handler.over_capacity();
         response.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
-        async move { Ok::<_, Infallible>(response) }
+        std::future::ready(Ok::<_, Infallible>(response))
     });
     let mut builder = builder(&settings);
     builder.keep_alive(false);
-    let connection = builder.serve_connection(TokioIo::new(stream), service);
+    let mut connection = builder.serve_connection(TokioIo::new(stream), service);
     let bound = settings.header_timeout + Duration::from_secs(1);
-    tokio::select! {
-        _ = tokio::time::timeout(bound, connection) => {}
-        _ = stopping.changed() => {}
+    let answered = tokio::select! {
+        done = tokio::time::timeout(bound, std::future::poll_fn(|cx| connection.poll_without_shutdown(cx))) => {
+            matches!(done, Ok(Ok(())))
+        }
+        _ = stopping.changed() => false,
+    };
+    if answered {
+        linger(&mut connection.into_parts().io.into_inner(), &mut stopping).await;
     }
 }
